@@ -1,0 +1,1 @@
+"""Workloads built from real data: ShareGPT multi-turn conversations (see sharegpt.py)."""
