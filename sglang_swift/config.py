@@ -1,0 +1,137 @@
+"""SwiftConfig: the one frozen, validated configuration object of SwiftCache.
+
+Every `--swiftcache-*` CLI option is derived from a field here (see `cli_options()`), each field's
+validator is the argparse `type=` of its option, so a bad value is an argparse error that names the
+option. The parsed config travels to SGLang's spawned processes as JSON (`to_json` / `from_json`).
+Environment variables are never read at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+ROLES = ("auto", "donor", "borrower", "both")
+EVICTION_POLICIES = ("lru", "cost_aware")
+CONFIG_ENV = "SWIFTCACHE_CONFIG"
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def _number(name: str, kind: type, lo: float, hi: float | None = None, *, lo_open: bool = False):
+    def parse(value: Any) -> Any:
+        try:
+            v = kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a {kind.__name__}; got {value!r}") from None
+        if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+            bound = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+            raise ValueError(f"{name} must be in {bound}; got {v}")
+        return v
+
+    parse.__name__ = name
+    return parse
+
+
+def _path(name: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise ValueError(f"{name} must be a non-empty path; got {value!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def _opt(parse: Callable[[Any], Any], help: str) -> dict:
+    return {"parse": parse, "help": help}
+
+
+@dataclass(frozen=True)
+class SwiftConfig:
+    """What one SwiftCache-enabled server does. Defaults are safe for a single server on a node."""
+
+    enabled: bool = False
+    role: str = field(default="auto", metadata=_opt(_choice("role", ROLES),
+        "donor lends idle KV memory, borrower uses donated memory, both, or auto (decided by load)"))
+    eviction_policy: str = field(default="lru", metadata=_opt(
+        _choice("eviction-policy", EVICTION_POLICIES),
+        "order and target of device evictions: lru, or cost_aware (reuse vs. reload cost per tier)"))
+    lend_fraction: float = field(default=0.5, metadata=_opt(_number("lend-fraction", float, 0.0, 0.95),
+        "fraction of this server's free KV memory it may lend as a donor"))
+    reclaim_watermark: float = field(default=0.8, metadata=_opt(
+        _number("reclaim-watermark", float, 0.0, 1.0, lo_open=True),
+        "own KV usage (0-1] above which a donor reclaims lent blocks"))
+    max_borrow_blocks: int = field(default=0, metadata=_opt(_number("max-borrow-blocks", int, 0),
+        "upper bound on donor blocks this server borrows (0: no donor tier)"))
+    host_tier_tokens: int = field(default=0, metadata=_opt(_number("host-tier-tokens", int, 0),
+        "tokens of host-memory KV tier below the donor tier (0: none)"))
+    block_tokens: int = field(default=16, metadata=_opt(_number("block-tokens", int, 1, 4096),
+        "tokens per donated block (one block holds this many tokens for all layers)"))
+    heartbeat_interval_s: float = field(default=0.2, metadata=_opt(
+        _number("heartbeat-interval-s", float, 0.0, 60.0, lo_open=True), "control-channel heartbeat period"))
+    heartbeat_timeout_s: float = field(default=1.0, metadata=_opt(
+        _number("heartbeat-timeout-s", float, 0.0, 600.0, lo_open=True),
+        "a peer silent this long is declared dead and its leases dropped"))
+    rendezvous_dir: str = field(default="", metadata=_opt(_path("rendezvous-dir"),
+        "directory (created 0700) where agents on this node publish their ipc endpoints "
+        "(default: $XDG_RUNTIME_DIR/swiftcache or /tmp/swiftcache-$UID)"))
+    secret_file: str = field(default="", metadata=_opt(_path("secret-file"),
+        "node secret (0600) that authenticates control messages (default: <rendezvous-dir>/secret)"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            parse = f.metadata.get("parse")
+            value = getattr(self, f.name)
+            if parse is not None and value != f.default:  # defaults are valid by construction
+                object.__setattr__(self, f.name, parse(value))
+        if self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"block-tokens must be a power of two; got {self.block_tokens}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat-timeout-s ({self.heartbeat_timeout_s}) must exceed "
+                f"heartbeat-interval-s ({self.heartbeat_interval_s})")
+
+    # -- derived values ---------------------------------------------------------------------
+    def resolved_rendezvous_dir(self, environ: dict[str, str] | None = None) -> str:
+        if self.rendezvous_dir:
+            return self.rendezvous_dir
+        env = os.environ if environ is None else environ
+        runtime = env.get("XDG_RUNTIME_DIR")
+        return os.path.join(runtime, "swiftcache") if runtime else f"/tmp/swiftcache-{os.getuid()}"
+
+    def resolved_secret_file(self, environ: dict[str, str] | None = None) -> str:
+        return self.secret_file or os.path.join(self.resolved_rendezvous_dir(environ), "secret")
+
+    # -- transport to child processes --------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SwiftConfig":
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown SwiftCache config keys {unknown}; versions of sglang-swift differ?")
+        return cls(**data)
+
+
+def cli_options() -> list[tuple[str, dataclasses.Field]]:
+    """(flag, field) for every configurable field: `--swiftcache-<field-name-with-dashes>`."""
+    return [
+        ("--swiftcache-" + f.name.replace("_", "-"), f)
+        for f in dataclasses.fields(SwiftConfig)
+        if "parse" in f.metadata
+    ]

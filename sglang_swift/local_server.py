@@ -1,0 +1,133 @@
+"""Start and stop a real `python -m sglang.launch_server` on 127.0.0.1 (demo, tests, benchmarks).
+
+On a CPU machine the server runs on SGLang's CPU engine with the project's compatibility layer
+(`cpu_compat.cpu_env`); with `cpu=False` the environment is left as it is (a GPU machine).
+The server runs in its own process group and is always killed on exit, even if start-up fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+from .cpu_compat import cpu_env
+
+CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time; the message holds its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A context manager around one SGLang server process; `base_url` is valid inside it."""
+
+    def __init__(self, model_path: str | os.PathLike, *, swiftcache: bool = True,
+                 extra_args: Sequence[str] = (), port: int | None = None, cpu: bool = True,
+                 max_total_tokens: int = 4096, log_path: str | os.PathLike | None = None,
+                 startup_timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
+        self.model_path = str(model_path)
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.swiftcache = swiftcache
+        self.cpu = cpu
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/sglang-server-{self.port}.log")
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--max-total-tokens", str(max_total_tokens)]
+        if cpu:
+            args += CPU_ARGS
+        if swiftcache:
+            args.append("--enable-swiftcache")
+        self.args = args + list(extra_args)
+        base = dict(os.environ if env is None else env)
+        self.env = cpu_env(base) if cpu else base
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "LocalServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        try:
+            self._wait_healthy(t0 + self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.25)  # polling interval while the server boots, not a synchronisation
+        raise ServerStartError(f"server not healthy after {self.startup_timeout_s:.0f}s:\n"
+                               f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children (scheduler, detokenizer) share the group; make sure none survive
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    # -- helpers -----------------------------------------------------------------------------
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def post(self, path: str, payload: dict, timeout: float = 120.0) -> dict:
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
