@@ -1,0 +1,152 @@
+"""`bench_multiturn`: replay chat or agent sessions against one or more servers; tables, JSON, PNG.
+
+Examples:
+  scripts/bench_multiturn.py --server off=http://127.0.0.1:30000 --server on=http://127.0.0.1:30001
+  scripts/bench_multiturn.py --quick --launch        # starts the CPU demo servers (off and on)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import plots, runner, stats
+from .workloads import AgentSpec, ChatSpec, agent_sessions, chat_sessions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench_multiturn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
+                   help="server to test; give two to print ratios (second / first)")
+    p.add_argument("--launch", action="store_true",
+                   help="start the CPU demo servers (SwiftCache off and on) via tests/integration/harness.py")
+    p.add_argument("--workload", choices=["chat", "agent"], default="chat")
+    p.add_argument("--api", choices=["generate", "chat"], default="generate")
+    p.add_argument("--model", default="default", help="model name for /v1/chat/completions")
+    p.add_argument("--rates", default="1.0", help="comma-separated session arrival rates (1/s)")
+    p.add_argument("--num-sessions", type=int, default=32)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-chars", type=int, default=2000, help="clip each ShareGPT message")
+    p.add_argument("--think-mean", type=float, default=2.0, help="mean think/tool time (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-flush", action="store_true", help="don't POST /flush_cache between runs")
+    p.add_argument("--quick", action="store_true", help="small workload that ends in < 1 min on CPU")
+    p.add_argument("--out", default=None, help="output directory (default runs/bench-<time>)")
+    return p
+
+
+def _apply_quick(a: argparse.Namespace) -> None:
+    a.num_sessions, a.max_turns, a.max_tokens = 4, 3, 8
+    a.max_chars, a.think_mean = 300, 0.2
+    if a.rates == "1.0":
+        a.rates = "2.0"
+
+
+def make_sessions(a: argparse.Namespace):
+    if a.workload == "chat":
+        return chat_sessions(ChatSpec(num_sessions=a.num_sessions, max_turns=a.max_turns,
+                                      max_chars=a.max_chars, max_tokens=a.max_tokens,
+                                      think_mean_s=a.think_mean, seed=a.seed))
+    spec = AgentSpec(num_sessions=a.num_sessions, max_tokens=a.max_tokens, tool_latency_s=a.think_mean,
+                     seed=a.seed)
+    if a.quick:
+        spec = AgentSpec(num_sessions=a.num_sessions, system_min=100, system_max=200, steps_min=3,
+                         steps_max=a.max_turns, tool_median=60, tool_min=20, tool_max=200,
+                         max_tokens=a.max_tokens, tool_latency_s=a.think_mean, seed=a.seed)
+    return agent_sessions(spec)
+
+
+@contextlib.contextmanager
+def _launched_servers():
+    """Start the CPU demo servers through the lead's harness; yields {label: url}."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    try:
+        from tests.integration import harness  # owned by the lead
+    except ImportError as exc:
+        raise SystemExit(f"--launch needs tests/integration/harness.py ({exc}); pass --server instead")
+    with contextlib.ExitStack() as stack:
+        off = stack.enter_context(harness.launch_server(swiftcache=False))
+        on = stack.enter_context(harness.launch_server(swiftcache=True))
+        yield {"swiftcache-off": _url_of(off), "swiftcache-on": _url_of(on)}
+
+
+def _url_of(server) -> str:
+    for attr in ("base_url", "url"):
+        if hasattr(server, attr):
+            return getattr(server, attr)
+    return str(server)
+
+
+def run(a: argparse.Namespace, servers: dict[str, str]) -> dict:
+    from tqdm import tqdm
+
+    sessions = make_sessions(a)
+    rates = [float(x) for x in a.rates.split(",") if x]
+    total = sum(len(s.steps) for s in sessions) * len(rates) * len(servers)
+    results: dict = {"config": {k: v for k, v in vars(a).items() if k != "server"},
+                     "servers": servers, "runs": []}
+    with tqdm(total=total, desc="requests", unit="req", file=sys.stderr) as bar:
+        for rate in rates:
+            for label, url in servers.items():
+                if not a.no_flush:
+                    asyncio.run(runner.flush(url))
+                recs = asyncio.run(runner.run_sessions(url, label, sessions, rate, api=a.api,
+                                                       seed=a.seed, progress=bar, model=a.model))
+                s = stats.summarize(recs)
+                results["runs"].append({"server": label, "rate": rate, "summary": s,
+                                        "records": [r.to_json() for r in recs]})
+    return results
+
+
+def report(results: dict, out: Path) -> list[str]:
+    labels = list(results["servers"])
+    lines = []
+    for run_ in results["runs"]:
+        lines.append(stats.format_summary(f"{run_['server']} @ {run_['rate']}/s", run_["summary"]))
+    if len(labels) >= 2:
+        base, other = labels[0], labels[1]
+        for rate in sorted({r["rate"] for r in results["runs"]}):
+            by = {r["server"]: r["summary"] for r in results["runs"] if r["rate"] == rate}
+            rat = stats.ratios(by[base], by[other])
+            results.setdefault("ratios", {})[str(rate)] = rat
+            lines.append(f"== ratios {other}/{base} @ {rate}/s: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in rat.items() if v is not None))
+    top = max(r["rate"] for r in results["runs"])
+    cdf = {r["server"]: [x["ttft"] for x in r["records"]] for r in results["runs"] if r["rate"] == top}
+    curves = {lab: [(r["rate"], r["summary"]["ttft_p99"]) for r in results["runs"] if r["server"] == lab]
+              for lab in labels}
+    turns = {r["server"]: r["summary"]["per_turn"] for r in results["runs"] if r["rate"] == top}
+    pngs = [plots.ttft_cdf(cdf, out / "ttft_cdf.png"),
+            plots.p99_vs_rate(curves, out / "p99_ttft_vs_rate.png"),
+            plots.per_turn_ttft(turns, out / "ttft_per_turn.png")]
+    lines.append("plots: " + ", ".join(str(p) for p in pngs))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.quick:
+        _apply_quick(a)
+    out = Path(a.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    servers = dict(s.split("=", 1) for s in a.server)
+    if a.launch:
+        with _launched_servers() as launched:
+            results = run(a, {**launched, **servers})
+    elif servers:
+        results = run(a, servers)
+    else:
+        raise SystemExit("give --server LABEL=URL (one or more) or --launch")
+    lines = report(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n".join(lines))
+    print(f"results: {out / 'results.json'}")
+    return 0 if all(r["summary"]["errors"] == 0 for r in results["runs"]) else 1

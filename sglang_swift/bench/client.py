@@ -1,0 +1,134 @@
+"""Streaming HTTP client for SGLang's `/generate` and OpenAI-style `/v1/chat/completions`.
+
+Both stream server-sent events (`data: {...}` lines, ending with `data: [DONE]`). TTFT is the time
+to the first event that carries output; inter-token latencies are the gaps between output events,
+divided by the tokens each event added when the server reports counts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RequestRecord:
+    session: str
+    turn: int
+    server: str
+    t_send: float  # wall seconds since the run started
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    text: str = ""
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("text")
+        return d
+
+
+async def _sse_events(resp: aiohttp.ClientResponse):
+    """Yield (arrival_time, payload dict) per SSE `data:` line; stops at [DONE]."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        now = time.perf_counter()
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield now, json.loads(data)
+
+
+async def generate(http: aiohttp.ClientSession, base_url: str, prompt: str, max_tokens: int,
+                   rec: RequestRecord, t0: float) -> RequestRecord:
+    """POST /generate with streaming; fills `rec` (times relative to the send)."""
+    payload = {"text": prompt, "stream": True,
+               "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0,
+                                   "ignore_eos": True}}
+    start = time.perf_counter()
+    rec.t_send = start - t0
+    last_t, last_n = None, 0
+    try:
+        async with http.post(base_url.rstrip("/") + "/generate", json=payload) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            async for now, ev in _sse_events(resp):
+                meta = ev.get("meta_info", {})
+                n = meta.get("completion_tokens", last_n + 1)
+                text = ev.get("text", "")
+                if n <= last_n and not text:
+                    continue
+                if rec.ttft is None:
+                    rec.ttft = now - start
+                elif n > last_n:
+                    rec.itls.extend([(now - last_t) / (n - last_n)] * (n - last_n))
+                last_t, last_n = now, n
+                rec.text = text
+                rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
+                rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+                rec.completion_tokens = n
+    except aiohttp.ClientError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.e2e = time.perf_counter() - start
+    return rec
+
+
+async def chat(http: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int,
+               rec: RequestRecord, t0: float, model: str = "default") -> RequestRecord:
+    """POST /v1/chat/completions with streaming and usage; fills `rec`."""
+    payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+               "temperature": 0.0, "ignore_eos": True,
+               "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    rec.t_send = start - t0
+    last_t, pieces = None, []
+    try:
+        async with http.post(base_url.rstrip("/") + "/v1/chat/completions", json=payload) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            async for now, ev in _sse_events(resp):
+                for ch in ev.get("choices") or []:
+                    piece = (ch.get("delta") or {}).get("content")
+                    if not piece:
+                        continue
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itls.append(now - last_t)
+                    last_t = now
+                    pieces.append(piece)
+                usage = ev.get("usage")
+                if usage:
+                    rec.prompt_tokens = usage.get("prompt_tokens")
+                    rec.completion_tokens = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = details.get("cached_tokens", rec.cached_tokens)
+    except aiohttp.ClientError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.text = "".join(pieces)
+    rec.e2e = time.perf_counter() - start
+    return rec
+
+
+async def flush_cache(http: aiohttp.ClientSession, base_url: str) -> bool:
+    """POST /flush_cache (SGLang); returns False where the server has no such endpoint."""
+    try:
+        async with http.post(base_url.rstrip("/") + "/flush_cache") as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False

@@ -1,0 +1,77 @@
+"""Replays sessions against one server: Poisson session arrivals, turns in order, think times."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from . import client
+from .client import RequestRecord
+from .workloads import Session, poisson_arrivals
+
+
+def _generate_prompt(sess: Session, history: list[tuple[str, str]], user: str) -> str:
+    # A fixed plain-text template: each turn's prompt extends the previous prompt + answer exactly,
+    # so a prefix cache can hit on the whole history.
+    parts = [sess.system + "\n\n"] if sess.system else []
+    for i, (u, a) in enumerate(history):
+        parts.append(f"{_role(sess, i)}: {u}\nassistant: {a}\n")
+    parts.append(f"{_role(sess, len(history))}: {user}\nassistant:")
+    return "".join(parts)
+
+
+def _role(sess: Session, i: int) -> str:
+    return "user" if i == 0 else sess.role
+
+
+def _chat_messages(sess: Session, history: list[tuple[str, str]], user: str) -> list[dict]:
+    msgs = [{"role": "system", "content": sess.system}] if sess.system else []
+    for i, (u, a) in enumerate(history):
+        msgs.append({"role": "user", "content": u})
+        msgs.append({"role": "assistant", "content": a})
+    msgs.append({"role": "user", "content": user})
+    return msgs
+
+
+async def run_sessions(base_url: str, label: str, sessions: list[Session], rate: float, *,
+                       api: str = "generate", seed: int = 0, progress=None, model: str = "default",
+                       timeout_s: float = 600.0) -> list[RequestRecord]:
+    """Run every session to completion; return one record per request in completion order."""
+    if api not in ("generate", "chat"):
+        raise ValueError(f"api must be 'generate' or 'chat', got {api!r}")
+    records: list[RequestRecord] = []
+    offsets = poisson_arrivals(len(sessions), rate, seed)
+    t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    conn = aiohttp.TCPConnector(limit=0)
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+        async def one(sess: Session, offset: float) -> None:
+            await asyncio.sleep(offset)  # pacing of the arrival process, not a wait for a state
+            history: list[tuple[str, str]] = []
+            for i, step in enumerate(sess.steps):
+                rec = RequestRecord(sess.id, i, label, 0.0)
+                if api == "generate":
+                    await client.generate(http, base_url, _generate_prompt(sess, history, step.user),
+                                          step.max_tokens, rec, t0)
+                else:
+                    await client.chat(http, base_url, _chat_messages(sess, history, step.user),
+                                      step.max_tokens, rec, t0, model=model)
+                records.append(rec)
+                if progress is not None:
+                    progress.update(1)
+                if rec.error:
+                    return
+                history.append((step.user, rec.text))
+                if step.think_s > 0 and i + 1 < len(sess.steps):
+                    await asyncio.sleep(step.think_s)
+
+        await asyncio.gather(*(one(s, o) for s, o in zip(sessions, offsets)))
+    return records
+
+
+async def flush(base_url: str) -> bool:
+    async with aiohttp.ClientSession() as http:
+        return await client.flush_cache(http, base_url)
