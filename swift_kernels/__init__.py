@@ -1,0 +1,123 @@
+"""KV transfer kernels between SGLang's per-layer local pool and a block-major arena.
+
+Three implementations of the same two operations, chosen by `backend`:
+  "reference"   plain torch, obviously right (the oracle the tests compare against);
+  "vectorized"  the CPU data path (wide row gathers, see kv_vectorized);
+  "triton"      the GPU kernels (on CPU only under TRITON_INTERPRET=1, for tests);
+  "auto"        triton on CUDA tensors, vectorized on CPU.
+Every entry point validates shapes, dtypes, strides and index ranges and raises ValueError
+naming the problem before anything is written. Importing this package needs neither a GPU nor
+Triton: Triton is imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import kv_layout as _lay
+from .kv_layout import LayerShape, arena_layer_views
+from .kv_reference import load_layer_ref, store_layer_ref
+from .kv_vectorized import RowPlan, load_layer_fast, plan_rows, store_layer_fast
+
+__all__ = ["BACKENDS", "LayerShape", "RowPlan", "arena_layer_views", "load_layer",
+           "plan_rows", "resolve_backend", "store_layer", "store_pages", "triton_available"]
+
+BACKENDS = ("auto", "reference", "vectorized", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "vectorized"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend 'triton' needs the triton package; install it or use "
+                             "backend='vectorized' on CPU")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("Triton runs on CPU tensors only under TRITON_INTERPRET=1, exported "
+                             "before triton is imported; use backend='vectorized' on CPU")
+    if backend == "vectorized" and device.type != "cpu":
+        raise ValueError("backend 'vectorized' is the CPU path; use 'triton' on CUDA")
+    return backend
+
+
+def _validate(arena, k, v, slots, blocks, page_size, layers, check_ranges):
+    _lay.check_arena(arena)
+    _lay.check_layer_buffers(k, v)
+    shape = _lay.shape_of(k, v, page_size)
+    if arena.device != k.device and not (arena.is_cuda and k.is_cuda):
+        raise ValueError(f"arena on {arena.device} but the local buffers on {k.device}")
+    for layer in layers:
+        _lay.check_fits(arena, shape, layer)
+    _lay.check_indices(slots, blocks, k.shape[0], arena.shape[0], page_size, k.device,
+                       check_ranges)
+    return shape
+
+
+def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan):
+    if backend == "reference":
+        (store_layer_ref if op == "store" else load_layer_ref)(arena, shape, layer, k, v,
+                                                               slots, blocks)
+    elif backend == "vectorized":
+        plan = plan or plan_rows(slots, blocks, shape.page_size)
+        (store_layer_fast if op == "store" else load_layer_fast)(arena, shape, layer, k, v, plan)
+    else:
+        from . import kv_triton
+
+        kernel = kv_triton.store_layer_kernel if op == "store" else kv_triton.load_layer_kernel
+        kv_triton.launch(kernel, arena, shape, layer, k, v, slots, blocks)
+
+
+def store_pages(arena, k_buffers, v_buffers, slots, blocks, page_size, *, backend="auto",
+                check_ranges=True, plan: RowPlan | None = None) -> None:
+    """Gather a prefix's tokens from every layer of the local pool into arena blocks.
+
+    `k_buffers[l]` / `v_buffers[l]`: layer l's local [num_slots, H, D] tensors; token i goes from
+    slot `slots[i]` to row `i % page_size` of block `blocks[i // page_size]`, all layers.
+    """
+    if len(k_buffers) != len(v_buffers) or not k_buffers:
+        raise ValueError(f"need one K and one V buffer per layer, got {len(k_buffers)} K and "
+                         f"{len(v_buffers)} V")
+    slots, blocks = slots.contiguous(), blocks.contiguous()
+    shapes = set()
+    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers)):
+        shape = _validate(arena, k, v, slots, blocks, page_size, [layer],
+                          check_ranges and layer == 0)
+        shapes.add((shape, k.shape[0]))
+    if len(shapes) != 1:
+        raise ValueError("all layers' local buffers must have the same dtype, heads, head sizes "
+                         "and slot count")
+    be = resolve_backend(backend, k_buffers[0].device)
+    if be == "vectorized" and plan is None:
+        plan = plan_rows(slots, blocks, page_size)
+    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers)):
+        _run("store", be, arena, shape, layer, k, v, slots, blocks, plan)
+
+
+def store_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
+                check_ranges=True, plan: RowPlan | None = None) -> None:
+    """Store one layer (the unit the GPU side stream and the CPU worker thread schedule)."""
+    slots, blocks = slots.contiguous(), blocks.contiguous()
+    shape = _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+    _run("store", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
+         plan)
+
+
+def load_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
+               check_ranges=True, plan: RowPlan | None = None) -> None:
+    """Scatter layer `layer` of the arena blocks into local slots: k/v[slots[i]] = token i."""
+    slots, blocks = slots.contiguous(), blocks.contiguous()
+    shape = _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+    _run("load", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
+         plan)
