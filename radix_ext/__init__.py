@@ -1,0 +1,29 @@
+"""radix_ext: a radix prefix tree whose nodes live in tiers (device, donor HBM, host).
+
+Pure bookkeeping: imports neither torch nor SGLang, holds indices and residency records, and
+returns what to copy and free; it never touches memory.
+"""
+
+from radix_ext.config import TreeConfig
+from radix_ext.policy import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
+from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency, DonorResidency, HostResidency
+from radix_ext.results import (
+    EvictionPlan,
+    InsertResult,
+    LoadOutcome,
+    LoadSegment,
+    LoadTicket,
+    Match,
+    Released,
+    RevokeResult,
+    Transfer,
+)
+from radix_ext.tiers import DonorTier, HostTier, Lease
+from radix_ext.tree import RadixTree
+
+__all__ = [
+    "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency", "DonorResidency",
+    "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST", "HostResidency", "HostTier",
+    "InsertResult", "Lease", "LoadOutcome", "LoadSegment", "LoadTicket", "Match", "RadixTree",
+    "Released", "RevokeResult", "Transfer", "TreeConfig",
+]

@@ -1,0 +1,35 @@
+"""The one frozen configuration of a `RadixTree`, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radix_ext.policy import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """`page_size`: tokens per page (keys and splits are page-aligned; one donor block = one page).
+    `host_capacity`: host pool tokens, 0 for no host tier. `donor`: whether a donor tier exists
+    (its leases are added at run time). `eviction` / `demotion`: policy names."""
+
+    page_size: int = 1
+    host_capacity: int = 0
+    donor: bool = False
+    eviction: str = "lru"
+    demotion: str = "tiered"
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.host_capacity < 0:
+            raise ValueError(f"host_capacity must be >= 0, got {self.host_capacity}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction={self.eviction!r} is unknown; use one of {sorted(EVICTION_POLICIES)}"
+            )
+        if self.demotion not in DEMOTION_POLICIES:
+            raise ValueError(
+                f"demotion={self.demotion!r} is unknown; use one of {sorted(DEMOTION_POLICIES)}"
+            )

@@ -1,0 +1,76 @@
+"""`check_integrity`: every invariant of `RadixTree`, checked from scratch (mixin)."""
+
+from __future__ import annotations
+
+from radix_ext.residency import DEVICE
+
+
+class IntegrityMixin:
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant is broken. O(size of the tree); for tests.
+
+        Checks: structure (parent links, child keys, page-aligned non-empty keys), residency
+        lengths, device prefix-closure, no node resident nowhere, lock counts balanced, pins match
+        the in-flight tickets, device sizes add up, every index owned once in every tier, and the
+        cached leaf and tier-membership sets.
+        """
+        page = self.page_size
+        root = self.root
+        assert root.lock_ref == 1 and not root.res and len(root.key) == 0, "root corrupted"
+        pins_expected: dict = {}
+        for t in self._tickets.values():
+            for p in self._ticket_path(t):
+                pins_expected[p] = pins_expected.get(p, 0) + 1
+        dev_indices: list = []
+        lower: dict = {name: [] for name in self.tiers}
+        members: dict = {name: set() for name in self.tiers}
+        leaves = set()
+        evictable = protected = 0
+        stack = list(root.children.values())
+        for c in stack:
+            assert c.parent is root, f"{c} has a wrong parent"
+        while stack:
+            x = stack.pop()
+            n = len(x.key)
+            assert n > 0 and n % page == 0, f"{x}: key length {n} not a positive page multiple"
+            first = x.key[0] if page == 1 else tuple(x.key[:page])
+            ck = (x.ck[0], first) if x.parent is root else first
+            assert x.ck == ck and x.parent.children.get(x.ck) is x, f"{x}: child key mismatch"
+            assert x.res, f"{x} is resident nowhere"
+            for tier, res in x.res.items():
+                assert res.tier == tier, f"{x}: {res} filed under {tier}"
+                assert res.num_tokens(page) == n, f"{x}: {res} does not cover {n} tokens"
+                if tier == DEVICE:
+                    dev_indices.extend(res.indices)
+                else:
+                    assert tier in self.tiers, f"{x}: residency in unconfigured tier {tier}"
+                    lower[tier].append(res)
+                    members[tier].add(x)
+            locks = x.direct_locks + sum(c.lock_ref for c in x.children.values())
+            assert x.direct_locks >= 0 and x.lock_ref == locks, f"{x}: lock_ref {x.lock_ref} != {locks}"
+            assert x.pins == pins_expected.get(x, 0), f"{x}: pins {x.pins} != in-flight loads"
+            on_dev = DEVICE in x.res
+            if on_dev:
+                assert x.parent is root or DEVICE in x.parent.res, f"{x}: on device, parent is not"
+                if x.lock_ref:
+                    protected += n
+                else:
+                    evictable += n
+                if not x.lock_ref and not x.pins and not any(DEVICE in c.res for c in x.children.values()):
+                    leaves.add(x)
+            else:
+                assert x.lock_ref == 0, f"{x}: locked but not on the device"
+            for c in x.children.values():
+                assert c.parent is x, f"{c}: parent link broken"
+                stack.append(c)
+        assert len(set(dev_indices)) == len(dev_indices), "a device index is owned twice"
+        assert (evictable, protected) == (self.dev_evictable, self.dev_protected), (
+            f"device sizes drifted: counted {(evictable, protected)}, "
+            f"kept {(self.dev_evictable, self.dev_protected)}"
+        )
+        assert leaves == self._dev_leaves, "evictable-leaf set drifted"
+        for name, tier in self.tiers.items():
+            tier.check_integrity(lower[name])
+            assert members[name] == self._in_tier[name], f"{name} membership set drifted"
+        for t in self._tickets.values():
+            assert t.anchor is root or t.anchor.direct_locks > 0, f"ticket {t.ticket_id} lost its lock"

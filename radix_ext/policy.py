@@ -1,0 +1,167 @@
+"""Policies, apart from the mechanism: which device node to evict, where to demote it, which
+lower-tier copy to drop. Chosen by name from small registries; LRU is the default.
+
+The cost-aware strategies weigh how likely a prefix is reused against what it would cost to
+bring it back from where it would end up: recompute, a donor fetch over NVLink, or a host fetch
+over PCIe. A donor copy's cost is an expectation: with probability `reclaim_hazard` the donor
+has taken its memory back before the reuse, and the prefix is recomputed instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from radix_ext.residency import DEVICE, DONOR, HOST
+
+if TYPE_CHECKING:
+    from radix_ext.tree import RadixTree
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-token cost, in units of one token's recompute, of getting KV back on the device.
+
+    Defaults come from the back-of-envelope numbers in notes/landscape.md section 6.3
+    (Qwen3-8B, 32K-token prefix): recompute ~1.29 s, NVLink peer fetch ~13.1 ms, PCIe host
+    fetch ~88 ms, so donor ~0.0102 and host ~0.068 of a recompute.
+    """
+
+    recompute: float = 1.0
+    donor: float = 0.0102
+    host: float = 0.068
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.donor <= self.recompute and 0 <= self.host <= self.recompute):
+            raise ValueError(f"tier costs must lie in [0, recompute]: {self}")
+
+    def donor_expected(self, hazard: float) -> float:
+        return (1.0 - hazard) * self.donor + hazard * self.recompute
+
+    def residency_cost(self, tier: str, res: Any, tree: "RadixTree") -> float:
+        """Expected per-token cost to bring `res` (in `tier`) back to the device."""
+        if tier == DEVICE:
+            return 0.0
+        if tier == HOST:
+            return self.host
+        if tier == DONOR:
+            lease = tree.donor.leases.get((res.donor, res.lease)) if tree.donor else None
+            return self.donor_expected(lease.reclaim_hazard if lease else 1.0)
+        return self.recompute
+
+
+def reuse_estimate(node: Any, tree: "RadixTree") -> float:
+    """Hits per tick since the last access: frequency damped by recency."""
+    return (node.hits + 1.0) / (tree.clock - node.last_access + 1.0)
+
+
+# ---- eviction order ---------------------------------------------------------------------------
+
+
+class LRUEviction:
+    """Least recently used first, on device and in every lower tier (what SGLang does)."""
+
+    name = "lru"
+
+    def device_priority(self, node: Any, tree: "RadixTree") -> float:
+        return node.last_access
+
+    def tier_priority(self, node: Any, tier: str, tree: "RadixTree") -> float:
+        return node.last_access
+
+
+class CostAwareEviction:
+    """Lowest expected reload cost first: reuse estimate x per-token cost of the next-best copy.
+
+    A device node that already has a donor or host copy costs little to evict; one whose only
+    fallback is recompute is kept longer, and a prefix on a donor likely to reclaim its memory
+    counts nearly as a recompute.
+    """
+
+    name = "cost_aware"
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+
+    def _fallback_cost(self, node: Any, skip: str, tree: "RadixTree") -> float:
+        best = None
+        for tier, res in node.res.items():
+            if tier != skip and tier != DEVICE:
+                c = self.cost.residency_cost(tier, res, tree)
+                best = c if best is None or c < best else best
+        if best is not None:
+            return best
+        # No other copy: it would be demoted to the best tier with room, or recomputed.
+        return tree.demotion.best_target_cost(len(node.key), node, tree, skip=skip)
+
+    def device_priority(self, node: Any, tree: "RadixTree") -> float:
+        return reuse_estimate(node, tree) * self._fallback_cost(node, DEVICE, tree)
+
+    def tier_priority(self, node: Any, tier: str, tree: "RadixTree") -> float:
+        if DEVICE in node.res:
+            return -1.0  # dropping a lower copy of a device-resident node loses nothing now
+        now = self.cost.residency_cost(tier, node.res[tier], tree)
+        return reuse_estimate(node, tree) * (self._fallback_cost(node, tier, tree) - now)
+
+
+# ---- demotion target --------------------------------------------------------------------------
+
+
+class TieredDemotion:
+    """Donor when leased capacity is free (lease with most free blocks first), else host."""
+
+    name = "tiered"
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+
+    def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
+        return ((DONOR, ()), (HOST, ()))
+
+    def best_target_cost(self, num_tokens: int, node: Any, tree: "RadixTree", skip: str) -> float:
+        for tier, pref in self.targets(node, tree):
+            if tier == skip:
+                continue
+            t = tree.tiers.get(tier)
+            if t is not None and t.available_tokens() >= num_tokens:
+                if tier == DONOR:
+                    leases = pref or t.leases.values()
+                    return min(self.cost.donor_expected(x.reclaim_hazard) for x in leases)
+                return self.cost.host
+        return self.cost.recompute
+
+
+class CostAwareDemotion(TieredDemotion):
+    """Cheapest expected reload first: each donor lease priced by its reclaim hazard, the host
+    at its fetch cost; a flaky donor can rank below the host."""
+
+    name = "cost_aware"
+
+    def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
+        options: list[tuple[float, str, Sequence]] = []
+        if tree.donor is not None:
+            for lease in sorted(tree.donor.leases.values(), key=lambda x: x.reclaim_hazard):
+                options.append((self.cost.donor_expected(lease.reclaim_hazard), DONOR, (lease,)))
+        if tree.host is not None:
+            options.append((self.cost.host, HOST, ()))
+        options.sort(key=lambda o: o[0])
+        return tuple((tier, pref) for _, tier, pref in options)
+
+
+EVICTION_POLICIES = {"lru": LRUEviction, "cost_aware": CostAwareEviction}
+DEMOTION_POLICIES = {"tiered": TieredDemotion, "cost_aware": CostAwareDemotion}
+
+
+def make_eviction(name: str, cost: CostModel):
+    try:
+        cls = EVICTION_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}")
+    return cls(cost) if cls is CostAwareEviction else cls()
+
+
+def make_demotion(name: str, cost: CostModel):
+    try:
+        return DEMOTION_POLICIES[name](cost)
+    except KeyError:
+        raise ValueError(f"unknown demotion policy {name!r}; choose one of {sorted(DEMOTION_POLICIES)}")

@@ -1,0 +1,141 @@
+"""What tree operations return: frozen records that say what to copy and what to free.
+
+The tree never copies or frees memory itself; it hands these to the caller (the data plane).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+EMPTY = array("q")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSegment:
+    """One node of a match that is not on the device: copy `source` (in tier `tier`) back."""
+
+    node: Any
+    tier: str
+    source: Any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.node.key)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest page-aligned cached prefix of a key.
+
+    `device_len` tokens are on the device along the path to `last_device_node`; the rest of
+    `prefix_len` is in `loads`, in path order, each to be loaded from its cheapest tier.
+    `last_node` is the deepest matched node (== `last_device_node` when `loads` is empty).
+    """
+
+    prefix_len: int
+    device_len: int
+    last_device_node: Any
+    last_node: Any
+    loads: tuple = ()
+
+    @property
+    def load_len(self) -> int:
+        return self.prefix_len - self.device_len
+
+    def tokens_from(self, tier: str) -> int:
+        return sum(len(s.node.key) for s in self.loads if s.tier == tier)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """`prefix_len`: tokens of the key already in the tree (any tier) before this insert.
+    `duplicate_len`: the leading tokens already on the device; the caller's indices
+    `[0, duplicate_len)` are duplicates it must free (minus what it already owned through the tree).
+    Everything past `duplicate_len` now belongs to the tree, ending at `last_node`."""
+
+    prefix_len: int
+    duplicate_len: int
+    last_node: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Copy the KV of `src` (tier `src_tier`) into `dst` (tier `dst_tier`), same token order."""
+
+    src_tier: str
+    src: Any
+    dst_tier: str
+    dst: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A residency the tree no longer references. Device ones are the caller's to free (after the
+    copies); donor and host ones were already returned to their tier's free set."""
+
+    tier: str
+    residency: Any
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionPlan:
+    """Result of `evict_device`: run `copies` in list order, then free the device entries of
+    `released`. `num_evicted` counts device tokens given up; `demoted`/`dropped` split them."""
+
+    num_evicted: int = 0
+    demoted: int = 0
+    dropped: int = 0
+    copies: tuple = ()
+    released: tuple = ()
+
+    def device_indices_to_free(self) -> array:
+        out = array("q")
+        for r in self.released:
+            if r.tier == "device":
+                out.extend(r.residency.indices)
+        return out
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """An in-flight load-back. Mutable only by the tree (`stale` when a revoke or an insert
+    overtook it, so completing it must fail)."""
+
+    ticket_id: int
+    anchor: Any
+    last_node: Any
+    device_indices: array
+    copies: tuple
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    """`ok`: the nodes are on the device now and the caller holds a lock on `last_node`
+    (release it with `unlock`). Not ok: nothing changed; free `device_indices_to_free`."""
+
+    ok: bool
+    last_node: Any
+    device_indices_to_free: array = field(default_factory=lambda: EMPTY)
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeResult:
+    """`lost`: (namespace, token prefix) of every prefix that lost its last copy, shortest
+    first; `released`: residencies dropped (donor ones as revoked, others freed in their tier);
+    `stale_tickets`: ids of in-flight loads that must now fail."""
+
+    lost: tuple = ()
+    released: tuple = ()
+    stale_tickets: tuple = ()
+    num_tokens_lost: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MakeRoomResult:
+    copies: tuple = ()
+    released: tuple = ()
+    freed_tokens: int = 0
+

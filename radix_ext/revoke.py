@@ -1,0 +1,73 @@
+"""Donors taking their memory back (mixin of `RadixTree`)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from radix_ext.residency import DONOR
+from radix_ext.results import Released, RevokeResult
+
+
+class RevokeMixin:
+    def revoke(
+        self, donor: str, lease_id: Optional[int] = None, blocks: Optional[Iterable[int]] = None
+    ) -> RevokeResult:
+        """A donor takes back `blocks` of one lease, a whole lease, or (both None) all its leases.
+
+        Contract: every donor residency touching a revoked block is dropped, even if pinned
+        (the in-flight loads through it become stale and will fail). Nodes left with no copy lose
+        their subtree too; `lost` names the shortest such prefixes. The revoked blocks leave the
+        donor tier for good; a revoked lease is forgotten. An expected event, never an error:
+        the caller falls back to host or recompute.
+        """
+        if self.donor is None:
+            return RevokeResult()
+        if blocks is not None and lease_id is None:
+            raise ValueError("revoking blocks needs the lease they belong to")
+        gone_blocks = None if blocks is None else set(blocks)
+
+        def hit(res) -> bool:
+            if res.donor != donor or (lease_id is not None and res.lease != lease_id):
+                return False
+            return gone_blocks is None or any(b in gone_blocks for b in res.blocks)
+
+        victims = [x for x in self._in_tier[DONOR] if hit(x.res[DONOR])]
+        released: list = []
+        stale: list = []
+        orphans = []
+        for x in victims:
+            if x.pins:
+                stale.extend(self._mark_stale(x))
+            res = self._pop_res(x, DONOR)
+            self.donor.free(res)
+            released.append(Released(DONOR, res))
+            if not x.res:
+                orphans.append(x)
+        # Shallowest first, so a lost subtree is reported (and removed) once, at its top.
+        orphans.sort(key=self._depth)
+        removed: set = set()
+        lost = []
+        num_lost = 0
+        for x in orphans:
+            if x in removed:
+                continue
+            lost.append(self.prefix_of(x))
+            for y in self._remove_subtree(x, released):
+                removed.add(y)
+                num_lost += len(y.key)
+                if y.pins:
+                    stale.extend(self._mark_stale(y))
+        if gone_blocks is not None:
+            self.donor.remove_blocks(donor, lease_id, gone_blocks)
+        else:
+            for key in [k for k in self.donor.leases if k[0] == donor]:
+                if lease_id is None or key[1] == lease_id:
+                    self.donor.remove_lease(*key)
+        return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost)
+
+    def _depth(self, node) -> int:
+        d = 0
+        while node is not self.root:
+            node = node.parent
+            d += 1
+        return d

@@ -1,0 +1,138 @@
+"""Eviction from the device and room-making in lower tiers (mixin of `RadixTree`)."""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from radix_ext.residency import DEVICE, DONOR, HOST
+from radix_ext.results import EvictionPlan, MakeRoomResult, Released, Transfer
+
+
+class TieringMixin:
+    def evict_device(self, num_tokens: int) -> EvictionPlan:
+        """Give up at least `num_tokens` device tokens (fewer if not enough are evictable).
+
+        Contract: victims are unlocked, unpinned device leaves, in the eviction policy's order.
+        A victim that already has a lower-tier copy just loses its device residency. Otherwise
+        it is demoted to the first target of the demotion policy with room (donor when leased
+        capacity is free, else host, by default), making room there if needed, and dropped
+        (with its now unreachable subtree) when no tier takes it. Returns the copies to run
+        (in order) and the residencies released; the caller frees the device ones after the
+        copies. Nothing locked or in flight is touched.
+        """
+        pol = self.eviction
+        heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
+        heapq.heapify(heap)
+        copies: list = []
+        released: list = []
+        evicted = demoted = dropped = 0
+        while evicted < num_tokens and heap:
+            _, _, x = heapq.heappop(heap)
+            if x not in self._dev_leaves:
+                continue
+            dev = self._pop_res(x, DEVICE)
+            released.append(Released(DEVICE, dev))
+            n = len(x.key)
+            evicted += n
+            parent = x.parent
+            if x.res:
+                demoted += n
+            elif self._demote(x, dev, copies, released):
+                demoted += n
+            else:
+                dropped += n
+                self._remove_subtree(x, released)
+            self._refresh_leaf(parent)
+            if parent in self._dev_leaves:
+                heapq.heappush(heap, (pol.device_priority(parent, self), parent.id, parent))
+        return EvictionPlan(evicted, demoted, dropped, tuple(copies), tuple(released))
+
+    def _demote(self, x: Any, dev: Any, copies: list, released: list) -> bool:
+        """Copy `x` (no residency left but `dev`) into a lower tier; False if none takes it."""
+        n = len(x.key)
+        targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
+        for tier, pref in targets:
+            res = self.tiers[tier].alloc(n, pref)
+            if res is not None:
+                self._add_res(x, res)
+                copies.append(Transfer(DEVICE, dev, tier, res))
+                return True
+        for tier, pref in targets:
+            if self.tiers[tier].capacity_tokens() < n:
+                continue
+            made = self._make_room(tier, n)
+            copies.extend(made.copies)
+            released.extend(made.released)
+            res = self.tiers[tier].alloc(n, pref)
+            if res is not None:
+                self._add_res(x, res)
+                copies.append(Transfer(DEVICE, dev, tier, res))
+                return True
+        return False
+
+    def make_room(self, tier: str, num_tokens: int) -> MakeRoomResult:
+        """Free at least `num_tokens` of `tier` if its unpinned copies allow it.
+
+        Contract: drops (or, from the donor, demotes to host when it has room) the lower-tier
+        copies the eviction policy values least, among copies whose node keeps another copy or
+        has no children (so no prefix is left with a hole). Pinned nodes are untouched.
+        """
+        return self._make_room(tier, num_tokens, chunk=False)
+
+    def _make_room(self, tier: str, need: int, chunk: bool = True) -> MakeRoomResult:
+        t = self.tiers[tier]
+        # Free a chunk at once: candidates are found by a scan, so amortise it.
+        goal = max(need, t.capacity_tokens() // 32 if chunk else 0) - t.available_tokens()
+        if goal <= 0:
+            return MakeRoomResult()
+        pol = self.eviction
+        members = self._in_tier[tier]
+        heap = [
+            (pol.tier_priority(x, tier, self), x.id, x)
+            for x in members
+            if not x.pins and (len(x.res) > 1 or not x.children)
+        ]
+        heapq.heapify(heap)
+        copies: list = []
+        released: list = []
+        freed = 0
+        page = self.page_size
+        while freed < goal and heap:
+            _, _, x = heapq.heappop(heap)
+            if x not in members or x.pins or not (len(x.res) > 1 or not x.children):
+                continue
+            res = self._pop_res(x, tier)
+            freed += res.num_tokens(page)
+            if not x.res and tier == DONOR and self.host is not None:
+                h = self.host.alloc(len(x.key))
+                if h is not None:
+                    self._add_res(x, h)
+                    copies.append(Transfer(DONOR, res, HOST, h))
+            t.free(res)
+            released.append(Released(tier, res))
+            if not x.res:
+                parent = x.parent
+                del parent.children[x.ck]
+                self._refresh_leaf(parent)
+                if parent in members and not parent.pins and not parent.children:
+                    heapq.heappush(heap, (pol.tier_priority(parent, tier, self), parent.id, parent))
+        return MakeRoomResult(tuple(copies), tuple(released), freed)
+
+    def _remove_subtree(self, x: Any, released: list) -> list:
+        """Detach `x` and everything below it, releasing every residency; returns the nodes."""
+        parent = x.parent
+        del parent.children[x.ck]
+        gone = []
+        stack = [x]
+        while stack:
+            y = stack.pop()
+            gone.append(y)
+            for tier in list(y.res):
+                res = self._pop_res(y, tier)
+                if tier != DEVICE:
+                    self.tiers[tier].free(res)
+                released.append(Released(tier, res))
+            stack.extend(y.children.values())
+        self._refresh_leaf(parent)
+        return gone

@@ -1,0 +1,141 @@
+"""Capacity bookkeeping for the tiers below the device: sets of free indices, nothing more.
+
+The device tier has no class here: SGLang's allocator owns device slots, the tree only records
+which node holds which. Every tier below it has the same small interface:
+`alloc(num_tokens, preference) -> residency | None`, `free(residency)`, `available_tokens()`,
+`capacity_tokens()`, `check_integrity(residencies)`. No memory is touched.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from radix_ext.residency import DONOR, HOST, DonorResidency, HostResidency
+
+
+class HostTier:
+    """A host pool of `capacity` token slots, indices 0..capacity-1."""
+
+    name = HOST
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise ValueError(f"host capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def available_tokens(self) -> int:
+        return len(self._free)
+
+    def capacity_tokens(self) -> int:
+        return self.capacity
+
+    def alloc(self, num_tokens: int, preference: Sequence = ()) -> Optional[HostResidency]:
+        """Take `num_tokens` slots, or None (and take nothing) when fewer are free."""
+        if num_tokens > len(self._free):
+            return None
+        taken = self._free[len(self._free) - num_tokens :]
+        del self._free[len(self._free) - num_tokens :]
+        return HostResidency(array("q", taken))
+
+    def free(self, res: HostResidency) -> None:
+        self._free.extend(res.indices)
+
+    def check_integrity(self, residencies: Iterable[HostResidency]) -> None:
+        used = [i for r in residencies for i in r.indices]
+        everything = used + self._free
+        assert len(set(everything)) == len(everything), "host index owned twice"
+        assert set(everything) == set(range(self.capacity)), "host indices lost or invented"
+
+
+@dataclass
+class Lease:
+    """Memory one donor lends: `num_blocks` blocks under `epoch`.
+
+    `reclaim_hazard` in [0, 1] is how likely the donor wants the memory back before a cached
+    prefix is reused (0: stable, 1: almost surely gone); cost-aware policies read it.
+    """
+
+    donor: str
+    lease_id: int
+    epoch: int
+    num_blocks: int
+    reclaim_hazard: float = 0.0
+    free_blocks: list = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.donor, self.lease_id)
+
+
+class DonorTier:
+    """Blocks leased from donor servers; one block holds one page of KV."""
+
+    name = DONOR
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.leases: dict[tuple[str, int], Lease] = {}
+
+    def add_lease(
+        self, donor: str, lease_id: int, epoch: int, num_blocks: int, reclaim_hazard: float = 0.0
+    ) -> Lease:
+        """Register a lease; its blocks are numbered 0..num_blocks-1 within the lease."""
+        if (donor, lease_id) in self.leases:
+            raise ValueError(f"lease {donor}/{lease_id} already registered; revoke it first")
+        if not 0.0 <= reclaim_hazard <= 1.0:
+            raise ValueError(f"reclaim_hazard must be in [0, 1], got {reclaim_hazard}")
+        lease = Lease(donor, lease_id, epoch, num_blocks, reclaim_hazard)
+        lease.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.leases[lease.key] = lease
+        return lease
+
+    def remove_lease(self, donor: str, lease_id: int) -> None:
+        """Forget a lease (after the tree dropped every residency on it)."""
+        del self.leases[(donor, lease_id)]
+
+    def remove_blocks(self, donor: str, lease_id: int, blocks: Iterable[int]) -> None:
+        """The donor takes these blocks back: they leave the lease for good."""
+        lease = self.leases[(donor, lease_id)]
+        gone = set(blocks)
+        lease.free_blocks = [b for b in lease.free_blocks if b not in gone]
+        lease.num_blocks -= len(gone)
+
+    def available_tokens(self) -> int:
+        return sum(len(x.free_blocks) for x in self.leases.values()) * self.page_size
+
+    def capacity_tokens(self) -> int:
+        return sum(x.num_blocks for x in self.leases.values()) * self.page_size
+
+    def alloc(self, num_tokens: int, preference: Sequence[Lease] = ()) -> Optional[DonorResidency]:
+        """Blocks for `num_tokens` from the first lease in `preference` (default: most free)
+        that can hold them all; None (nothing taken) when no single lease can."""
+        need = -(-num_tokens // self.page_size)
+        order = preference or sorted(self.leases.values(), key=lambda x: -len(x.free_blocks))
+        for lease in order:
+            fb = lease.free_blocks
+            if len(fb) >= need:
+                taken = fb[len(fb) - need :]
+                del fb[len(fb) - need :]
+                return DonorResidency(lease.donor, lease.lease_id, lease.epoch, array("q", taken))
+        return None
+
+    def free(self, res: DonorResidency) -> None:
+        """Return blocks to their lease; a no-op when the lease is gone (revoked)."""
+        lease = self.leases.get((res.donor, res.lease))
+        if lease is not None and lease.epoch == res.epoch:
+            lease.free_blocks.extend(res.blocks)
+
+    def check_integrity(self, residencies: Iterable[DonorResidency]) -> None:
+        used: dict[tuple[str, int], list[int]] = {k: [] for k in self.leases}
+        for r in residencies:
+            key = (r.donor, r.lease)
+            assert key in self.leases, f"residency on unknown lease {key}"
+            assert self.leases[key].epoch == r.epoch, f"residency from stale epoch on {key}"
+            used[key].extend(r.blocks)
+        for key, lease in self.leases.items():
+            everything = used[key] + lease.free_blocks
+            assert len(set(everything)) == len(everything), f"donor block owned twice in {key}"
+            assert len(everything) == lease.num_blocks, f"donor blocks lost or invented in {key}"

@@ -1,0 +1,347 @@
+"""`RadixTree`: a page-aligned radix prefix tree whose nodes live in tiers (bookkeeping only).
+
+The structure lives here (match, insert, lock/unlock, splits, sizes); moving KV between tiers
+is in `tiering.py` (evict/demote, make room), two-phase load-back in `loadback.py`, donor
+revocation in `revoke.py`, and `check_integrity` in `integrity.py`.
+
+Invariants (checked by `check_integrity`):
+* every non-root node is resident in at least one tier; a node that loses its last copy is
+  removed with its subtree (a prefix with a hole in it is useless);
+* device residency is prefix-closed: a device-resident node's parent is the root or on the device,
+  so a match is "device part, then load part" along the path;
+* `lock_ref` counts the locks held on a node or below it; a locked node is on the device;
+* pinned nodes (in-flight load-backs) are never evicted, demoted or dropped; revoke and insert
+  may overtake a load, which then fails on `complete_load_back`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Optional, Sequence
+
+from radix_ext.config import TreeConfig
+from radix_ext.integrity import IntegrityMixin
+from radix_ext.loadback import LoadBackMixin
+from radix_ext.node import Node
+from radix_ext.policy import make_demotion, make_eviction
+from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency
+from radix_ext.results import InsertResult, LoadSegment, Match
+from radix_ext.revoke import RevokeMixin
+from radix_ext.tiering import TieringMixin
+from radix_ext.tiers import DonorTier, HostTier
+
+
+def _as_array(seq: Sequence[int]) -> array:
+    return seq if type(seq) is array else array("q", seq)
+
+
+def common_len(a: array, b: array, pos: int, n: int, page: int) -> int:
+    """Length of the common prefix of `a` and `b[pos:n]`, rounded down to a page."""
+    m = min(len(a), n - pos)
+    if a[:m] == b[pos : pos + m]:
+        return m - m % page
+    lo, hi = 0, m  # a[:lo] matches, a[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[pos + lo : pos + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo - lo % page
+
+
+class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
+    """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
+    returns what the caller must copy and free."""
+
+    def __init__(self, config: TreeConfig = TreeConfig()):
+        self.config = config
+        self.page_size = config.page_size
+        self.cost = config.cost
+        self.eviction = make_eviction(config.eviction, config.cost)
+        self.demotion = make_demotion(config.demotion, config.cost)
+        self.donor: Optional[DonorTier] = DonorTier(config.page_size) if config.donor else None
+        self.host: Optional[HostTier] = HostTier(config.host_capacity) if config.host_capacity else None
+        self.tiers: dict[str, Any] = {}
+        if self.donor is not None:
+            self.tiers[DONOR] = self.donor
+        if self.host is not None:
+            self.tiers[HOST] = self.host
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (tier capacity stays; every index returns to its free set)."""
+        for t in list(self.tiers.values()):
+            if t is self.host:
+                self.host = self.tiers[HOST] = HostTier(self.config.host_capacity)
+            elif t is self.donor:
+                for lease in t.leases.values():
+                    lease.free_blocks = list(range(lease.num_blocks - 1, -1, -1))
+        self._next_id = 1
+        self.clock = 0
+        self.root = Node(0, None, array("q"), None, 0)
+        self.root.lock_ref = 1
+        self.dev_evictable = 0
+        self.dev_protected = 0
+        self._dev_leaves: set[Node] = set()
+        self._in_tier: dict[str, set[Node]] = {name: set() for name in self.tiers}
+        self._tickets: dict = {}
+        self._next_ticket = 1
+
+    # ---- residency bookkeeping ----------------------------------------------------------------
+
+    def _new_node(self, parent: Node, key: array, ck: Any) -> Node:
+        node = Node(self._next_id, parent, key, ck, self.clock)
+        self._next_id += 1
+        return node
+
+    def _add_res(self, node: Node, res: Any) -> None:
+        tier = res.tier
+        node.res[tier] = res
+        if tier == DEVICE:
+            if node.lock_ref:
+                self.dev_protected += len(node.key)
+            else:
+                self.dev_evictable += len(node.key)
+        else:
+            self._in_tier[tier].add(node)
+
+    def _pop_res(self, node: Node, tier: str) -> Any:
+        res = node.res.pop(tier)
+        if tier == DEVICE:
+            if node.lock_ref:
+                self.dev_protected -= len(node.key)
+            else:
+                self.dev_evictable -= len(node.key)
+            self._dev_leaves.discard(node)
+        else:
+            self._in_tier[tier].discard(node)
+        return res
+
+    def _refresh_leaf(self, node: Node) -> None:
+        """Keep `_dev_leaves` = device-resident, unlocked, unpinned, no device-resident child."""
+        if node is self.root:
+            return
+        if DEVICE in node.res and not node.lock_ref and not node.pins:
+            for c in node.children.values():
+                if DEVICE in c.res:
+                    self._dev_leaves.discard(node)
+                    return
+            self._dev_leaves.add(node)
+        else:
+            self._dev_leaves.discard(node)
+
+    def _child_key(self, key: array, pos: int, parent: Node, namespace: Any) -> Any:
+        page = self.page_size
+        first = key[pos] if page == 1 else tuple(key[pos : pos + page])
+        return (namespace, first) if parent is self.root else first
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut `child` after `at` tokens; the new head takes its place and returns."""
+        parent = child.parent
+        head = self._new_node(parent, child.key[:at], child.ck)
+        head.last_access, head.hits = child.last_access, child.hits
+        head.lock_ref, head.pins = child.lock_ref, child.pins
+        for tier, res in child.res.items():
+            h, t = res.split(at, self.page_size)
+            head.res[tier] = h
+            child.res[tier] = t
+            if tier != DEVICE:
+                self._in_tier[tier].add(head)
+        child.key = child.key[at:]
+        child.ck = self._child_key(child.key, 0, head, None)
+        child.parent = head
+        head.children[child.ck] = child
+        parent.children[head.ck] = head
+        return head
+
+    def _cheapest(self, node: Node) -> LoadSegment:
+        best = None
+        for tier, res in node.res.items():
+            c = self.cost.residency_cost(tier, res, self)
+            if best is None or c < best[0]:
+                best = (c, tier, res)
+        return LoadSegment(node, best[1], best[2])
+
+    # ---- public operations --------------------------------------------------------------------
+
+    def match(self, key: Sequence[int], namespace: Any = None) -> Match:
+        """Longest page-aligned prefix of `key` cached in any tier, within `namespace`.
+
+        Contract: the result splits the prefix into the device part (`device_len`, ending at
+        `last_device_node`) and `loads`, the nodes to bring back in path order, each from its
+        cheapest tier. Splits a node when the match ends inside it; refreshes access time and
+        hit counts along the path. Frees, copies and locks nothing.
+        """
+        key = _as_array(key)
+        page = self.page_size
+        n = len(key) - len(key) % page
+        self.clock += 1
+        tick = self.clock
+        root = self.root
+        if n == 0:
+            return Match(0, 0, root, root)
+        ck = (namespace, key[0] if page == 1 else tuple(key[:page]))
+        node, pos, dev_len, last_dev, loads = root, 0, 0, root, None
+        children = root.children
+        while True:
+            child = children.get(ck)
+            if child is None:
+                break
+            ckey = child.key
+            kl = len(ckey)
+            m = kl if (pos + kl <= n and ckey == key[pos : pos + kl]) else common_len(ckey, key, pos, n, page)
+            if m < kl:
+                child = self._split(child, m)
+            child.last_access = tick
+            child.hits += 1
+            if loads is None and DEVICE in child.res:
+                dev_len += m
+                last_dev = child
+            else:
+                if loads is None:
+                    loads = []
+                loads.append(self._cheapest(child))
+            node = child
+            pos += m
+            if m < kl or pos >= n:
+                break
+            children = child.children
+            ck = key[pos] if page == 1 else tuple(key[pos : pos + page])
+        return Match(pos, dev_len, last_dev, node, tuple(loads) if loads else ())
+
+    def insert(self, key: Sequence[int], device_indices: Sequence[int], namespace: Any = None) -> InsertResult:
+        """Record that device slots `device_indices[i]` hold the KV of `key[i]` (page-aligned part).
+
+        Contract: tokens already on the device are duplicates (`[0, duplicate_len)`): the caller
+        frees its own slots there. Matched nodes that were only in a lower tier adopt the
+        caller's slots (a write-through copy now exists on the device); an in-flight load-back
+        through such a node becomes stale. New tokens become a leaf. Frees nothing.
+        """
+        key = _as_array(key)
+        idx = _as_array(device_indices)
+        page = self.page_size
+        n = len(key) - len(key) % page
+        if len(idx) < n:
+            raise ValueError(f"insert needs {n} device indices, got {len(idx)}")
+        self.clock += 1
+        tick = self.clock
+        node, pos, dup = self.root, 0, 0
+        if n == 0:
+            return InsertResult(0, 0, node)
+        ck = (namespace, key[0] if page == 1 else tuple(key[:page]))
+        while True:
+            child = node.children.get(ck)
+            if child is None:
+                break
+            ckey = child.key
+            kl = len(ckey)
+            m = kl if (pos + kl <= n and ckey == key[pos : pos + kl]) else common_len(ckey, key, pos, n, page)
+            if m < kl:
+                child = self._split(child, m)
+            child.last_access = tick
+            if DEVICE in child.res:
+                dup = pos + m
+            else:
+                if child.pins:
+                    self._mark_stale(child)
+                self._add_res(child, DeviceResidency(idx[pos : pos + m]))
+                self._refresh_leaf(child)
+                self._refresh_leaf(node)
+            node = child
+            pos += m
+            if m < kl or pos >= n:
+                break
+            ck = key[pos] if page == 1 else tuple(key[pos : pos + page])
+        prefix_len = pos
+        if pos < n:
+            ck = self._child_key(key, pos, node, namespace)
+            leaf = self._new_node(node, key[pos:n], ck)
+            node.children[ck] = leaf
+            self._add_res(leaf, DeviceResidency(idx[pos:n]))
+            self._refresh_leaf(leaf)
+            self._refresh_leaf(node)
+            node = leaf
+        return InsertResult(prefix_len, dup, node)
+
+    def lock(self, node: Node) -> None:
+        """Mark `node` (and so its path) in use: never evicted, demoted or dropped until the
+        matching `unlock`. The node must be on the device (or be the root, a no-op)."""
+        if node is self.root:
+            return
+        if DEVICE not in node.res:
+            raise ValueError(f"lock needs a device-resident node, got {node}; load it back first")
+        node.direct_locks += 1
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.dev_evictable -= n
+                self.dev_protected += n
+                self._dev_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        """Release one `lock(node)`; raises if `node` holds no lock (an unbalanced unlock)."""
+        if node is self.root:
+            return
+        if node.direct_locks <= 0:
+            raise ValueError(f"unlock without a matching lock on {node}")
+        node.direct_locks -= 1
+        root = self.root
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.dev_evictable += n
+                self.dev_protected -= n
+                self._refresh_leaf(node)
+            node = node.parent
+
+    def device_indices(self, node: Node) -> array:
+        """Device slot indices on the path from the root to `node` (which must be on the device)."""
+        parts = []
+        root = self.root
+        while node is not root:
+            parts.append(node.res[DEVICE].indices)
+            node = node.parent
+        out = array("q")
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+    def prefix_of(self, node: Node) -> tuple[Any, array]:
+        """(namespace, tokens) of the path from the root to `node`."""
+        parts = []
+        ns = None
+        while node is not self.root:
+            parts.append(node.key)
+            if node.parent is self.root:
+                ns = node.ck[0]
+            node = node.parent
+        out = array("q")
+        for p in reversed(parts):
+            out.extend(p)
+        return ns, out
+
+    def is_root(self, node: Node) -> bool:
+        return node is self.root
+
+    # ---- sizes --------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Device tokens held by the tree and not locked."""
+        return self.dev_evictable
+
+    def protected_size(self) -> int:
+        """Device tokens held by the tree under a lock."""
+        return self.dev_protected
+
+    def device_size(self) -> int:
+        return self.dev_evictable + self.dev_protected
+
+    def tier_size(self, tier: str) -> int:
+        """Tokens held in a lower tier."""
+        t = self.tiers.get(tier)
+        return 0 if t is None else t.capacity_tokens() - t.available_tokens()
