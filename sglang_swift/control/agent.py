@@ -1,0 +1,256 @@
+"""ControlAgent: one per SwiftCache server, in its scheduler process, beside the scheduler loop.
+
+The agent owns a background I/O thread; every public method is thread-safe and never blocks
+on the network. The owner (the scheduler) talks to it through commands and drains events:
+
+* Donor owner: ``set_memory(descriptor)``, ``offer(blocks)`` to lend blocks it does not use,
+  ``demand(n)`` / ``report_free(n)`` when it needs memory back; it then receives
+  ``BlocksReturned`` once blocks are safe to reuse (never earlier).
+* Borrower owner: ``request(n)`` -> request id; then ``LeaseGranted`` or ``RequestFailed``.
+  On ``ReclaimRequested`` it stops reading the blocks, then calls ``ack_reclaim(event)``; it
+  must never read them after acking. ``LeaseLost`` means the blocks are gone. It may read a
+  donor's blocks only while ``time.monotonic() < read_deadline(donor)``. ``release(key)``
+  gives blocks back early. Events come from ``poll_events()`` or ``next_event(timeout)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+
+from sglang_swift.control import discovery, protocol as p
+from sglang_swift.control.auth import ensure_private_dir, load_or_create_secret
+from sglang_swift.control.borrower import BorrowerSide
+from sglang_swift.control.config import ControlConfig
+from sglang_swift.control.donor import DonorSide
+from sglang_swift.control.events import Event, LeaseKey, PeerChanged, ReclaimRequested
+from sglang_swift.control.link import BadMessageLog, Link
+from sglang_swift.control.peers import Peer, PeerTable
+
+log = logging.getLogger(__name__)
+
+
+class ControlAgent:
+    def __init__(self, config: ControlConfig, *, model: str = "",
+                 memory: p.MemoryDescriptor | dict | None = None) -> None:
+        self.config, self.model = config, model
+        ensure_private_dir(config.rendezvous_dir)
+        self.codec = p.Codec(load_or_create_secret(config.secret_path), config.max_message_bytes)
+        self.epoch = discovery.next_epoch(config.rendezvous_dir, config.agent_id)
+        self.peers: dict[str, Peer] = {}
+        self.counters: dict[str, int] = {}
+        self.donor = DonorSide(self)
+        self.borrower = BorrowerSide(self)
+        if memory is not None:
+            self.donor.set_memory(p.MemoryDescriptor.coerce(memory))
+        self._table = PeerTable(self)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._bad_log = BadMessageLog()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.link: Link | None = None
+        self.endpoint = ""
+
+    # ---- lifecycle ----
+    def start(self, timeout: float = 10.0) -> ControlAgent:
+        self._thread = threading.Thread(target=self._run, name=f"swift-ctl-{self.config.agent_id}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error:
+            self.stop()
+            raise RuntimeError(f"control agent failed to start: {self._error}")
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Say goodbye to peers (their leases with us end), close sockets, withdraw the record."""
+        self._stop.set()
+        if self.link is not None:
+            self.link.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> ControlAgent:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- owner API (thread-safe, non-blocking) ----
+    def set_memory(self, memory: p.MemoryDescriptor | dict) -> None:
+        self._command(self.donor.set_memory, p.MemoryDescriptor.coerce(memory))
+
+    def offer(self, blocks) -> None:
+        self._command(self.donor.offer, list(blocks))
+
+    def demand(self, n: int) -> None:
+        self._command(self.donor.demand, int(n))
+
+    def report_free(self, owner_free_blocks: int) -> None:
+        self._command(self.donor.report_free, int(owner_free_blocks))
+
+    def request(self, num_blocks: int, priority: int = 0, donor: str | None = None) -> int:
+        rid = next(self._ids)
+        self._command(self.borrower.request, rid, int(num_blocks), int(priority), donor)
+        return rid
+
+    def ack_reclaim(self, event: ReclaimRequested) -> None:
+        self._command(self.borrower.ack, event.key, event.reclaim_id)
+
+    def release(self, key: LeaseKey, blocks=None) -> None:
+        self._command(self.borrower.release, key, None if blocks is None else list(blocks))
+
+    def read_deadline(self, donor: str) -> float:
+        with self._lock:
+            return self.borrower.read_deadline(donor)
+
+    def poll_events(self) -> list[Event]:
+        out = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_until(self, predicate, timeout: float) -> bool:
+        """Block the caller until ``predicate(agent)`` holds (checked under the agent's lock
+        whenever peers or adverts change) or ``timeout`` passes."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self), timeout)
+
+    def status(self) -> p.AgentStatus:
+        with self._lock:
+            return self._table.status()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.donor.ledger.check_integrity()
+            self.borrower.check_integrity()
+
+    # ---- used by the sides, on the I/O thread ----
+    def now(self) -> float:
+        return time.monotonic()
+
+    def emit(self, event: Event) -> None:
+        self._events.put(event)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def send(self, peer: Peer, body) -> None:
+        env = p.Envelope(self.config.agent_id, self.epoch, peer.epoch, next(self._seq), body)
+        self.count("msgs_out")
+        self.link.send(peer.endpoint, env)
+
+    def send_to(self, endpoint: str, to_epoch: int, body) -> None:
+        env = p.Envelope(self.config.agent_id, self.epoch, to_epoch, next(self._seq), body)
+        self.count("msgs_out")
+        self.link.send(endpoint, env)
+
+    def reply(self, routing_id: bytes, body, to_epoch: int = 0) -> None:
+        env = p.Envelope(self.config.agent_id, self.epoch, to_epoch, next(self._seq), body)
+        self.count("msgs_out")
+        self.link.reply(routing_id, env)
+
+    def pick_donor(self, num_blocks: int) -> Peer | None:
+        best = max(self.peers.values(), key=lambda q: q.lendable, default=None)
+        return best if best is not None and best.lendable > 0 else None
+
+    def notify(self) -> None:
+        self._changed.notify_all()
+
+    # ---- I/O thread ----
+    def _command(self, fn, *args) -> None:
+        self._commands.put((fn, args))
+        if self.link is not None:
+            self.link.wake()
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        hb = self.config.heartbeat_interval_s
+        next_tick = 0.0
+        try:
+            while not self._stop.is_set():
+                for frames, rid, source in self.link.poll(max(0.0, next_tick - time.monotonic())):
+                    with self._lock:
+                        self._table.on_frames(frames, rid, source)
+                self._drain_commands()
+                now = time.monotonic()
+                if now >= next_tick:
+                    with self._lock:
+                        self._table.tick(now)
+                        self.borrower.tick(now)
+                        self.donor.tick(now)
+                        self._bad_log.flush()
+                    next_tick = now + hb / 2
+        except BaseException:
+            log.exception("control agent %s I/O thread crashed", self.config.agent_id)
+            raise
+        finally:
+            self._teardown()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                try:
+                    fn(*args)
+                except (ValueError, RuntimeError) as exc:
+                    log.error("owner command %s%r refused: %s", fn.__name__, args[:2], exc)
+                    self.count("commands_refused")
+
+    def _setup(self) -> None:
+        cfg = self.config
+        if cfg.transport == "ipc":
+            endpoint = discovery.ipc_endpoint(cfg.rendezvous_dir, cfg.agent_id)
+        else:
+            endpoint = f"tcp://{cfg.tcp_host}:{cfg.tcp_port}"
+        self.link = Link(self.codec, endpoint, cfg.max_message_bytes)
+        self.endpoint = self.link.endpoint
+        self._record = discovery.PeerRecord(cfg.agent_id, self.epoch, os.getpid(), self.endpoint,
+                                            self.model)
+        discovery.publish(cfg.rendezvous_dir, self._record)
+        log.info("control agent %s epoch %d listening on %s", cfg.agent_id, self.epoch,
+                 self.endpoint)
+
+    def _teardown(self) -> None:
+        try:
+            discovery.withdraw(self.config.rendezvous_dir, self._record)
+            with self._lock:
+                for peer in list(self.peers.values()):
+                    self.send(peer, p.Bye())
+        finally:
+            self.link.close(linger_ms=200)  # lets the Bye frames leave
+
+    def on_bad(self, err: p.BadMessage, source: str) -> None:
+        self.count("bad_" + err.code)
+        self._bad_log(err, source)
+
+    def peer_changed(self, peer: Peer, joined: bool, reason: str = "") -> None:
+        self.emit(PeerChanged(peer.agent_id, peer.epoch, joined, reason))
+        self.notify()

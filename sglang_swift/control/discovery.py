@@ -1,0 +1,105 @@
+"""Discovery without a central process: each agent publishes one record file in a shared 0700
+directory and scans it; a configured list of endpoints can be used as well (or instead).
+
+A record is small JSON (``agent_id``, ``epoch``, ``pid``, ``endpoint``, ``model``), written
+atomically (temp file + rename), mode 0600, removed on clean shutdown. Records of dead
+processes are skipped by the scanner and shown as stale by `ctl`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from sglang_swift.control.config import ControlConfigError
+
+_SUFFIX = ".peer"
+_IPC_PATH_MAX = 107  # sun_path limit on Linux
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    agent_id: str
+    epoch: int
+    pid: int
+    endpoint: str
+    model: str = ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ipc_endpoint(rendezvous_dir: str, agent_id: str) -> str:
+    """A short socket path per agent id (hashed, so long ids fit the 107-byte ipc limit)."""
+    digest = hashlib.sha1(agent_id.encode()).hexdigest()[:16]
+    path = os.path.join(rendezvous_dir, f"{digest}.sock")
+    if len(path.encode()) > _IPC_PATH_MAX:
+        raise ControlConfigError(f"ipc path {path} exceeds {_IPC_PATH_MAX} bytes; use a shorter "
+                                 "rendezvous_dir (or transport='tcp')")
+    return f"ipc://{path}"
+
+
+def _record_path(rendezvous_dir: str, agent_id: str) -> str:
+    return os.path.join(rendezvous_dir, agent_id + _SUFFIX)
+
+
+def read_records(rendezvous_dir: str) -> list[PeerRecord]:
+    """All parseable records in the directory; unreadable or malformed ones are skipped."""
+    out = []
+    try:
+        entries = list(os.scandir(rendezvous_dir))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        if not entry.name.endswith(_SUFFIX):
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                raw = json.loads(f.read(8192))
+            out.append(PeerRecord(str(raw["agent_id"]), int(raw["epoch"]), int(raw["pid"]),
+                                  str(raw["endpoint"]), str(raw.get("model", ""))))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def next_epoch(rendezvous_dir: str, agent_id: str) -> int:
+    """A new epoch, larger than any this agent id used before; refuses a live duplicate id."""
+    prev = 0
+    for rec in read_records(rendezvous_dir):
+        if rec.agent_id == agent_id:
+            if rec.pid != os.getpid() and pid_alive(rec.pid):
+                raise ControlConfigError(f"agent id {agent_id!r} is in use by live pid {rec.pid}; "
+                                         "give every server its own agent_id")
+            prev = rec.epoch
+    return max(prev + 1, time.time_ns() // 1000)
+
+
+def publish(rendezvous_dir: str, rec: PeerRecord) -> None:
+    path = _record_path(rendezvous_dir, rec.agent_id)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(rec), f)
+    os.replace(tmp, path)
+
+
+def withdraw(rendezvous_dir: str, rec: PeerRecord) -> None:
+    """Remove our record, unless a newer incarnation already replaced it."""
+    path = _record_path(rendezvous_dir, rec.agent_id)
+    for cur in read_records(rendezvous_dir):
+        if cur.agent_id == rec.agent_id and cur.epoch == rec.epoch:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,76 @@
+"""What the agent tells its owner (queued; the owner drains them from its own loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sglang_swift.control.protocol import MemoryDescriptor
+
+
+class LeaseKey(NamedTuple):
+    """A lease is named by its donor, the donor's epoch and the donor-assigned lease id."""
+
+    donor: str
+    epoch: int
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class LeaseGranted:
+    """Borrower: ``blocks`` of ``memory`` are yours to read and write until reclaimed/lost."""
+
+    request_id: int
+    key: LeaseKey
+    blocks: tuple[int, ...]
+    memory: MemoryDescriptor
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Borrower: a lease request got nothing (``reason``: no_donor, no_capacity, timeout, ...)."""
+
+    request_id: int
+    donor: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReclaimRequested:
+    """Borrower: stop reading ``blocks``, then call ``agent.ack_reclaim(event)``. ``deadline`` is
+    CLOCK_MONOTONIC seconds; the donor waits past it, but its owner is then short of memory."""
+
+    key: LeaseKey
+    reclaim_id: int
+    blocks: tuple[int, ...]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    """Borrower: the donor died, restarted or went silent; the blocks are gone (no ack needed).
+    The agent's read deadline for that donor had already passed when this was queued."""
+
+    key: LeaseKey
+    blocks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class BlocksReturned:
+    """Donor: these blocks are back in the owner's hands and safe to reuse now."""
+
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PeerChanged:
+    """A peer joined (``joined``) or was lost (``reason``: timeout, restarted, left)."""
+
+    agent_id: str
+    epoch: int
+    joined: bool
+    reason: str = ""
+
+
+Event = LeaseGranted | RequestFailed | ReclaimRequested | LeaseLost | BlocksReturned | PeerChanged

@@ -1,0 +1,144 @@
+"""Sockets of one agent: a ROUTER bound at its own endpoint receives; one DEALER per peer
+endpoint sends. Replies to non-peers (errors, `ctl` status) go back through the ROUTER.
+Used from the agent's I/O thread only (ZMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import zmq
+
+from sglang_swift.control import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class BadMessageLog:
+    """Logs every refused frame, but at most ``burst`` lines a second; the rest are summed up
+    in one line per second, so a flood cannot drown the log or slow the agent much."""
+
+    def __init__(self, burst: int = 20) -> None:
+        self.burst, self._window, self._logged, self._suppressed = burst, 0.0, 0, 0
+
+    def __call__(self, err: p.BadMessage, source: str) -> None:
+        now = time.monotonic()
+        if now - self._window >= 1.0:
+            self.flush()
+            self._window, self._logged = now, 0
+        if self._logged < self.burst:
+            self._logged += 1
+            log.warning("refused message from %s: %s", source, err)
+        else:
+            self._suppressed += 1
+
+    def flush(self) -> None:
+        if self._suppressed:
+            log.warning("refused %d more messages in the last second (see counters)",
+                        self._suppressed)
+            self._suppressed = 0
+
+
+class Link:
+    def __init__(self, codec: p.Codec, endpoint: str, max_bytes: int) -> None:
+        self.codec = codec
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        self.router.setsockopt(zmq.RCVHWM, 10000)
+        if endpoint.startswith("ipc://"):
+            try:
+                os.unlink(endpoint[len("ipc://"):])  # left by a killed predecessor
+            except FileNotFoundError:
+                pass
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            port = self.router.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+            endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.router.bind(endpoint)
+        self.endpoint = endpoint
+        self.dealers: dict[str, zmq.Socket] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self.dropped = 0
+
+    def dealer(self, endpoint: str) -> zmq.Socket:
+        sock = self.dealers.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(endpoint)
+            self.dealers[endpoint] = sock
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def close_dealer(self, endpoint: str, linger_ms: int = 0) -> None:
+        sock = self.dealers.pop(endpoint, None)
+        if sock is not None:
+            self.poller.unregister(sock)
+            sock.close(linger_ms)
+
+    def send(self, endpoint: str, env: p.Envelope) -> None:
+        try:
+            self.dealer(endpoint).send(self.codec.encode(env), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1  # peer not draining: heartbeats will settle its fate
+
+    def reply(self, routing_id: bytes, env: p.Envelope) -> None:
+        try:
+            self.router.send_multipart([routing_id, self.codec.encode(env)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            self.dropped += 1
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending
+
+    def poll(self, timeout_s: float):
+        """Yield (frames, routing_id or None, source) for up to a batch of ready messages."""
+        ready = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        if self._wake_r.fileno() in ready:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        for sock in ready:
+            if not isinstance(sock, zmq.Socket) or sock.closed:
+                continue
+            for _ in range(256):
+                if sock.closed:
+                    break
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                if sock is self.router:
+                    yield frames[1:], frames[0], "router"
+                else:
+                    yield frames, None, "dealer"
+
+    def close(self, linger_ms: int = 0) -> None:
+        for ep in list(self.dealers):
+            self.close_dealer(ep, linger_ms)
+        self.router.close(0)
+        self._wake_r.close()
+        self._wake_w.close()
+        self.ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,248 @@
+"""Every message of the donation control channel, and its wire format.
+
+One frame per message: ``MAGIC (4) | wire version (u16) | flags (u16) | HMAC-SHA256 (32) | body``.
+The body is a msgpack-encoded :class:`Envelope` whose ``body`` is one of the tagged message
+structs below (tag field ``t``). The HMAC covers header and body, keyed by the node secret, so
+only processes that can read the secret file can speak on the channel. No pickle anywhere.
+
+Decoding never raises anything but :class:`BadMessage`, whose ``code`` says why the frame was
+refused; callers log it, maybe answer with :class:`Error`, and leave their state untouched.
+Value ranges and list lengths are enforced at decode time by msgspec constraints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Annotated, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"SWCC"
+_HEADER = struct.Struct(">4sHH")
+MAC_BYTES = 32
+OVERHEAD = _HEADER.size + MAC_BYTES
+MAX_BLOCKS_PER_MESSAGE = 1 << 16
+
+U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Blocks = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]],
+                   msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE)]
+
+
+class MemoryDescriptor(msgspec.Struct, frozen=True):
+    """The donor memory a grant's blocks live in; the data plane's arena exports it as a dict."""
+
+    kind: Annotated[str, msgspec.Meta(pattern="^(shm|cuda_ipc)$")]
+    handle: Annotated[bytes, msgspec.Meta(max_length=4096)]
+    device: Name
+    total_bytes: U64
+    block_bytes: U64
+    num_blocks: U64
+    owner_pid: U64
+    owner_uuid: Name
+
+    @classmethod
+    def coerce(cls, value: MemoryDescriptor | dict) -> MemoryDescriptor:
+        """Accept the arena's plain dict (exactly the field names above) or a descriptor."""
+        desc = value if isinstance(value, cls) else msgspec.convert(value, cls)
+        if desc.block_bytes * desc.num_blocks > desc.total_bytes:
+            raise ValueError(f"descriptor blocks overflow its memory: {desc}")
+        return desc
+
+    def to_dict(self) -> dict:
+        return msgspec.structs.asdict(self)
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="t"):
+    pass
+
+
+class Hello(_Msg, tag="hello"):
+    """Join or rejoin: who I am and what I can lend. ``reply`` asks the receiver to answer."""
+
+    protocol_version: U64
+    model: Name
+    endpoint: Name
+    pid: U64
+    block_bytes: U64 = 0
+    num_blocks: U64 = 0
+    device: Name = ""
+    reply: bool = False
+
+
+class Advertise(_Msg, tag="advertise"):
+    """Blocks the donor can lend right now (after its reserve)."""
+
+    lendable: U64
+
+
+class LeaseRequest(_Msg, tag="lease_request"):
+    request_id: U64
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS_PER_MESSAGE)]
+    priority: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
+    block_bytes: U64 = 0
+
+
+class Grant(_Msg, tag="grant"):
+    """A lease: ``blocks`` of ``memory`` for the borrower until reclaimed or released."""
+
+    request_id: U64
+    lease_id: U64
+    epoch: U64
+    blocks: Blocks
+    memory: MemoryDescriptor
+
+
+class Reclaim(_Msg, tag="reclaim"):
+    """Stop reading ``blocks`` of the lease, then acknowledge; the donor waits for the ack."""
+
+    reclaim_id: U64
+    lease_id: U64
+    epoch: U64
+    blocks: Blocks
+    deadline_ms: U64
+
+
+class ReclaimAck(_Msg, tag="reclaim_ack"):
+    reclaim_id: U64
+    lease_id: U64
+    epoch: U64
+    blocks: Blocks
+
+
+class Release(_Msg, tag="release"):
+    """The borrower gives blocks back on its own; it stopped reading them before sending."""
+
+    lease_id: U64
+    epoch: U64
+    blocks: Blocks
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    """``sent_ns`` is the sender's CLOCK_MONOTONIC; ``echo_ns`` returns the peer's last one."""
+
+    sent_ns: U64
+    echo_ns: U64
+    lendable: U64 = 0
+
+
+class Error(_Msg, tag="error"):
+    code: Name
+    detail: Text = ""
+    ref: U64 = 0
+
+
+class Bye(_Msg, tag="bye"):
+    """Clean leave: the sender's leases are void (it has stopped reading and lending)."""
+
+
+class StatusRequest(_Msg, tag="status_request"):
+    pass
+
+
+class LeaseStatus(msgspec.Struct, frozen=True):
+    donor: Name
+    borrower: Name
+    epoch: U64
+    lease_id: U64
+    num_blocks: U64
+    reclaiming: U64
+
+
+class PeerStatus(msgspec.Struct, frozen=True):
+    agent_id: Name
+    epoch: U64
+    pid: U64
+    model: Name
+    last_seen_ms: U64
+    lendable: U64
+
+
+class AgentStatus(msgspec.Struct, frozen=True):
+    agent_id: Name
+    epoch: U64
+    pid: U64
+    model: Name
+    endpoint: Name
+    num_blocks: U64
+    lendable: U64
+    reserve: U64
+    lent: U64
+    borrowed: U64
+    peers: list[PeerStatus]
+    leases: list[LeaseStatus]
+    counters: dict[str, int]
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    status: AgentStatus
+
+
+Message = Union[Hello, Advertise, LeaseRequest, Grant, Reclaim, ReclaimAck, Release, Heartbeat,
+                Error, Bye, StatusRequest, StatusReply]
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """Sender identity and ordering: ``to_epoch`` 0 means "I don't know your epoch yet"."""
+
+    sender: Name
+    epoch: U64
+    to_epoch: U64
+    seq: U64
+    body: Message
+
+
+class BadMessage(Exception):
+    """A frame refused by :func:`decode`; ``code`` is one of the Error codes below."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code, self.detail = code, detail
+
+
+# Error codes, sent in Error.code and used as BadMessage.code.
+E_TOO_BIG, E_TRUNCATED, E_MAGIC, E_VERSION, E_AUTH = "too_big", "truncated", "bad_magic", "version", "auth"
+E_MALFORMED, E_UNKNOWN_TYPE, E_UNKNOWN_PEER, E_STALE = "malformed", "unknown_type", "unknown_peer", "stale"
+E_INVALID, E_NO_CAPACITY, E_NOT_DONOR = "invalid", "no_capacity", "not_donor"
+
+
+class Codec:
+    """Signs and verifies frames with the node secret; one per agent, used from one thread."""
+
+    def __init__(self, secret: bytes, max_bytes: int = 1 << 20) -> None:
+        self._secret = secret
+        self.max_bytes = max_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Envelope)
+        self._header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, 0)
+
+    def encode(self, env: Envelope) -> bytes:
+        body = self._encoder.encode(env)
+        mac = hmac.new(self._secret, self._header + body, hashlib.sha256).digest()
+        return self._header + mac + body
+
+    def decode(self, frame: bytes) -> Envelope:
+        if len(frame) > self.max_bytes:
+            raise BadMessage(E_TOO_BIG, f"{len(frame)} bytes > limit {self.max_bytes}")
+        if len(frame) < OVERHEAD + 1:
+            raise BadMessage(E_TRUNCATED, f"{len(frame)} bytes")
+        magic, version, _flags = _HEADER.unpack_from(frame)
+        if magic != MAGIC:
+            raise BadMessage(E_MAGIC, repr(magic))
+        if version != PROTOCOL_VERSION:
+            raise BadMessage(E_VERSION, f"wire version {version}, this agent speaks {PROTOCOL_VERSION}")
+        header, mac, body = frame[: _HEADER.size], frame[_HEADER.size : OVERHEAD], frame[OVERHEAD:]
+        want = hmac.new(self._secret, header + body, hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, want):
+            raise BadMessage(E_AUTH, "HMAC mismatch: sender lacks the node secret")
+        try:
+            return self._decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            code = E_UNKNOWN_TYPE if "`$.body.t`" in str(exc) else E_MALFORMED
+            raise BadMessage(code, str(exc)[:200]) from None
+        except msgspec.DecodeError as exc:
+            raise BadMessage(E_MALFORMED, str(exc)[:200]) from None
