@@ -1,0 +1,27 @@
+"""SwiftCache's data plane: the elastic block-major arena, sharing it across processes, the KV
+transfers between SGLang's local pool and donor blocks, and per-layer completion.
+
+Importing it touches no GPU and starts nothing; SGLang is never imported here.
+"""
+
+from .arena import FREE, ArenaExhausted, BlockArena, OwnershipError
+from .geometry import KVGeometry, block_bytes_for, choose_block_bytes, unused_bytes
+from .layer_counter import CpuLayerCounter, CudaLayerCounter, LayerWaitResult
+from .sharing import (MappedArena, MappingError, SharedArena, map_arena, owner_alive,
+                      unlink_descriptor)
+from .transfer import TransferEngine, TransferHandle, TransferResult
+
+__all__ = [
+    "FREE", "ArenaExhausted", "BlockArena", "CpuLayerCounter", "CudaLayerCounter", "KVGeometry",
+    "LayerWaitResult", "MappedArena", "MappingError", "OwnershipError", "SharedArena",
+    "TransferEngine", "TransferHandle", "TransferResult", "block_bytes_for", "choose_block_bytes",
+    "make_layer_counter", "map_arena", "owner_alive", "unlink_descriptor", "unused_bytes",
+]
+
+
+def make_layer_counter(num_layers: int, device="cpu", timeout_s: float = 30.0):
+    """The layer counter for `device`: CUDA events on a GPU, thread signals on CPU."""
+    import torch
+
+    cls = CudaLayerCounter if torch.device(device).type == "cuda" else CpuLayerCounter
+    return cls(num_layers, timeout_s=timeout_s)

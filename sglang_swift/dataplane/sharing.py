@@ -1,0 +1,342 @@
+"""Export a donor's arena once; map it in a borrower from the descriptor a lease grant carries.
+
+CPU: POSIX shared memory (so CI exercises a real cross-process path). CUDA: a CUDA IPC handle of
+the arena's allocation (torch's own IPC sharing); a borrower on another GPU maps it on the
+donor's device and reads it over the peer link where peer access exists.
+
+The region starts with a 4 KiB header (magic, version, geometry, owner pid and uuid, a revoked
+flag) so a borrower can check it mapped the arena it was promised; blocks follow it. A failed or
+revoked mapping raises MappingError with a `reason`: an expected event the caller handles (fall
+back to host memory or recompute), not a crash.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import uuid as uuid_mod
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import torch
+
+from .arena import BlockArena
+from .geometry import KVGeometry, unused_bytes
+
+HEADER_BYTES = 4096
+_MAGIC = b"SWIFTARN"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQ48s")  # magic, version, revoked, block_bytes, num_blocks, pid, uuid
+DESCRIPTOR_KEYS = ("kind", "handle", "device", "total_bytes", "block_bytes", "num_blocks",
+                   "owner_pid", "owner_uuid")
+
+
+class MappingError(RuntimeError):
+    """The arena could not be mapped or is no longer valid. `reason` is one of: bad_descriptor,
+    not_found, owner_dead, size, identity, geometry, revoked, unsupported."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+def owner_alive(pid: int) -> bool:
+    """True while process `pid` exists and is not a zombie (same host only)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _pack_header(block_bytes, num_blocks, pid, owner_uuid, revoked=0) -> bytes:
+    raw = _HEADER.pack(_MAGIC, _VERSION, revoked, block_bytes, num_blocks, pid,
+                       owner_uuid.encode())
+    return raw.ljust(HEADER_BYTES, b"\0")
+
+
+def _unpack_header(raw: bytes) -> dict:
+    magic, ver, revoked, bb, nb, pid, uid = _HEADER.unpack_from(raw)
+    return {"magic": magic, "version": ver, "revoked": revoked, "block_bytes": bb,
+            "num_blocks": nb, "owner_pid": pid, "owner_uuid": uid.rstrip(b"\0").decode()}
+
+
+# ---- CUDA IPC handle encoding (length-prefixed fields; no pickle on the wire) ---------------
+def _pack_fields(fields) -> bytes:
+    out = bytearray()
+    for f in fields:
+        if f is None:
+            out += b"n"
+        elif isinstance(f, bool):
+            out += b"t" + bytes([f])
+        elif isinstance(f, int):
+            out += b"i" + struct.pack("<q", f)
+        else:
+            f = bytes(f)
+            out += b"b" + struct.pack("<I", len(f)) + f
+    return bytes(out)
+
+
+def _unpack_fields(data: bytes) -> list:
+    out, i = [], 0
+    while i < len(data):
+        tag = data[i:i + 1]
+        i += 1
+        if tag == b"n":
+            out.append(None)
+        elif tag == b"t":
+            out.append(bool(data[i]))
+            i += 1
+        elif tag == b"i":
+            out.append(struct.unpack_from("<q", data, i)[0])
+            i += 8
+        elif tag == b"b":
+            (n,) = struct.unpack_from("<I", data, i)
+            out.append(data[i + 4:i + 4 + n])
+            i += 4 + n
+        else:
+            raise MappingError("bad_descriptor", f"corrupt CUDA IPC handle at byte {i - 1}")
+    return out
+
+
+def _desc_get(desc, key):
+    if isinstance(desc, dict):
+        if key not in desc:
+            raise MappingError("bad_descriptor", f"descriptor lacks {key!r}")
+        return desc[key]
+    if not hasattr(desc, key):
+        raise MappingError("bad_descriptor", f"descriptor lacks {key!r}")
+    return getattr(desc, key)
+
+
+class SharedArena:
+    """A donor's arena in memory other processes can map: the ownership book plus the region."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, device: str = "cpu",
+                 name_prefix: str = "swift"):
+        if block_bytes % 16:
+            raise ValueError(f"block_bytes must be a multiple of 16, got {block_bytes}")
+        self.device = torch.device(device)
+        self.owner_uuid = str(uuid_mod.uuid4())
+        self.owner_pid = os.getpid()
+        self.total_bytes = HEADER_BYTES + num_blocks * block_bytes
+        self._shm = None
+        header = torch.frombuffer(bytearray(_pack_header(block_bytes, num_blocks, self.owner_pid,
+                                                         self.owner_uuid)), dtype=torch.uint8)
+        if self.device.type == "cpu":
+            name = f"{name_prefix}_{os.getpid()}_{uuid_mod.uuid4().hex[:12]}"
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.total_bytes)
+            self.region = torch.frombuffer(self._shm.buf, dtype=torch.uint8,
+                                           count=self.total_bytes)
+        elif self.device.type == "cuda":
+            self.region = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        else:
+            raise ValueError(f"arena device must be cpu or cuda, got {device}")
+        self.region[:HEADER_BYTES].copy_(header)
+        memory = self.region[HEADER_BYTES:].view(num_blocks, block_bytes)
+        self.book = BlockArena(num_blocks, block_bytes, memory)
+        self._handle = self._make_handle()
+
+    def _make_handle(self) -> bytes:
+        if self._shm is not None:
+            return self._shm.name.encode()
+        share = self.region.untyped_storage()._share_cuda_()
+        return _pack_fields(list(share) + [self.region.storage_offset()])
+
+    @property
+    def memory(self) -> torch.Tensor:
+        return self.book.memory
+
+    def export(self) -> dict:
+        """The MemoryDescriptor a lease grant carries, as a plain dict (the protocol's keys)."""
+        return {
+            "kind": "shm" if self._shm is not None else "cuda_ipc",
+            "handle": self._handle,
+            "device": str(self.device),
+            "total_bytes": self.total_bytes,
+            "block_bytes": self.book.block_bytes,
+            "num_blocks": self.book.num_blocks,
+            "owner_pid": self.owner_pid,
+            "owner_uuid": self.owner_uuid,
+        }
+
+    def revoke_export(self) -> None:
+        """Mark the region revoked: mapped borrowers see it at their next check(); on CPU the
+        name is unlinked too, so no new mapping succeeds."""
+        self.region[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(_pack_header(
+            self.book.block_bytes, self.book.num_blocks, self.owner_pid, self.owner_uuid, 1)),
+            dtype=torch.uint8))
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Release the region (and unlink the shared-memory name). Idempotent."""
+        self.book.memory = None
+        self.region = None
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes when it is collected
+
+
+@dataclass
+class MappedArena:
+    """A borrower's view of a donor arena. `memory` is uint8 [num_blocks, block_bytes]."""
+
+    descriptor: dict
+    memory: torch.Tensor
+    region: torch.Tensor
+    _shm: object = None
+
+    def header(self) -> dict:
+        return _unpack_header(bytes(self.region[:HEADER_BYTES].cpu().numpy()))
+
+    def check(self) -> None:
+        """Raise MappingError if the donor revoked the arena or its process is gone."""
+        if not owner_alive(self.descriptor["owner_pid"]):
+            raise MappingError("owner_dead", f"donor pid {self.descriptor['owner_pid']} is gone")
+        if self.header()["revoked"]:
+            raise MappingError("revoked", "the donor revoked this arena; stop using its blocks")
+
+    def alive(self) -> bool:
+        try:
+            self.check()
+        except MappingError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.memory = self.region = None
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            try:
+                shm.close()
+            except BufferError:
+                pass
+
+
+class _ShmAttach:
+    """A borrower's attachment to a donor's shared memory. Opened directly (not through
+    multiprocessing.SharedMemory) so no resource tracker ever unlinks the donor's segment."""
+
+    def __init__(self, name: str):
+        import _posixshmem
+
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()  # BufferError while a tensor still views it; the caller handles that
+
+
+def _open_shm(name: str) -> _ShmAttach:
+    try:
+        return _ShmAttach(name)
+    except FileNotFoundError as e:
+        raise MappingError("not_found", f"shared memory {name!r} is gone (revoked or the donor "
+                                        f"exited)") from e
+
+
+def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
+    """Map a donor's arena from its descriptor (a dict or any object with the protocol's
+    attributes); checks size, geometry and owner identity, raises MappingError on failure."""
+    d = {k: _desc_get(desc, k) for k in DESCRIPTOR_KEYS}
+    try:
+        nb, bb, total = int(d["num_blocks"]), int(d["block_bytes"]), int(d["total_bytes"])
+    except (TypeError, ValueError) as e:
+        raise MappingError("bad_descriptor", f"non-integer size fields: {e}") from e
+    if nb <= 0 or bb <= 0 or bb % 16 or total != HEADER_BYTES + nb * bb:
+        raise MappingError("bad_descriptor", f"inconsistent sizes: total_bytes={total}, "
+                                             f"num_blocks={nb}, block_bytes={bb}")
+    if geometry is not None:
+        try:
+            unused_bytes(geometry, bb)
+        except ValueError as e:
+            raise MappingError("geometry", str(e)) from e
+    if not owner_alive(int(d["owner_pid"])):
+        raise MappingError("owner_dead", f"donor pid {d['owner_pid']} is not running")
+    shm = None
+    if d["kind"] == "shm":
+        shm = _open_shm(bytes(d["handle"]).decode())
+        if shm.size < total:
+            shm.close()
+            raise MappingError("size", f"shared memory holds {shm.size} bytes, descriptor "
+                                       f"says {total}")
+        region = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
+    elif d["kind"] == "cuda_ipc":
+        region = _open_cuda_ipc(bytes(d["handle"]), total)
+    else:
+        raise MappingError("unsupported", f"descriptor kind {d['kind']!r}; expected shm or "
+                                          f"cuda_ipc")
+    mapped = MappedArena(d, region[HEADER_BYTES:].view(nb, bb), region, shm)
+    h = mapped.header()
+    problems = [f"{k}: header {h[k]!r} != descriptor {d[k]!r}"
+                for k in ("block_bytes", "num_blocks", "owner_pid", "owner_uuid") if h[k] != d[k]]
+    if h["magic"] != _MAGIC or h["version"] != _VERSION:
+        problems.insert(0, f"not a SwiftCache arena (magic {h['magic']!r}, version "
+                           f"{h['version']})")
+    if problems:
+        mapped.close()
+        raise MappingError("identity", "; ".join(problems))
+    if h["revoked"]:
+        mapped.close()
+        raise MappingError("revoked", "the donor revoked this arena before it was mapped")
+    return mapped
+
+
+def _open_cuda_ipc(handle: bytes, total: int) -> torch.Tensor:
+    if not torch.cuda.is_available():
+        raise MappingError("unsupported", "a cuda_ipc descriptor needs CUDA in the borrower")
+    fields = _unpack_fields(handle)
+    if len(fields) != 9:
+        raise MappingError("bad_descriptor", f"CUDA IPC handle has {len(fields)} fields, want 9")
+    *share, tensor_offset = fields
+    try:
+        torch.cuda._lazy_init()  # noqa: SLF001
+        storage = torch.UntypedStorage._new_shared_cuda(*share)  # noqa: SLF001
+    except RuntimeError as e:
+        raise MappingError("not_found", f"CUDA IPC open failed ({e}); the donor may be gone") \
+            from e
+    if storage.nbytes() - tensor_offset < total:
+        raise MappingError("size", f"IPC allocation holds {storage.nbytes() - tensor_offset} "
+                                   f"bytes, descriptor says {total}")
+    region = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    region.set_(storage, tensor_offset, (total,), (1,))
+    return region
+
+
+def unlink_descriptor(desc) -> bool:
+    """Remove a CPU arena's shared-memory name after its donor died without cleaning up (the
+    donor normally unlinks it in close()). True if something was removed."""
+    if _desc_get(desc, "kind") != "shm":
+        return False
+    import _posixshmem
+
+    try:
+        _posixshmem.shm_unlink("/" + bytes(_desc_get(desc, "handle")).decode().lstrip("/"))
+    except FileNotFoundError:
+        return False
+    return True
