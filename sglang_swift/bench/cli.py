@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think-mean", type=float, default=2.0, help="mean think/tool time (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="don't POST /flush_cache between runs")
+    p.add_argument("--no-warmup", action="store_true", help="don't send one untimed request first")
     p.add_argument("--quick", action="store_true", help="small workload that ends in < 1 min on CPU")
     p.add_argument("--out", default=None, help="output directory (default runs/bench-<time>)")
     return p
@@ -65,24 +66,19 @@ def make_sessions(a: argparse.Namespace):
 
 @contextlib.contextmanager
 def _launched_servers():
-    """Start the CPU demo servers through the lead's harness; yields {label: url}."""
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root))
-    try:
-        from tests.integration import harness  # owned by the lead
-    except ImportError as exc:
-        raise SystemExit(f"--launch needs tests/integration/harness.py ({exc}); pass --server instead")
+    """Start the CPU demo servers (tiny model; SwiftCache off, then on); yields {label: url}.
+
+    Started one after the other and both kept up, so the same workload runs against each."""
+    from sglang_swift.local_server import LocalServer
+    from sglang_swift.tiny_model import DEFAULT_DIR, ensure_tiny_model
+
+    model = ensure_tiny_model(DEFAULT_DIR, seed=0)
     with contextlib.ExitStack() as stack:
-        off = stack.enter_context(harness.launch_server(swiftcache=False))
-        on = stack.enter_context(harness.launch_server(swiftcache=True))
-        yield {"swiftcache-off": _url_of(off), "swiftcache-on": _url_of(on)}
-
-
-def _url_of(server) -> str:
-    for attr in ("base_url", "url"):
-        if hasattr(server, attr):
-            return getattr(server, attr)
-    return str(server)
+        urls = {}
+        for label, on in (("swiftcache-off", False), ("swiftcache-on", True)):
+            srv = stack.enter_context(LocalServer(model, swiftcache=on, extra_args=["--enable-cache-report"]))
+            urls[label] = srv.base_url
+        yield urls
 
 
 def run(a: argparse.Namespace, servers: dict[str, str]) -> dict:
@@ -98,6 +94,8 @@ def run(a: argparse.Namespace, servers: dict[str, str]) -> dict:
             for label, url in servers.items():
                 if not a.no_flush:
                     asyncio.run(runner.flush(url))
+                if not a.no_warmup:  # one untimed request, so neither server is measured cold
+                    asyncio.run(runner.warmup(url, a.api, a.model))
                 recs = asyncio.run(runner.run_sessions(url, label, sessions, rate, api=a.api,
                                                        seed=a.seed, progress=bar, model=a.model))
                 s = stats.summarize(recs)

@@ -75,3 +75,14 @@ async def run_sessions(base_url: str, label: str, sessions: list[Session], rate:
 async def flush(base_url: str) -> bool:
     async with aiohttp.ClientSession() as http:
         return await client.flush_cache(http, base_url)
+
+
+async def warmup(base_url: str, api: str, model: str = "default") -> None:
+    """One short untimed request (the first request to a fresh server pays one-off costs)."""
+    async with aiohttp.ClientSession() as http:
+        rec = RequestRecord("warmup", 0, "warmup", 0.0)
+        if api == "generate":
+            await client.generate(http, base_url, "warm up", 2, rec, time.perf_counter())
+        else:
+            await client.chat(http, base_url, [{"role": "user", "content": "warm up"}], 2, rec,
+                              time.perf_counter(), model=model)
