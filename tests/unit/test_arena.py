@@ -1,0 +1,202 @@
+"""The elastic arena: ownership moves, integrity, block sizing across geometries, and mapping
+checks (in-process; the cross-process path is tests/integration/test_dataplane_processes.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import swift_kernels as sk
+from sglang_swift.dataplane import (FREE, ArenaExhausted, BlockArena, KVGeometry, MappingError,
+                                    OwnershipError, SharedArena, TransferEngine, block_bytes_for,
+                                    choose_block_bytes, map_arena, unused_bytes)
+from sglang_swift.dataplane.sharing import DESCRIPTOR_KEYS
+
+LLAMA3_8B = KVGeometry(32, 8, 128, 128, torch.bfloat16, 16)  # 4 KiB per token per layer
+QWEN3_0_6B = KVGeometry(28, 8, 128, 128, torch.bfloat16, 16)
+SMALL_FP32 = KVGeometry(3, 2, 8, 4, torch.float32, 4)
+SMALL_FP16 = KVGeometry(5, 1, 16, 16, torch.float16, 8)
+
+
+def test_geometry_sizes_and_block_choice():
+    """Invariant: a block holds one page of all layers; one block size serves every model and
+    the difference is the unused-bytes cost."""
+    assert LLAMA3_8B.bytes_per_token_per_layer == 4096
+    assert LLAMA3_8B.page_bytes == 32 * 16 * 4096
+    bb = choose_block_bytes([LLAMA3_8B, QWEN3_0_6B])
+    assert bb == block_bytes_for(LLAMA3_8B) == 2 * 1024 * 1024
+    assert unused_bytes(LLAMA3_8B, bb) == 0
+    assert unused_bytes(QWEN3_0_6B, bb) == 4 * 16 * 4096  # 4 fewer layers: 12.5% of each block
+    assert block_bytes_for(SMALL_FP32) % 512 == 0
+    with pytest.raises(ValueError, match="more than the arena's block"):
+        unused_bytes(LLAMA3_8B, block_bytes_for(QWEN3_0_6B))
+    with pytest.raises(ValueError, match="positive int"):
+        KVGeometry(0, 1, 1, 1, torch.float16, 1)
+    assert KVGeometry.from_dict(SMALL_FP16.to_dict()) == SMALL_FP16
+
+
+def test_moves_keep_exactly_one_owner_per_block():
+    arena = BlockArena(10, 512)
+    a = arena.alloc("lease-a", 4)
+    b = arena.alloc("lease-b", 3)
+    arena.check_integrity()
+    assert arena.available() == 3 and set(a).isdisjoint(b)
+    arena.move(a[:2], "lease-a", "donor-kv")  # the donor takes blocks back for its own KV
+    assert arena.owner_of(a[0]) == "donor-kv" and arena.owned("lease-a") == frozenset(a[2:])
+    arena.release("lease-b", b[:1])
+    assert arena.owner_of(b[0]) == FREE
+    assert sorted(arena.revoke("lease-b")) == sorted(b[1:])
+    assert arena.owners() == {FREE: 6, "lease-a": 2, "donor-kv": 2}
+    arena.check_integrity()
+
+
+def test_bad_moves_change_nothing():
+    arena = BlockArena(4, 512)
+    got = arena.alloc("x", 2)
+    with pytest.raises(ArenaExhausted, match="2 are free"):
+        arena.alloc("y", 3)
+    with pytest.raises(OwnershipError):
+        arena.release("y", got)
+    with pytest.raises(OwnershipError):
+        arena.move([got[0], got[0]], "x", "y")
+    assert arena.owners() == {FREE: 2, "x": 2}
+    arena.check_integrity()
+
+
+def test_check_integrity_catches_a_double_owner():
+    arena = BlockArena(4, 512)
+    got = arena.alloc("x", 1)
+    arena._free.append(got[0])  # noqa: SLF001 - corrupt the book on purpose
+    with pytest.raises(AssertionError, match=f"block {got[0]}"):
+        arena.check_integrity()
+
+
+def test_moves_do_not_touch_block_memory():
+    mem = torch.arange(4 * 512, dtype=torch.int64).to(torch.uint8).view(4, 512)
+    before = mem.clone()
+    arena = BlockArena(4, 512, mem)
+    arena.move(arena.alloc("a", 3), "a", "b")
+    arena.revoke("b")
+    assert torch.equal(mem, before)
+
+
+def test_two_geometries_share_one_arena_without_interfering():
+    """Invariant: two models of different shapes and dtypes store into disjoint blocks of one
+    arena and each reads back exactly its own KV."""
+    bb = choose_block_bytes([SMALL_FP32, SMALL_FP16])
+    donor = SharedArena(12, bb)
+    try:
+        mem = donor.memory
+        results = {}
+        for name, g, n in (("m32", SMALL_FP32, 9), ("m16", SMALL_FP16, 17)):
+            blocks = donor.book.alloc(name, -(-n // g.page_size))
+            k = [torch.randn(32, g.num_kv_heads, g.head_dim).to(g.dtype)
+                 for _ in range(g.num_layers)]
+            v = [torch.randn(32, g.num_kv_heads, g.v_head_dim).to(g.dtype)
+                 for _ in range(g.num_layers)]
+            slots = torch.randperm(32)[:n]
+            eng = TransferEngine(mem, g)
+            assert eng.begin_store(k, v, slots, blocks).wait().ok
+            results[name] = (g, eng, k, v, slots, blocks)
+        donor.book.check_integrity()
+        for g, eng, k, v, slots, blocks in results.values():
+            for layer in range(g.num_layers):
+                k2, v2 = torch.zeros_like(k[layer]), torch.zeros_like(v[layer])
+                sk.load_layer(mem, layer, k2, v2, slots, torch.tensor(blocks), g.page_size)
+                assert torch.equal(k2[slots], k[layer][slots])
+                assert torch.equal(v2[slots], v[layer][slots])
+            eng.close()
+    finally:
+        donor.close()
+
+
+def test_export_descriptor_has_exactly_the_protocol_keys_and_maps():
+    donor = SharedArena(3, 1024)
+    try:
+        desc = donor.export()
+        assert tuple(sorted(desc)) == tuple(sorted(DESCRIPTOR_KEYS))
+        assert desc["kind"] == "shm" and desc["device"] == "cpu"
+        assert desc["total_bytes"] == 4096 + 3 * 1024
+        donor.memory[1].fill_(7)
+        mapped = map_arena(desc)
+        assert mapped.memory.shape == (3, 1024) and int(mapped.memory[1, 5]) == 7
+
+        @dataclass
+        class Desc:  # the control channel's MemoryDescriptor is an object with these fields
+            kind: str
+            handle: bytes
+            device: str
+            total_bytes: int
+            block_bytes: int
+            num_blocks: int
+            owner_pid: int
+            owner_uuid: str
+
+        assert map_arena(Desc(**desc)).alive()
+        mapped.close()
+    finally:
+        donor.close()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"owner_uuid": "someone-else"}, "identity"),
+    ({"block_bytes": 512, "num_blocks": 6}, "identity"),
+    ({"block_bytes": 2048, "total_bytes": 4096 + 3 * 2048}, "size"),
+    ({"total_bytes": 999}, "bad_descriptor"),
+    ({"kind": "rdma"}, "unsupported"),
+    ({"handle": b"swift_no_such_segment"}, "not_found"),
+    ({"owner_pid": None}, "owner_dead"),
+])
+def test_mapping_is_checked(change, reason):
+    donor = SharedArena(3, 1024)
+    try:
+        desc = {**donor.export(), **change}
+        if reason == "owner_dead":
+            desc["owner_pid"] = _dead_pid()
+        with pytest.raises(MappingError) as err:
+            map_arena(desc)
+        assert err.value.reason == reason
+    finally:
+        donor.close()
+
+
+def test_geometry_that_does_not_fit_is_refused_and_missing_keys_are_named():
+    donor = SharedArena(2, block_bytes_for(SMALL_FP32))
+    try:
+        with pytest.raises(MappingError) as err:
+            map_arena(donor.export(), geometry=LLAMA3_8B)
+        assert err.value.reason == "geometry"
+        desc = donor.export()
+        del desc["owner_uuid"]
+        with pytest.raises(MappingError, match="owner_uuid"):
+            map_arena(desc)
+    finally:
+        donor.close()
+
+
+def test_revoked_arena_is_an_expected_event():
+    donor = SharedArena(2, 1024)
+    try:
+        desc = donor.export()
+        mapped = map_arena(desc)
+        donor.revoke_export()
+        assert not mapped.alive()
+        with pytest.raises(MappingError) as err:
+            mapped.check()
+        assert err.value.reason == "revoked"
+        with pytest.raises(MappingError) as err:
+            map_arena(desc)
+        assert err.value.reason == "not_found"
+        mapped.close()
+    finally:
+        donor.close()
