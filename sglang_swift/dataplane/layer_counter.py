@@ -140,6 +140,12 @@ class CpuLayerCounter:
         self._device_wait(event)
         return LayerWaitResult(True, layer, (), None)
 
+    def aborted(self, producer_id: int | None = None) -> bool:
+        """True once the load in this slot failed or timed out: the loader stops copying, since
+        the consumer may already have given the destination slots to someone else."""
+        with self._cond:
+            return self._slots[self._pid(producer_id)].reason is not None
+
     def failed_layers(self, index: int | None = None) -> tuple[int, ...]:
         with self._cond:
             return self._slots[self.consumer_index if index is None else index].failed()

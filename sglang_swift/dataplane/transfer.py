@@ -140,6 +140,9 @@ class TransferEngine:
             for layer in range(num_layers):
                 if before_layer is not None:
                     before_layer(layer)
+                if counter.aborted(pid):  # timed out or failed by someone else: stop copying
+                    return TransferResult(False, counter.failed_layers(pid),
+                                          counter.failure_reason(pid))
                 reason = ("aborted" if handle._abort.is_set()
                           else None if self.liveness() else "donor lost")
                 if reason is None:

@@ -1,0 +1,189 @@
+"""Per-layer completion: SGLang's LayerDoneCounter contract, overlap of layer l's attention with
+layer l+1's copy, and the abort / timeout paths (waits end and name the failed layers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_swift.dataplane import (CpuLayerCounter, KVGeometry, SharedArena, TransferEngine,
+                                    block_bytes_for, make_layer_counter)
+
+G = KVGeometry(4, 2, 8, 8, torch.float16, 4)
+
+
+class FakeKVPool:
+    """What SGLang 0.5.23's MHATokenToKVPool does with a registered counter."""
+
+    def __init__(self, k, v):
+        self.k_buffer, self.v_buffer, self.layer_transfer_counter = k, v, None
+
+    def register_layer_transfer_counter(self, counter):
+        self.layer_transfer_counter = counter
+
+    def get_key_buffer(self, layer_id):
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id):
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+        return self.v_buffer[layer_id]
+
+
+def test_duck_type_matches_sglang_layer_done_counter():
+    c = make_layer_counter(3)
+    assert isinstance(c, CpuLayerCounter) and c.num_layers == 3 and c.consumer_index == -1
+    for name in ("set_consumer", "wait_until", "update_producer", "reset"):
+        assert callable(getattr(c, name))
+    assert c.wait_until(2) is True  # consumer_index < 0: returns at once
+
+
+def test_ring_of_slots_and_in_flight_guard():
+    c = CpuLayerCounter(2, num_counters=3)
+    ids = [c.update_producer() for _ in range(3)]
+    assert ids == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="still loading"):
+        c.update_producer()  # slot 0 never finished
+    for layer in range(2):
+        c.complete(layer, producer_id=0)
+    assert c.update_producer() == 0
+    c.reset()
+    assert c.producer_index == -1 and c.consumer_index == -1
+
+
+def test_wait_blocks_until_the_layer_is_complete():
+    c = CpuLayerCounter(3, timeout_s=30)
+    pid = c.update_producer()
+    c.set_consumer(pid)
+    c.complete(0)
+    assert c.wait(0).ok
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(c.wait(1)))
+    waiter.start()
+    assert got == []
+    c.complete(1)
+    waiter.join(timeout=30)
+    assert got and got[0].ok
+
+
+def test_fail_wakes_waiters_and_names_the_failed_layers():
+    c = CpuLayerCounter(4, timeout_s=30)
+    pid = c.update_producer()
+    c.set_consumer(pid)
+    c.complete(0)
+    results = []
+    waiter = threading.Thread(target=lambda: results.extend(c.wait(l) for l in range(4)))
+    waiter.start()
+    assert c.fail("donor lost") == (1, 2, 3)
+    waiter.join(timeout=30)
+    assert [r.ok for r in results] == [True, False, False, False]
+    assert results[-1].failed_layers == (1, 2, 3) and results[-1].reason == "donor lost"
+    c.complete(2)  # late news from an abandoned load changes nothing
+    assert c.failed_layers() == (1, 2, 3) and c.wait_until(2) is False
+
+
+def test_timeout_ends_the_wait_and_fails_the_rest():
+    c = CpuLayerCounter(3, timeout_s=0.3)
+    c.set_consumer(c.update_producer())
+    c.complete(0)
+    t0 = time.monotonic()
+    assert c.wait_until(1) is False
+    assert time.monotonic() - t0 < 5
+    assert c.failed_layers() == (1, 2) and c.failure_reason().startswith("timeout")
+    t0 = time.monotonic()
+    assert c.wait_until(2) is False and time.monotonic() - t0 < 0.2  # no second timeout
+
+
+def _engine_setup(n=10):
+    donor = SharedArena(8, block_bytes_for(G))
+    blocks = donor.book.alloc("lease", -(-n // G.page_size))
+    k = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]
+    v = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]
+    slots = torch.randperm(32)[:n]
+    eng = TransferEngine(donor.memory, G)
+    assert eng.begin_store(k, v, slots, blocks).wait(30).ok
+    k2 = [torch.full_like(x, float("nan")) for x in k]
+    v2 = [torch.full_like(x, float("nan")) for x in v]
+    return donor, eng, blocks, slots, k, v, k2, v2
+
+
+def test_layer_l_is_readable_while_layer_l_plus_1_is_in_flight():
+    """Invariant: attention on layer 0 can read its KV while the loader is held before layer 1."""
+    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    gate, at_gate = threading.Event(), threading.Event()
+
+    def hold_before_layer_1(layer):
+        if layer == 1:
+            at_gate.set()
+            gate.wait(30)
+
+    try:
+        counter = CpuLayerCounter(G.num_layers, timeout_s=30)
+        pool = FakeKVPool(k2, v2)
+        pool.register_layer_transfer_counter(counter)
+        h = eng.begin_load(k2, v2, slots, blocks, counter, before_layer=hold_before_layer_1)
+        counter.set_consumer(h.producer_id)
+        assert at_gate.wait(30)
+        assert torch.equal(pool.get_key_buffer(0)[slots], k[0][slots])
+        assert torch.equal(pool.get_value_buffer(0)[slots], v[0][slots])
+        assert torch.isnan(k2[1][slots].float()).all()  # layer 1 not copied yet
+        gate.set()
+        for layer in range(G.num_layers):
+            assert torch.equal(pool.get_key_buffer(layer)[slots], k[layer][slots])
+            assert torch.equal(pool.get_value_buffer(layer)[slots], v[layer][slots])
+        assert h.wait(30).ok
+    finally:
+        gate.set()
+        eng.close()
+        donor.close()
+
+
+def test_lost_donor_mid_load_fails_the_remaining_layers():
+    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    alive = threading.Event()
+    alive.set()
+    eng.liveness = alive.is_set
+
+    def lose_donor_before_layer_2(layer):
+        if layer == 2:
+            alive.clear()
+
+    try:
+        counter = CpuLayerCounter(G.num_layers, timeout_s=30)
+        h = eng.begin_load(k2, v2, slots, blocks, counter, before_layer=lose_donor_before_layer_2)
+        counter.set_consumer(h.producer_id)
+        oks = [counter.wait(layer).ok for layer in range(G.num_layers)]
+        assert oks == [True, True, False, False]
+        res = h.wait(30)
+        assert not res.ok and res.failed_layers == (2, 3) and res.reason == "donor lost"
+    finally:
+        eng.close()
+        donor.close()
+
+
+def test_stuck_load_times_out_and_reports_layers():
+    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    gate = threading.Event()
+    try:
+        counter = CpuLayerCounter(G.num_layers, timeout_s=0.5)
+        h = eng.begin_load(k2, v2, slots, blocks, counter,
+                           before_layer=lambda layer: layer == 1 and gate.wait(60))
+        counter.set_consumer(h.producer_id)
+        assert counter.wait_until(0) is True
+        t0 = time.monotonic()
+        res = counter.wait(1)
+        assert not res.ok and res.failed_layers == (1, 2, 3) and res.reason.startswith("timeout")
+        assert time.monotonic() - t0 < 10
+        gate.set()
+        late = h.wait(30)  # the loader resumes, sees the abandoned slot and copies nothing more
+        assert not late.ok and late.failed_layers == (1, 2, 3)
+        assert torch.isnan(k2[1][slots].float()).all()
+    finally:
+        gate.set()  # let the loader thread finish; it sees the abandoned slot and stops
+        eng.close()
+        donor.close()
