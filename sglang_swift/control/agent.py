@@ -197,6 +197,8 @@ class ControlAgent:
                     with self._lock:
                         self._table.on_frames(frames, rid, source)
                 self._drain_commands()
+                with self._lock:
+                    self._changed.notify_all()  # wake wait_until() callers to re-check
                 now = time.monotonic()
                 if now >= next_tick:
                     with self._lock:

@@ -1,0 +1,189 @@
+"""A standalone agent process for tests, benchmarks and operators trying the channel without
+a model server: ``python -m sglang_swift.control.sim --agent-id a --rendezvous-dir DIR ...``.
+
+It speaks JSON lines: commands on stdin (``{"op": "request", "n": 4}``), events on stdout
+(``{"ev": "LeaseGranted", "t": <monotonic>, ...}``). A donor lends a real shared-memory arena
+(``/dev/shm``); every block starts with an 8-byte *claim* word that borrowers set while they
+hold the block and clear before releasing or acknowledging. So:
+
+* a donor that gets a block back whose claim word is set was handed a block still in use
+  (``violation`` event); a borrower granted a block whose claim word is set got a block
+  granted twice (``violation``);
+* ``--readers K`` runs K threads that keep reading held blocks and check the payload the
+  borrower wrote; a donor with ``--scribble`` overwrites every block it gets back, so a block
+  reused before the borrower stopped reading shows up as a ``violation``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
+
+from sglang_swift.control import events as ev
+from sglang_swift.control.agent import ControlAgent
+from sglang_swift.control.config import ControlConfig
+from sglang_swift.control.sim_borrower import SimBorrower
+
+_out_lock = threading.Lock()
+
+
+def say(kind: str, **fields) -> None:
+    line = json.dumps({"ev": kind, "t": time.monotonic(), **fields})
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+class ShmArena:
+    """A /dev/shm file mapped in this process; the donor creates it, borrowers attach."""
+
+    def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
+        self.name, self.path = name, f"/dev/shm/{name}"
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.buf = mmap.mmap(fd, size or os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.owner = create
+
+    def close(self) -> None:
+        self.buf.close()
+        if self.owner:
+            os.unlink(self.path)
+
+
+class SimDonor:
+    def __init__(self, agent: ControlAgent, args) -> None:
+        self.agent, self.args = agent, args
+        bb, n = args.block_bytes, args.donate
+        name = f"swc-{args.agent_id}-{os.getpid()}"
+        self.arena = ShmArena(name, bb * n, create=True)
+        agent.set_memory(dict(kind="shm", handle=name.encode(), device="cpu", total_bytes=bb * n,
+                              block_bytes=bb, num_blocks=n, owner_pid=os.getpid(), owner_uuid=""))
+        agent.offer(range(n))
+
+    def on_event(self, e) -> None:
+        if not isinstance(e, ev.BlocksReturned):
+            return
+        bb, buf = self.args.block_bytes, self.arena.buf
+        claimed = [b for b in e.blocks if buf[b * bb : b * bb + 8] != bytes(8)]
+        if claimed:
+            say("violation", what="returned block still claimed", blocks=claimed[:16])
+        if self.args.scribble:
+            for b in e.blocks:
+                buf[b * bb + 8 : (b + 1) * bb] = b"\xee" * (bb - 8)
+        if self.args.reoffer:
+            self.agent.offer(e.blocks)
+
+
+def _event_fields(e) -> dict:
+    out = {}
+    for k, v in vars(e).items():
+        if isinstance(v, ev.LeaseKey):
+            v = list(v)
+        elif hasattr(v, "__struct_fields__"):
+            continue
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def run(args) -> None:
+    cfg = ControlConfig(agent_id=args.agent_id, rendezvous_dir=args.rendezvous_dir,
+                        secret_file=args.secret_file,
+                        heartbeat_interval_s=args.heartbeat_timeout / 10,
+                        heartbeat_timeout_s=args.heartbeat_timeout,
+                        lease_margin_s=args.heartbeat_timeout / 4,
+                        reserve_blocks=args.reserve, policy=args.policy,
+                        max_blocks_per_borrower=args.cap, reclaim_deadline_s=args.reclaim_deadline)
+    agent = ControlAgent(cfg, model=args.model).start()
+    donor = SimDonor(agent, args) if args.donate else None
+    borrower = SimBorrower(agent, args, say, ShmArena)
+    say("ready", agent_id=args.agent_id, epoch=agent.epoch, endpoint=agent.endpoint,
+        pid=os.getpid())
+    stop = threading.Event()
+
+    def pump() -> None:
+        while not stop.is_set():
+            e = agent.next_event(0.05)
+            if e is None:
+                continue
+            try:
+                if donor:
+                    donor.on_event(e)
+                borrower.on_event(e)
+            except Exception as exc:  # keep pumping; the test sees the error line
+                logging.exception("sim event handler failed")
+                say("error", detail=f"{type(exc).__name__}: {exc}")
+            if not args.quiet_events or isinstance(e, (ev.PeerChanged, ev.LeaseLost)):
+                say(type(e).__name__, **_event_fields(e))
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            op = cmd.pop("op")
+            if op == "quit":
+                break
+            if op == "status":
+                import msgspec
+
+                say("status", **msgspec.structs.asdict(agent.status()) | {
+                    "peers": [msgspec.structs.asdict(q) for q in agent.status().peers],
+                    "leases": [msgspec.structs.asdict(q) for q in agent.status().leases]})
+            elif op == "integrity":
+                try:
+                    agent.check_integrity()
+                    say("integrity", ok=True)
+                except AssertionError as exc:
+                    say("integrity", ok=False, error=str(exc))
+            elif op == "demand":
+                agent.demand(cmd["n"])
+            elif op == "offer":
+                agent.offer(cmd["blocks"])
+            else:
+                borrower.command(op, cmd)
+    finally:
+        stop.set()
+        borrower.stop()
+        agent.stop()
+        if donor:
+            donor.arena.close()
+        say("exited")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agent-id", required=True)
+    ap.add_argument("--rendezvous-dir", required=True)
+    ap.add_argument("--secret-file", default="")
+    ap.add_argument("--model", default="sim")
+    ap.add_argument("--donate", type=int, default=0, help="blocks to lend (0: borrower only)")
+    ap.add_argument("--block-bytes", type=int, default=256)
+    ap.add_argument("--reserve", type=int, default=0)
+    ap.add_argument("--cap", type=int, default=0)
+    ap.add_argument("--policy", default="proportional")
+    ap.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    ap.add_argument("--reclaim-deadline", type=float, default=0.5)
+    ap.add_argument("--scribble", action="store_true", help="overwrite blocks we get back")
+    ap.add_argument("--reoffer", action="store_true", help="lend blocks again once back")
+    ap.add_argument("--auto-ack", action="store_true", help="acknowledge reclaims at once")
+    ap.add_argument("--readers", type=int, default=0, help="reader threads over held blocks")
+    ap.add_argument("--quiet-events", action="store_true")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s {args.agent_id} %(levelname)s %(name)s: %(message)s")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
