@@ -1,0 +1,214 @@
+"""The data plane across two real processes on CPU (POSIX shared memory).
+
+- Round trip: a donor process exports an arena; a borrower process maps it, stores a prefix into
+  leased blocks and loads it back layer by layer: bit-identical, and the donor sees the bytes.
+- Abort: the donor process is killed while the borrower is loading; the borrower's waits end
+  within its timeout and name the failed layers.
+
+Run as a script, this file is the donor or the borrower (JSON lines on stdin/stdout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "v_head_dim": 16,
+            "dtype": "bfloat16", "page_size": 8}
+N_TOKENS = 45  # 5 full pages and a partial sixth
+TIMEOUT_S = 20.0
+
+
+# ---- child roles -------------------------------------------------------------------------------
+def _say(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _hear() -> dict:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit("parent closed stdin")
+    return json.loads(line)
+
+
+def _digest(memory, blocks) -> str:
+    import torch
+
+    return hashlib.sha256(memory[torch.tensor(blocks)].numpy().tobytes()).hexdigest()
+
+
+def donor_main() -> None:
+    from sglang_swift.dataplane import KVGeometry, SharedArena, block_bytes_for
+
+    g = KVGeometry.from_dict(GEOMETRY)
+    arena = SharedArena(16, block_bytes_for(g))
+    try:
+        blocks = arena.book.alloc("lease-1", -(-N_TOKENS // g.page_size))
+        arena.book.check_integrity()
+        desc = arena.export()
+        _say({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": blocks})
+        while True:
+            msg = _hear()
+            if msg["cmd"] == "digest":
+                _say({"digest": _digest(arena.memory, msg["blocks"])})
+            elif msg["cmd"] == "exit":
+                break
+    finally:
+        arena.close()
+
+
+def borrower_main(mode: str) -> None:
+    import torch
+
+    from sglang_swift.dataplane import CpuLayerCounter, KVGeometry, TransferEngine, map_arena
+
+    g = KVGeometry.from_dict(GEOMETRY)
+    msg = _hear()
+    desc = {**msg["desc"], "handle": bytes.fromhex(msg["desc"]["handle"])}
+    blocks = msg["blocks"]
+    mapped = map_arena(desc, g)
+    gen = torch.Generator().manual_seed(1234)
+    num_slots = 128
+    k = [torch.randn(num_slots, g.num_kv_heads, g.head_dim, generator=gen).to(g.dtype)
+         for _ in range(g.num_layers)]
+    v = [torch.randn(num_slots, g.num_kv_heads, g.v_head_dim, generator=gen).to(g.dtype)
+         for _ in range(g.num_layers)]
+    pages = torch.randperm(num_slots // g.page_size, generator=gen)[: len(blocks)]
+    slots = (pages[:, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[:N_TOKENS]
+    engine = TransferEngine(mapped.memory, g, liveness=mapped.alive)
+    stored = engine.begin_store(k, v, slots, blocks).wait(TIMEOUT_S)
+    dst = torch.randperm(num_slots, generator=gen)[:N_TOKENS]  # load into other, scattered slots
+    k2 = [torch.full_like(x, float("nan")) for x in k]
+    v2 = [torch.full_like(x, float("nan")) for x in v]
+    counter = CpuLayerCounter(g.num_layers, timeout_s=TIMEOUT_S)
+    stop_at = g.num_layers // 2
+
+    def before_layer(layer):
+        if mode == "abort" and layer == stop_at:
+            _say({"at_layer": layer})
+            _hear()  # the parent kills the donor, then says go
+
+    handle = engine.begin_load(k2, v2, dst, blocks, counter, before_layer=before_layer)
+    counter.set_consumer(handle.producer_id)
+    t0 = time.monotonic()
+    oks, identical = [], []
+    for layer in range(g.num_layers):  # what attention does: wait for layer l, then read it
+        oks.append(counter.wait_until(layer))
+        identical.append(bool(torch.equal(k2[layer][dst], k[layer][slots])
+                              and torch.equal(v2[layer][dst], v[layer][slots])))
+    elapsed = time.monotonic() - t0
+    result = handle.wait(TIMEOUT_S)
+    _say({"stored": stored.ok, "oks": oks, "identical": identical, "elapsed": elapsed,
+          "failed": list(counter.failed_layers()), "reason": counter.failure_reason(),
+          "load_ok": result.ok, "digest": _digest(mapped.memory, blocks)})
+    engine.close()
+    mapped.close()
+
+
+# ---- the tests -----------------------------------------------------------------------------
+class Child:
+    def __init__(self, role: str, log_path):
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, __file__, role], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log)
+        self.role, self.log_path, self._buf = role, log_path, b""
+
+    def send(self, obj) -> None:
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            chunk = os.read(self.proc.stdout.fileno(), 65536) if ready else b""
+            if not chunk:
+                raise AssertionError(f"{self.role}: no reply (exit code {self.proc.poll()}); "
+                                     f"stderr: {self.log_path.read_text()[-2000:]}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def _start_pair(tmp_path, mode):
+    donor = Child("donor", tmp_path / "donor.log")
+    borrower = Child(f"borrower-{mode}", tmp_path / "borrower.log")
+    offer = donor.recv()
+    borrower.send(offer)
+    return donor, borrower, offer
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_two_processes_store_and_load_back_bit_identical(tmp_path):
+    from sglang_swift.dataplane import unlink_descriptor
+
+    donor = borrower = offer = None
+    try:
+        donor, borrower, offer = _start_pair(tmp_path, "roundtrip")
+        out = borrower.recv()
+        assert out["stored"] and out["load_ok"] and all(out["oks"]), out
+        assert all(out["identical"]), out
+        donor.send({"cmd": "digest", "blocks": offer["blocks"]})
+        assert donor.recv()["digest"] == out["digest"]  # the donor's memory holds the stored KV
+        donor.send({"cmd": "exit"})
+        assert donor.proc.wait(timeout=60) == 0
+        assert borrower.proc.wait(timeout=60) == 0
+    finally:
+        for child in (borrower, donor):
+            if child is not None:
+                child.stop()
+        if offer is not None:
+            desc = {**offer["desc"], "handle": bytes.fromhex(offer["desc"]["handle"])}
+            unlink_descriptor(desc)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_donor_killed_mid_load_ends_the_wait_and_reports_failed_layers(tmp_path):
+    from sglang_swift.dataplane import unlink_descriptor
+
+    donor = borrower = offer = None
+    try:
+        donor, borrower, offer = _start_pair(tmp_path, "abort")
+        stop_at = borrower.recv()["at_layer"]
+        donor.proc.kill()
+        donor.proc.wait(timeout=30)
+        borrower.send({"go": True})
+        out = borrower.recv()
+        n = GEOMETRY["num_layers"]
+        assert out["oks"] == [True] * stop_at + [False] * (n - stop_at), out
+        assert out["identical"][:stop_at] == [True] * stop_at
+        assert out["failed"] == list(range(stop_at, n)) and out["reason"] == "donor lost"
+        assert not out["load_ok"] and out["elapsed"] < TIMEOUT_S
+        assert borrower.proc.wait(timeout=60) == 0
+    finally:
+        for child in (borrower, donor):
+            if child is not None:
+                child.stop()
+        if offer is not None:
+            desc = {**offer["desc"], "handle": bytes.fromhex(offer["desc"]["handle"])}
+            unlink_descriptor(desc)
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "donor":
+        donor_main()
+    else:
+        borrower_main(role.split("-", 1)[1])
