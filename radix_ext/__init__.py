@@ -13,6 +13,7 @@ from radix_ext.results import (
     LoadOutcome,
     LoadSegment,
     LoadTicket,
+    LostPrefix,
     Match,
     Released,
     RevokeResult,
@@ -24,6 +25,6 @@ from radix_ext.tree import RadixTree
 __all__ = [
     "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency", "DonorResidency",
     "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST", "HostResidency", "HostTier",
-    "InsertResult", "Lease", "LoadOutcome", "LoadSegment", "LoadTicket", "Match", "RadixTree",
+    "InsertResult", "Lease", "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match", "RadixTree",
     "Released", "RevokeResult", "Transfer", "TreeConfig",
 ]

@@ -19,7 +19,7 @@ class IntegrityMixin:
         assert root.lock_ref == 1 and not root.res and len(root.key) == 0, "root corrupted"
         pins_expected: dict = {}
         for t in self._tickets.values():
-            for p in self._ticket_path(t):
+            for p in [] if t.stale else self._ticket_path(t):
                 pins_expected[p] = pins_expected.get(p, 0) + 1
         dev_indices: list = []
         lower: dict = {name: [] for name in self.tiers}

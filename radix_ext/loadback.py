@@ -90,17 +90,25 @@ class LoadBackMixin:
         if self._tickets.pop(ticket.ticket_id, None) is None:
             raise ValueError(f"load ticket {ticket.ticket_id} is not in flight (completed twice?)")
         path = self._ticket_path(ticket)
+        if not ticket.stale:  # a stale ticket gave its pins back when it went stale
+            self._unpin(path)
+        return path
+
+    def _unpin(self, path: list) -> None:
         for p in path:
             p.pins -= 1
         for p in path:
             self._refresh_leaf(p)
-        return path
 
     def _mark_stale(self, node: Any) -> list:
-        """Every in-flight load through `node` must fail; returns their ticket ids."""
+        """Every in-flight load through `node` must fail: it is marked stale and unpins its
+        nodes at once (they are ordinary nodes again); returns the ticket ids."""
         ids = []
         for t in self._tickets.values():
-            if not t.stale and node in self._ticket_path(t):
-                t.stale = True
-                ids.append(t.ticket_id)
+            if not t.stale:
+                path = self._ticket_path(t)
+                if node in path:
+                    t.stale = True
+                    self._unpin(path)
+                    ids.append(t.ticket_id)
         return ids

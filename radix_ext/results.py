@@ -81,19 +81,28 @@ class Released:
 
 @dataclass(frozen=True, slots=True)
 class EvictionPlan:
-    """Result of `evict_device`: run `copies` in list order, then free the device entries of
-    `released`. `num_evicted` counts device tokens given up; `demoted`/`dropped` split them."""
+    """Result of `evict_device`. `steps` is the exact order of `Transfer`s and `Released`s:
+    run the copies in that order, then free the device entries of `released` (donor and host
+    releases need no action; a later copy may reuse their blocks, hence the order).
+    `num_evicted` counts device tokens given up; `demoted`/`dropped` split them."""
 
     num_evicted: int = 0
     demoted: int = 0
     dropped: int = 0
-    copies: tuple = ()
-    released: tuple = ()
+    steps: tuple = ()
+
+    @property
+    def copies(self) -> tuple:
+        return tuple(s for s in self.steps if type(s) is Transfer)
+
+    @property
+    def released(self) -> tuple:
+        return tuple(s for s in self.steps if type(s) is Released)
 
     def device_indices_to_free(self) -> array:
         out = array("q")
-        for r in self.released:
-            if r.tier == "device":
+        for r in self.steps:
+            if type(r) is Released and r.tier == "device":
                 out.extend(r.residency.indices)
         return out
 
@@ -122,9 +131,18 @@ class LoadOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class LostPrefix:
+    """`tokens[:still_cached]` is still cached; every longer prefix of `tokens` (and everything
+    that extended it) lost its last copy."""
+
+    namespace: Any
+    tokens: array
+    still_cached: int
+
+
+@dataclass(frozen=True, slots=True)
 class RevokeResult:
-    """`lost`: (namespace, token prefix) of every prefix that lost its last copy, shortest
-    first; `released`: residencies dropped (donor ones as revoked, others freed in their tier);
+    """`lost`: a `LostPrefix` per subtree that lost its last copy; `released`: residencies dropped (donor ones as revoked, others freed in their tier);
     `stale_tickets`: ids of in-flight loads that must now fail."""
 
     lost: tuple = ()
@@ -135,7 +153,7 @@ class RevokeResult:
 
 @dataclass(frozen=True, slots=True)
 class MakeRoomResult:
-    copies: tuple = ()
-    released: tuple = ()
-    freed_tokens: int = 0
+    """`steps`: ordered `Transfer`s and `Released`s, as in `EvictionPlan`."""
 
+    steps: tuple = ()
+    freed_tokens: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from radix_ext.residency import DONOR
-from radix_ext.results import Released, RevokeResult
+from radix_ext.results import LostPrefix, Released, RevokeResult
 
 
 class RevokeMixin:
@@ -16,7 +16,7 @@ class RevokeMixin:
 
         Contract: every donor residency touching a revoked block is dropped, even if pinned
         (the in-flight loads through it become stale and will fail). Nodes left with no copy lose
-        their subtree too; `lost` names the shortest such prefixes. The revoked blocks leave the
+        their subtree too; `lost` says where each lost subtree starts. The revoked blocks leave the
         donor tier for good; a revoked lease is forgotten. An expected event, never an error:
         the caller falls back to host or recompute.
         """
@@ -51,7 +51,8 @@ class RevokeMixin:
         for x in orphans:
             if x in removed:
                 continue
-            lost.append(self.prefix_of(x))
+            ns, tokens = self.prefix_of(x)
+            lost.append(LostPrefix(ns, tokens, len(tokens) - len(x.key)))
             for y in self._remove_subtree(x, released):
                 removed.add(y)
                 num_lost += len(y.key)

@@ -24,31 +24,30 @@ class TieringMixin:
         pol = self.eviction
         heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
         heapq.heapify(heap)
-        copies: list = []
-        released: list = []
+        steps: list = []
         evicted = demoted = dropped = 0
         while evicted < num_tokens and heap:
             _, _, x = heapq.heappop(heap)
             if x not in self._dev_leaves:
                 continue
             dev = self._pop_res(x, DEVICE)
-            released.append(Released(DEVICE, dev))
+            steps.append(Released(DEVICE, dev))
             n = len(x.key)
             evicted += n
             parent = x.parent
             if x.res:
                 demoted += n
-            elif self._demote(x, dev, copies, released):
+            elif self._demote(x, dev, steps):
                 demoted += n
             else:
                 dropped += n
-                self._remove_subtree(x, released)
+                self._remove_subtree(x, steps)
             self._refresh_leaf(parent)
             if parent in self._dev_leaves:
                 heapq.heappush(heap, (pol.device_priority(parent, self), parent.id, parent))
-        return EvictionPlan(evicted, demoted, dropped, tuple(copies), tuple(released))
+        return EvictionPlan(evicted, demoted, dropped, tuple(steps))
 
-    def _demote(self, x: Any, dev: Any, copies: list, released: list) -> bool:
+    def _demote(self, x: Any, dev: Any, steps: list) -> bool:
         """Copy `x` (no residency left but `dev`) into a lower tier; False if none takes it."""
         n = len(x.key)
         targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
@@ -56,18 +55,17 @@ class TieringMixin:
             res = self.tiers[tier].alloc(n, pref)
             if res is not None:
                 self._add_res(x, res)
-                copies.append(Transfer(DEVICE, dev, tier, res))
+                steps.append(Transfer(DEVICE, dev, tier, res))
                 return True
         for tier, pref in targets:
             if self.tiers[tier].capacity_tokens() < n:
                 continue
             made = self._make_room(tier, n)
-            copies.extend(made.copies)
-            released.extend(made.released)
+            steps.extend(made.steps)
             res = self.tiers[tier].alloc(n, pref)
             if res is not None:
                 self._add_res(x, res)
-                copies.append(Transfer(DEVICE, dev, tier, res))
+                steps.append(Transfer(DEVICE, dev, tier, res))
                 return True
         return False
 
@@ -94,8 +92,7 @@ class TieringMixin:
             if not x.pins and (len(x.res) > 1 or not x.children)
         ]
         heapq.heapify(heap)
-        copies: list = []
-        released: list = []
+        steps: list = []
         freed = 0
         page = self.page_size
         while freed < goal and heap:
@@ -108,16 +105,16 @@ class TieringMixin:
                 h = self.host.alloc(len(x.key))
                 if h is not None:
                     self._add_res(x, h)
-                    copies.append(Transfer(DONOR, res, HOST, h))
+                    steps.append(Transfer(DONOR, res, HOST, h))
             t.free(res)
-            released.append(Released(tier, res))
+            steps.append(Released(tier, res))
             if not x.res:
                 parent = x.parent
                 del parent.children[x.ck]
                 self._refresh_leaf(parent)
                 if parent in members and not parent.pins and not parent.children:
                     heapq.heappush(heap, (pol.tier_priority(parent, tier, self), parent.id, parent))
-        return MakeRoomResult(tuple(copies), tuple(released), freed)
+        return MakeRoomResult(tuple(steps), freed)
 
     def _remove_subtree(self, x: Any, released: list) -> list:
         """Detach `x` and everything below it, releasing every residency; returns the nodes."""
