@@ -1,0 +1,93 @@
+"""The narrow seam between the simulator and the project's real prefix tree (`radix_ext`).
+
+One radix key is one KV page (params.SGLANG page_size tokens), so trees stay small while match,
+insert, eviction, demotion, two-phase load-back and revocation are all decided by
+`radix_ext.RadixTree` itself. The device page allocator (SGLang's job) lives here: a free list
+of page indices the tree records but never frees.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from radix_ext import DEVICE, DONOR, HOST, RadixTree, TreeConfig
+from radix_ext.results import EvictionPlan
+
+TIERS = (DEVICE, DONOR, HOST)
+
+
+class TreeCache:
+    """A device page pool plus one `RadixTree` (with optional host and donor tiers)."""
+
+    def __init__(self, device_pages: int, host_pages: int = 0, donor: bool = False,
+                 eviction: str = "lru", demotion: str = "tiered") -> None:
+        if device_pages <= 0:
+            raise ValueError(f"device_pages must be positive, got {device_pages}")
+        self.tree = RadixTree(TreeConfig(page_size=1, host_capacity=host_pages, donor=donor,
+                                         eviction=eviction, demotion=demotion))
+        self.device_pages = device_pages
+        self._free = array("q", range(device_pages - 1, -1, -1))
+        self.calls = {"match": 0, "insert": 0, "evict": 0, "load": 0, "revoke": 0}
+
+    # -- device pool -------------------------------------------------------------------------------
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> array | None:
+        if n > len(self._free):
+            return None
+        out = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return out
+
+    def free(self, idx) -> None:
+        self._free.extend(idx)
+
+    def evictable(self) -> int:
+        return self.tree.evictable_size()
+
+    def evict(self, n: int) -> EvictionPlan:
+        """Ask the tree for `n` device pages; the caller runs `plan.copies`, then frees."""
+        self.calls["evict"] += 1
+        return self.tree.evict_device(n)
+
+    # -- tree operations ---------------------------------------------------------------------------
+    def match(self, key):
+        self.calls["match"] += 1
+        return self.tree.match(key)
+
+    def lock(self, node) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node) -> None:
+        self.tree.unlock(node)
+
+    def path_indices(self, node) -> array:
+        return array("q") if self.tree.is_root(node) else self.tree.device_indices(node)
+
+    def begin_load(self, last_node, idx):
+        self.calls["load"] += 1
+        return self.tree.begin_load_back(last_node, idx)
+
+    def complete_load(self, ticket):
+        out = self.tree.complete_load_back(ticket)
+        if not out.ok:
+            self.free(out.device_indices_to_free)
+        return out
+
+    def insert(self, key, idx):
+        self.calls["insert"] += 1
+        return self.tree.insert(key, idx)
+
+    def add_lease(self, donor: str, lease_id: int, epoch: int, blocks: int) -> None:
+        self.tree.donor.add_lease(donor, lease_id, epoch, blocks)
+
+    def revoke(self, donor: str, lease_id: int, blocks):
+        self.calls["revoke"] += 1
+        return self.tree.revoke(donor, lease_id, blocks)
+
+    def tier_pages(self, tier: str) -> int:
+        return self.tree.device_size() if tier == DEVICE else self.tree.tier_size(tier)
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()

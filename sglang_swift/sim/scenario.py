@@ -1,0 +1,195 @@
+"""Scenarios (machines, models, traffic) and one simulated run of one system at one load point.
+
+Systems compared on the same trace (same sessions, same arrival times):
+  sglang-radix    device radix cache only; misses recomputed
+  sglang-hicache  + host tier over PCIe (hicache_ratio x device), layer-wise load overlapped
+  vllm-offload    + host tier over PCIe, same size, the load finishes before the request is scheduled
+  swiftcache      + donor HBM over NVLink (leased through the donor ledger), then the host tier
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_swift.config import SwiftConfig
+
+from . import params
+from .cache_adapter import TreeCache
+from .node import Node
+from .roofline import Roofline
+from .server import ModelServer, SimRequest
+from .traces import AgentTraffic, ChatTraffic, agent_sessions, chat_sessions, page_ids
+
+SYSTEMS = {
+    "sglang-radix": dict(load_mode="none", host=False, donor=False),
+    "sglang-hicache": dict(load_mode="layerwise", host=True, donor=False),
+    "vllm-offload": dict(load_mode="before", host=True, donor=False),
+    "swiftcache": dict(load_mode="layerwise", host=True, donor=True),
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    gpu: str
+    master: str
+    donors: tuple[str, ...]
+    workload: str = "chat"  # master workload: chat | agent
+    donor_rate: float = 0.05  # donor chat sessions/s each ("lighter traffic")
+    think_mean_s: float = 10.0
+    lend_fraction: float = SwiftConfig().lend_fraction
+    watermark: float = SwiftConfig().reclaim_watermark
+    drain_s: float = 1800.0  # stop this long after the last arrival (unfinished requests are counted)
+
+
+PAPER = Scenario("paper-4xH20", "H20", "Qwen3-32B", ("Qwen3-14B", "Qwen3-8B", "Qwen3-4B"))
+HGX_H100 = Scenario("8xH100", "H100", "Qwen3-32B",
+                    ("Qwen3-14B", "Qwen3-8B", "Qwen3-8B", "Qwen3-4B", "Qwen3-4B", "Qwen3-1.7B", "Qwen3-1.7B"))
+HGX_H200 = Scenario("8xH200", "H200", "Qwen3-32B",
+                    ("Qwen3-14B", "Qwen3-8B", "Qwen3-8B", "Qwen3-4B", "Qwen3-4B", "Qwen3-1.7B", "Qwen3-1.7B"))
+SCENARIOS = {s.name: s for s in (PAPER, HGX_H100, HGX_H200)}
+
+
+def _server(node, g, name, model_name, scn, mode, host, donor) -> ModelServer:
+    m = params.MODELS[model_name]
+    hw = params.gpu(scn.gpu)
+    page = int(params.SGLANG["page_size"].value)
+    pages = int(params.kv_pool_bytes(scn.gpu, m) // (page * m.kv_bytes_per_token))
+    host_pages = int(params.SGLANG["hicache_ratio"].value * pages) if host else 0
+    rl = Roofline(m, hw["bf16_flops"], hw["hbm_bw"], params.EFFICIENCY["compute"].value,
+                  params.EFFICIENCY["hbm"].value)
+    cache = TreeCache(pages, host_pages, donor=donor)
+    srv = ModelServer(name, node.gpus[g], rl, cache, page_tokens=page,
+                      chunk=int(params.SGLANG["chunked_prefill_size"].value),
+                      max_running=int(params.SGLANG["max_running_requests"].value), load_mode=mode, node=node)
+    node.gpus[g].server = srv
+    node.by_name[name] = srv
+    return srv
+
+
+def _drive(node, srv, sessions, page, stop_at) -> list[SimRequest]:
+    reqs: list[SimRequest] = []
+    rid = [0]
+
+    def submit(s, k, ctx):
+        if k >= len(s.turns) or node.loop.now > stop_at:
+            return
+        t = s.turns[k]
+        prompt = ctx + t.new_tokens
+        r = SimRequest(rid[0], str(s.sid), k, node.loop.now, prompt, t.output_tokens,
+                       key_prompt=_arr(page_ids(s, prompt - 1, page)),
+                       key_full=_arr(page_ids(s, prompt + t.output_tokens, page)))
+        rid[0] += 1
+        r.on_done = lambda r, s=s, k=k, t=t, prompt=prompt: node.loop.after(
+            t.think_s, lambda: submit(s, k + 1, prompt + t.output_tokens))
+        reqs.append(r)
+        srv.submit(r)
+
+    for s in sessions:
+        node.loop.at(s.start, lambda s=s: submit(s, 0, 0))
+    return reqs
+
+
+def _arr(xs):
+    from array import array
+
+    return array("q", xs)
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def metrics(reqs: list[SimRequest], end: float) -> dict:
+    done = [r for r in reqs if r.first_token is not None]
+    # requests still without a first token at the end count with their waiting time so far
+    ttft = [r.ttft for r in done] + [end - r.arrival for r in reqs if r.first_token is None and not r.rejected]
+    tpot = [float(np.mean(r.itls)) for r in done if r.itls]
+    prompt = sum(r.prompt_tokens for r in done)
+    hit = {}
+    for r in done:
+        for tier, n in r.hit_tokens.items():
+            hit[tier] = hit.get(tier, 0) + n
+    loads = [r.load_time for r in done if r.load_time is not None]
+    return {
+        "requests": len(reqs), "first_token": len(done), "rejected": sum(r.rejected for r in reqs),
+        "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "ttft_p99": _pct(ttft, 99),
+        "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
+        "hit_rate": {k: v / prompt for k, v in hit.items()} if prompt else {},
+        "load_p99": _pct(loads, 99), "loads": len(loads),
+    }
+
+
+def _stable(reqs, window: float, end: float) -> bool:
+    """Not overloaded: requests arriving in the last fifth of the window wait (median TTFT) no
+    more than twice as long as those in the first fifth, plus 1 s; and nothing is left unserved."""
+    def med(lo, hi):
+        xs = [(r.ttft if r.first_token is not None else end - r.arrival) for r in reqs
+              if lo <= r.arrival < hi and not r.rejected]
+        return float(np.median(xs)) if xs else 0.0
+    unserved = sum(1 for r in reqs if r.first_token is None and not r.rejected)
+    return unserved == 0 and med(0.8 * window, window) <= 2 * med(0, 0.2 * window) + 1.0
+
+
+@dataclass
+class RunResult:
+    system: str
+    rate: float
+    master: dict
+    donors: dict = field(default_factory=dict)
+    lent_blocks: int = 0
+    reclaimed_blocks: int = 0
+    bytes_by_route: dict = field(default_factory=dict)
+    tree_calls: dict = field(default_factory=dict)
+    events: int = 0
+
+
+def master_sessions(scn: Scenario, rate: float, window: float, seed: int):
+    if scn.workload == "agent":
+        return agent_sessions(AgentTraffic(rate=rate, window_s=window, seed=seed))
+    if scn.workload == "single":  # low reuse: first turns only, nothing to reuse across turns
+        return chat_sessions(ChatTraffic(rate=rate, window_s=window, max_turns=1, seed=seed))
+    return chat_sessions(ChatTraffic(rate=rate, window_s=window, think_mean_s=scn.think_mean_s, seed=seed))
+
+
+def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: int = 0,
+              with_master: bool = True, with_donors: bool = True, lend: bool | None = None,
+              donor_rate: float | None = None) -> RunResult:
+    """Simulate `window` seconds of arrivals (then drain) for one system at one master rate."""
+    cfg = SYSTEMS[system]
+    lend = cfg["donor"] if lend is None else lend
+    hw = params.gpu(scn.gpu)
+    node = Node(hw["nvlink_bw_dir"], hw["pcie_bw_dir"], 1 + len(scn.donors))
+    page = int(params.SGLANG["page_size"].value)
+    stop_at = window + scn.drain_s
+    master = _server(node, 0, "master", scn.master, scn, cfg["load_mode"], cfg["host"], cfg["donor"])
+    donors = []
+    if with_donors or lend:
+        for i, dm in enumerate(scn.donors):
+            donors.append(_server(node, i + 1, f"donor{i + 1}:{dm}", dm, scn, "none", False, False))
+    lent = 0
+    if lend:
+        for d in donors:
+            lent += node.lend(d, master, scn.lend_fraction, scn.watermark)
+    m_reqs = _drive(node, master, master_sessions(scn, rate, window, seed), page, stop_at) if with_master else []
+    d_reqs = {}
+    drate = scn.donor_rate if donor_rate is None else donor_rate
+    for i, d in enumerate(donors):
+        if drate > 0:
+            ss = chat_sessions(ChatTraffic(rate=drate, window_s=window, think_mean_s=scn.think_mean_s,
+                                           offset=2000 + 500 * i, seed=seed + 101 * (i + 1)), sid_base=0)
+            d_reqs[d.name] = _drive(node, d, ss, page, stop_at)
+    node.loop.run(until=stop_at)
+    end = node.loop.now
+    mm = metrics(m_reqs, end) if with_master else {}
+    if with_master:
+        mm["stable"] = _stable(m_reqs, window, end)
+        mm["load_failures"] = master.load_failures
+    res = RunResult(system, rate, mm,
+                    {k: metrics(v, end) for k, v in d_reqs.items()}, lent,
+                    sum(d.reclaimed_blocks for d in node.donations.values()),
+                    {f"{a}->{b}": v for (a, b), v in node.bytes_by_route.items()},
+                    dict(master.cache.calls), node.loop.events_run)
+    return res
