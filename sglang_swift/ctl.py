@@ -1,0 +1,102 @@
+"""Operator view of the donation control channel, in the spirit of kvcached's ``kvctl``.
+
+    python -m sglang_swift.ctl status [--rendezvous-dir DIR] [--secret-file FILE] [--json]
+
+Lists every agent published in the rendezvous directory with its lending state, then every
+lease (donor, borrower, blocks, blocks being reclaimed). Each agent is asked over its own
+endpoint with an authenticated StatusRequest, so `ctl` needs to read the node secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import msgspec
+import zmq
+
+from sglang_swift.control import discovery, protocol as p
+from sglang_swift.control.auth import read_secret
+from sglang_swift.control.config import ControlConfigError, default_rendezvous_dir
+
+
+def query(codec: p.Codec, rec: discovery.PeerRecord, timeout_s: float) -> p.AgentStatus | str:
+    """One agent's status, or a short reason why there is none."""
+    if not discovery.pid_alive(rec.pid):
+        return "dead (stale record)"
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(rec.endpoint)
+        env = p.Envelope(f"ctl-{os.getpid()}", 0, rec.epoch, 1, p.StatusRequest())
+        sock.send(codec.encode(env))
+        if not sock.poll(int(timeout_s * 1000)):
+            return "no reply"
+        reply = codec.decode(sock.recv())
+    except p.BadMessage as err:
+        return f"bad reply: {err.code}"
+    finally:
+        sock.close()
+    if isinstance(reply.body, p.StatusReply):
+        return reply.body.status
+    if isinstance(reply.body, p.Error):
+        return f"refused: {reply.body.code}"
+    return "unexpected reply"
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def status(args) -> int:
+    try:
+        codec = p.Codec(read_secret(args.secret_file or os.path.join(args.rendezvous_dir,
+                                                                    "secret")))
+    except (FileNotFoundError, ControlConfigError) as exc:
+        print(f"cannot read the node secret: {exc}", file=sys.stderr)
+        return 2
+    records = sorted(discovery.read_records(args.rendezvous_dir), key=lambda r: r.agent_id)
+    results = [(rec, query(codec, rec, args.timeout)) for rec in records]
+    if args.json:
+        print(json.dumps([msgspec.to_builtins(s) if isinstance(s, p.AgentStatus)
+                          else {"agent_id": r.agent_id, "epoch": r.epoch, "pid": r.pid,
+                                "state": s} for r, s in results]))
+        return 0
+    agents, leases = [], {}
+    for rec, st in results:
+        if isinstance(st, str):
+            agents.append([rec.agent_id, rec.epoch, rec.pid, rec.model, st] + ["-"] * 6)
+            continue
+        agents.append([st.agent_id, st.epoch, st.pid, st.model, "up", st.num_blocks, st.lendable,
+                       st.reserve, st.lent, st.borrowed, len(st.peers)])
+        for l in st.leases:  # each lease is reported by both ends; the key dedups
+            leases[(l.donor, l.epoch, l.lease_id)] = l
+    print(f"rendezvous {args.rendezvous_dir}: {len(records)} agent(s)")
+    print(_table(agents, ["AGENT", "EPOCH", "PID", "MODEL", "STATE", "BLOCKS", "LENDABLE",
+                          "RESERVE", "LENT", "BORROWED", "PEERS"]))
+    print(f"\n{len(leases)} lease(s)")
+    print(_table([[l.donor, l.borrower, l.lease_id, l.epoch, l.num_blocks, l.reclaiming]
+                  for l in sorted(leases.values(), key=lambda l: (l.donor, l.lease_id))],
+                 ["DONOR", "BORROWER", "LEASE", "EPOCH", "BLOCKS", "RECLAIMING"]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_swift.ctl", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="peers, leases, lent and borrowed blocks")
+    st.add_argument("--rendezvous-dir", default=default_rendezvous_dir())
+    st.add_argument("--secret-file", default="")
+    st.add_argument("--timeout", type=float, default=0.5, help="seconds to wait per agent")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    args = ap.parse_args(argv)
+    return status(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
