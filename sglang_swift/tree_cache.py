@@ -1,16 +1,55 @@
 """The `swiftcache` radix cache backend that SGLang builds when --enable-swiftcache is on.
 
-Placeholder until radix_ext is wired in: builds SGLang's own default tree, so the flag is
-behaviour-neutral. Owned by the radix_ext work (issue 3), which replaces this body.
+`create_swift_tree_cache` puts radix_ext behind SGLang's prefix-cache interface
+(`tree_cache_adapter.SwiftRadixCache`). Tree configuration comes from `SwiftConfig`; model kinds
+the tree does not handle yet fail here, at start-up, with the fix.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def tree_config_for(config: Any, page_size: int):
+    """The radix_ext `TreeConfig` for a SwiftConfig (read defensively: fields may be missing).
+
+    Lower tiers stay off until the data plane attaches them: a tier the tree could demote to
+    but nobody copies into would hand out KV that is not there.
+    """
+    from radix_ext import TreeConfig
+
+    policy = getattr(config, "eviction_policy", "lru") or "lru"
+    wants = {
+        "donor blocks": getattr(config, "max_borrow_blocks", 0) or 0,
+        "host tier tokens": getattr(config, "host_tier_tokens", 0) or 0,
+    }
+    asked = [f"{k}={v}" for k, v in wants.items() if v]
+    if asked:
+        logger.warning("SwiftCache: %s configured, but the tree keeps them off until the data "
+                       "plane is attached; running device-only", ", ".join(asked))
+    return TreeConfig(page_size=page_size, eviction=policy,
+                      demotion="cost_aware" if policy == "cost_aware" else "tiered")
 
 
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's TreeCacheBuildContext."""
-    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+    unsupported = [name for name, on in (
+        ("hybrid sliding-window attention", getattr(ctx, "is_hybrid_swa", False)),
+        ("hybrid SSM/mamba layers", getattr(ctx, "is_hybrid_ssm", False)),
+        ("DSA attention", getattr(ctx, "is_dsa", False)),
+        ("--enable-hierarchical-cache", getattr(ctx, "enable_hierarchical_cache", False)),
+    ) if on]
+    if unsupported:
+        raise ValueError(f"SwiftCache's tree supports dense full-attention models only; this server "
+                         f"has {', '.join(unsupported)}. Run without --enable-swiftcache "
+                         f"(or without --enable-hierarchical-cache: SwiftCache has its own tiers).")
+    from .tree_cache_adapter import SwiftRadixCache
 
-    return create_unified_radix_cache(ctx)
+    params = ctx.params
+    cache = SwiftRadixCache(params, tree_config_for(config, params.page_size))
+    logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s)", params.page_size,
+                cache.tree_config.eviction)
+    return cache
