@@ -9,8 +9,8 @@ Three obstacles, each removed by one piece (facts measured in shared/notes/cpu-s
    calls, in plain torch, and makes every other name importable but raise if called.
 3. torchvision's PyPI wheels here are CUDA builds whose meta registrations fail beside CPU torch;
    `torchvision_fix` defines the two missing operator schemas just before those registrations run.
-   It is installed by a `.pth` file that scripts/setup_cpu.sh writes, and acts only when
-   SWIFTCACHE_CPU_COMPAT=1 (which `cpu_env()` sets), so spawned SGLang processes get it too.
+   `site_hook` installs it (and, on the CPU engine, the stand-in's path) from a `.pth` file that
+   scripts/setup_cpu.sh writes into the CPU venv only, so spawned SGLang processes get it too.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ stays out of interpreter start-up. torchvision's C++ ops stay unavailable (text 
 from __future__ import annotations
 
 import importlib.abc
-import os
 import sys
 
 _TARGET = "torchvision._meta_registrations"
@@ -57,9 +56,3 @@ def install() -> None:
     """Install the finder (idempotent)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
-
-
-def install_if_requested() -> None:
-    """Entry for the `.pth` line: acts only when SWIFTCACHE_CPU_COMPAT=1."""
-    if os.environ.get("SWIFTCACHE_CPU_COMPAT") == "1":
-        install()
