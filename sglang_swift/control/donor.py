@@ -100,6 +100,7 @@ class DonorSide:
             elif now - sent > deadline:
                 log.warning("reclaim %d of lease %d from %s unacknowledged after %.2fs; resending",
                             rid, rec.lease_id, rec.borrower, deadline)
+                self.agent.count("reclaims_resent")
                 self._send_reclaims([rec], resend=True)
         self.maybe_advertise()
 

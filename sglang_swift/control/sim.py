@@ -21,6 +21,7 @@ import json
 import logging
 import mmap
 import os
+import random
 import sys
 import threading
 import time
@@ -70,6 +71,15 @@ class SimDonor:
         agent.set_memory(dict(kind="shm", handle=name.encode(), device="cpu", total_bytes=bb * n,
                               block_bytes=bb, num_blocks=n, owner_pid=os.getpid(), owner_uuid=""))
         agent.offer(range(n))
+        if args.pressure:
+            threading.Thread(target=self._pressure, daemon=True).start()
+
+    def _pressure(self) -> None:
+        """The owner's own demand comes and goes: take back a few blocks every 20 ms."""
+        rng = random.Random(os.getpid())
+        while True:
+            self.agent.demand(rng.randint(1, self.args.pressure))
+            time.sleep(0.02)  # pacing the simulated owner, not waiting for anything
 
     def on_event(self, e) -> None:
         if not isinstance(e, ev.BlocksReturned):
@@ -176,6 +186,9 @@ def main(argv=None) -> None:
     ap.add_argument("--scribble", action="store_true", help="overwrite blocks we get back")
     ap.add_argument("--reoffer", action="store_true", help="lend blocks again once back")
     ap.add_argument("--auto-ack", action="store_true", help="acknowledge reclaims at once")
+    ap.add_argument("--pressure", type=int, default=0, help="donor demands up to N blocks / 20 ms")
+    ap.add_argument("--unsafe-ack-early", action="store_true",
+                    help="negative control: ack reclaims before readers stop (must be caught)")
     ap.add_argument("--readers", type=int, default=0, help="reader threads over held blocks")
     ap.add_argument("--quiet-events", action="store_true")
     ap.add_argument("--log-level", default="WARNING")

@@ -51,7 +51,11 @@ class SimBorrower:
         if isinstance(e, ev.LeaseGranted):
             self._granted(e)
         elif isinstance(e, ev.ReclaimRequested):
-            if self.auto:
+            if self.args.unsafe_ack_early:
+                self.agent.ack_reclaim(e)
+                time.sleep(0.02)  # readers keep going after the ack: the bug under test
+                self._stop_reading(e.key, set(e.blocks), clear=False)
+            elif self.auto:
                 self._stop_reading(e.key, set(e.blocks))
                 self.agent.ack_reclaim(e)
                 self.stats["acks"] += 1
@@ -85,7 +89,7 @@ class SimBorrower:
             self.held[e.key] = (arena, set(e.blocks), bb)
             self._rebuild()
 
-    def _stop_reading(self, key: ev.LeaseKey, blocks: set[int]) -> None:
+    def _stop_reading(self, key: ev.LeaseKey, blocks: set[int], clear: bool = True) -> None:
         """Make blocks unreadable, wait for readers inside them, then clear our claim words."""
         with self.cv:
             entry = self.held.get(key)
@@ -99,7 +103,7 @@ class SimBorrower:
             if not self.cv.wait_for(lambda: all(self.inuse.get((key, b), 0) == 0
                                                  for b in blocks), 5.0):
                 self.say("violation", what="reader did not leave a reclaimed block")
-        for b in blocks:
+        for b in blocks if clear else ():
             arena.buf[b * bb : b * bb + 8] = bytes(8)
 
     def _rebuild(self) -> None:

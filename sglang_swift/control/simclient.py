@@ -22,7 +22,11 @@ class SimProcess:
         self.events: list[dict] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self.wait_for(lambda e: e["ev"] == "ready", 20.0)
+        try:
+            self.ready = self.wait_for(lambda e: e["ev"] == "ready", 20.0)
+        except TimeoutError:
+            self.kill()
+            raise
         self.epoch = self.ready["epoch"]
 
     def _read(self) -> None:
@@ -64,6 +68,18 @@ class SimProcess:
     def status(self) -> dict:
         return self.ask("status", "status")
 
+    def status_until(self, pred, timeout: float = 10.0) -> dict:
+        """Ask for status until ``pred(status)`` holds; TimeoutError at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if pred(st):
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.agent_id}: status never matched; last {st}")
+            with self._cv:  # re-ask when the process says something, at least every 20 ms
+                self._cv.wait(0.02)
+
     def violations(self) -> list[dict]:
         with self._cv:
             return [e for e in self.events if e["ev"] in ("violation", "error")]
@@ -82,3 +98,32 @@ class SimProcess:
             except (OSError, subprocess.TimeoutExpired, ValueError):
                 pass
         self.kill()
+
+
+class SimGroup:
+    """Simulated agents sharing one short-named rendezvous directory; ``close()`` ends them all."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.root = tempfile.mkdtemp(prefix="swc")
+        self.rdv = f"{self.root}/r"
+        self.procs: list[SimProcess] = []
+
+    def start(self, agent_id: str, *args: str, rdv: str | None = None) -> SimProcess:
+        log = open(f"{self.root}/{agent_id}.{len(self.procs)}.log", "w")
+        try:
+            proc = SimProcess(rdv or self.rdv, agent_id, *args, stderr=log)
+        finally:
+            log.close()  # the child keeps its own descriptor
+        self.procs.append(proc)
+        return proc
+
+    def log(self, proc: SimProcess) -> str:
+        i = self.procs.index(proc)
+        with open(f"{self.root}/{proc.agent_id}.{i}.log") as f:
+            return f.read()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.close()

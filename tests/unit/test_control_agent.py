@@ -1,0 +1,164 @@
+"""Two agents in one process (real ipc sockets, background threads): the lease life cycle,
+stale and forged input, timeouts, and the `ctl status` view."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import zmq
+
+from sglang_swift import ctl
+from sglang_swift.control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted,
+                                  ReclaimRequested, RequestFailed, protocol as p)
+from sglang_swift.control.auth import load_or_create_secret
+
+MEM = dict(kind="shm", handle=b"arena", device="cpu", total_bytes=256 * 32, block_bytes=256,
+           num_blocks=32, owner_pid=os.getpid(), owner_uuid="")
+
+
+def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:
+    return ControlConfig(agent_id, rendezvous_dir=rdv, heartbeat_interval_s=0.05,
+                         heartbeat_timeout_s=0.6, lease_margin_s=0.15, **kw)
+
+
+def _next(agent: ControlAgent, kind, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        e = agent.next_event(left)
+        if isinstance(e, kind):
+            return e
+    raise AssertionError(f"no {kind.__name__} within {timeout}s")
+
+
+@pytest.fixture
+def pair():
+    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
+    donor = ControlAgent(_cfg(rdv, "donor", request_timeout_s=0.5), memory=MEM).start()
+    borrower = ControlAgent(_cfg(rdv, "borrower", request_timeout_s=0.5)).start()
+    donor.offer(range(32))
+    try:
+        assert borrower.wait_until(lambda a: "donor" in a.peers and a.peers["donor"].lendable, 5)
+        yield rdv, donor, borrower
+    finally:
+        borrower.stop()
+        donor.stop()
+
+
+def test_grant_reclaim_ack_cycle(pair):
+    """Reclaimed blocks come back to the donor's owner only after the borrower's ack."""
+    _, donor, borrower = pair
+    borrower.request(32)
+    grant = _next(borrower, LeaseGranted)
+    assert len(grant.blocks) == 32 and grant.memory.owner_uuid == f"donor:{donor.epoch}"
+    donor.demand(5)
+    rec = _next(borrower, ReclaimRequested)
+    assert len(rec.blocks) == 5 and rec.deadline > time.monotonic() - 1
+    assert not [e for e in donor.poll_events() if isinstance(e, BlocksReturned)]
+    assert donor.status().leases[0].reclaiming == 5
+    borrower.ack_reclaim(rec)
+    back = _next(donor, BlocksReturned)
+    assert sorted(back.blocks) == sorted(rec.blocks)
+    borrower.release(grant.key)
+    assert donor.wait_until(lambda a: a.status().lent == 0, 5)
+    donor.check_integrity()
+    borrower.check_integrity()
+
+
+def test_read_deadline_follows_heartbeats(pair):
+    """The borrower's read deadline stays within one timeout of now while the donor is alive."""
+    _, donor, borrower = pair
+    borrower.request(1)
+    _next(borrower, LeaseGranted)
+    assert borrower.wait_until(
+        lambda a: a.borrower.read_deadline("donor") > time.monotonic() + 0.2, 5)
+    assert borrower.read_deadline("donor") < time.monotonic() + 0.6
+
+
+def _forge(rdv: str, to: ControlAgent, env: p.Envelope) -> zmq.Socket:
+    codec = p.Codec(load_or_create_secret(os.path.join(rdv, "secret")))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(to.endpoint)
+    sock.send(codec.encode(env))
+    return sock
+
+
+def test_stale_epochs_are_harmless(pair):
+    """A grant from an older donor epoch and acks for an old epoch change nothing."""
+    rdv, donor, borrower = pair
+    borrower.request(4)
+    grant = _next(borrower, LeaseGranted)
+    donor.demand(28 + 2)
+    assert len(_next(donor, BlocksReturned).blocks) == 28  # the free ones, at once
+    rec = _next(borrower, ReclaimRequested)
+    socks = [
+        _forge(rdv, borrower, p.Envelope("donor", donor.epoch - 1, borrower.epoch, 1 << 40,
+                                         p.Grant(99, 77, donor.epoch - 1, [9], p.MemoryDescriptor.coerce(MEM)))),
+        _forge(rdv, donor, p.Envelope("borrower", borrower.epoch - 1, donor.epoch, 1 << 40,
+                                      p.ReclaimAck(rec.reclaim_id, grant.key.lease_id,
+                                                   donor.epoch, list(rec.blocks)))),
+        _forge(rdv, donor, p.Envelope("borrower", borrower.epoch, donor.epoch + 1, 1 << 40,
+                                      p.ReclaimAck(rec.reclaim_id, grant.key.lease_id,
+                                                   donor.epoch, list(rec.blocks)))),
+    ]
+    try:
+        assert donor.wait_until(lambda a: a.counters.get("stale", 0) >= 2, 5)
+        assert borrower.wait_until(lambda a: a.counters.get("stale", 0) >= 1, 5)
+        assert donor.status().leases[0].reclaiming == 2  # still waiting for the real ack
+        assert [s.lease_id for s in borrower.status().leases] == [grant.key.lease_id]
+    finally:
+        for s in socks:
+            s.close()
+    borrower.ack_reclaim(rec)
+    assert len(_next(donor, BlocksReturned).blocks) == 2
+
+
+def test_unknown_sender_gets_an_error_and_no_state(pair):
+    """A signed message from an agent that never said hello is answered with unknown_peer."""
+    rdv, donor, _ = pair
+    sock = _forge(rdv, donor, p.Envelope("ghost", 1, donor.epoch, 1, p.LeaseRequest(1, 4)))
+    try:
+        assert sock.poll(5000)
+        reply = p.Codec(load_or_create_secret(os.path.join(rdv, "secret"))).decode(sock.recv())
+        assert reply.body == p.Error(p.E_UNKNOWN_PEER, "send hello first")
+        assert donor.status().lent == 0 and "ghost" not in donor.peers
+    finally:
+        sock.close()
+
+
+def test_requests_to_a_silent_donor_time_out():
+    """A donor that never answers: the request fails with timeout, then the peer is dropped."""
+    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
+    borrower = ControlAgent(_cfg(rdv, "borrower", request_timeout_s=0.3)).start()
+    codec = p.Codec(load_or_create_secret(os.path.join(rdv, "secret")))
+    mute = zmq.Context.instance().socket(zmq.ROUTER)
+    mute.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{os.path.dirname(rdv)}/mute.sock"
+    mute.bind(endpoint)
+    try:
+        dealer = _forge(rdv, borrower, p.Envelope("mute", 1, 0, 1, p.Hello(
+            p.PROTOCOL_VERSION, "m", endpoint, os.getpid(), 256, 8, "cpu")))
+        assert borrower.wait_until(lambda a: "mute" in a.peers, 5)
+        rid = borrower.request(2, donor="mute")
+        failed = _next(borrower, RequestFailed)
+        assert (failed.request_id, failed.reason) == (rid, "timeout")
+        assert borrower.wait_until(lambda a: "mute" not in a.peers, 5)
+        dealer.close()
+    finally:
+        mute.close()
+        borrower.stop()
+
+
+def test_ctl_status_lists_agents_and_leases(pair, capsys):
+    """`ctl status` shows both agents and the lease between them."""
+    rdv, donor, borrower = pair
+    borrower.request(3)
+    _next(borrower, LeaseGranted)
+    assert ctl.main(["status", "--rendezvous-dir", rdv]) == 0
+    out = capsys.readouterr().out
+    assert "donor" in out and "borrower" in out and "1 lease(s)" in out
+    assert ctl.main(["status", "--rendezvous-dir", rdv, "--json"]) == 0
+    assert '"lent": 3' in capsys.readouterr().out
