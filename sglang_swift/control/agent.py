@@ -205,7 +205,7 @@ class ControlAgent:
                         self._table.tick(now)
                         self.borrower.tick(now)
                         self.donor.tick(now)
-                        self._bad_log.flush()
+                        self._bad_log.tick(now)
                     next_tick = now + hb / 2
         except BaseException:
             log.exception("control agent %s I/O thread crashed", self.config.agent_id)
@@ -242,6 +242,7 @@ class ControlAgent:
 
     def _teardown(self) -> None:
         try:
+            self._bad_log.tick(float("inf"))  # report what the rate limit held back
             discovery.withdraw(self.config.rendezvous_dir, self._record)
             with self._lock:
                 for peer in list(self.peers.values()):
@@ -251,7 +252,13 @@ class ControlAgent:
 
     def on_bad(self, err: p.BadMessage, source: str) -> None:
         self.count("bad_" + err.code)
-        self._bad_log(err, source)
+        self._bad_log(err.code, err.detail, source)
+
+    def on_refused(self, counter: str, detail: str, env: p.Envelope) -> None:
+        """A well-formed, authenticated frame that is stale, replayed or from a non-peer."""
+        self.count(counter)
+        self._bad_log(counter, f"{type(env.body).__name__} {detail}",
+                      f"{env.sender} epoch {env.epoch}")
 
     def peer_changed(self, peer: Peer, joined: bool, reason: str = "") -> None:
         self.emit(PeerChanged(peer.agent_id, peer.epoch, joined, reason))

@@ -19,27 +19,28 @@ log = logging.getLogger(__name__)
 
 class BadMessageLog:
     """Logs every refused frame, but at most ``burst`` lines a second; the rest are summed up
-    in one line per second, so a flood cannot drown the log or slow the agent much."""
+    per reason once a second, so a flood can neither drown the log nor slow the agent much."""
 
     def __init__(self, burst: int = 20) -> None:
-        self.burst, self._window, self._logged, self._suppressed = burst, 0.0, 0, 0
+        self.burst, self._window, self._logged = burst, 0.0, 0
+        self._suppressed: dict[str, int] = {}
 
-    def __call__(self, err: p.BadMessage, source: str) -> None:
-        now = time.monotonic()
-        if now - self._window >= 1.0:
-            self.flush()
-            self._window, self._logged = now, 0
+    def __call__(self, code: str, detail: str, source: str) -> None:
+        self.tick(time.monotonic())
         if self._logged < self.burst:
             self._logged += 1
-            log.warning("refused message from %s: %s", source, err)
+            log.warning("refused message from %s: %s: %s", source, code, detail)
         else:
-            self._suppressed += 1
+            self._suppressed[code] = self._suppressed.get(code, 0) + 1
 
-    def flush(self) -> None:
+    def tick(self, now: float) -> None:
+        if now - self._window < 1.0:
+            return
         if self._suppressed:
-            log.warning("refused %d more messages in the last second (see counters)",
-                        self._suppressed)
-            self._suppressed = 0
+            log.warning("refused %d more messages since the last report: %s",
+                        sum(self._suppressed.values()), self._suppressed)
+            self._suppressed = {}
+        self._window, self._logged = now, 0
 
 
 class Link:

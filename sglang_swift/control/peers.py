@@ -62,21 +62,20 @@ class PeerTable:
                 a.reply(rid, p.StatusReply(self.status()))
             return
         if env.sender == a.config.agent_id:
-            return self._refuse(rid, p.E_INVALID, "sender claims our own agent id")
+            return self._refuse(rid, env, p.E_INVALID, "sender claims our own agent id")
         if isinstance(body, p.Hello):
             return self._on_hello(env, body, rid)
         peer = a.peers.get(env.sender)
         if isinstance(body, p.Error):
             return self._on_error(env, body, peer)
         if peer is None or env.epoch > peer.epoch:
-            return self._refuse(rid, p.E_UNKNOWN_PEER, "send hello first")
+            return self._refuse(rid, env, p.E_UNKNOWN_PEER, "send hello first")
         if env.epoch < peer.epoch or env.to_epoch != a.epoch:
-            a.count("stale")
-            return
+            return a.on_refused("stale", f"(peer epoch now {peer.epoch}; sent to our epoch "
+                                         f"{env.to_epoch}, ours is {a.epoch})", env)
         if source == "router":
             if env.seq <= peer.last_seq:
-                a.count("replayed")
-                return
+                return a.on_refused("replayed", f"seq {env.seq} <= {peer.last_seq}", env)
             peer.last_seq = env.seq
         peer.last_rx = time.monotonic()
         self._dispatch(peer, body)
@@ -104,8 +103,8 @@ class PeerTable:
         else:
             a.count("unexpected")
 
-    def _refuse(self, rid: bytes | None, code: str, detail: str) -> None:
-        self.agent.count("refused_" + code)
+    def _refuse(self, rid: bytes | None, env: p.Envelope, code: str, detail: str) -> None:
+        self.agent.on_refused("refused_" + code, detail, env)
         if rid is not None:
             self.agent.reply(rid, p.Error(code, detail))
 
@@ -127,11 +126,11 @@ class PeerTable:
     def _on_hello(self, env: p.Envelope, hello: p.Hello, rid: bytes | None) -> None:
         a = self.agent
         if hello.protocol_version != p.PROTOCOL_VERSION:
-            return self._refuse(rid, p.E_VERSION, f"protocol {hello.protocol_version} unsupported")
+            return self._refuse(rid, env, p.E_VERSION,
+                                f"protocol {hello.protocol_version} unsupported")
         peer = a.peers.get(env.sender)
         if peer is not None and env.epoch < peer.epoch:
-            a.count("stale")
-            return
+            return a.on_refused("stale", "hello from an older incarnation", env)
         if peer is not None and env.epoch > peer.epoch:
             self.lose(peer, "restarted")
             peer = None

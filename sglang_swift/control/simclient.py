@@ -125,5 +125,8 @@ class SimGroup:
             return f.read()
 
     def close(self) -> None:
+        import shutil
+
         for proc in self.procs:
             proc.close()
+        shutil.rmtree(self.root, ignore_errors=True)
