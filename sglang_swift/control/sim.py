@@ -95,6 +95,21 @@ class SimDonor:
             self.agent.offer(e.blocks)
 
 
+def _break_reclaims(agent: ControlAgent) -> None:
+    """Negative control: a donor that treats every reclaim as acknowledged at once, i.e.
+    reuses blocks while the borrower may still hold them. The checks must catch it."""
+    ledger = agent.donor.ledger
+    start = ledger.start_reclaims
+
+    def start_and_forget(n):
+        recs = start(n)
+        for rec in recs:
+            agent.donor._returned(ledger.ack(rec.borrower, rec.reclaim_id, rec.lease_id))
+        return recs
+
+    ledger.start_reclaims = start_and_forget
+
+
 def _event_fields(e) -> dict:
     out = {}
     for k, v in vars(e).items():
@@ -114,7 +129,10 @@ def run(args) -> None:
                         lease_margin_s=args.heartbeat_timeout / 4,
                         reserve_blocks=args.reserve, policy=args.policy,
                         max_blocks_per_borrower=args.cap, reclaim_deadline_s=args.reclaim_deadline)
-    agent = ControlAgent(cfg, model=args.model).start()
+    agent = ControlAgent(cfg, model=args.model)
+    if args.unsafe_early_return:
+        _break_reclaims(agent)
+    agent.start()
     donor = SimDonor(agent, args) if args.donate else None
     borrower = SimBorrower(agent, args, say, ShmArena)
     say("ready", agent_id=args.agent_id, epoch=agent.epoch, endpoint=agent.endpoint,
@@ -187,6 +205,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reoffer", action="store_true", help="lend blocks again once back")
     ap.add_argument("--auto-ack", action="store_true", help="acknowledge reclaims at once")
     ap.add_argument("--pressure", type=int, default=0, help="donor demands up to N blocks / 20 ms")
+    ap.add_argument("--unsafe-early-return", action="store_true",
+                    help="negative control: donor reuses reclaimed blocks before the ack")
     ap.add_argument("--unsafe-ack-early", action="store_true",
                     help="negative control: ack reclaims before readers stop (must be caught)")
     ap.add_argument("--readers", type=int, default=0, help="reader threads over held blocks")
