@@ -76,9 +76,18 @@ def _reclaim_cycles(donor, borrower, rounds: int) -> None:
     """Each round: the borrower holds all 64 blocks, then the donor takes 1-16 back."""
     _lendable(borrower, "donor")
     for i in range(rounds):
-        st = donor.status_until(lambda st: st["lendable"] + st["lent"] == 64)  # re-offered
-        borrower.send("request", n=64 - st["lent"], donor="donor")
-        donor.status_until(lambda st: st["lent"] == 64)
+        for _ in range(20):  # grants may be partial while returned blocks are re-offered
+            st = donor.status_until(lambda st: st["lendable"] + st["lent"] == 64)
+            if st["lent"] == 64:
+                break
+            borrower.send("request", n=64 - st["lent"], donor="donor")
+            try:
+                donor.status_until(lambda st: st["lent"] == 64, 1.0)
+                break
+            except TimeoutError:
+                continue
+        else:
+            raise TimeoutError("the borrower never held the whole arena")
         start = len(donor.events)
         donor.send("demand", n=1 + (i * 7) % 16)
         donor.wait_for(_ev("BlocksReturned"), 10, start)  # scribbled, then lent again
