@@ -51,8 +51,14 @@ class CostModel:
 
 
 def reuse_estimate(node: Any, tree: "RadixTree") -> float:
-    """Hits per tick since the last access: frequency damped by recency."""
-    return (node.hits + 1.0) / (tree.clock - node.last_access + 1.0)
+    """Chance of reuse, modelled as decaying hyperbolically with the ticks since the last access.
+
+    Recency only, on purpose: in multi-turn traces a node's hit count mostly says how shallow it
+    is (every turn of a conversation re-matches its whole history), not whether it will be used
+    again; a first version weighted hits and kept finished conversations too long. With equal
+    reload costs this orders exactly like LRU.
+    """
+    return 1.0 / (tree.clock - node.last_access + 1.0)
 
 
 # ---- eviction order ---------------------------------------------------------------------------
@@ -108,9 +114,11 @@ class CostAwareEviction:
 
 
 class TieredDemotion:
-    """Donor when leased capacity is free (lease with most free blocks first), else host."""
+    """Donor when leased capacity is free (lease with most free blocks first), else host; only
+    when no target has free room, make room in them, in the same order."""
 
     name = "tiered"
+    make_room_first = False
 
     def __init__(self, cost: CostModel):
         self.cost = cost
@@ -133,9 +141,11 @@ class TieredDemotion:
 
 class CostAwareDemotion(TieredDemotion):
     """Cheapest expected reload first: each donor lease priced by its reclaim hazard, the host
-    at its fetch cost; a flaky donor can rank below the host."""
+    at its fetch cost; a flaky donor can rank below the host. Makes room in a cheaper target
+    (dropping what the eviction policy values least there) before falling to a dearer one."""
 
     name = "cost_aware"
+    make_room_first = True
 
     def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
         options: list[tuple[float, str, Sequence]] = []

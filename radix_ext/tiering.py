@@ -49,25 +49,24 @@ class TieringMixin:
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
         """Copy `x` (no residency left but `dev`) into a lower tier; False if none takes it."""
-        n = len(x.key)
         targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
-        for tier, pref in targets:
-            res = self.tiers[tier].alloc(n, pref)
-            if res is not None:
-                self._add_res(x, res)
-                steps.append(Transfer(DEVICE, dev, tier, res))
-                return True
-        for tier, pref in targets:
-            if self.tiers[tier].capacity_tokens() < n:
-                continue
-            made = self._make_room(tier, n)
-            steps.extend(made.steps)
-            res = self.tiers[tier].alloc(n, pref)
-            if res is not None:
-                self._add_res(x, res)
-                steps.append(Transfer(DEVICE, dev, tier, res))
-                return True
-        return False
+        if self.demotion.make_room_first:
+            return any(self._place(x, dev, t, p, steps, True) for t, p in targets)
+        return any(self._place(x, dev, t, p, steps, False) for t, p in targets) or any(
+            self._place(x, dev, t, p, steps, True) for t, p in targets)
+
+    def _place(self, x: Any, dev: Any, tier: str, pref: Any, steps: list, make_room: bool) -> bool:
+        n = len(x.key)
+        t = self.tiers[tier]
+        res = t.alloc(n, pref)
+        if res is None and make_room and t.capacity_tokens() >= n:
+            steps.extend(self._make_room(tier, n, within=pref).steps)
+            res = t.alloc(n, pref)
+        if res is None:
+            return False
+        self._add_res(x, res)
+        steps.append(Transfer(DEVICE, dev, tier, res))
+        return True
 
     def make_room(self, tier: str, num_tokens: int) -> MakeRoomResult:
         """Free at least `num_tokens` of `tier` if its unpinned copies allow it.
@@ -78,10 +77,18 @@ class TieringMixin:
         """
         return self._make_room(tier, num_tokens, chunk=False)
 
-    def _make_room(self, tier: str, need: int, chunk: bool = True) -> MakeRoomResult:
+    def _make_room(self, tier: str, need: int, chunk: bool = True, within=()) -> MakeRoomResult:
+        """`within`: donor leases to make room in (all when empty)."""
         t = self.tiers[tier]
+        page = self.page_size
+        if within:
+            keys = {lease.key for lease in within}
+            cap = sum(lease.num_blocks for lease in within) * page
+            avail = sum(len(lease.free_blocks) for lease in within) * page
+        else:
+            keys, cap, avail = None, t.capacity_tokens(), t.available_tokens()
         # Free a chunk at once: candidates are found by a scan, so amortise it.
-        goal = max(need, t.capacity_tokens() // 32 if chunk else 0) - t.available_tokens()
+        goal = max(need, cap // 32 if chunk else 0) - avail
         if goal <= 0:
             return MakeRoomResult()
         pol = self.eviction
@@ -90,11 +97,11 @@ class TieringMixin:
             (pol.tier_priority(x, tier, self), x.id, x)
             for x in members
             if not x.pins and (len(x.res) > 1 or not x.children)
+            and (keys is None or (x.res[tier].donor, x.res[tier].lease) in keys)
         ]
         heapq.heapify(heap)
         steps: list = []
         freed = 0
-        page = self.page_size
         while freed < goal and heap:
             _, _, x = heapq.heappop(heap)
             if x not in members or x.pins or not (len(x.res) > 1 or not x.children):
@@ -112,7 +119,8 @@ class TieringMixin:
                 parent = x.parent
                 del parent.children[x.ck]
                 self._refresh_leaf(parent)
-                if parent in members and not parent.pins and not parent.children:
+                if (parent in members and not parent.pins and not parent.children and (
+                        keys is None or (parent.res[tier].donor, parent.res[tier].lease) in keys)):
                     heapq.heappush(heap, (pol.tier_priority(parent, tier, self), parent.id, parent))
         return MakeRoomResult(tuple(steps), freed)
 
