@@ -11,6 +11,10 @@ on the network. The owner (the scheduler) talks to it through commands and drain
   must never read them after acking. ``LeaseLost`` means the blocks are gone. It may read a
   donor's blocks only while ``time.monotonic() < read_deadline(donor)``. ``release(key)``
   gives blocks back early. Events come from ``poll_events()`` or ``next_event(timeout)``.
+
+With tensor parallelism only one rank (rank 0) creates the agent; it speaks for the server,
+and the data plane forwards grants and reclaims to the other ranks. ``agent_id`` must be
+unique per live server on the node and stable across restarts (a restart gets a new epoch).
 """
 
 from __future__ import annotations
@@ -88,18 +92,25 @@ class ControlAgent:
 
     # ---- owner API (thread-safe, non-blocking) ----
     def set_memory(self, memory: p.MemoryDescriptor | dict) -> None:
+        """The arena this donor lends (the data plane's descriptor dict or struct). Its
+        ``owner_uuid`` is replaced by ``"<agent_id>:<epoch>"`` in every grant."""
         self._command(self.donor.set_memory, p.MemoryDescriptor.coerce(memory))
 
     def offer(self, blocks) -> None:
         self._command(self.donor.offer, list(blocks))
 
     def demand(self, n: int) -> None:
+        """The owner needs ``n`` offered blocks back; they arrive as BlocksReturned events."""
         self._command(self.donor.demand, int(n))
 
     def report_free(self, owner_free_blocks: int) -> None:
+        """The owner's own free blocks; below ``low_watermark_blocks`` the shortfall is
+        demanded back. Report again only after applying the BlocksReturned events received."""
         self._command(self.donor.report_free, int(owner_free_blocks))
 
     def request(self, num_blocks: int, priority: int = 0, donor: str | None = None) -> int:
+        """Ask ``donor`` (default: the peer advertising the most) for blocks; the answer is a
+        LeaseGranted (maybe fewer blocks) or RequestFailed event carrying the returned id."""
         rid = next(self._ids)
         self._command(self.borrower.request, rid, int(num_blocks), int(priority), donor)
         return rid

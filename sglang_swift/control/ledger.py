@@ -9,6 +9,7 @@ Blocks the owner asked for (``owner_debt``) are handed back as soon as they beco
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from sglang_swift.control.policy import AllocationPolicy
@@ -26,6 +27,10 @@ class Lease:
     @property
     def num_active(self) -> int:
         return len(self.active)
+
+    @property
+    def size(self) -> int:
+        return len(self.active) + sum(len(b) for b in self.reclaiming.values())
 
     def all_blocks(self) -> set[int]:
         return self.active.union(*self.reclaiming.values())
@@ -78,7 +83,7 @@ class DonorLedger:
     def held(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for lease in self.leases.values():
-            out[lease.borrower] = out.get(lease.borrower, 0) + len(lease.all_blocks())
+            out[lease.borrower] = out.get(lease.borrower, 0) + lease.size
         return out
 
     def grant(self, borrower: str, epoch: int, want: int, priority: int) -> Lease | None:
@@ -94,7 +99,7 @@ class DonorLedger:
             self.unmet.pop(borrower, None)
         if n <= 0:
             return None
-        blocks = set(sorted(self.free)[:n])
+        blocks = set(itertools.islice(self.free, n))  # any free blocks; O(n), not O(pool)
         self.free -= blocks
         lease = Lease(self._next_lease, borrower, epoch, priority, blocks)
         self._next_lease += 1
@@ -147,7 +152,7 @@ class DonorLedger:
                 break
             if not lease.active:
                 continue
-            take = set(sorted(lease.active, reverse=True)[:n])
+            take = set(itertools.islice(lease.active, n))
             lease.active -= take
             rec = PendingReclaim(self._next_reclaim, lease.lease_id, lease.borrower,
                                  tuple(sorted(take)))
@@ -170,7 +175,7 @@ class DonorLedger:
     def _pay_debt_from_free(self) -> list[int]:
         if not self.owner_debt or not self.free:
             return []
-        out = sorted(self.free)[: self.owner_debt]
+        out = list(itertools.islice(self.free, self.owner_debt))
         self.free -= set(out)
         self.offered -= set(out)
         self.owner_debt -= len(out)

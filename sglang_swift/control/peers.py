@@ -213,13 +213,13 @@ class PeerTable:
                               int((now - q.last_rx) * 1000), q.lendable)
                  for q in a.peers.values()]
         leases = [p.LeaseStatus(a.config.agent_id, l.borrower, a.epoch, l.lease_id,
-                                len(l.all_blocks()), len(l.all_blocks()) - len(l.active))
+                                l.size, l.size - len(l.active))
                   for l in led.leases.values()]
         leases += [p.LeaseStatus(k.donor, a.config.agent_id, k.epoch, k.lease_id,
                                  len(h.active) + sum(map(len, h.reclaiming.values())),
                                  sum(map(len, h.reclaiming.values())))
                    for k, h in a.borrower.leases.items()]
-        lent = sum(len(l.all_blocks()) for l in led.leases.values())
+        lent = sum(l.size for l in led.leases.values())
         return p.AgentStatus(a.config.agent_id, a.epoch, os.getpid(), a.model, a.endpoint,
                              mem.num_blocks if mem else 0, led.lendable(), led.reserve, lent,
                              a.borrower.borrowed(), peers, leases, dict(a.counters))

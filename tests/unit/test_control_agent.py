@@ -162,3 +162,50 @@ def test_ctl_status_lists_agents_and_leases(pair, capsys):
     assert "donor" in out and "borrower" in out and "1 lease(s)" in out
     assert ctl.main(["status", "--rendezvous-dir", rdv, "--json"]) == 0
     assert '"lent": 3' in capsys.readouterr().out
+
+
+def test_static_peer_list_over_tcp_on_loopback(tmp_path):
+    """Without a shared rendezvous directory, a configured peer list suffices; TCP binds
+    127.0.0.1 by default."""
+    secret = str(tmp_path / "secret")
+    donor = ControlAgent(_cfg(str(tmp_path / "a"), "donor", transport="tcp", secret_file=secret),
+                         memory=MEM).start()
+    try:
+        assert donor.endpoint.startswith("tcp://127.0.0.1:")
+        borrower = ControlAgent(_cfg(str(tmp_path / "b"), "borrower", transport="tcp",
+                                     secret_file=secret, peers=(donor.endpoint,))).start()
+        try:
+            donor.offer(range(8))
+            assert borrower.wait_until(lambda a: "donor" in a.peers
+                                       and a.peers["donor"].lendable == 8, 5)
+            borrower.request(8)
+            assert len(_next(borrower, LeaseGranted).blocks) == 8
+        finally:
+            borrower.stop()
+    finally:
+        donor.stop()
+
+
+def test_low_watermark_triggers_reclaim_and_reserve_is_kept():
+    """The donor's owner reporting free memory under the watermark takes blocks back, first
+    the reserve (never lent), then leased blocks through reclaim."""
+    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")  # short: ipc paths max 107 bytes
+    donor = ControlAgent(_cfg(rdv, "donor", reserve_blocks=4, low_watermark_blocks=10),
+                         memory=MEM).start()
+    borrower = ControlAgent(_cfg(rdv, "borrower")).start()
+    try:
+        donor.offer(range(32))
+        assert borrower.wait_until(lambda a: "donor" in a.peers
+                                   and a.peers["donor"].lendable == 28, 5)
+        borrower.request(32)
+        assert len(_next(borrower, LeaseGranted).blocks) == 28  # the reserve stays home
+        donor.report_free(4)  # the owner has 4 free blocks, wants 10: needs 6 back
+        assert len(_next(donor, BlocksReturned).blocks) == 4
+        rec = _next(borrower, ReclaimRequested)
+        assert len(rec.blocks) == 2
+        borrower.ack_reclaim(rec)
+        assert len(_next(donor, BlocksReturned).blocks) == 2
+        donor.check_integrity()
+    finally:
+        borrower.stop()
+        donor.stop()
