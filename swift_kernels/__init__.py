@@ -65,7 +65,7 @@ def _validate(arena, k, v, slots, blocks, page_size, layers, check_ranges):
     return shape
 
 
-def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan):
+def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan, tuning=None):
     if backend == "reference":
         (store_layer_ref if op == "store" else load_layer_ref)(arena, shape, layer, k, v,
                                                                slots, blocks)
@@ -76,7 +76,7 @@ def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan):
         from . import kv_triton
 
         kernel = kv_triton.store_layer_kernel if op == "store" else kv_triton.load_layer_kernel
-        kv_triton.launch(kernel, arena, shape, layer, k, v, slots, blocks)
+        kv_triton.launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning)
 
 
 def store_pages(arena, k_buffers, v_buffers, slots, blocks, page_size, *, backend="auto",
@@ -106,18 +106,19 @@ def store_pages(arena, k_buffers, v_buffers, slots, blocks, page_size, *, backen
 
 
 def store_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
-                check_ranges=True, plan: RowPlan | None = None) -> None:
+                check_ranges=True, plan: RowPlan | None = None, tuning=None) -> None:
     """Store one layer (the unit the GPU side stream and the CPU worker thread schedule)."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
     shape = _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
     _run("store", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
-         plan)
+         plan, tuning)
 
 
 def load_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
-               check_ranges=True, plan: RowPlan | None = None) -> None:
-    """Scatter layer `layer` of the arena blocks into local slots: k/v[slots[i]] = token i."""
+               check_ranges=True, plan: RowPlan | None = None, tuning=None) -> None:
+    """Scatter layer `layer` of the arena blocks into local slots: k/v[slots[i]] = token i.
+    `tuning` (triton only): {"block", "tokens", "num_warps"}, see kv_triton.DEFAULT_TUNING."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
     shape = _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
     _run("load", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
-         plan)
+         plan, tuning)

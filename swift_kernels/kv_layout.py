@@ -27,7 +27,7 @@ class LayerShape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def row_k(self) -> int:

@@ -1,9 +1,12 @@
 """The CPU data path: the same transfers as kv_reference, as a few wide gathers per layer.
 
 Why it is fast: rows are moved as 16-byte elements (a complex128 view of the bytes), so torch's
-index_select / index_copy_ run as row memcpy on all cores, and when the local slots of a page are
-one aligned run (SGLang's paged allocator gives that) a whole page is one row. Measured on the
-2-core CI machine: a naive dtype-level index_put reaches ~0.25x of a contiguous copy, this ~0.9x.
+index_select / index_copy_ run as row memcpy; when the local slots of a page are one aligned run
+(SGLang's paged allocator gives that) a whole page is one row; and where the destination blocks
+are consecutive (a lease's blocks usually are) each run of blocks is a strided view, so a page
+moves in one pass with no temporary. Measured on the 2-core CI machine (one thread): a dtype-level
+index_put reaches ~0.25x of a contiguous copy, a gather into a temporary then a scatter ~0.5x,
+the one-pass runs ~0.8-1.0x.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class RowPlan:
     tok_blocks: torch.Tensor | None   # not page-aligned: per-token block and row
     tok_rows: torch.Tensor | None
     slots: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...] = ()  # (first page, pages, first block) when used
 
 
 def plan_rows(slots: torch.Tensor, blocks: torch.Tensor, page_size: int) -> RowPlan:
@@ -51,10 +55,25 @@ def plan_rows(slots: torch.Tensor, blocks: torch.Tensor, page_size: int) -> RowP
     if aligned:
         return RowPlan(n, page_size, True, full[:, 0] // page_size, blocks[:nfull],
                        slots[nfull * page_size:] if rem else None,
-                       int(blocks[nfull]) if rem else -1, None, None, slots)
+                       int(blocks[nfull]) if rem else -1, None, None, slots,
+                       _block_runs(blocks[:nfull]))
     tok = torch.arange(n)
     return RowPlan(n, page_size, False, None, None, None, -1, blocks[tok // page_size],
                    tok % page_size, slots)
+
+
+def _block_runs(blocks: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """Maximal runs of consecutive block ids, or () when they are too short to pay off (one op
+    per run; an average run under 4 pages loses to gather-then-scatter)."""
+    n = blocks.shape[0]
+    if n == 0:
+        return ()
+    starts = [0] + (torch.nonzero(blocks[1:] != blocks[:-1] + 1).flatten() + 1).tolist()
+    if len(starts) * 4 > n:
+        return ()
+    ends = starts[1:] + [n]
+    b = blocks.tolist()
+    return tuple((s, e - s, b[s]) for s, e in zip(starts, ends))
 
 
 def _wide_dtype(*nbytes: int) -> torch.dtype:
@@ -107,10 +126,14 @@ def store_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> No
             else:
                 part3[plan.tok_blocks, plan.tok_rows] = local.index_select(0, plan.slots)
             continue
-        for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
-            e = s + CHUNK_PAGES
-            part.index_copy_(0, plan.full_blocks[s:e],
-                             pages.index_select(0, plan.local_pages[s:e]))
+        if plan.runs:  # one pass: gather local pages straight into each run of blocks
+            for s, m, b0 in plan.runs:
+                torch.index_select(pages, 0, plan.local_pages[s:s + m], out=part[b0:b0 + m])
+        else:
+            for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
+                e = s + CHUNK_PAGES
+                part.index_copy_(0, plan.full_blocks[s:e],
+                                 pages.index_select(0, plan.local_pages[s:e]))
         if plan.tail_slots is not None:
             rem = plan.tail_slots.shape[0]
             part3[plan.tail_block, :rem] = local.index_select(0, plan.tail_slots)
@@ -125,10 +148,15 @@ def load_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> Non
             blk, row = _coords(plan)
             local.index_copy_(0, plan.slots, part3[blk, row])
             continue
-        for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
-            e = s + CHUNK_PAGES
-            pages.index_copy_(0, plan.local_pages[s:e],
-                              part.index_select(0, plan.full_blocks[s:e]))
+        if plan.runs:  # one pass: scatter each run of blocks straight into local pages
+            for s, m, b0 in plan.runs:
+                # index_put_ measured ~15% faster than index_copy_ for this scatter
+                pages.index_put_((plan.local_pages[s:s + m],), part[b0:b0 + m])
+        else:
+            for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
+                e = s + CHUNK_PAGES
+                pages.index_copy_(0, plan.local_pages[s:e],
+                                  part.index_select(0, plan.full_blocks[s:e]))
         if plan.tail_slots is not None:
             rem = plan.tail_slots.shape[0]
             local.index_copy_(0, plan.tail_slots, part3[plan.tail_block, :rem])

@@ -64,7 +64,7 @@ class KVGeometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def k_row_elems(self) -> int:

@@ -208,11 +208,17 @@ class MappedArena:
     def header(self) -> dict:
         return _unpack_header(bytes(self.region[:HEADER_BYTES].cpu().numpy()))
 
-    def check(self) -> None:
-        """Raise MappingError if the donor revoked the arena or its process is gone."""
+    def check(self, read_header: bool | None = None) -> None:
+        """Raise MappingError if the donor revoked the arena or its process is gone.
+
+        The revoked flag lives in the region's header; reading it from GPU memory would
+        synchronize the device, so on CUDA only the (host-side) owner check runs unless
+        `read_header=True`."""
         if not owner_alive(self.descriptor["owner_pid"]):
             raise MappingError("owner_dead", f"donor pid {self.descriptor['owner_pid']} is gone")
-        if self.header()["revoked"]:
+        if read_header is None:
+            read_header = self.region.device.type == "cpu"
+        if read_header and self.header()["revoked"]:
             raise MappingError("revoked", "the donor revoked this arena; stop using its blocks")
 
     def alive(self) -> bool:

@@ -64,14 +64,14 @@ class TransferEngine:
     """Moves KV between one model's local pool and one arena (local or mapped)."""
 
     def __init__(self, arena_memory: torch.Tensor, geometry: KVGeometry, *, backend: str = "auto",
-                 liveness: Callable[[], bool] | None = None, device=None):
+                 liveness: Callable[[], bool] | None = None, device=None, cpu_threads: int = 1):
         unused_bytes(geometry, arena_memory.shape[1])  # raises if a page does not fit a block
         self.arena = arena_memory
         self.geometry = geometry
         self.device = torch.device(device) if device is not None else arena_memory.device
         self.backend = sk.resolve_backend(backend, self.device)
         self.liveness = liveness or (lambda: True)
-        self.lane = make_lane(self.device)
+        self.lane = make_lane(self.device, cpu_threads)
 
     def close(self) -> None:
         self.lane.close()

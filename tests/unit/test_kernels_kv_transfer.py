@@ -38,11 +38,13 @@ def _arena(num_blocks, num_layers, page, heads, dk, dv, dtype):
 
 def _case(kind, n, page, num_slots, num_blocks, seed):
     """(slots, blocks) for n tokens. `pages`: page-aligned runs of local slots (SGLang's paged
-    allocator), `scattered`: arbitrary slots (page_size=1 allocator), passed as a strided view."""
+    allocator) into shuffled blocks, `pages-runs`: the same into consecutive blocks, `scattered`: arbitrary slots (page_size=1 allocator), passed as a strided view."""
     g = torch.Generator().manual_seed(seed)
     npages = -(-n // page)
     blocks = torch.randperm(num_blocks, generator=g)[:npages]
-    if kind == "pages":
+    if kind == "pages-runs":  # a fresh lease: consecutive block ids (the one-pass CPU path)
+        blocks = torch.arange(2, 2 + npages)
+    if kind.startswith("pages"):
         local_pages = torch.randperm(num_slots // page, generator=g)[:npages]
         slots = (local_pages[:, None] * page + torch.arange(page)).reshape(-1)[:n]
     else:
@@ -56,7 +58,7 @@ L, H, DK, DV, PAGE, N, NSLOTS, NBLOCKS = 3, 2, 8, 4, 4, 19, 64, 9
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["pages", "scattered"])
+@pytest.mark.parametrize("kind", ["pages", "pages-runs", "scattered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_store_matches_reference_and_writes_only_its_blocks(dtype, kind, backend):
     k, v = _local(dtype, L, NSLOTS, H, DK, DV, seed=1)
@@ -85,7 +87,7 @@ def test_store_matches_reference_and_writes_only_its_blocks(dtype, kind, backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["pages", "scattered"])
+@pytest.mark.parametrize("kind", ["pages", "pages-runs", "scattered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_load_layer_matches_reference_and_writes_only_its_slots(dtype, kind, backend):
     k, v = _local(dtype, L, NSLOTS, H, DK, DV, seed=3)
@@ -184,3 +186,32 @@ def test_backend_choice_is_explained():
         sk.resolve_backend("cuda-magic", torch.device("cpu"))
     assert sk.resolve_backend("auto", torch.device("cpu")) == "vectorized"
     assert sk.resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_block_runs_are_found_and_short_runs_fall_back():
+    from swift_kernels.kv_vectorized import _block_runs
+
+    assert _block_runs(torch.tensor([0, 1, 2, 3, 7, 8, 9, 10])) == ((0, 4, 0), (4, 4, 7))
+    assert _block_runs(torch.tensor([5, 1, 9, 3])) == ()  # average run under 4 pages
+    plan = sk.plan_rows(torch.arange(16, 32), torch.tensor([4, 5, 6, 7]), 4)
+    assert plan.page_aligned and plan.runs == ((0, 4, 4),)
+
+
+@pytest.mark.skipif(not sk.triton_available(), reason="triton cannot be imported")
+@pytest.mark.parametrize("tuning", [{"block": 8, "tokens": 1}, {"block": 16, "tokens": 8}])
+def test_triton_launch_shapes_cover_every_row_chunk_and_token(tuning):
+    """BLOCK narrower than a row (several chunks per row) and more TOKENS per program than
+    tokens left in the last program: still exactly the reference's bytes."""
+    dtype = torch.float32
+    k, v = _local(dtype, 1, NSLOTS, H, DK, DV, seed=11)  # K rows of 16, V rows of 8 elements
+    slots, blocks = _case("scattered", N, PAGE, NSLOTS, NBLOCKS, seed=12)
+    ref = _arena(NBLOCKS, 1, PAGE, H, DK, DV, dtype)
+    out = ref.clone()
+    sk.store_layer(ref, 0, k[0], v[0], slots, blocks, PAGE, backend="reference")
+    sk.store_layer(out, 0, k[0], v[0], slots, blocks, PAGE, backend="triton", tuning=tuning)
+    assert torch.equal(out, ref)
+    k2, v2 = torch.full_like(k[0], float("nan")), torch.full_like(v[0], float("nan"))
+    sk.load_layer(out, 0, k2, v2, slots, blocks, PAGE, backend="triton", tuning=tuning)
+    assert torch.equal(k2[slots], k[0][slots]) and torch.equal(v2[slots], v[0][slots])
+    with pytest.raises(ValueError, match="powers of two"):
+        sk.load_layer(out, 0, k2, v2, slots, blocks, PAGE, backend="triton", tuning={"block": 3})

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Bandwidth of the KV data plane on this machine: store (local pool -> donor blocks, all layers)
+and layer-wise load (donor blocks -> local slots, one layer at a time, signalling the layer
+counter), against a plain contiguous copy of the same number of bytes in the same run.
+
+On CPU it measures the path CPU deployments use: the vectorized torch gather
+(swift_kernels backend "vectorized") on the copy worker thread, over an arena in POSIX shared
+memory. Triton-interpreted timings mean nothing and are not measured; GPU numbers come from
+scripts/gpu_check.py. The last line printed is a JSON object with store_ratio and load_ratio
+(the worst page size's ratio to the contiguous copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from sglang_swift.dataplane import (CpuLayerCounter, KVGeometry, SharedArena, TransferEngine,
+                                    block_bytes_for)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, finishes in under 30 s")
+    p.add_argument("--tokens", type=int, default=None, help="prefix length (default 4096; "
+                   "quick 1024)")
+    p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; quick 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the copy lane "
+                   "(the baseline copy runs on the same lane)")
+    return p.parse_args(argv)
+
+
+def _random(*shape, dtype, gen) -> torch.Tensor:
+    """Random bits (cheaper than randn for hundreds of MiB; finite values do not matter here)."""
+    t = torch.empty(*shape, dtype=dtype)
+    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                            generator=gen))
+    return t
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int) -> dict:
+    npages = -(-tokens // g.page_size)
+    num_slots = 2 * npages * g.page_size  # a pool twice the prefix: the prefix's pages scattered
+    gen = torch.Generator().manual_seed(0)
+    k = [_random(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, gen=gen)
+         for _ in range(g.num_layers)]
+    v = [_random(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, gen=gen)
+         for _ in range(g.num_layers)]
+    perm = torch.randperm(num_slots // g.page_size, generator=gen)
+    slots = (perm[:npages, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[:tokens]
+    dst = (perm[npages:2 * npages, None] * g.page_size
+           + torch.arange(g.page_size)).reshape(-1)[:tokens]  # other pages: the source survives
+    arena = SharedArena(npages + 8, block_bytes_for(g))
+    try:
+        blocks = arena.book.alloc("bench", npages)
+        eng = TransferEngine(arena.memory, g, cpu_threads=threads)
+        nbytes = tokens * g.bytes_per_token_per_layer * g.num_layers
+        src_c = torch.empty(nbytes, dtype=torch.uint8)
+        src_c.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+        dst_c = torch.empty_like(src_c)
+        counter = CpuLayerCounter(g.num_layers, timeout_s=120)
+
+        def store():
+            assert eng.begin_store(k, v, slots, blocks).wait(120).ok
+
+        def load():
+            h = eng.begin_load(k, v, dst, blocks, counter)
+            counter.set_consumer(h.producer_id)
+            for layer in range(g.num_layers):  # the consumer reads layers as they land
+                assert counter.wait_until(layer)
+            assert h.wait(120).ok
+
+        def copy():  # the baseline runs on the same lane, with the same threads
+            eng.lane.submit(dst_c.copy_, src_c).result()
+
+        for fn in (copy, store, load):
+            fn()  # warm-up: page faults, thread start
+        rounds = [(_timed(copy), _timed(store), _timed(load)) for _ in range(repeats)]
+        same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
+        ok = all(same(k[l][dst], k[l][slots]) and same(v[l][dst], v[l][slots])
+                 for l in range(g.num_layers))
+        eng.close()
+    finally:
+        arena.close()
+    t_copy = statistics.median(r[0] for r in rounds)
+    t_store = statistics.median(r[1] for r in rounds)
+    t_load = statistics.median(r[2] for r in rounds)
+    # Ratios per round, then the median: rounds share whatever else the machine is doing.
+    store_ratio = statistics.median(r[0] / r[1] for r in rounds)
+    load_ratio = statistics.median(r[0] / r[2] for r in rounds)
+    return {"page_size": g.page_size, "bytes": nbytes, "copy_gbps": nbytes / t_copy / 1e9,
+            "store_gbps": nbytes / t_store / 1e9, "load_gbps": nbytes / t_load / 1e9,
+            "store_ratio": store_ratio, "load_ratio": load_ratio,
+            "load_ms_per_layer": t_load / g.num_layers * 1e3, "verified": ok}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tokens = args.tokens or (1024 if args.quick else 4096)
+    repeats = args.repeats or (3 if args.quick else 7)
+    page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    t0 = time.monotonic()
+    print(f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
+          f"POSIX shared memory, lease blocks consecutive (fresh lease), local pages shuffled; "
+          f"torch {torch.__version__}, copy lane {args.threads} thread(s); baseline: one "
+          f"contiguous copy of the same bytes on the same lane, rounds interleaved")
+    rows = []
+    for ps in page_sizes:
+        g = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
+        r = bench_page_size(g, tokens, repeats, args.threads)
+        rows.append(r)
+        print(f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
+              f"{args.dtype} = {g.bytes_per_token_per_layer} B/token/layer, page {ps}, "
+              f"{tokens} tokens, {r['bytes'] / 2**20:.0f} MiB per direction")
+        print(f"  contiguous copy {r['copy_gbps']:7.2f} GB/s | store {r['store_gbps']:7.2f} GB/s "
+              f"({r['store_ratio']:.2f}x) | layer-wise load "
+              f"{r['load_gbps']:7.2f} GB/s ({r['load_ratio']:.2f}x, "
+              f"{r['load_ms_per_layer']:.2f} ms/layer) | verified {r['verified']}")
+    summary = {
+        "path": "cpu-vectorized",
+        "store_ratio": round(min(r["store_ratio"] for r in rows), 3),
+        "load_ratio": round(min(r["load_ratio"] for r in rows), 3),
+        "threads": args.threads,
+        "store_gbps": [round(r["store_gbps"], 2) for r in rows],
+        "load_gbps": [round(r["load_gbps"], 2) for r in rows],
+        "copy_gbps": [round(r["copy_gbps"], 2) for r in rows],
+        "page_sizes": page_sizes, "tokens": tokens, "layers": args.layers,
+        "bytes_per_token_per_layer": rows[0]["bytes"] // tokens // args.layers,
+        "verified": all(r["verified"] for r in rows),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    print(json.dumps(summary))
+    return 0 if summary["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
