@@ -3,9 +3,10 @@
 Prints lease grant latency (request -> LeaseGranted at the borrower's owner) p50/p99, reclaim
 round trip (donor owner's demand -> BlocksReturned, the borrower acknowledging from its own
 event loop) p50/p99, and protocol messages per second through one agent (pipelined lease
-churn), first on an idle machine, then under load (one CPU-spinning process per core plus
-extra borrowers churning against the same donor). The last line is JSON; its unprefixed keys
-are the idle figures.
+churn, 32 requests in flight), first as the machine is ("idle": nothing of ours runs besides
+the agents measured), then under load (one CPU-spinning process per core). The last line is
+JSON; its unprefixed keys are the idle figures, ``load_*`` the loaded ones, and ``loadavg``
+the 1-minute load average seen at start, so a busy "idle" machine is visible.
 
     python scripts/bench_control.py [--quick]
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -147,16 +148,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer samples; under 30 s")
     args = ap.parse_args()
     n, seconds = (300, 1.0) if args.quick else (3000, 3.0)
-    rdv = os.path.join(tempfile.mkdtemp(prefix="swcb"), "r")
-    idle = run_round(rdv, n, seconds)
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-               for _ in range(os.cpu_count() or 1)]
+    loadavg = os.getloadavg()[0]
+    root = tempfile.mkdtemp(prefix="swcb")
+    rdv = os.path.join(root, "r")
+    burners: list[subprocess.Popen] = []
     try:
+        idle = run_round(rdv, n, seconds)
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                   for _ in range(os.cpu_count() or 1)]
         load = run_round(rdv, n, seconds)
     finally:
         for b in burners:
             b.kill()
             b.wait()
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"1-min load average at start: {loadavg:.2f} on {os.cpu_count()} cpus")
     for name, r in (("idle", idle), ("load", load)):
         print(f"{name:5s} grant p50 {r['grant_p50_ms']:.3f} ms  p99 {r['grant_p99_ms']:.3f} ms "
               f"({r['grants']} grants) | reclaim p50 {r['reclaim_p50_ms']:.3f} ms  "
@@ -164,6 +170,7 @@ def main() -> None:
     out = {k: round(v, 4) for k, v in idle.items()}
     out.update({f"load_{k}": round(v, 4) for k, v in load.items()})
     out["cpus"] = os.cpu_count()
+    out["loadavg"] = round(loadavg, 2)
     print(json.dumps(out))
 
 

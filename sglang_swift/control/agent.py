@@ -206,7 +206,11 @@ class ControlAgent:
             while not self._stop.is_set():
                 for frames, rid, source in self.link.poll(max(0.0, next_tick - time.monotonic())):
                     with self._lock:
-                        self._table.on_frames(frames, rid, source)
+                        try:
+                            self._table.on_frames(frames, rid, source)
+                        except Exception:  # a bug must not take the channel down with it
+                            log.exception("handling a message from %s failed; dropped", source)
+                            self.count("handler_errors")
                 self._drain_commands()
                 with self._lock:
                     self._changed.notify_all()  # wake wait_until() callers to re-check

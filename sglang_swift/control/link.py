@@ -78,7 +78,11 @@ class Link:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes)
             sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(0)
+                raise
             self.dealers[endpoint] = sock
             self.poller.register(sock, zmq.POLLIN)
         return sock
@@ -94,6 +98,9 @@ class Link:
             self.dealer(endpoint).send(self.codec.encode(env), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1  # peer not draining: heartbeats will settle its fate
+        except zmq.ZMQError as exc:
+            self.dropped += 1
+            log.warning("cannot send to %s: %s", endpoint, exc)
 
     def reply(self, routing_id: bytes, env: p.Envelope) -> None:
         try:

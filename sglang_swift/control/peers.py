@@ -222,4 +222,5 @@ class PeerTable:
         lent = sum(l.size for l in led.leases.values())
         return p.AgentStatus(a.config.agent_id, a.epoch, os.getpid(), a.model, a.endpoint,
                              mem.num_blocks if mem else 0, led.lendable(), led.reserve, lent,
-                             a.borrower.borrowed(), peers, leases, dict(a.counters))
+                             a.borrower.borrowed(), peers, leases,
+                             dict(a.counters, send_dropped=a.link.dropped if a.link else 0))

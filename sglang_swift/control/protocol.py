@@ -61,12 +61,15 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t"):
     pass
 
 
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(ipc://|tcp://)[^\s]+$", max_length=256)]
+
+
 class Hello(_Msg, tag="hello"):
     """Join or rejoin: who I am and what I can lend. ``reply`` asks the receiver to answer."""
 
     protocol_version: U64
     model: Name
-    endpoint: Name
+    endpoint: Endpoint
     pid: U64
     block_bytes: U64 = 0
     num_blocks: U64 = 0

@@ -1,6 +1,7 @@
 """Fuzz: 10,000+ malformed, truncated, oversized, wrong-version, unauthenticated, forged,
-stale and unknown-type messages at a live donor; it must refuse each one, keep its state,
-stay up, and afterwards still grant and reclaim correct leases."""
+stale and unknown-type messages at a live donor, then 2,000 well-formed but nonsensical ones
+from an authenticated peer; it must refuse or ignore each one, keep its leases, stay up, and
+afterwards still grant and reclaim correct leases."""
 
 from __future__ import annotations
 
@@ -72,6 +73,32 @@ def _bad_messages(rng: random.Random, secret: bytes, donor_epoch: int, borrower_
         yield rng.choice(makers)()
 
 
+def _authenticated_nonsense(rng: random.Random, secret: bytes, donor_epoch: int, n: int):
+    """A peer holding the secret that joins properly, then sends well-formed nonsense:
+    wrong geometry, foreign lease ids and blocks, unsolicited grants and reclaims."""
+    codec = p.Codec(secret)
+    mem = p.MemoryDescriptor("shm", b"nope", "cpu", 1 << 20, 256, 4096, 1, "x")
+    r = lambda: rng.randint(0, 64)  # noqa: E731
+    blocks = lambda: [rng.randint(0, 1 << 20) for _ in range(rng.randint(0, 8))]  # noqa: E731
+    makers = [
+        lambda: p.LeaseRequest(r(), rng.randint(1, 1 << 16), rng.randint(0, 100),
+                               rng.choice([1, 255, 10**9])),
+        lambda: p.Release(r(), rng.choice([donor_epoch, r()]), blocks()),
+        lambda: p.ReclaimAck(r(), r(), rng.choice([donor_epoch, r()]), blocks()),
+        lambda: p.Grant(r(), r(), r(), blocks(), mem),
+        lambda: p.Reclaim(r(), r(), r(), blocks(), r()),
+        lambda: p.Advertise(rng.randint(0, 1 << 40)),
+        lambda: p.Heartbeat(rng.randint(0, 1 << 62), rng.randint(0, 1 << 62), r()),
+        lambda: p.Error(rng.choice([p.E_INVALID, p.E_NO_CAPACITY, "zzz"]), "fuzz", r()),
+        lambda: p.StatusRequest(),
+    ]
+    hello = p.Hello(p.PROTOCOL_VERSION, "fuzz", "ipc:///nonexistent/fuzzer.sock", os.getpid(),
+                    256, 4, "cpu")
+    yield codec.encode(p.Envelope("fuzzer", 7, donor_epoch, 1, hello))
+    for seq in range(2, n + 2):
+        yield codec.encode(p.Envelope("fuzzer", 7, donor_epoch, seq, rng.choice(makers)()))
+
+
 def test_ten_thousand_bad_messages_change_nothing():
     """After the flood the donor still runs, its lease is intact, it refused every message,
     and it grants and reclaims correctly."""
@@ -103,15 +130,19 @@ def test_ten_thousand_bad_messages_change_nothing():
         for _ in range(5):
             big.send(_signed(secret, bytes(2 << 20)))
         assert len(kinds) >= 15
+        for frame in _authenticated_nonsense(random.Random(5), secret, donor.epoch, 2000):
+            sock.send(frame)
 
         after = donor.status_until(lambda st: st["counters"].get("msgs_in", 0)
-                                   - before["counters"].get("msgs_in", 0) >= N_MESSAGES, 60)
+                                   - before["counters"].get("msgs_in", 0) >= N_MESSAGES + 2000,
+                                   60)
         c = after["counters"]
+        assert c.get("handler_errors", 0) == 0, c
         refused = sum(v for k, v in c.items() if k.startswith(("bad_", "refused_")))
         refused += c.get("stale", 0) + c.get("replayed", 0)
         assert refused >= N_MESSAGES, c
         assert after["lent"] == 16 and after["epoch"] == before["epoch"]
-        assert {q["agent_id"] for q in after["peers"]} == {"borrower"}
+        assert {q["agent_id"] for q in after["peers"]} <= {"borrower", "fuzzer"}
         assert sock.poll(5000), "refusals are answered with Error"
         reply = p.Codec(secret).decode(sock.recv())
         assert isinstance(reply.body, p.Error)
