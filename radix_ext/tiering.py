@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from radix_ext.residency import DEVICE, DONOR, HOST
+from radix_ext.residency import DEVICE
 from radix_ext.results import EvictionPlan, MakeRoomResult, Released, Transfer
 
 
@@ -71,7 +71,7 @@ class TieringMixin:
     def make_room(self, tier: str, num_tokens: int) -> MakeRoomResult:
         """Free at least `num_tokens` of `tier` if its unpinned copies allow it.
 
-        Contract: drops (or, from the donor, demotes to host when it has room) the lower-tier
+        Contract: drops (or moves down to another tier with free room) the lower-tier
         copies the eviction policy values least, among copies whose node keeps another copy or
         has no children (so no prefix is left with a hole). Pinned nodes are untouched.
         """
@@ -108,11 +108,8 @@ class TieringMixin:
                 continue
             res = self._pop_res(x, tier)
             freed += res.num_tokens(page)
-            if not x.res and tier == DONOR and self.host is not None:
-                h = self.host.alloc(len(x.key))
-                if h is not None:
-                    self._add_res(x, h)
-                    steps.append(Transfer(DONOR, res, HOST, h))
+            if not x.res:
+                self._cascade(x, tier, res, steps)
             t.free(res)
             steps.append(Released(tier, res))
             if not x.res:
@@ -123,6 +120,20 @@ class TieringMixin:
                         keys is None or (parent.res[tier].donor, parent.res[tier].lease) in keys)):
                     heapq.heappush(heap, (pol.tier_priority(parent, tier, self), parent.id, parent))
         return MakeRoomResult(tuple(steps), freed)
+
+    def _cascade(self, x: Any, tier: str, res: Any, steps: list) -> None:
+        """A copy pushed out of `tier` moves down to the first other tier, in demotion order,
+        with free room (never sideways to another lease of the same tier: a copy that hops to
+        a flakier donor takes its whole subtree down with it when that donor reclaims), else
+        it is dropped."""
+        for target, pref in self.demotion.targets(x, self):
+            if target == tier or target not in self.tiers:
+                continue
+            moved = self.tiers[target].alloc(len(x.key), pref)
+            if moved is not None:
+                self._add_res(x, moved)
+                steps.append(Transfer(tier, res, target, moved))
+                return
 
     def _remove_subtree(self, x: Any, released: list) -> list:
         """Detach `x` and everything below it, releasing every residency; returns the nodes."""

@@ -1,0 +1,152 @@
+"""Unit tests for the eviction and demotion strategies of radix_ext, one invariant each."""
+
+from __future__ import annotations
+
+import pytest
+
+from radix_ext import DEVICE, DONOR, HOST, CostModel, RadixTree, TreeConfig
+
+
+def tree(**kw) -> RadixTree:
+    return RadixTree(TreeConfig(**kw))
+
+
+def fill(t: RadixTree, *keys):
+    """Insert each key with fresh slots; returns the leaf node of each."""
+    nodes, nxt = [], 0
+    for k in keys:
+        r = t.insert(k, range(nxt, nxt + len(k)))
+        nxt += len(k)
+        nodes.append(r.last_node)
+    return nodes
+
+
+# ---- LRU ----------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used_leaf_first():
+    t = tree()
+    a, b, c = fill(t, [1, 1], [2, 2], [3, 3])
+    t.match([1, 1])  # a is now the most recent
+    plan = t.evict_device(2)
+    assert [r.residency.indices.tolist() for r in plan.released] == [[2, 3]]  # b went
+    assert DEVICE in a.res and DEVICE not in b.res and DEVICE in c.res
+    t.check_integrity()
+
+
+def test_lru_never_evicts_a_locked_path():
+    t = tree()
+    a, b = fill(t, [1, 1], [2, 2])
+    t.lock(a)
+    plan = t.evict_device(10)
+    assert plan.num_evicted == 2 and DEVICE in a.res
+    t.unlock(a)
+    assert t.evict_device(10).num_evicted == 2
+    t.check_integrity()
+
+
+def test_tiered_demotes_to_donor_then_host_then_drops():
+    t = tree(donor=True, host_capacity=2)
+    t.donor.add_lease("d", 0, 1, 2)
+    a, b, c = fill(t, [1, 1], [2, 2], [3, 3])
+    plan = t.evict_device(6)
+    where = [s.dst_tier for s in plan.copies]
+    assert where[:2] == [DONOR, HOST], where
+    assert (plan.demoted, plan.dropped) == (4, 2) or len(where) > 2  # third: room made, or dropped
+    t.check_integrity()
+
+
+def test_tiered_makes_room_in_a_full_donor_rather_than_dropping():
+    t = tree(donor=True)
+    t.donor.add_lease("d", 0, 1, 2)
+    fill(t, [1, 1], [2, 2])
+    plan = t.evict_device(4)
+    assert plan.dropped == 0 and [s.dst_tier for s in plan.copies] == [DONOR, DONOR]
+    assert t.match([2, 2]).prefix_len + t.match([1, 1]).prefix_len == 2  # the older copy went
+    t.check_integrity()
+
+
+# ---- cost-aware ---------------------------------------------------------------------------------
+
+
+def cost_tree(**kw) -> RadixTree:
+    return tree(eviction="cost_aware", demotion="cost_aware", donor=True, **kw)
+
+
+def test_cost_aware_evicts_a_node_with_a_lower_copy_before_an_older_one_without():
+    t = cost_tree()
+    t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)  # full once `old` is on it
+    old, new = fill(t, [1, 1], [2, 2])
+    t.evict_device(2)  # LRU would take `old` again next; demote it to the donor now
+    m = t.match([1, 1])
+    tk = t.begin_load_back(m.last_node, [10, 11])
+    t.unlock(t.complete_load_back(tk).last_node)  # `old` back on device, with a donor copy
+    t.match([2, 2])  # `new` is touched after `old`
+    t.match([1, 1])  # ... and `old` after that: LRU would now evict `new`
+    plan = t.evict_device(2)
+    assert not plan.copies, "the victim already had a donor copy: nothing to copy"
+    assert DEVICE not in old.res and DEVICE in new.res
+    t.check_integrity()
+
+
+def test_cost_aware_keeps_prefixes_whose_only_copy_is_on_a_flaky_donor():
+    t = cost_tree()
+    t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.9)
+    flaky, stable = fill(t, [1, 1], [2, 2])
+    t.evict_device(2)  # `flaky` (least recent) goes to the only donor there is
+    t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
+    t.evict_device(2)  # `stable` goes to the stable donor
+    assert (flaky.res[DONOR].donor, stable.res[DONOR].donor) == ("flaky", "stable")
+    for node, slots in ((flaky, [20, 21]), (stable, [30, 31])):
+        t.unlock(t.complete_load_back(t.begin_load_back(node, slots)).last_node)
+    t.match([1, 1])
+    t.match([2, 2])  # the flaky-backed node is now the least recent: LRU would evict it
+    plan = t.evict_device(2)  # cost-aware evicts the stable-backed one, cheap to bring back
+    assert DEVICE in flaky.res and DEVICE not in stable.res and not plan.copies
+    t.check_integrity()
+
+
+def test_cost_aware_demotion_prefers_stable_donor_and_host_over_a_flaky_donor():
+    t = cost_tree(host_capacity=4)
+    t.donor.add_lease("flaky", 0, 1, 8, reclaim_hazard=0.9)
+    t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
+    fill(t, [1, 1], [2, 2], [3, 3])
+    plan = t.evict_device(2)
+    assert plan.copies[0].dst.donor == "stable"
+    plan = t.evict_device(2)
+    # stable is full; making room there would drop a copy worth more than the host's fetch cost
+    assert plan.copies[-1].dst_tier in (DONOR, HOST)
+    if plan.copies[-1].dst_tier == DONOR:
+        assert plan.copies[-1].dst.donor == "stable"
+    plan = t.evict_device(2)
+    assert all(c.dst_tier != DONOR or c.dst.donor != "flaky" for c in plan.copies)
+    t.check_integrity()
+
+
+def test_cost_aware_room_making_drops_flaky_copies_first():
+    t = cost_tree()
+    t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.8)
+    fill(t, [1, 1], [2, 2])
+    t.evict_device(2)
+    t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.1)
+    t.evict_device(2)
+    t.match([1, 1])  # the flaky copy is the more recent one; LRU would drop the stable one
+    made = t.make_room(DONOR, 2)
+    assert {s.residency.donor for s in made.steps} == {"flaky"}
+    t.check_integrity()
+
+
+# ---- registry and config ------------------------------------------------------------------------
+
+
+def test_unknown_policy_names_fail_with_the_choices():
+    with pytest.raises(ValueError, match="cost_aware"):
+        TreeConfig(eviction="lfu")
+    with pytest.raises(ValueError, match="tiered"):
+        TreeConfig(demotion="random")
+
+
+def test_cost_model_rejects_tiers_dearer_than_recompute():
+    with pytest.raises(ValueError):
+        CostModel(donor=2.0)
+    assert CostModel().donor_expected(0.0) < CostModel().host < CostModel().donor_expected(0.5)
