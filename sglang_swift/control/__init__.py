@@ -1,7 +1,20 @@
 """The donation control channel: discovery, leases, reclaim, heartbeats and authentication
 between SwiftCache servers on one node. Imports neither SGLang nor torch.
 
-Start with :class:`ControlAgent` (agent.py); wire messages live in protocol.py.
+Map of the package:
+  agent.py     ControlAgent, the owner-facing API and its I/O thread (start here)
+  protocol.py  every wire message (msgspec structs, msgpack, HMAC-signed frames)
+  peers.py     membership: hello, heartbeats, failure detection, dispatch
+  donor.py / ledger.py / policy.py   lending: bookkeeping and the named allocation policies
+  borrower.py  borrowing: held leases, read deadlines, reclaim acknowledgements
+  link.py      ZMQ sockets; discovery.py rendezvous records; auth.py the node secret
+  config.py    ControlConfig; events.py what the owner receives
+  sim.py, sim_borrower.py, simclient.py  a standalone agent process for tests and benchmarks
+
+Invariants: a donor hands a reclaimed block back to its owner only after the borrower
+acknowledged (or released) it, or was declared dead; a borrower reads only before its read
+deadline, which ends before any donor could declare it dead; epochs make messages from or to
+an earlier incarnation inert; the owner's demand always wins over lending.
 """
 
 from sglang_swift.control.agent import ControlAgent

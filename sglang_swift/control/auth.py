@@ -44,6 +44,9 @@ def load_or_create_secret(path: str) -> bytes:
         return read_secret(path)
     except FileNotFoundError:
         pass
+    if not os.path.isdir(os.path.dirname(path) or "."):
+        raise ControlConfigError(f"secret {path}: its directory does not exist; create it "
+                                 "(mode 0700) or point secret_file elsewhere")
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

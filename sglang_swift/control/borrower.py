@@ -14,10 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sglang_swift.control import protocol as p
 from sglang_swift.control.events import (LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested,
                                          RequestFailed)
+
+if TYPE_CHECKING:
+    from sglang_swift.control.agent import ControlAgent
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class _Pending:
 
 
 class BorrowerSide:
-    def __init__(self, agent) -> None:
+    def __init__(self, agent: ControlAgent) -> None:
         self.agent = agent
         cfg = agent.config
         self._validity = cfg.heartbeat_timeout_s - cfg.lease_margin_s

@@ -10,6 +10,7 @@ deadline. Runs on the agent's I/O thread only.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -18,11 +19,14 @@ from sglang_swift.control.events import BlocksReturned
 from sglang_swift.control.ledger import DonorLedger, PendingReclaim
 from sglang_swift.control.policy import create_policy
 
+if TYPE_CHECKING:
+    from sglang_swift.control.agent import ControlAgent
+
 log = logging.getLogger(__name__)
 
 
 class DonorSide:
-    def __init__(self, agent) -> None:
+    def __init__(self, agent: ControlAgent) -> None:
         self.agent = agent
         cfg = agent.config
         self.ledger = DonorLedger(create_policy(cfg.policy), cfg.reserve_blocks,

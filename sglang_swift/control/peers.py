@@ -18,10 +18,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sglang_swift.control import discovery, protocol as p
 
+if TYPE_CHECKING:
+    from sglang_swift.control.agent import ControlAgent
+
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Peer:
@@ -38,7 +43,7 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, agent) -> None:
+    def __init__(self, agent: ControlAgent) -> None:
         self.agent = agent
         self._hello_sent: dict[tuple[str, int], float] = {}  # (id or endpoint, epoch) -> time
         self._next_discovery = 0.0

@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+import msgspec
+
 from sglang_swift.control import events as ev
 from sglang_swift.control.agent import ControlAgent
 from sglang_swift.control.config import ControlConfig
@@ -162,11 +164,7 @@ def run(args) -> None:
             if op == "quit":
                 break
             if op == "status":
-                import msgspec
-
-                say("status", **msgspec.structs.asdict(agent.status()) | {
-                    "peers": [msgspec.structs.asdict(q) for q in agent.status().peers],
-                    "leases": [msgspec.structs.asdict(q) for q in agent.status().leases]})
+                say("status", **msgspec.to_builtins(agent.status()))
             elif op == "integrity":
                 try:
                     agent.check_integrity()
