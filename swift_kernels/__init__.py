@@ -106,19 +106,25 @@ def store_pages(arena, k_buffers, v_buffers, slots, blocks, page_size, *, backen
 
 
 def store_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
-                check_ranges=True, plan: RowPlan | None = None, tuning=None) -> None:
+                check_ranges=True, plan: RowPlan | None = None, tuning=None,
+                validate=True) -> None:
     """Store one layer (the unit the GPU side stream and the CPU worker thread schedule)."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
-    shape = _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+    shape = (_validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+             if validate else _lay.shape_of(k, v, page_size))
     _run("store", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
          plan, tuning)
 
 
 def load_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
-               check_ranges=True, plan: RowPlan | None = None, tuning=None) -> None:
+               check_ranges=True, plan: RowPlan | None = None, tuning=None,
+               validate=True) -> None:
     """Scatter layer `layer` of the arena blocks into local slots: k/v[slots[i]] = token i.
-    `tuning` (triton only): {"block", "tokens", "num_warps"}, see kv_triton.DEFAULT_TUNING."""
+    `tuning` (triton only): {"block", "tokens", "num_warps"}, see kv_triton.DEFAULT_TUNING.
+    `validate=False` skips every check: only for a caller that validated the same arguments
+    already (the transfer engine checks once per transfer, not once per layer)."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
-    shape = _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+    shape = (_validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+             if validate else _lay.shape_of(k, v, page_size))
     _run("load", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
          plan, tuning)

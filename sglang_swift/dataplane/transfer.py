@@ -64,7 +64,8 @@ class TransferEngine:
     """Moves KV between one model's local pool and one arena (local or mapped)."""
 
     def __init__(self, arena_memory: torch.Tensor, geometry: KVGeometry, *, backend: str = "auto",
-                 liveness: Callable[[], bool] | None = None, device=None, cpu_threads: int = 1):
+                 liveness: Callable[[], bool] | None = None, device=None, cpu_threads: int = 1,
+                 tuning: dict | None = None):
         unused_bytes(geometry, arena_memory.shape[1])  # raises if a page does not fit a block
         self.arena = arena_memory
         self.geometry = geometry
@@ -72,6 +73,7 @@ class TransferEngine:
         self.backend = sk.resolve_backend(backend, self.device)
         self.liveness = liveness or (lambda: True)
         self.lane = make_lane(self.device, cpu_threads)
+        self.tuning = tuning  # Triton launch parameters (kv_triton.DEFAULT_TUNING when None)
 
     def close(self) -> None:
         self.lane.close()
@@ -89,9 +91,11 @@ class TransferEngine:
         lay.check_arena(self.arena)
         for layer, (kl, vl) in enumerate(zip(k_buffers, v_buffers)):
             lay.check_layer_buffers(kl, vl, f"layer {layer}")
-            if kl.shape != k.shape or vl.shape != v.shape or kl.device != self.device:
-                raise ValueError(f"layer {layer}'s buffers {tuple(kl.shape)} on {kl.device} "
-                                 f"differ from layer 0's {tuple(k.shape)} on {self.device}")
+            if (kl.shape, vl.shape, kl.dtype, kl.device) != (k.shape, v.shape, k.dtype,
+                                                             self.device):
+                raise ValueError(f"layer {layer}'s buffers {kl.dtype} {tuple(kl.shape)} on "
+                                 f"{kl.device} differ from layer 0's {k.dtype} {tuple(k.shape)} "
+                                 f"on {self.device}")
         lay.check_fits(self.arena, lay.shape_of(k, v, g.page_size), g.num_layers - 1)
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         blocks = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
@@ -116,7 +120,7 @@ class TransferEngine:
                                           "donor lost")
                 sk.store_layer(self.arena, layer, k_buffers[layer], v_buffers[layer], slots,
                                blocks, self.geometry.page_size, backend=self.backend,
-                               check_ranges=False, plan=plan)
+                               plan=plan, tuning=self.tuning, validate=False)
             return TransferResult(True, (), None)
 
         handle = TransferHandle(None, sync=getattr(self.lane, "synchronize", None))
@@ -149,7 +153,8 @@ class TransferEngine:
                     try:
                         sk.load_layer(self.arena, layer, k_buffers[layer], v_buffers[layer],
                                       slots, blocks, self.geometry.page_size,
-                                      backend=self.backend, check_ranges=False, plan=plan)
+                                      backend=self.backend, plan=plan, tuning=self.tuning,
+                                      validate=False)
                     except Exception as e:  # noqa: BLE001 - reported as failed layers
                         reason = f"copy failed: {e}"
                 if reason is not None:

@@ -1,0 +1,53 @@
+"""The CPU-safe parts of the transfer scripts: scripts/gpu_check.py parses, formats and refuses
+cleanly without CUDA; scripts/bench_transfer.py runs end to end at toy size and ends with JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import bench_transfer
+import gpu_check
+
+ROW = {"page_size": 16, "bytes": 2**30, "copy_gbps": 4000.0, "store_gbps": 3600.0,
+       "load_gbps": 3000.0, "load_ms_per_layer": 0.01,
+       "store_tuning": {"block": 1024, "tokens": 4, "num_warps": 4}, "load_tuning": None}
+
+
+def test_gpu_check_arguments():
+    args = gpu_check.parse_args([])
+    assert args.tokens == 32768 and args.page_sizes == [16, 64] and args.target == 0.85
+    quick = gpu_check.parse_args(["--quick", "--page-sizes", "32"])
+    assert quick.tokens == 4096 and quick.repeats == 5 and quick.page_sizes == [32]
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--tokens", "0"])
+
+
+def test_gpu_check_table_and_summary():
+    table = gpu_check.format_table([ROW], target=0.85)
+    lines = table.splitlines()
+    assert "store GB/s" in lines[0] and len(lines) == 3
+    assert "0.90" in lines[2] and "0.75" in lines[2] and "below 0.85x" in lines[2]
+    assert "B1024/T4/W4 | -" in lines[2]
+    s = gpu_check.summarize([ROW], {"kernels": True}, 0.85)
+    assert s["ok"] and s["store_ratio"] == 0.9 and s["load_ratio"] == 0.75
+    assert not gpu_check.summarize([], {"kernels": False}, 0.85)["ok"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit only")
+def test_gpu_check_exits_clearly_without_cuda(capsys):
+    assert gpu_check.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_bench_transfer_toy_run_ends_with_json(capsys):
+    rc = bench_transfer.main(["--tokens", "40", "--layers", "2", "--page-sizes", "8,16",
+                              "--repeats", "1"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    summary = json.loads(out[-1])
+    assert {"store_ratio", "load_ratio", "path", "verified"} <= set(summary)
+    assert summary["verified"] and summary["path"] == "cpu-vectorized"
+    assert "vectorized" in out[0]
