@@ -122,8 +122,10 @@ class Network:
         if version != self._version:
             return  # superseded by a later start/finish
         self._advance()
-        eps = 1e-9
-        done = [t for t in self.active if t.remaining <= eps * max(1.0, t.nbytes)]
+        # done: within 1e-9 of its bytes, or less than 1 ns of transfer left (below the float
+        # resolution of the clock, where advancing by dt would move nothing)
+        done = [t for t in self.active
+                if t.remaining <= 1e-9 * max(1.0, t.nbytes) or t.remaining <= t.rate * 1e-9]
         self.active = [t for t in self.active if t not in done]
         self._reschedule()
         for t in done:
