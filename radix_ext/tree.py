@@ -192,6 +192,7 @@ class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
             kl = len(ckey)
             m = kl if (pos + kl <= n and ckey == key[pos : pos + kl]) else common_len(ckey, key, pos, n, page)
             if m < kl:
+                child.last_access = tick  # a partial match touches the node (as SGLang does)
                 child = self._split(child, m)
             child.last_access = tick
             child.hits += 1
@@ -238,6 +239,7 @@ class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
             kl = len(ckey)
             m = kl if (pos + kl <= n and ckey == key[pos : pos + kl]) else common_len(ckey, key, pos, n, page)
             if m < kl:
+                child.last_access = tick
                 child = self._split(child, m)
             child.last_access = tick
             if DEVICE in child.res:

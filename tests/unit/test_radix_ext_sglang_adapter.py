@@ -1,0 +1,86 @@
+"""In-process parity of the `swiftcache` adapter with SGLang's own Python RadixCache.
+
+Invariant: driven by the same random sequence of insert / match / lock / unlock / evict calls
+(with no lower tier), `SwiftRadixCache` returns the same matched lengths and device indices,
+reports the same duplicate lengths, evicts the same slots and keeps the same evictable/protected
+sizes as SGLang's `RadixCache`. SGLang's LRU clock is made a strictly increasing counter so both
+trees see the same order of events (ties in wall-clock time would make either side arbitrary).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from array import array
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+class RecordingAllocator:
+    device = "cpu"
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def free_segment(self, t, *, start_pos):
+        self.freed.extend(t.tolist())
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_adapter_matches_sglang_radix_cache(monkeypatch, seed, page_size):
+    from sglang.srt.mem_cache import radix_cache as rc
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from radix_ext import TreeConfig
+    from sglang_swift.tree_cache_adapter import SwiftRadixCache
+
+    ticks = itertools.count()
+    monkeypatch.setattr(rc.time, "monotonic", lambda: float(next(ticks)))
+    stock_alloc, swift_alloc = RecordingAllocator(), RecordingAllocator()
+    stock = rc.RadixCache.create_simulated(mock_allocator=stock_alloc, page_size=page_size)
+    swift = SwiftRadixCache(
+        CacheInitParams(disable=False, req_to_token_pool=None,
+                        token_to_kv_pool_allocator=swift_alloc, page_size=page_size),
+        TreeConfig(page_size=page_size))
+    rng = random.Random(seed)
+    next_slot = 0
+    locks = []
+
+    def key(tokens, extra=None):
+        return rc.RadixKey(array("q", tokens), extra)
+
+    for _ in range(400):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 24))]
+        extra = rng.choice([None, None, "lora"])
+        op = rng.random()
+        if op < 0.35:
+            value = torch.arange(next_slot, next_slot + len(tokens), dtype=torch.int64)
+            next_slot += len(tokens)
+            a = stock.insert(InsertParams(key=key(tokens, extra), value=value))
+            b = swift.insert(InsertParams(key=key(tokens, extra), value=value))
+            assert a.prefix_len == b.prefix_len
+        elif op < 0.7:
+            a = stock.match_prefix(MatchPrefixParams(key=key(tokens, extra)))
+            b = swift.match_prefix(MatchPrefixParams(key=key(tokens, extra)))
+            assert a.device_prefix_len == b.device_prefix_len
+            assert torch.equal(stock.path_device_indices(a.last_device_node),
+                               swift.path_device_indices(b.last_device_node))
+            if op < 0.5:
+                locks.append((stock.lock(a.last_device_node), swift.lock(b.last_device_node)))
+        elif op < 0.85 and locks:
+            la, lb = locks.pop(rng.randrange(len(locks)))
+            stock.unlock(la)
+            swift.unlock(lb)
+        else:
+            n = rng.randrange(1, 30)
+            a = stock.evict(EvictParams(num_tokens=n))
+            b = swift.evict(EvictParams(num_tokens=n))
+            assert a.num_tokens_evicted == b.num_tokens_evicted
+            assert sorted(stock_alloc.freed) == sorted(swift_alloc.freed)
+        assert (stock.evictable_size(), stock.protected_size(), stock.total_size()) == (
+            swift.evictable_size(), swift.protected_size(), swift.total_size())
+        swift.check_integrity()
