@@ -124,14 +124,14 @@ class CpuLayerCounter:
         idx = self.consumer_index if consumer_id is None else consumer_id
         if idx < 0:
             return LayerWaitResult(True, layer, (), None)
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         with self._cond:
             slot = self._slots[idx]
             while slot.state[layer] == PENDING:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._fail_locked(slot, f"timeout: layer {layer} not ready after "
-                                            f"{self.timeout_s if timeout_s is None else timeout_s}s")
+                    self._fail_locked(slot, f"timeout: layer {layer} not ready after {limit}s")
                     break
                 self._cond.wait(left)
             if slot.state[layer] == FAILED:

@@ -27,7 +27,8 @@ from .geometry import KVGeometry, unused_bytes
 HEADER_BYTES = 4096
 _MAGIC = b"SWIFTARN"
 _VERSION = 1
-_HEADER = struct.Struct("<8sIIQQQ48s")  # magic, version, revoked, block_bytes, num_blocks, pid, uuid
+# magic, version, revoked, block_bytes, num_blocks, owner pid, owner uuid
+_HEADER = struct.Struct("<8sIIQQQ48s")
 DESCRIPTOR_KEYS = ("kind", "handle", "device", "total_bytes", "block_bytes", "num_blocks",
                    "owner_pid", "owner_uuid")
 
@@ -67,44 +68,6 @@ def _unpack_header(raw: bytes) -> dict:
     magic, ver, revoked, bb, nb, pid, uid = _HEADER.unpack_from(raw)
     return {"magic": magic, "version": ver, "revoked": revoked, "block_bytes": bb,
             "num_blocks": nb, "owner_pid": pid, "owner_uuid": uid.rstrip(b"\0").decode()}
-
-
-# ---- CUDA IPC handle encoding (length-prefixed fields; no pickle on the wire) ---------------
-def _pack_fields(fields) -> bytes:
-    out = bytearray()
-    for f in fields:
-        if f is None:
-            out += b"n"
-        elif isinstance(f, bool):
-            out += b"t" + bytes([f])
-        elif isinstance(f, int):
-            out += b"i" + struct.pack("<q", f)
-        else:
-            f = bytes(f)
-            out += b"b" + struct.pack("<I", len(f)) + f
-    return bytes(out)
-
-
-def _unpack_fields(data: bytes) -> list:
-    out, i = [], 0
-    while i < len(data):
-        tag = data[i:i + 1]
-        i += 1
-        if tag == b"n":
-            out.append(None)
-        elif tag == b"t":
-            out.append(bool(data[i]))
-            i += 1
-        elif tag == b"i":
-            out.append(struct.unpack_from("<q", data, i)[0])
-            i += 8
-        elif tag == b"b":
-            (n,) = struct.unpack_from("<I", data, i)
-            out.append(data[i + 4:i + 4 + n])
-            i += 4 + n
-        else:
-            raise MappingError("bad_descriptor", f"corrupt CUDA IPC handle at byte {i - 1}")
-    return out
 
 
 def _desc_get(desc, key):
@@ -148,8 +111,9 @@ class SharedArena:
     def _make_handle(self) -> bytes:
         if self._shm is not None:
             return self._shm.name.encode()
-        share = self.region.untyped_storage()._share_cuda_()
-        return _pack_fields(list(share) + [self.region.storage_offset()])
+        from .cuda_ipc import export_handle
+
+        return export_handle(self.region)
 
     @property
     def memory(self) -> torch.Tensor:
@@ -293,7 +257,9 @@ def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
                                        f"says {total}")
         region = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
     elif d["kind"] == "cuda_ipc":
-        region = _open_cuda_ipc(bytes(d["handle"]), total)
+        from .cuda_ipc import open_handle
+
+        region = open_handle(bytes(d["handle"]), total)
     else:
         raise MappingError("unsupported", f"descriptor kind {d['kind']!r}; expected shm or "
                                           f"cuda_ipc")
@@ -311,27 +277,6 @@ def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
         mapped.close()
         raise MappingError("revoked", "the donor revoked this arena before it was mapped")
     return mapped
-
-
-def _open_cuda_ipc(handle: bytes, total: int) -> torch.Tensor:
-    if not torch.cuda.is_available():
-        raise MappingError("unsupported", "a cuda_ipc descriptor needs CUDA in the borrower")
-    fields = _unpack_fields(handle)
-    if len(fields) != 9:
-        raise MappingError("bad_descriptor", f"CUDA IPC handle has {len(fields)} fields, want 9")
-    *share, tensor_offset = fields
-    try:
-        torch.cuda._lazy_init()  # noqa: SLF001
-        storage = torch.UntypedStorage._new_shared_cuda(*share)  # noqa: SLF001
-    except RuntimeError as e:
-        raise MappingError("not_found", f"CUDA IPC open failed ({e}); the donor may be gone") \
-            from e
-    if storage.nbytes() - tensor_offset < total:
-        raise MappingError("size", f"IPC allocation holds {storage.nbytes() - tensor_offset} "
-                                   f"bytes, descriptor says {total}")
-    region = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    region.set_(storage, tensor_offset, (total,), (1,))
-    return region
 
 
 def unlink_descriptor(desc) -> bool:

@@ -200,3 +200,26 @@ def test_revoked_arena_is_an_expected_event():
         mapped.close()
     finally:
         donor.close()
+
+
+def test_cuda_ipc_handle_encoding_round_trips_without_pickle():
+    from sglang_swift.dataplane.cuda_ipc import _pack_fields, _unpack_fields
+
+    fields = [0, b"\x00\x01ipc-handle", 1 << 40, 0, b"/torch_123_ref", 7, None, True, 4096]
+    assert _unpack_fields(_pack_fields(fields)) == fields
+    with pytest.raises(MappingError) as err:
+        _unpack_fields(b"zz")
+    assert err.value.reason == "bad_descriptor"
+
+
+def test_cuda_ipc_descriptor_without_cuda_is_an_expected_failure():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only refusal")
+    donor = SharedArena(2, 1024)
+    try:
+        desc = {**donor.export(), "kind": "cuda_ipc", "handle": b""}
+        with pytest.raises(MappingError) as err:
+            map_arena(desc)
+        assert err.value.reason == "unsupported"
+    finally:
+        donor.close()

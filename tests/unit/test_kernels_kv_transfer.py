@@ -38,7 +38,8 @@ def _arena(num_blocks, num_layers, page, heads, dk, dv, dtype):
 
 def _case(kind, n, page, num_slots, num_blocks, seed):
     """(slots, blocks) for n tokens. `pages`: page-aligned runs of local slots (SGLang's paged
-    allocator) into shuffled blocks, `pages-runs`: the same into consecutive blocks, `scattered`: arbitrary slots (page_size=1 allocator), passed as a strided view."""
+    allocator) into shuffled blocks, `pages-runs`: the same into consecutive blocks,
+    `scattered`: arbitrary slots (page_size=1 allocator), passed as a strided view."""
     g = torch.Generator().manual_seed(seed)
     npages = -(-n // page)
     blocks = torch.randperm(num_blocks, generator=g)[:npages]

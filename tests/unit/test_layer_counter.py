@@ -187,3 +187,23 @@ def test_stuck_load_times_out_and_reports_layers():
         gate.set()  # let the loader thread finish; it sees the abandoned slot and stops
         eng.close()
         donor.close()
+
+
+def test_cuda_counter_records_on_the_copy_stream_and_waits_on_the_device(monkeypatch):
+    """Invariant (GPU variant, with the stream module faked): complete() records one event per
+    layer on the given stream; wait_until() hands that event to the current stream instead of
+    blocking the host; a failed layer is never waited on."""
+    from sglang_swift.dataplane import CudaLayerCounter, streams
+
+    recorded, waited = [], []
+    monkeypatch.setattr(streams, "record_event",
+                        lambda s: recorded.append(s) or f"ev{len(recorded)}")
+    monkeypatch.setattr(streams, "wait_event_on_current_stream", waited.append)
+    c = CudaLayerCounter(3, timeout_s=5)
+    c.set_consumer(c.update_producer())
+    c.complete(0, stream="copy-stream")
+    c.complete(1, stream="copy-stream")
+    assert recorded == ["copy-stream", "copy-stream"]
+    assert c.wait_until(0) and c.wait_until(1) and waited == ["ev1", "ev2"]
+    assert c.fail("donor lost") == (2,)
+    assert c.wait_until(2) is False and waited == ["ev1", "ev2"]
