@@ -22,8 +22,13 @@ import sys
 import tempfile
 import time
 
-from sglang_swift.control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted,
-                                  RequestFailed)
+from sglang_swift.control import (
+    BlocksReturned,
+    ControlAgent,
+    ControlConfig,
+    LeaseGranted,
+    RequestFailed,
+)
 from sglang_swift.control.sim import ShmArena
 
 SIM = [sys.executable, "-m", "sglang_swift.control.sim"]

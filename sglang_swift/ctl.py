@@ -17,7 +17,8 @@ import sys
 import msgspec
 import zmq
 
-from sglang_swift.control import discovery, protocol as p
+from sglang_swift.control import discovery
+from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import read_secret
 from sglang_swift.control.config import ControlConfigError, default_rendezvous_dir
 
@@ -50,7 +51,8 @@ def query(codec: p.Codec, rec: discovery.PeerRecord, timeout_s: float) -> p.Agen
 def _table(rows: list[list], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def status(args) -> int:
@@ -74,20 +76,21 @@ def status(args) -> int:
             continue
         agents.append([st.agent_id, st.epoch, st.pid, st.model, "up", st.num_blocks, st.lendable,
                        st.reserve, st.lent, st.borrowed, len(st.peers)])
-        for l in st.leases:  # each lease is reported by both ends; the key dedups
-            leases[(l.donor, l.epoch, l.lease_id)] = l
+        for ls in st.leases:  # each lease is reported by both ends; the key dedups
+            leases[(ls.donor, ls.epoch, ls.lease_id)] = ls
     print(f"rendezvous {args.rendezvous_dir}: {len(records)} agent(s)")
     print(_table(agents, ["AGENT", "EPOCH", "PID", "MODEL", "STATE", "BLOCKS", "LENDABLE",
                           "RESERVE", "LENT", "BORROWED", "PEERS"]))
     print(f"\n{len(leases)} lease(s)")
-    print(_table([[l.donor, l.borrower, l.lease_id, l.epoch, l.num_blocks, l.reclaiming]
-                  for l in sorted(leases.values(), key=lambda l: (l.donor, l.lease_id))],
+    print(_table([[ls.donor, ls.borrower, ls.lease_id, ls.epoch, ls.num_blocks, ls.reclaiming]
+                  for ls in sorted(leases.values(), key=lambda ls: (ls.donor, ls.lease_id))],
                  ["DONOR", "BORROWER", "LEASE", "EPOCH", "BLOCKS", "RECLAIMING"]))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_swift.ctl", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_swift.ctl",
+                                 description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="peers, leases, lent and borrowed blocks")
     st.add_argument("--rendezvous-dir", default=default_rendezvous_dir())

@@ -26,7 +26,8 @@ import queue
 import threading
 import time
 
-from sglang_swift.control import discovery, protocol as p
+from sglang_swift.control import discovery
+from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import ensure_private_dir, load_or_create_secret
 from sglang_swift.control.borrower import BorrowerSide
 from sglang_swift.control.config import ControlConfig

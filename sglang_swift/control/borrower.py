@@ -17,8 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sglang_swift.control import protocol as p
-from sglang_swift.control.events import (LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested,
-                                         RequestFailed)
+from sglang_swift.control.events import (
+    LeaseGranted,
+    LeaseKey,
+    LeaseLost,
+    ReclaimRequested,
+    RequestFailed,
+)
 
 if TYPE_CHECKING:
     from sglang_swift.control.agent import ControlAgent
@@ -32,6 +37,10 @@ class HeldLease:
     active: set[int]
     memory: p.MemoryDescriptor
     reclaiming: dict[int, set[int]] = field(default_factory=dict)
+
+    def blocks(self) -> set[int]:
+        """Every block of the lease, readable or being reclaimed."""
+        return self.active.union(*self.reclaiming.values())
 
 
 @dataclass
@@ -54,7 +63,7 @@ class BorrowerSide:
         return self.confirmed.get(donor, 0.0) + self._validity
 
     def borrowed(self) -> int:
-        return sum(len(h.active) + sum(map(len, h.reclaiming.values())) for h in self.leases.values())
+        return sum(len(h.blocks()) for h in self.leases.values())
 
     # ---- owner commands ----
     def request(self, request_id: int, num_blocks: int, priority: int, donor: str | None) -> None:
@@ -77,7 +86,7 @@ class BorrowerSide:
         held = self.leases.get(key)
         if held is None:
             return
-        gone = held.active | set().union(*held.reclaiming.values()) if blocks is None else set(blocks)
+        gone = held.blocks() if blocks is None else set(blocks)
         held.active -= gone
         for rid in list(held.reclaiming):
             held.reclaiming[rid] -= gone
@@ -115,7 +124,7 @@ class BorrowerSide:
         mine = set(msg.blocks)
         for held in self.leases.values():
             if held.key.donor == key.donor and held.key.epoch == key.epoch:
-                if mine & (held.active | set().union(*held.reclaiming.values())):
+                if mine & (held.blocks()):
                     return "block granted twice"
         return ""
 
@@ -168,7 +177,7 @@ class BorrowerSide:
         alive, so send Release for what we dropped (we stopped reading already)."""
         for key in [k for k in self.leases if k.donor == donor and epoch in (None, k.epoch)]:
             held = self.leases.pop(key)
-            blocks = held.active | set().union(*held.reclaiming.values())
+            blocks = held.blocks()
             if tell:
                 self._send_to_donor(key, p.Release(key.lease_id, key.epoch, sorted(blocks)))
             log.info("lease %s lost (%s): %d blocks", key, reason, len(blocks))

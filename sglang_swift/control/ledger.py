@@ -137,7 +137,7 @@ class DonorLedger:
     def drop_borrower(self, borrower: str) -> list[int]:
         """The borrower is dead (or left): all its blocks are free to reuse."""
         freed: set[int] = set()
-        for lease in [l for l in self.leases.values() if l.borrower == borrower]:
+        for lease in [ls for ls in self.leases.values() if ls.borrower == borrower]:
             freed |= lease.all_blocks()
             for rid in lease.reclaiming:
                 del self.reclaims[rid]
@@ -193,5 +193,5 @@ class DonorLedger:
             for rid in lease.reclaiming:
                 assert self.reclaims[rid].lease_id == lease.lease_id
         assert seen == self.offered, "offered blocks lost or invented"
-        assert len(self.reclaims) == sum(len(l.reclaiming) for l in self.leases.values())
+        assert len(self.reclaims) == sum(len(ls.reclaiming) for ls in self.leases.values())
         assert self.owner_debt >= 0 and (not self.owner_debt or not self.free)

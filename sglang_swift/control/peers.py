@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sglang_swift.control import discovery, protocol as p
+from sglang_swift.control import discovery
+from sglang_swift.control import protocol as p
 
 if TYPE_CHECKING:
     from sglang_swift.control.agent import ControlAgent
@@ -117,7 +118,8 @@ class PeerTable:
         a = self.agent
         a.count("errors_in")
         if peer is None or env.epoch != peer.epoch:
-            log.info("error from %s (not a current peer): %s %s", env.sender, body.code, body.detail)
+            log.info("error from %s (not a current peer): %s %s", env.sender, body.code,
+                     body.detail)
             return
         if body.code == p.E_UNKNOWN_PEER:  # it declared us dead: our leases there are void
             a.borrower.lose_donor(peer.agent_id, peer.epoch, "donor forgot us")
@@ -217,14 +219,14 @@ class PeerTable:
         peers = [p.PeerStatus(q.agent_id, q.epoch, q.pid, q.model,
                               int((now - q.last_rx) * 1000), q.lendable)
                  for q in a.peers.values()]
-        leases = [p.LeaseStatus(a.config.agent_id, l.borrower, a.epoch, l.lease_id,
-                                l.size, l.size - len(l.active))
-                  for l in led.leases.values()]
+        leases = [p.LeaseStatus(a.config.agent_id, ls.borrower, a.epoch, ls.lease_id,
+                                ls.size, ls.size - len(ls.active))
+                  for ls in led.leases.values()]
         leases += [p.LeaseStatus(k.donor, a.config.agent_id, k.epoch, k.lease_id,
                                  len(h.active) + sum(map(len, h.reclaiming.values())),
                                  sum(map(len, h.reclaiming.values())))
                    for k, h in a.borrower.leases.items()]
-        lent = sum(l.size for l in led.leases.values())
+        lent = sum(ls.size for ls in led.leases.values())
         return p.AgentStatus(a.config.agent_id, a.epoch, os.getpid(), a.model, a.endpoint,
                              mem.num_blocks if mem else 0, led.lendable(), led.reserve, lent,
                              a.borrower.borrowed(), peers, leases,

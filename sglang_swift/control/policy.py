@@ -52,7 +52,7 @@ class GreedyPolicy:
         return _bounded(want, want, available, held.get(borrower, 0), cap)
 
     def reclaim_order(self, leases, held):
-        return sorted(leases, key=lambda l: (l.priority, -l.lease_id))
+        return sorted(leases, key=lambda ls: (ls.priority, -ls.lease_id))
 
 
 class ProportionalPolicy:
@@ -70,7 +70,7 @@ class ProportionalPolicy:
         return _bounded(share - mine, want, available, mine, cap)
 
     def reclaim_order(self, leases, held):
-        return sorted(leases, key=lambda l: (l.priority, -held.get(l.borrower, 0), -l.lease_id))
+        return sorted(leases, key=lambda ls: (ls.priority, -held.get(ls.borrower, 0), -ls.lease_id))
 
 
 POLICIES: dict[str, type] = {p.name: p for p in (GreedyPolicy, ProportionalPolicy)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
@@ -185,8 +185,8 @@ class StatusReply(_Msg, tag="status_reply"):
     status: AgentStatus
 
 
-Message = Union[Hello, Advertise, LeaseRequest, Grant, Reclaim, ReclaimAck, Release, Heartbeat,
-                Error, Bye, StatusRequest, StatusReply]
+Message = (Hello | Advertise | LeaseRequest | Grant | Reclaim | ReclaimAck | Release | Heartbeat
+           | Error | Bye | StatusRequest | StatusReply)
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -208,9 +208,10 @@ class BadMessage(Exception):
 
 
 # Error codes, sent in Error.code and used as BadMessage.code.
-E_TOO_BIG, E_TRUNCATED, E_MAGIC, E_VERSION, E_AUTH = "too_big", "truncated", "bad_magic", "version", "auth"
-E_MALFORMED, E_UNKNOWN_TYPE, E_UNKNOWN_PEER, E_STALE = "malformed", "unknown_type", "unknown_peer", "stale"
-E_INVALID, E_NO_CAPACITY, E_NOT_DONOR = "invalid", "no_capacity", "not_donor"
+E_TOO_BIG, E_TRUNCATED, E_MAGIC, E_VERSION = "too_big", "truncated", "bad_magic", "version"
+E_AUTH, E_MALFORMED, E_UNKNOWN_TYPE = "auth", "malformed", "unknown_type"
+E_UNKNOWN_PEER, E_STALE, E_INVALID = "unknown_peer", "stale", "invalid"
+E_NO_CAPACITY, E_NOT_DONOR = "no_capacity", "not_donor"
 
 
 class Codec:
@@ -237,7 +238,8 @@ class Codec:
         if magic != MAGIC:
             raise BadMessage(E_MAGIC, repr(magic))
         if version != PROTOCOL_VERSION:
-            raise BadMessage(E_VERSION, f"wire version {version}, this agent speaks {PROTOCOL_VERSION}")
+            raise BadMessage(E_VERSION, f"wire version {version}; this agent speaks "
+                                        f"{PROTOCOL_VERSION}")
         header, mac, body = frame[: _HEADER.size], frame[_HEADER.size : OVERHEAD], frame[OVERHEAD:]
         want = hmac.new(self._secret, header + body, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, want):

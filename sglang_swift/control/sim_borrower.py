@@ -177,7 +177,7 @@ class SimBorrower:
                 continue
             rid = self.agent.request(rng.randint(1, 8), rng.randint(0, 2), rng.choice(donors))
             with self.cv:
-                if not self.cv.wait_for(lambda: rid in self.results, 5.0):
+                if not self.cv.wait_for(lambda rid=rid: rid in self.results, 5.0):
                     self.say("violation", what="request never answered", request_id=rid)
                     continue
                 res = self.results.pop(rid)

@@ -11,8 +11,15 @@ import pytest
 import zmq
 
 from sglang_swift import ctl
-from sglang_swift.control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted,
-                                  ReclaimRequested, RequestFailed, protocol as p)
+from sglang_swift.control import (
+    BlocksReturned,
+    ControlAgent,
+    ControlConfig,
+    LeaseGranted,
+    ReclaimRequested,
+    RequestFailed,
+)
+from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import load_or_create_secret
 
 MEM = dict(kind="shm", handle=b"arena", device="cpu", total_bytes=256 * 32, block_bytes=256,
@@ -96,7 +103,8 @@ def test_stale_epochs_are_harmless(pair):
     rec = _next(borrower, ReclaimRequested)
     socks = [
         _forge(rdv, borrower, p.Envelope("donor", donor.epoch - 1, borrower.epoch, 1 << 40,
-                                         p.Grant(99, 77, donor.epoch - 1, [9], p.MemoryDescriptor.coerce(MEM)))),
+                                         p.Grant(99, 77, donor.epoch - 1, [9],
+                                                 p.MemoryDescriptor.coerce(MEM)))),
         _forge(rdv, donor, p.Envelope("borrower", borrower.epoch - 1, donor.epoch, 1 << 40,
                                       p.ReclaimAck(rec.reclaim_id, grant.key.lease_id,
                                                    donor.epoch, list(rec.blocks)))),
@@ -133,7 +141,6 @@ def test_requests_to_a_silent_donor_time_out():
     """A donor that never answers: the request fails with timeout, then the peer is dropped."""
     rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
     borrower = ControlAgent(_cfg(rdv, "borrower", request_timeout_s=0.3)).start()
-    codec = p.Codec(load_or_create_secret(os.path.join(rdv, "secret")))
     mute = zmq.Context.instance().socket(zmq.ROUTER)
     mute.setsockopt(zmq.LINGER, 0)
     endpoint = f"ipc://{os.path.dirname(rdv)}/mute.sock"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_swift.control.config import ControlConfigError
 from sglang_swift.control.ledger import DonorLedger

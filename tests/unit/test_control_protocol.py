@@ -8,7 +8,8 @@ import hmac
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_swift.control import protocol as p
 
@@ -106,7 +107,8 @@ def test_random_bytes_only_ever_raise_bad_message(data):
             pass
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=8)
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+                     | st.text(max_size=8)
                      | st.binary(max_size=8),
                      lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c,
                                                                          max_size=4),
