@@ -135,3 +135,16 @@ def unused_bytes(geometry: KVGeometry, block_bytes: int) -> int:
             f"choose_block_bytes() over every model that will borrow from it"
         )
     return block_bytes - geometry.page_bytes
+
+
+def fit_page_size(geometry: KVGeometry, block_bytes: int, multiple_of: int = 1) -> KVGeometry:
+    """The same model with the largest page (tokens per block) that fits `block_bytes`, a
+    multiple of `multiple_of` (the server's own page size). A model smaller than the one the
+    arena was sized for fills its blocks with more tokens instead of leaving bytes unused."""
+    per_token = geometry.num_layers * geometry.bytes_per_token_per_layer
+    page = block_bytes // per_token // multiple_of * multiple_of
+    if page <= 0:
+        raise ValueError(f"one token of {geometry} for all layers takes {per_token} bytes; a "
+                         f"block of {block_bytes} cannot hold {multiple_of} of them")
+    return KVGeometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                      geometry.v_head_dim, geometry.dtype, page)

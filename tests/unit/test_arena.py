@@ -13,7 +13,8 @@ import torch
 import swift_kernels as sk
 from sglang_swift.dataplane import (FREE, ArenaExhausted, BlockArena, KVGeometry, MappingError,
                                     OwnershipError, SharedArena, TransferEngine, block_bytes_for,
-                                    choose_block_bytes, map_arena, unused_bytes)
+                                    choose_block_bytes, fit_page_size, map_arena,
+                                    unused_bytes)
 from sglang_swift.dataplane.sharing import DESCRIPTOR_KEYS
 
 LLAMA3_8B = KVGeometry(32, 8, 128, 128, torch.bfloat16, 16)  # 4 KiB per token per layer
@@ -37,6 +38,19 @@ def test_geometry_sizes_and_block_choice():
     with pytest.raises(ValueError, match="positive int"):
         KVGeometry(0, 1, 1, 1, torch.float16, 1)
     assert KVGeometry.from_dict(SMALL_FP16.to_dict()) == SMALL_FP16
+
+
+def test_a_smaller_model_fills_big_blocks_with_more_tokens():
+    """Invariant: fit_page_size trades unused bytes for tokens per block; the result fits."""
+    lwm = KVGeometry(32, 32, 128, 128, torch.bfloat16, 16)  # Llama-2 7B: 16 KiB/token/layer
+    bb = choose_block_bytes([lwm, LLAMA3_8B])
+    assert unused_bytes(LLAMA3_8B, bb) == 3 * bb // 4  # 75% unused at page 16
+    fitted = fit_page_size(LLAMA3_8B, bb, multiple_of=16)
+    assert fitted.page_size == 64 and unused_bytes(fitted, bb) == 0
+    qwen3_8b = fit_page_size(KVGeometry(36, 8, 128, 128, torch.bfloat16, 16), bb, 8)
+    assert qwen3_8b.page_size == 56 and unused_bytes(qwen3_8b, bb) / bb < 0.02
+    with pytest.raises(ValueError, match="cannot hold"):
+        fit_page_size(lwm, 4096)
 
 
 def test_moves_keep_exactly_one_owner_per_block():
