@@ -19,17 +19,17 @@ from .scenario import PAPER, SCENARIOS
 QUICK = dict(rates=(0.5, 1.0, 1.5, 2.0), window=300.0)
 FULL_RATES = {
     ("paper-4xH20", "chat"): (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0),
-    ("paper-4xH20", "agent"): (0.02, 0.05, 0.08, 0.11, 0.15, 0.2, 0.3),
+    ("paper-4xH20", "agent"): (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2),
     ("paper-4xH20", "single"): (0.25, 0.5, 1.0, 1.5),
     ("8xH100", "chat"): (1.0, 2.0, 4.0, 6.0, 8.0, 12.0),
-    ("8xH200", "chat"): (1.0, 2.0, 4.0, 6.0, 8.0, 12.0),
+    ("8xH200", "chat"): (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="simulate", description=__doc__)
     p.add_argument("--quick", action="store_true", help="paper setup only, 4 rates, 300 s window (< 1 min)")
-    p.add_argument("--window", type=float, default=900.0, help="seconds of session arrivals per point")
+    p.add_argument("--window", type=float, default=600.0, help="seconds of session arrivals per point")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
     return p
