@@ -40,9 +40,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def spawn(rdv: str, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen([*SIM, "--rendezvous-dir", rdv, "--quiet-events", *args],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [*SIM, "--rendezvous-dir", rdv, "--quiet-events", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     line = proc.stdout.readline()  # {"ev": "ready"} (blocks until the agent is up)
     assert '"ready"' in line, line
     return proc
@@ -60,8 +64,9 @@ def wait_event(agent: ControlAgent, kind, timeout: float = 5.0):
 def bench_grants(rdv: str, n: int) -> list[float]:
     agent = ControlAgent(ControlConfig("bench-borrower", rendezvous_dir=rdv)).start()
     try:
-        assert agent.wait_until(lambda a: a.peers.get("sim-donor") and
-                                a.peers["sim-donor"].lendable > 0, 10)
+        assert agent.wait_until(
+            lambda a: a.peers.get("sim-donor") and a.peers["sim-donor"].lendable > 0, 10
+        )
         lat = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -78,8 +83,9 @@ def bench_grants(rdv: str, n: int) -> list[float]:
 def bench_msgs(rdv: str, seconds: float, window: int = 32) -> float:
     agent = ControlAgent(ControlConfig("bench-pipe", rendezvous_dir=rdv)).start()
     try:
-        assert agent.wait_until(lambda a: a.peers.get("sim-donor") and
-                                a.peers["sim-donor"].lendable > 0, 10)
+        assert agent.wait_until(
+            lambda a: a.peers.get("sim-donor") and a.peers["sim-donor"].lendable > 0, 10
+        )
         for _ in range(window):
             agent.request(1, donor="sim-donor")
         c0 = agent.status().counters
@@ -100,8 +106,16 @@ def bench_msgs(rdv: str, seconds: float, window: int = 32) -> float:
 
 def bench_reclaims(rdv: str, n: int) -> list[float]:
     arena = ShmArena(f"swc-bench-{os.getpid()}", 256 * 64, create=True)
-    mem = dict(kind="shm", handle=arena.name.encode(), device="cpu", total_bytes=256 * 64,
-               block_bytes=256, num_blocks=64, owner_pid=os.getpid(), owner_uuid="")
+    mem = dict(
+        kind="shm",
+        handle=arena.name.encode(),
+        device="cpu",
+        total_bytes=256 * 64,
+        block_bytes=256,
+        num_blocks=64,
+        owner_pid=os.getpid(),
+        owner_uuid="",
+    )
     agent = ControlAgent(ControlConfig("bench-donor", rendezvous_dir=rdv), memory=mem).start()
     borrower = spawn(rdv, "--agent-id", "sim-borrower", "--auto-ack")
     try:
@@ -110,8 +124,9 @@ def bench_reclaims(rdv: str, n: int) -> list[float]:
         lat = []
         for _ in range(n):
             for _ in range(20):  # the borrower may not have seen our advert yet
-                borrower.stdin.write(json.dumps({"op": "request", "n": 64,
-                                                 "donor": "bench-donor"}) + "\n")
+                borrower.stdin.write(
+                    json.dumps({"op": "request", "n": 64, "donor": "bench-donor"}) + "\n"
+                )
                 borrower.stdin.flush()
                 if agent.wait_until(lambda a: a.status().lent == 64, 0.5):
                     break
@@ -142,10 +157,15 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
         donor.kill()
         donor.wait()
     reclaims = bench_reclaims(rdv, max(20, n // 10))
-    return {"grant_p50_ms": pct(grants, 0.5) * 1e3, "grant_p99_ms": pct(grants, 0.99) * 1e3,
-            "reclaim_p50_ms": pct(reclaims, 0.5) * 1e3,
-            "reclaim_p99_ms": pct(reclaims, 0.99) * 1e3, "msgs_per_s": msgs,
-            "grants": len(grants), "reclaims": len(reclaims)}
+    return {
+        "grant_p50_ms": pct(grants, 0.5) * 1e3,
+        "grant_p99_ms": pct(grants, 0.99) * 1e3,
+        "reclaim_p50_ms": pct(reclaims, 0.5) * 1e3,
+        "reclaim_p99_ms": pct(reclaims, 0.99) * 1e3,
+        "msgs_per_s": msgs,
+        "grants": len(grants),
+        "reclaims": len(reclaims),
+    }
 
 
 def main() -> None:
@@ -159,8 +179,10 @@ def main() -> None:
     burners: list[subprocess.Popen] = []
     try:
         idle = run_round(rdv, n, seconds)
-        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                   for _ in range(os.cpu_count() or 1)]
+        burners = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)
+        ]
         load = run_round(rdv, n, seconds)
     finally:
         for b in burners:
@@ -169,9 +191,11 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"1-min load average at start: {loadavg:.2f} on {os.cpu_count()} cpus")
     for name, r in (("idle", idle), ("load", load)):
-        print(f"{name:5s} grant p50 {r['grant_p50_ms']:.3f} ms  p99 {r['grant_p99_ms']:.3f} ms "
-              f"({r['grants']} grants) | reclaim p50 {r['reclaim_p50_ms']:.3f} ms  "
-              f"p99 {r['reclaim_p99_ms']:.3f} ms ({r['reclaims']}) | {r['msgs_per_s']:.0f} msg/s")
+        print(
+            f"{name:5s} grant p50 {r['grant_p50_ms']:.3f} ms  p99 {r['grant_p99_ms']:.3f} ms "
+            f"({r['grants']} grants) | reclaim p50 {r['reclaim_p50_ms']:.3f} ms  "
+            f"p99 {r['reclaim_p99_ms']:.3f} ms ({r['reclaims']}) | {r['msgs_per_s']:.0f} msg/s"
+        )
     out = {k: round(v, 4) for k, v in idle.items()}
     out.update({f"load_{k}": round(v, 4) for k, v in load.items()})
     out["cpus"] = os.cpu_count()

@@ -57,40 +57,84 @@ def _table(rows: list[list], header: list[str]) -> str:
 
 def status(args) -> int:
     try:
-        codec = p.Codec(read_secret(args.secret_file or os.path.join(args.rendezvous_dir,
-                                                                    "secret")))
+        codec = p.Codec(
+            read_secret(args.secret_file or os.path.join(args.rendezvous_dir, "secret"))
+        )
     except (FileNotFoundError, ControlConfigError) as exc:
         print(f"cannot read the node secret: {exc}", file=sys.stderr)
         return 2
     records = sorted(discovery.read_records(args.rendezvous_dir), key=lambda r: r.agent_id)
     results = [(rec, query(codec, rec, args.timeout)) for rec in records]
     if args.json:
-        print(json.dumps([msgspec.to_builtins(s) if isinstance(s, p.AgentStatus)
-                          else {"agent_id": r.agent_id, "epoch": r.epoch, "pid": r.pid,
-                                "state": s} for r, s in results]))
+        print(
+            json.dumps(
+                [
+                    msgspec.to_builtins(s)
+                    if isinstance(s, p.AgentStatus)
+                    else {"agent_id": r.agent_id, "epoch": r.epoch, "pid": r.pid, "state": s}
+                    for r, s in results
+                ]
+            )
+        )
         return 0
     agents, leases = [], {}
     for rec, st in results:
         if isinstance(st, str):
             agents.append([rec.agent_id, rec.epoch, rec.pid, rec.model, st] + ["-"] * 6)
             continue
-        agents.append([st.agent_id, st.epoch, st.pid, st.model, "up", st.num_blocks, st.lendable,
-                       st.reserve, st.lent, st.borrowed, len(st.peers)])
+        agents.append(
+            [
+                st.agent_id,
+                st.epoch,
+                st.pid,
+                st.model,
+                "up",
+                st.num_blocks,
+                st.lendable,
+                st.reserve,
+                st.lent,
+                st.borrowed,
+                len(st.peers),
+            ]
+        )
         for ls in st.leases:  # each lease is reported by both ends; the key dedups
             leases[(ls.donor, ls.epoch, ls.lease_id)] = ls
     print(f"rendezvous {args.rendezvous_dir}: {len(records)} agent(s)")
-    print(_table(agents, ["AGENT", "EPOCH", "PID", "MODEL", "STATE", "BLOCKS", "LENDABLE",
-                          "RESERVE", "LENT", "BORROWED", "PEERS"]))
+    print(
+        _table(
+            agents,
+            [
+                "AGENT",
+                "EPOCH",
+                "PID",
+                "MODEL",
+                "STATE",
+                "BLOCKS",
+                "LENDABLE",
+                "RESERVE",
+                "LENT",
+                "BORROWED",
+                "PEERS",
+            ],
+        )
+    )
     print(f"\n{len(leases)} lease(s)")
-    print(_table([[ls.donor, ls.borrower, ls.lease_id, ls.epoch, ls.num_blocks, ls.reclaiming]
-                  for ls in sorted(leases.values(), key=lambda ls: (ls.donor, ls.lease_id))],
-                 ["DONOR", "BORROWER", "LEASE", "EPOCH", "BLOCKS", "RECLAIMING"]))
+    print(
+        _table(
+            [
+                [ls.donor, ls.borrower, ls.lease_id, ls.epoch, ls.num_blocks, ls.reclaiming]
+                for ls in sorted(leases.values(), key=lambda ls: (ls.donor, ls.lease_id))
+            ],
+            ["DONOR", "BORROWER", "LEASE", "EPOCH", "BLOCKS", "RECLAIMING"],
+        )
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_swift.ctl",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m sglang_swift.ctl", description=__doc__.split("\n")[0]
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="peers, leases, lent and borrowed blocks")
     st.add_argument("--rendezvous-dir", default=default_rendezvous_dir())

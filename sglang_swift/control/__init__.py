@@ -20,16 +20,26 @@ an earlier incarnation inert; the owner's demand always wins over lending.
 from sglang_swift.control.agent import ControlAgent
 from sglang_swift.control.config import ControlConfig, ControlConfigError
 from sglang_swift.control.events import (
-                                         BlocksReturned,
-                                         LeaseGranted,
-                                         LeaseKey,
-                                         LeaseLost,
-                                         PeerChanged,
-                                         ReclaimRequested,
-                                         RequestFailed,
+    BlocksReturned,
+    LeaseGranted,
+    LeaseKey,
+    LeaseLost,
+    PeerChanged,
+    ReclaimRequested,
+    RequestFailed,
 )
 from sglang_swift.control.protocol import MemoryDescriptor
 
-__all__ = ["ControlAgent", "ControlConfig", "ControlConfigError", "MemoryDescriptor",
-           "LeaseKey", "LeaseGranted", "RequestFailed", "ReclaimRequested", "LeaseLost",
-           "BlocksReturned", "PeerChanged"]
+__all__ = [
+    "ControlAgent",
+    "ControlConfig",
+    "ControlConfigError",
+    "MemoryDescriptor",
+    "LeaseKey",
+    "LeaseGranted",
+    "RequestFailed",
+    "ReclaimRequested",
+    "LeaseLost",
+    "BlocksReturned",
+    "PeerChanged",
+]

@@ -40,8 +40,13 @@ log = logging.getLogger(__name__)
 
 
 class ControlAgent:
-    def __init__(self, config: ControlConfig, *, model: str = "",
-                 memory: p.MemoryDescriptor | dict | None = None) -> None:
+    def __init__(
+        self,
+        config: ControlConfig,
+        *,
+        model: str = "",
+        memory: p.MemoryDescriptor | dict | None = None,
+    ) -> None:
         self.config, self.model = config, model
         ensure_private_dir(config.rendezvous_dir)
         self.codec = p.Codec(load_or_create_secret(config.secret_path), config.max_message_bytes)
@@ -69,8 +74,9 @@ class ControlAgent:
 
     # ---- lifecycle ----
     def start(self, timeout: float = 10.0) -> ControlAgent:
-        self._thread = threading.Thread(target=self._run, name=f"swift-ctl-{self.config.agent_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"swift-ctl-{self.config.agent_id}", daemon=True
+        )
         self._thread.start()
         if not self._ready.wait(timeout) or self._error:
             self.stop()
@@ -250,11 +256,13 @@ class ControlAgent:
             endpoint = f"tcp://{cfg.tcp_host}:{cfg.tcp_port}"
         self.link = Link(self.codec, endpoint, cfg.max_message_bytes)
         self.endpoint = self.link.endpoint
-        self._record = discovery.PeerRecord(cfg.agent_id, self.epoch, os.getpid(), self.endpoint,
-                                            self.model)
+        self._record = discovery.PeerRecord(
+            cfg.agent_id, self.epoch, os.getpid(), self.endpoint, self.model
+        )
         discovery.publish(cfg.rendezvous_dir, self._record)
-        log.info("control agent %s epoch %d listening on %s", cfg.agent_id, self.epoch,
-                 self.endpoint)
+        log.info(
+            "control agent %s epoch %d listening on %s", cfg.agent_id, self.epoch, self.endpoint
+        )
 
     def _teardown(self) -> None:
         try:
@@ -273,8 +281,9 @@ class ControlAgent:
     def on_refused(self, counter: str, detail: str, env: p.Envelope) -> None:
         """A well-formed, authenticated frame that is stale, replayed or from a non-peer."""
         self.count(counter)
-        self._bad_log(counter, f"{type(env.body).__name__} {detail}",
-                      f"{env.sender} epoch {env.epoch}")
+        self._bad_log(
+            counter, f"{type(env.body).__name__} {detail}", f"{env.sender} epoch {env.epoch}"
+        )
 
     def peer_changed(self, peer: Peer, joined: bool, reason: str = "") -> None:
         self.emit(PeerChanged(peer.agent_id, peer.epoch, joined, reason))

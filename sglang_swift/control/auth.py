@@ -18,7 +18,8 @@ def ensure_private_dir(path: str) -> None:
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise ControlConfigError(
             f"rendezvous dir {path} is mode {stat.S_IMODE(st.st_mode):o} owned by uid {st.st_uid}; "
-            f"it must be yours and 0700: `chmod 700 {path}` or choose another directory")
+            f"it must be yours and 0700: `chmod 700 {path}` or choose another directory"
+        )
 
 
 def read_secret(path: str) -> bytes:
@@ -29,7 +30,8 @@ def read_secret(path: str) -> bytes:
         if st.st_mode & 0o077 or st.st_uid != os.getuid():
             raise ControlConfigError(
                 f"secret {path} is mode {stat.S_IMODE(st.st_mode):o}; run `chmod 600 {path}` "
-                "(and rotate it if others may have read it)")
+                "(and rotate it if others may have read it)"
+            )
         data = os.read(fd, 4096)
     finally:
         os.close(fd)
@@ -45,8 +47,10 @@ def load_or_create_secret(path: str) -> bytes:
     except FileNotFoundError:
         pass
     if not os.path.isdir(os.path.dirname(path) or "."):
-        raise ControlConfigError(f"secret {path}: its directory does not exist; create it "
-                                 "(mode 0700) or point secret_file elsewhere")
+        raise ControlConfigError(
+            f"secret {path}: its directory does not exist; create it "
+            "(mode 0700) or point secret_file elsewhere"
+        )
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

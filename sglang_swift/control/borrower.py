@@ -101,8 +101,12 @@ class BorrowerSide:
         pend = self.pending.pop(msg.request_id, None)
         bad = self._check_grant(peer, msg, key)
         if pend is None or pend.donor != peer.agent_id or bad:
-            log.warning("release unexpected grant %s from %s: %s", msg.lease_id, peer.agent_id,
-                        bad or "no pending request (timed out?)")
+            log.warning(
+                "release unexpected grant %s from %s: %s",
+                msg.lease_id,
+                peer.agent_id,
+                bad or "no pending request (timed out?)",
+            )
             self.agent.count("grants_refused")
             if msg.epoch == peer.epoch and not (bad and "twice" in bad):
                 self.agent.send(peer, p.Release(msg.lease_id, msg.epoch, list(msg.blocks)))
@@ -147,8 +151,11 @@ class BorrowerSide:
 
     def on_error(self, peer_id: str, msg: p.Error) -> None:
         pend = self.pending.get(msg.ref)
-        if pend is not None and pend.donor == peer_id and msg.code in (
-                p.E_NO_CAPACITY, p.E_NOT_DONOR, p.E_INVALID):
+        if (
+            pend is not None
+            and pend.donor == peer_id
+            and msg.code in (p.E_NO_CAPACITY, p.E_NOT_DONOR, p.E_INVALID)
+        ):
             del self.pending[msg.ref]
             self.agent.emit(RequestFailed(msg.ref, peer_id, msg.code))
 

@@ -44,8 +44,10 @@ def ipc_endpoint(rendezvous_dir: str, agent_id: str) -> str:
     digest = hashlib.sha1(agent_id.encode()).hexdigest()[:16]
     path = os.path.join(rendezvous_dir, f"{digest}.sock")
     if len(path.encode()) > _IPC_PATH_MAX:
-        raise ControlConfigError(f"ipc path {path} exceeds {_IPC_PATH_MAX} bytes; use a shorter "
-                                 "rendezvous_dir (or transport='tcp')")
+        raise ControlConfigError(
+            f"ipc path {path} exceeds {_IPC_PATH_MAX} bytes; use a shorter "
+            "rendezvous_dir (or transport='tcp')"
+        )
     return f"ipc://{path}"
 
 
@@ -66,8 +68,15 @@ def read_records(rendezvous_dir: str) -> list[PeerRecord]:
         try:
             with open(entry.path, "rb") as f:
                 raw = json.loads(f.read(8192))
-            out.append(PeerRecord(str(raw["agent_id"]), int(raw["epoch"]), int(raw["pid"]),
-                                  str(raw["endpoint"]), str(raw.get("model", ""))))
+            out.append(
+                PeerRecord(
+                    str(raw["agent_id"]),
+                    int(raw["epoch"]),
+                    int(raw["pid"]),
+                    str(raw["endpoint"]),
+                    str(raw.get("model", "")),
+                )
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return out
@@ -79,8 +88,10 @@ def next_epoch(rendezvous_dir: str, agent_id: str) -> int:
     for rec in read_records(rendezvous_dir):
         if rec.agent_id == agent_id:
             if rec.pid != os.getpid() and pid_alive(rec.pid):
-                raise ControlConfigError(f"agent id {agent_id!r} is in use by live pid {rec.pid}; "
-                                         "give every server its own agent_id")
+                raise ControlConfigError(
+                    f"agent id {agent_id!r} is in use by live pid {rec.pid}; "
+                    "give every server its own agent_id"
+                )
             prev = rec.epoch
     return max(prev + 1, time.time_ns() // 1000)
 

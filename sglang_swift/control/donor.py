@@ -29,8 +29,9 @@ class DonorSide:
     def __init__(self, agent: ControlAgent) -> None:
         self.agent = agent
         cfg = agent.config
-        self.ledger = DonorLedger(create_policy(cfg.policy), cfg.reserve_blocks,
-                                  cfg.max_blocks_per_borrower)
+        self.ledger = DonorLedger(
+            create_policy(cfg.policy), cfg.reserve_blocks, cfg.max_blocks_per_borrower
+        )
         self.memory: p.MemoryDescriptor | None = None
         self._sent_at: dict[int, float] = {}  # reclaim_id -> last (re)send time
         self._advertised = -1
@@ -75,8 +76,12 @@ class DonorSide:
             self.agent.send(peer, p.Error(p.E_NO_CAPACITY, "", msg.request_id))
             return
         self.agent.count("grants")
-        self.agent.send(peer, p.Grant(msg.request_id, lease.lease_id, self.agent.epoch,
-                                      sorted(lease.active), self.memory))
+        self.agent.send(
+            peer,
+            p.Grant(
+                msg.request_id, lease.lease_id, self.agent.epoch, sorted(lease.active), self.memory
+            ),
+        )
 
     def on_release(self, peer, msg: p.Release) -> None:
         if msg.epoch == self.agent.epoch:
@@ -102,8 +107,13 @@ class DonorSide:
             if rec is None:
                 del self._sent_at[rid]
             elif now - sent > deadline:
-                log.warning("reclaim %d of lease %d from %s unacknowledged after %.2fs; resending",
-                            rid, rec.lease_id, rec.borrower, deadline)
+                log.warning(
+                    "reclaim %d of lease %d from %s unacknowledged after %.2fs; resending",
+                    rid,
+                    rec.lease_id,
+                    rec.borrower,
+                    deadline,
+                )
                 self.agent.count("reclaims_resent")
                 self._send_reclaims([rec], resend=True)
         self.maybe_advertise()
@@ -123,8 +133,10 @@ class DonorSide:
             if not resend:
                 self.agent.count("reclaims")
             if peer is not None:
-                self.agent.send(peer, p.Reclaim(rec.reclaim_id, rec.lease_id, self.agent.epoch,
-                                                list(rec.blocks), ms))
+                self.agent.send(
+                    peer,
+                    p.Reclaim(rec.reclaim_id, rec.lease_id, self.agent.epoch, list(rec.blocks), ms),
+                )
 
     def _returned(self, blocks: list[int]) -> None:
         if blocks:

@@ -91,8 +91,16 @@ class DonorLedger:
         self.unmet[borrower] = (want, priority)
         demand = {b: (held.get(b, 0) + w, p) for b, (w, p) in self.unmet.items()}
         capacity = max(0, len(self.offered) - self.reserve)
-        n = self.policy.grant_size(borrower, want, priority, held=held, demand=demand,
-                                   capacity=capacity, available=self.lendable(), cap=self.cap)
+        n = self.policy.grant_size(
+            borrower,
+            want,
+            priority,
+            held=held,
+            demand=demand,
+            capacity=capacity,
+            available=self.lendable(),
+            cap=self.cap,
+        )
         if n < want:
             self.unmet[borrower] = (want - n, priority)
         else:
@@ -154,8 +162,9 @@ class DonorLedger:
                 continue
             take = set(itertools.islice(lease.active, n))
             lease.active -= take
-            rec = PendingReclaim(self._next_reclaim, lease.lease_id, lease.borrower,
-                                 tuple(sorted(take)))
+            rec = PendingReclaim(
+                self._next_reclaim, lease.lease_id, lease.borrower, tuple(sorted(take))
+            )
             self._next_reclaim += 1
             lease.reclaiming[rec.reclaim_id] = take
             self.reclaims[rec.reclaim_id] = rec

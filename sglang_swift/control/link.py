@@ -37,8 +37,11 @@ class BadMessageLog:
         if now - self._window < 1.0:
             return
         if self._suppressed:
-            log.warning("refused %d more messages since the last report: %s",
-                        sum(self._suppressed.values()), self._suppressed)
+            log.warning(
+                "refused %d more messages since the last report: %s",
+                sum(self._suppressed.values()),
+                self._suppressed,
+            )
             self._suppressed = {}
         self._window, self._logged = now, 0
 
@@ -53,7 +56,7 @@ class Link:
         self.router.setsockopt(zmq.RCVHWM, 10000)
         if endpoint.startswith("ipc://"):
             try:
-                os.unlink(endpoint[len("ipc://"):])  # left by a killed predecessor
+                os.unlink(endpoint[len("ipc://") :])  # left by a killed predecessor
             except FileNotFoundError:
                 pass
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -147,6 +150,6 @@ class Link:
         self.ctx.term()
         if self.endpoint.startswith("ipc://"):
             try:
-                os.unlink(self.endpoint[len("ipc://"):])
+                os.unlink(self.endpoint[len("ipc://") :])
             except FileNotFoundError:
                 pass

@@ -77,8 +77,12 @@ class PeerTable:
         if peer is None or env.epoch > peer.epoch:
             return self._refuse(rid, env, p.E_UNKNOWN_PEER, "send hello first")
         if env.epoch < peer.epoch or env.to_epoch != a.epoch:
-            return a.on_refused("stale", f"(peer epoch now {peer.epoch}; sent to our epoch "
-                                         f"{env.to_epoch}, ours is {a.epoch})", env)
+            return a.on_refused(
+                "stale",
+                f"(peer epoch now {peer.epoch}; sent to our epoch "
+                f"{env.to_epoch}, ours is {a.epoch})",
+                env,
+            )
         if source == "router":
             if env.seq <= peer.last_seq:
                 return a.on_refused("replayed", f"seq {env.seq} <= {peer.last_seq}", env)
@@ -118,8 +122,9 @@ class PeerTable:
         a = self.agent
         a.count("errors_in")
         if peer is None or env.epoch != peer.epoch:
-            log.info("error from %s (not a current peer): %s %s", env.sender, body.code,
-                     body.detail)
+            log.info(
+                "error from %s (not a current peer): %s %s", env.sender, body.code, body.detail
+            )
             return
         if body.code == p.E_UNKNOWN_PEER:  # it declared us dead: our leases there are void
             a.borrower.lose_donor(peer.agent_id, peer.epoch, "donor forgot us")
@@ -133,8 +138,9 @@ class PeerTable:
     def _on_hello(self, env: p.Envelope, hello: p.Hello, rid: bytes | None) -> None:
         a = self.agent
         if hello.protocol_version != p.PROTOCOL_VERSION:
-            return self._refuse(rid, env, p.E_VERSION,
-                                f"protocol {hello.protocol_version} unsupported")
+            return self._refuse(
+                rid, env, p.E_VERSION, f"protocol {hello.protocol_version} unsupported"
+            )
         peer = a.peers.get(env.sender)
         if peer is not None and env.epoch < peer.epoch:
             return a.on_refused("stale", "hello from an older incarnation", env)
@@ -143,11 +149,24 @@ class PeerTable:
             peer = None
         now = time.monotonic()
         if peer is None:
-            peer = Peer(env.sender, env.epoch, hello.endpoint, hello.pid, hello.model, hello,
-                        last_rx=now, last_seq=env.seq)
+            peer = Peer(
+                env.sender,
+                env.epoch,
+                hello.endpoint,
+                hello.pid,
+                hello.model,
+                hello,
+                last_rx=now,
+                last_seq=env.seq,
+            )
             a.peers[peer.agent_id] = peer
-            log.info("peer %s epoch %d joined (%s, %s)", peer.agent_id, peer.epoch, hello.model,
-                     hello.endpoint)
+            log.info(
+                "peer %s epoch %d joined (%s, %s)",
+                peer.agent_id,
+                peer.epoch,
+                hello.model,
+                hello.endpoint,
+            )
             a.peer_changed(peer, joined=True)
         else:
             peer.last_rx = now
@@ -157,9 +176,16 @@ class PeerTable:
 
     def _hello(self, reply: bool) -> p.Hello:
         a, mem = self.agent, self.agent.donor.memory
-        return p.Hello(p.PROTOCOL_VERSION, a.model, a.endpoint, os.getpid(),
-                       mem.block_bytes if mem else 0, mem.num_blocks if mem else 0,
-                       mem.device if mem else "", reply)
+        return p.Hello(
+            p.PROTOCOL_VERSION,
+            a.model,
+            a.endpoint,
+            os.getpid(),
+            mem.block_bytes if mem else 0,
+            mem.num_blocks if mem else 0,
+            mem.device if mem else "",
+            reply,
+        )
 
     # ---- time ----
     def tick(self, now: float) -> None:
@@ -203,7 +229,8 @@ class PeerTable:
         del a.peers[peer.agent_id]
         a.count("peers_lost")
         (log.info if reason == "left" else log.warning)(
-            "peer %s epoch %d lost: %s", peer.agent_id, peer.epoch, reason)
+            "peer %s epoch %d lost: %s", peer.agent_id, peer.epoch, reason
+        )
         a.donor.drop_borrower(peer.agent_id)
         a.borrower.lose_donor(peer.agent_id, peer.epoch, reason)
         if peer.endpoint not in {q.endpoint for q in a.peers.values()}:
@@ -216,18 +243,47 @@ class PeerTable:
         a = self.agent
         now = time.monotonic()
         mem, led = a.donor.memory, a.donor.ledger
-        peers = [p.PeerStatus(q.agent_id, q.epoch, q.pid, q.model,
-                              int((now - q.last_rx) * 1000), q.lendable)
-                 for q in a.peers.values()]
-        leases = [p.LeaseStatus(a.config.agent_id, ls.borrower, a.epoch, ls.lease_id,
-                                ls.size, ls.size - len(ls.active))
-                  for ls in led.leases.values()]
-        leases += [p.LeaseStatus(k.donor, a.config.agent_id, k.epoch, k.lease_id,
-                                 len(h.active) + sum(map(len, h.reclaiming.values())),
-                                 sum(map(len, h.reclaiming.values())))
-                   for k, h in a.borrower.leases.items()]
+        peers = [
+            p.PeerStatus(
+                q.agent_id, q.epoch, q.pid, q.model, int((now - q.last_rx) * 1000), q.lendable
+            )
+            for q in a.peers.values()
+        ]
+        leases = [
+            p.LeaseStatus(
+                a.config.agent_id,
+                ls.borrower,
+                a.epoch,
+                ls.lease_id,
+                ls.size,
+                ls.size - len(ls.active),
+            )
+            for ls in led.leases.values()
+        ]
+        leases += [
+            p.LeaseStatus(
+                k.donor,
+                a.config.agent_id,
+                k.epoch,
+                k.lease_id,
+                len(h.active) + sum(map(len, h.reclaiming.values())),
+                sum(map(len, h.reclaiming.values())),
+            )
+            for k, h in a.borrower.leases.items()
+        ]
         lent = sum(ls.size for ls in led.leases.values())
-        return p.AgentStatus(a.config.agent_id, a.epoch, os.getpid(), a.model, a.endpoint,
-                             mem.num_blocks if mem else 0, led.lendable(), led.reserve, lent,
-                             a.borrower.borrowed(), peers, leases,
-                             dict(a.counters, send_dropped=a.link.dropped if a.link else 0))
+        return p.AgentStatus(
+            a.config.agent_id,
+            a.epoch,
+            os.getpid(),
+            a.model,
+            a.endpoint,
+            mem.num_blocks if mem else 0,
+            led.lendable(),
+            led.reserve,
+            lent,
+            a.borrower.borrowed(),
+            peers,
+            leases,
+            dict(a.counters, send_dropped=a.link.dropped if a.link else 0),
+        )

@@ -24,9 +24,18 @@ class LeaseView(Protocol):
 class AllocationPolicy(Protocol):
     name: str
 
-    def grant_size(self, borrower: str, want: int, priority: int, *, held: dict[str, int],
-                   demand: dict[str, tuple[int, int]], capacity: int, available: int,
-                   cap: int) -> int:
+    def grant_size(
+        self,
+        borrower: str,
+        want: int,
+        priority: int,
+        *,
+        held: dict[str, int],
+        demand: dict[str, tuple[int, int]],
+        capacity: int,
+        available: int,
+        cap: int,
+    ) -> int:
         """Blocks to grant now (0..min(want, available)). ``held``: active blocks per borrower;
         ``demand``: (held + unmet want, priority) per borrower incl. this one; ``capacity``:
         blocks the donor lends in total (offered minus reserve); ``cap``: per-borrower cap or 0."""
@@ -80,5 +89,6 @@ def create_policy(name: str) -> AllocationPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ControlConfigError(f"unknown allocation policy {name!r}; choose from "
-                                 f"{sorted(POLICIES)}") from None
+        raise ControlConfigError(
+            f"unknown allocation policy {name!r}; choose from {sorted(POLICIES)}"
+        ) from None

@@ -29,8 +29,10 @@ MAX_BLOCKS_PER_MESSAGE = 1 << 16
 U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
-Blocks = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]],
-                   msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE)]
+Blocks = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]],
+    msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
+]
 
 
 class MemoryDescriptor(msgspec.Struct, frozen=True):
@@ -185,8 +187,20 @@ class StatusReply(_Msg, tag="status_reply"):
     status: AgentStatus
 
 
-Message = (Hello | Advertise | LeaseRequest | Grant | Reclaim | ReclaimAck | Release | Heartbeat
-           | Error | Bye | StatusRequest | StatusReply)
+Message = (
+    Hello
+    | Advertise
+    | LeaseRequest
+    | Grant
+    | Reclaim
+    | ReclaimAck
+    | Release
+    | Heartbeat
+    | Error
+    | Bye
+    | StatusRequest
+    | StatusReply
+)
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -238,8 +252,9 @@ class Codec:
         if magic != MAGIC:
             raise BadMessage(E_MAGIC, repr(magic))
         if version != PROTOCOL_VERSION:
-            raise BadMessage(E_VERSION, f"wire version {version}; this agent speaks "
-                                        f"{PROTOCOL_VERSION}")
+            raise BadMessage(
+                E_VERSION, f"wire version {version}; this agent speaks {PROTOCOL_VERSION}"
+            )
         header, mac, body = frame[: _HEADER.size], frame[_HEADER.size : OVERHEAD], frame[OVERHEAD:]
         want = hmac.new(self._secret, header + body, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, want):

@@ -70,8 +70,18 @@ class SimDonor:
         bb, n = args.block_bytes, args.donate
         name = f"swc-{args.agent_id}-{os.getpid()}"
         self.arena = ShmArena(name, bb * n, create=True)
-        agent.set_memory(dict(kind="shm", handle=name.encode(), device="cpu", total_bytes=bb * n,
-                              block_bytes=bb, num_blocks=n, owner_pid=os.getpid(), owner_uuid=""))
+        agent.set_memory(
+            dict(
+                kind="shm",
+                handle=name.encode(),
+                device="cpu",
+                total_bytes=bb * n,
+                block_bytes=bb,
+                num_blocks=n,
+                owner_pid=os.getpid(),
+                owner_uuid="",
+            )
+        )
         agent.offer(range(n))
         if args.pressure:
             threading.Thread(target=self._pressure, daemon=True).start()
@@ -124,21 +134,27 @@ def _event_fields(e) -> dict:
 
 
 def run(args) -> None:
-    cfg = ControlConfig(agent_id=args.agent_id, rendezvous_dir=args.rendezvous_dir,
-                        secret_file=args.secret_file,
-                        heartbeat_interval_s=args.heartbeat_timeout / 10,
-                        heartbeat_timeout_s=args.heartbeat_timeout,
-                        lease_margin_s=args.heartbeat_timeout / 4,
-                        reserve_blocks=args.reserve, policy=args.policy,
-                        max_blocks_per_borrower=args.cap, reclaim_deadline_s=args.reclaim_deadline)
+    cfg = ControlConfig(
+        agent_id=args.agent_id,
+        rendezvous_dir=args.rendezvous_dir,
+        secret_file=args.secret_file,
+        heartbeat_interval_s=args.heartbeat_timeout / 10,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        lease_margin_s=args.heartbeat_timeout / 4,
+        reserve_blocks=args.reserve,
+        policy=args.policy,
+        max_blocks_per_borrower=args.cap,
+        reclaim_deadline_s=args.reclaim_deadline,
+    )
     agent = ControlAgent(cfg, model=args.model)
     if args.unsafe_early_return:
         _break_reclaims(agent)
     agent.start()
     donor = SimDonor(agent, args) if args.donate else None
     borrower = SimBorrower(agent, args, say, ShmArena)
-    say("ready", agent_id=args.agent_id, epoch=agent.epoch, endpoint=agent.endpoint,
-        pid=os.getpid())
+    say(
+        "ready", agent_id=args.agent_id, epoch=agent.epoch, endpoint=agent.endpoint, pid=os.getpid()
+    )
     stop = threading.Event()
 
     def pump() -> None:
@@ -203,16 +219,25 @@ def main(argv=None) -> None:
     ap.add_argument("--reoffer", action="store_true", help="lend blocks again once back")
     ap.add_argument("--auto-ack", action="store_true", help="acknowledge reclaims at once")
     ap.add_argument("--pressure", type=int, default=0, help="donor demands up to N blocks / 20 ms")
-    ap.add_argument("--unsafe-early-return", action="store_true",
-                    help="negative control: donor reuses reclaimed blocks before the ack")
-    ap.add_argument("--unsafe-ack-early", action="store_true",
-                    help="negative control: ack reclaims before readers stop (must be caught)")
+    ap.add_argument(
+        "--unsafe-early-return",
+        action="store_true",
+        help="negative control: donor reuses reclaimed blocks before the ack",
+    )
+    ap.add_argument(
+        "--unsafe-ack-early",
+        action="store_true",
+        help="negative control: ack reclaims before readers stop (must be caught)",
+    )
     ap.add_argument("--readers", type=int, default=0, help="reader threads over held blocks")
     ap.add_argument("--quiet-events", action="store_true")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s {args.agent_id} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.agent_id} %(levelname)s %(name)s: %(message)s",
+    )
     run(args)
 
 

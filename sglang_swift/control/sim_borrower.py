@@ -41,8 +41,10 @@ class SimBorrower:
         self.stats = dict(reads=0, read_violations=0, grants=0, denied=0, releases=0, acks=0)
         self.auto = args.auto_ack or args.readers > 0
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._reader, daemon=True, args=(i,))
-                         for i in range(args.readers)]
+        self._threads = [
+            threading.Thread(target=self._reader, daemon=True, args=(i,))
+            for i in range(args.readers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -78,8 +80,9 @@ class SimBorrower:
         bb, buf = e.memory.block_bytes, arena.buf
         taken = [b for b in e.blocks if _claim_alive(buf[b * bb : b * bb + 8])]
         if taken:
-            self.say("violation", what="granted block still claimed", blocks=taken[:16],
-                     key=list(e.key))
+            self.say(
+                "violation", what="granted block still claimed", blocks=taken[:16], key=list(e.key)
+            )
         word = _CLAIM.pack(os.getpid(), e.key.lease_id & 0xFFFFFFFF)
         for b in e.blocks:
             buf[b * bb : b * bb + 8] = word
@@ -100,8 +103,9 @@ class SimBorrower:
             if not mine:
                 del self.held[key]
             self._rebuild()
-            if not self.cv.wait_for(lambda: all(self.inuse.get((key, b), 0) == 0
-                                                 for b in blocks), 5.0):
+            if not self.cv.wait_for(
+                lambda: all(self.inuse.get((key, b), 0) == 0 for b in blocks), 5.0
+            ):
                 self.say("violation", what="reader did not leave a reclaimed block")
         for b in blocks if clear else ():
             arena.buf[b * bb : b * bb + 8] = bytes(8)

@@ -14,11 +14,24 @@ import time
 class SimProcess:
     def __init__(self, rendezvous_dir: str, agent_id: str, *args: str, stderr=None) -> None:
         self.agent_id = agent_id
-        cmd = [sys.executable, "-m", "sglang_swift.control.sim", "--agent-id", agent_id,
-               "--rendezvous-dir", rendezvous_dir, *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=stderr if stderr is not None else subprocess.DEVNULL,
-                                     text=True, bufsize=1)
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_swift.control.sim",
+            "--agent-id",
+            agent_id,
+            "--rendezvous-dir",
+            rendezvous_dir,
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr if stderr is not None else subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
         self.events: list[dict] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -54,8 +67,10 @@ class SimProcess:
                 start = len(self.events)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{self.agent_id}: no matching event in {timeout}s; "
-                                       f"last: {self.events[-3:]}")
+                    raise TimeoutError(
+                        f"{self.agent_id}: no matching event in {timeout}s; "
+                        f"last: {self.events[-3:]}"
+                    )
                 self._cv.wait(min(left, 0.1))
 
     def ask(self, op: str, reply: str, timeout: float = 10.0, **fields) -> dict:

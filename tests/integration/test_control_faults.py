@@ -29,8 +29,9 @@ def _ev(name: str, **match):
 
 
 def _borrow(donor, borrower, n: int) -> dict:
-    borrower.status_until(lambda st: any(q["agent_id"] == donor.agent_id and q["lendable"]
-                                         for q in st["peers"]))
+    borrower.status_until(
+        lambda st: any(q["agent_id"] == donor.agent_id and q["lendable"] for q in st["peers"])
+    )
     start = len(borrower.events)
     borrower.send("request", n=n, donor=donor.agent_id)
     return borrower.wait_for(_ev("LeaseGranted"), 10, start)
@@ -66,8 +67,9 @@ def test_killed_borrower_is_detected_and_its_blocks_reclaimed(sims):
     donor.status_until(lambda st: st["lent"] == 20)
     killed_at = time.monotonic()
     borrower.kill()
-    gone = donor.wait_for(_ev("PeerChanged", agent_id="borrower", joined=False),
-                          TIMEOUT + SLACK + 2)
+    gone = donor.wait_for(
+        _ev("PeerChanged", agent_id="borrower", joined=False), TIMEOUT + SLACK + 2
+    )
     assert gone["reason"] == "heartbeat timeout" and gone["t"] - killed_at <= TIMEOUT + SLACK
     assert donor.status()["lent"] == 0
     donor.send("demand", n=32)
@@ -84,8 +86,9 @@ def test_restarted_borrower_rejoins_with_a_new_epoch(sims):
     first.kill()
     second = sims.start("borrower", "--heartbeat-timeout", "30")
     assert second.epoch > first.epoch
-    gone = donor.wait_for(_ev("PeerChanged", agent_id="borrower", epoch=first.epoch,
-                              joined=False), 10)
+    gone = donor.wait_for(
+        _ev("PeerChanged", agent_id="borrower", epoch=first.epoch, joined=False), 10
+    )
     assert gone["reason"] == "restarted"
     donor.status_until(lambda st: st["lent"] == 0)
     grant = _borrow(donor, second, 32)

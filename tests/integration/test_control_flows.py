@@ -24,8 +24,9 @@ def _ev(name: str, **match):
 
 
 def _lendable(borrower, donor_id: str, timeout: float = 10.0) -> None:
-    borrower.status_until(lambda st: any(q["agent_id"] == donor_id and q["lendable"]
-                                         for q in st["peers"]), timeout)
+    borrower.status_until(
+        lambda st: any(q["agent_id"] == donor_id and q["lendable"] for q in st["peers"]), timeout
+    )
 
 
 def _integrity(*procs) -> None:
@@ -96,8 +97,9 @@ def _reclaim_cycles(donor, borrower, rounds: int) -> None:
 def test_readers_never_see_a_reused_block(sims):
     """Two reader threads read leased blocks nonstop while reclaims arrive; the donor
     overwrites every block it gets back. No read ever sees the overwrite."""
-    donor = sims.start("donor", "--donate", "64", "--block-bytes", "4096", "--scribble",
-                       "--reoffer")
+    donor = sims.start(
+        "donor", "--donate", "64", "--block-bytes", "4096", "--scribble", "--reoffer"
+    )
     borrower = sims.start("borrower", "--readers", "2")
     _reclaim_cycles(donor, borrower, 30)
     stats = borrower.ask("stats", "stats")
@@ -108,8 +110,9 @@ def test_readers_never_see_a_reused_block(sims):
 
 def test_negative_control_early_ack_is_caught(sims):
     """The harness is sharp: a borrower that acks before its readers stop is caught."""
-    donor = sims.start("donor", "--donate", "64", "--block-bytes", "4096", "--scribble",
-                       "--reoffer")
+    donor = sims.start(
+        "donor", "--donate", "64", "--block-bytes", "4096", "--scribble", "--reoffer"
+    )
     borrower = sims.start("borrower", "--readers", "2", "--unsafe-ack-early")
     _reclaim_cycles(donor, borrower, 10)
     assert borrower.ask("stats", "stats")["read_violations"] > 0

@@ -30,43 +30,146 @@ def _signed(secret: bytes, body: bytes, version: int = p.PROTOCOL_VERSION) -> by
 
 
 def _raw(sender: str, epoch: int, to_epoch: int, seq: int, body: dict) -> bytes:
-    return msgspec.msgpack.encode({"sender": sender, "epoch": epoch, "to_epoch": to_epoch,
-                                   "seq": seq, "body": body})
+    return msgspec.msgpack.encode(
+        {"sender": sender, "epoch": epoch, "to_epoch": to_epoch, "seq": seq, "body": body}
+    )
 
 
 def _bad_messages(rng: random.Random, secret: bytes, donor_epoch: int, borrower_epoch: int):
     """Yield (kind, frames) forever, cycling through the ways a message can be wrong."""
     codec = p.Codec(secret)
-    good = codec.encode(p.Envelope("borrower", borrower_epoch, donor_epoch, 1,
-                                   p.LeaseRequest(1, 4)))
+    good = codec.encode(
+        p.Envelope("borrower", borrower_epoch, donor_epoch, 1, p.LeaseRequest(1, 4))
+    )
     makers = [
         lambda: ("random", [rng.randbytes(rng.randint(0, 200))]),
         lambda: ("truncated", [good[: rng.randint(0, len(good) - 1)]]),
         lambda: ("magic", [b"XXXX" + good[4:]]),
-        lambda: ("version", [_signed(secret, good[p.OVERHEAD:], version=rng.randint(2, 65535))]),
+        lambda: ("version", [_signed(secret, good[p.OVERHEAD :], version=rng.randint(2, 65535))]),
         lambda: ("auth", [good[:10] + bytes([good[10] ^ 1]) + good[11:]]),
-        lambda: ("auth", [p.Codec(b"w" * 32).encode(p.Envelope("borrower", borrower_epoch,
-                                                             donor_epoch, 10**9,
-                                                             p.Release(1, donor_epoch, [0])))]),
+        lambda: (
+            "auth",
+            [
+                p.Codec(b"w" * 32).encode(
+                    p.Envelope(
+                        "borrower",
+                        borrower_epoch,
+                        donor_epoch,
+                        10**9,
+                        p.Release(1, donor_epoch, [0]),
+                    )
+                )
+            ],
+        ),
         lambda: ("msgpack", [_signed(secret, rng.randbytes(rng.randint(1, 64)))]),
-        lambda: ("unknown_type", [_signed(secret, _raw("borrower", borrower_epoch, donor_epoch,
-                                                       1, {"t": f"cmd{rng.randint(0, 99)}"}))]),
-        lambda: ("values", [_signed(secret, _raw("borrower", borrower_epoch, donor_epoch, 1, {
-            "t": "lease_request", "request_id": -1, "num_blocks": 1 << 40}))]),
-        lambda: ("values", [_signed(secret, _raw("borrower", borrower_epoch, donor_epoch, 1, {
-            "t": "release", "lease_id": 1, "epoch": donor_epoch,
-            "blocks": [rng.randint(-5, -1)]}))]),
-        lambda: ("fields", [_signed(secret, _raw("borrower", borrower_epoch, donor_epoch, 1, {
-            "t": "reclaim_ack", "reclaim_id": "x"}))]),
+        lambda: (
+            "unknown_type",
+            [
+                _signed(
+                    secret,
+                    _raw(
+                        "borrower",
+                        borrower_epoch,
+                        donor_epoch,
+                        1,
+                        {"t": f"cmd{rng.randint(0, 99)}"},
+                    ),
+                )
+            ],
+        ),
+        lambda: (
+            "values",
+            [
+                _signed(
+                    secret,
+                    _raw(
+                        "borrower",
+                        borrower_epoch,
+                        donor_epoch,
+                        1,
+                        {"t": "lease_request", "request_id": -1, "num_blocks": 1 << 40},
+                    ),
+                )
+            ],
+        ),
+        lambda: (
+            "values",
+            [
+                _signed(
+                    secret,
+                    _raw(
+                        "borrower",
+                        borrower_epoch,
+                        donor_epoch,
+                        1,
+                        {
+                            "t": "release",
+                            "lease_id": 1,
+                            "epoch": donor_epoch,
+                            "blocks": [rng.randint(-5, -1)],
+                        },
+                    ),
+                )
+            ],
+        ),
+        lambda: (
+            "fields",
+            [
+                _signed(
+                    secret,
+                    _raw(
+                        "borrower",
+                        borrower_epoch,
+                        donor_epoch,
+                        1,
+                        {"t": "reclaim_ack", "reclaim_id": "x"},
+                    ),
+                )
+            ],
+        ),
         lambda: ("frames", [good, good]),
-        lambda: ("ghost", [codec.encode(p.Envelope("ghost", 1, donor_epoch, 1,
-                                                   p.LeaseRequest(1, 4)))]),
-        lambda: ("stale", [codec.encode(p.Envelope("borrower", borrower_epoch - 1, donor_epoch,
-                                                   10**9, p.Release(1, donor_epoch, [0, 1])))]),
-        lambda: ("replay", [codec.encode(p.Envelope("borrower", borrower_epoch, donor_epoch, 0,
-                                                    p.Release(1, donor_epoch, [0, 1])))]),
-        lambda: ("hello_version", [codec.encode(p.Envelope("borrower", borrower_epoch + 1, 0, 1,
-                                                           p.Hello(99, "m", "ipc:///x", 1)))]),
+        lambda: (
+            "ghost",
+            [codec.encode(p.Envelope("ghost", 1, donor_epoch, 1, p.LeaseRequest(1, 4)))],
+        ),
+        lambda: (
+            "stale",
+            [
+                codec.encode(
+                    p.Envelope(
+                        "borrower",
+                        borrower_epoch - 1,
+                        donor_epoch,
+                        10**9,
+                        p.Release(1, donor_epoch, [0, 1]),
+                    )
+                )
+            ],
+        ),
+        lambda: (
+            "replay",
+            [
+                codec.encode(
+                    p.Envelope(
+                        "borrower",
+                        borrower_epoch,
+                        donor_epoch,
+                        0,
+                        p.Release(1, donor_epoch, [0, 1]),
+                    )
+                )
+            ],
+        ),
+        lambda: (
+            "hello_version",
+            [
+                codec.encode(
+                    p.Envelope(
+                        "borrower", borrower_epoch + 1, 0, 1, p.Hello(99, "m", "ipc:///x", 1)
+                    )
+                )
+            ],
+        ),
         lambda: ("empty", [b""]),
     ]
     while True:
@@ -81,8 +184,9 @@ def _authenticated_nonsense(rng: random.Random, secret: bytes, donor_epoch: int,
     r = lambda: rng.randint(0, 64)  # noqa: E731
     blocks = lambda: [rng.randint(0, 1 << 20) for _ in range(rng.randint(0, 8))]  # noqa: E731
     makers = [
-        lambda: p.LeaseRequest(r(), rng.randint(1, 1 << 16), rng.randint(0, 100),
-                               rng.choice([1, 255, 10**9])),
+        lambda: p.LeaseRequest(
+            r(), rng.randint(1, 1 << 16), rng.randint(0, 100), rng.choice([1, 255, 10**9])
+        ),
         lambda: p.Release(r(), rng.choice([donor_epoch, r()]), blocks()),
         lambda: p.ReclaimAck(r(), r(), rng.choice([donor_epoch, r()]), blocks()),
         lambda: p.Grant(r(), r(), r(), blocks(), mem),
@@ -92,8 +196,9 @@ def _authenticated_nonsense(rng: random.Random, secret: bytes, donor_epoch: int,
         lambda: p.Error(rng.choice([p.E_INVALID, p.E_NO_CAPACITY, "zzz"]), "fuzz", r()),
         lambda: p.StatusRequest(),
     ]
-    hello = p.Hello(p.PROTOCOL_VERSION, "fuzz", "ipc:///nonexistent/fuzzer.sock", os.getpid(),
-                    256, 4, "cpu")
+    hello = p.Hello(
+        p.PROTOCOL_VERSION, "fuzz", "ipc:///nonexistent/fuzzer.sock", os.getpid(), 256, 4, "cpu"
+    )
     yield codec.encode(p.Envelope("fuzzer", 7, donor_epoch, 1, hello))
     for seq in range(2, n + 2):
         yield codec.encode(p.Envelope("fuzzer", 7, donor_epoch, seq, rng.choice(makers)()))
@@ -133,9 +238,13 @@ def test_ten_thousand_bad_messages_change_nothing():
         for frame in _authenticated_nonsense(random.Random(5), secret, donor.epoch, 2000):
             sock.send(frame)
 
-        after = donor.status_until(lambda st: st["counters"].get("msgs_in", 0)
-                                   - before["counters"].get("msgs_in", 0) >= N_MESSAGES + 2000,
-                                   60)
+        after = donor.status_until(
+            lambda st: (
+                st["counters"].get("msgs_in", 0) - before["counters"].get("msgs_in", 0)
+                >= N_MESSAGES + 2000
+            ),
+            60,
+        )
         c = after["counters"]
         assert c.get("handler_errors", 0) == 0, c
         refused = sum(v for k, v in c.items() if k.startswith(("bad_", "refused_")))
@@ -153,7 +262,8 @@ def test_ten_thousand_bad_messages_change_nothing():
         grant = borrower.wait_for(lambda e: e["ev"] == "LeaseGranted", 10, start)
         donor.status_until(lambda st: st["lent"] == 64)
         assert not set(grant["blocks"]) & set(
-            next(e for e in borrower.events if e["ev"] == "LeaseGranted")["blocks"])
+            next(e for e in borrower.events if e["ev"] == "LeaseGranted")["blocks"]
+        )
         donor.send("demand", n=8)
         assert len(donor.wait_for(lambda e: e["ev"] == "BlocksReturned", 10)["blocks"]) == 8
         borrower.send("release_all")

@@ -17,8 +17,19 @@ DONORS, BORROWERS, OPS_EACH = 2, 6, 1800
 
 
 def _run(sims: SimGroup, ops_each: int, *donor_flags: str):
-    donors = [sims.start(f"donor{i}", "--donate", "96", "--reoffer", "--pressure", "6",
-                         "--quiet-events", *donor_flags) for i in range(DONORS)]
+    donors = [
+        sims.start(
+            f"donor{i}",
+            "--donate",
+            "96",
+            "--reoffer",
+            "--pressure",
+            "6",
+            "--quiet-events",
+            *donor_flags,
+        )
+        for i in range(DONORS)
+    ]
     borrowers = [sims.start(f"borrower{i}", "--quiet-events") for i in range(BORROWERS)]
     names = [d.agent_id for d in donors]
     for b in borrowers:

@@ -22,13 +22,27 @@ from sglang_swift.control import (
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import load_or_create_secret
 
-MEM = dict(kind="shm", handle=b"arena", device="cpu", total_bytes=256 * 32, block_bytes=256,
-           num_blocks=32, owner_pid=os.getpid(), owner_uuid="")
+MEM = dict(
+    kind="shm",
+    handle=b"arena",
+    device="cpu",
+    total_bytes=256 * 32,
+    block_bytes=256,
+    num_blocks=32,
+    owner_pid=os.getpid(),
+    owner_uuid="",
+)
 
 
 def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:
-    return ControlConfig(agent_id, rendezvous_dir=rdv, heartbeat_interval_s=0.05,
-                         heartbeat_timeout_s=0.6, lease_margin_s=0.15, **kw)
+    return ControlConfig(
+        agent_id,
+        rendezvous_dir=rdv,
+        heartbeat_interval_s=0.05,
+        heartbeat_timeout_s=0.6,
+        lease_margin_s=0.15,
+        **kw,
+    )
 
 
 def _next(agent: ControlAgent, kind, timeout: float = 5.0):
@@ -80,7 +94,8 @@ def test_read_deadline_follows_heartbeats(pair):
     borrower.request(1)
     _next(borrower, LeaseGranted)
     assert borrower.wait_until(
-        lambda a: a.borrower.read_deadline("donor") > time.monotonic() + 0.2, 5)
+        lambda a: a.borrower.read_deadline("donor") > time.monotonic() + 0.2, 5
+    )
     assert borrower.read_deadline("donor") < time.monotonic() + 0.6
 
 
@@ -102,15 +117,39 @@ def test_stale_epochs_are_harmless(pair):
     assert len(_next(donor, BlocksReturned).blocks) == 28  # the free ones, at once
     rec = _next(borrower, ReclaimRequested)
     socks = [
-        _forge(rdv, borrower, p.Envelope("donor", donor.epoch - 1, borrower.epoch, 1 << 40,
-                                         p.Grant(99, 77, donor.epoch - 1, [9],
-                                                 p.MemoryDescriptor.coerce(MEM)))),
-        _forge(rdv, donor, p.Envelope("borrower", borrower.epoch - 1, donor.epoch, 1 << 40,
-                                      p.ReclaimAck(rec.reclaim_id, grant.key.lease_id,
-                                                   donor.epoch, list(rec.blocks)))),
-        _forge(rdv, donor, p.Envelope("borrower", borrower.epoch, donor.epoch + 1, 1 << 40,
-                                      p.ReclaimAck(rec.reclaim_id, grant.key.lease_id,
-                                                   donor.epoch, list(rec.blocks)))),
+        _forge(
+            rdv,
+            borrower,
+            p.Envelope(
+                "donor",
+                donor.epoch - 1,
+                borrower.epoch,
+                1 << 40,
+                p.Grant(99, 77, donor.epoch - 1, [9], p.MemoryDescriptor.coerce(MEM)),
+            ),
+        ),
+        _forge(
+            rdv,
+            donor,
+            p.Envelope(
+                "borrower",
+                borrower.epoch - 1,
+                donor.epoch,
+                1 << 40,
+                p.ReclaimAck(rec.reclaim_id, grant.key.lease_id, donor.epoch, list(rec.blocks)),
+            ),
+        ),
+        _forge(
+            rdv,
+            donor,
+            p.Envelope(
+                "borrower",
+                borrower.epoch,
+                donor.epoch + 1,
+                1 << 40,
+                p.ReclaimAck(rec.reclaim_id, grant.key.lease_id, donor.epoch, list(rec.blocks)),
+            ),
+        ),
     ]
     try:
         assert donor.wait_until(lambda a: a.counters.get("stale", 0) >= 2, 5)
@@ -146,8 +185,17 @@ def test_requests_to_a_silent_donor_time_out():
     endpoint = f"ipc://{os.path.dirname(rdv)}/mute.sock"
     mute.bind(endpoint)
     try:
-        dealer = _forge(rdv, borrower, p.Envelope("mute", 1, 0, 1, p.Hello(
-            p.PROTOCOL_VERSION, "m", endpoint, os.getpid(), 256, 8, "cpu")))
+        dealer = _forge(
+            rdv,
+            borrower,
+            p.Envelope(
+                "mute",
+                1,
+                0,
+                1,
+                p.Hello(p.PROTOCOL_VERSION, "m", endpoint, os.getpid(), 256, 8, "cpu"),
+            ),
+        )
         assert borrower.wait_until(lambda a: "mute" in a.peers, 5)
         rid = borrower.request(2, donor="mute")
         failed = _next(borrower, RequestFailed)
@@ -175,16 +223,25 @@ def test_static_peer_list_over_tcp_on_loopback(tmp_path):
     """Without a shared rendezvous directory, a configured peer list suffices; TCP binds
     127.0.0.1 by default."""
     secret = str(tmp_path / "secret")
-    donor = ControlAgent(_cfg(str(tmp_path / "a"), "donor", transport="tcp", secret_file=secret),
-                         memory=MEM).start()
+    donor = ControlAgent(
+        _cfg(str(tmp_path / "a"), "donor", transport="tcp", secret_file=secret), memory=MEM
+    ).start()
     try:
         assert donor.endpoint.startswith("tcp://127.0.0.1:")
-        borrower = ControlAgent(_cfg(str(tmp_path / "b"), "borrower", transport="tcp",
-                                     secret_file=secret, peers=(donor.endpoint,))).start()
+        borrower = ControlAgent(
+            _cfg(
+                str(tmp_path / "b"),
+                "borrower",
+                transport="tcp",
+                secret_file=secret,
+                peers=(donor.endpoint,),
+            )
+        ).start()
         try:
             donor.offer(range(8))
-            assert borrower.wait_until(lambda a: "donor" in a.peers
-                                       and a.peers["donor"].lendable == 8, 5)
+            assert borrower.wait_until(
+                lambda a: "donor" in a.peers and a.peers["donor"].lendable == 8, 5
+            )
             borrower.request(8)
             assert len(_next(borrower, LeaseGranted).blocks) == 8
         finally:
@@ -197,13 +254,15 @@ def test_low_watermark_triggers_reclaim_and_reserve_is_kept():
     """The donor's owner reporting free memory under the watermark takes blocks back, first
     the reserve (never lent), then leased blocks through reclaim."""
     rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")  # short: ipc paths max 107 bytes
-    donor = ControlAgent(_cfg(rdv, "donor", reserve_blocks=4, low_watermark_blocks=10),
-                         memory=MEM).start()
+    donor = ControlAgent(
+        _cfg(rdv, "donor", reserve_blocks=4, low_watermark_blocks=10), memory=MEM
+    ).start()
     borrower = ControlAgent(_cfg(rdv, "borrower")).start()
     try:
         donor.offer(range(32))
-        assert borrower.wait_until(lambda a: "donor" in a.peers
-                                   and a.peers["donor"].lendable == 28, 5)
+        assert borrower.wait_until(
+            lambda a: "donor" in a.peers and a.peers["donor"].lendable == 28, 5
+        )
         borrower.request(32)
         assert len(_next(borrower, LeaseGranted).blocks) == 28  # the reserve stays home
         donor.report_free(4)  # the owner has 4 free blocks, wants 10: needs 6 back

@@ -46,8 +46,16 @@ def test_every_message_round_trips(msg):
 
 def test_memory_descriptor_accepts_the_arena_dict():
     """The data plane's arena exports a plain dict with exactly the descriptor's keys."""
-    d = dict(kind="cuda_ipc", handle=b"\x01" * 64, device="cuda:1", total_bytes=1 << 20,
-             block_bytes=1 << 16, num_blocks=16, owner_pid=1, owner_uuid="x")
+    d = dict(
+        kind="cuda_ipc",
+        handle=b"\x01" * 64,
+        device="cuda:1",
+        total_bytes=1 << 20,
+        block_bytes=1 << 16,
+        num_blocks=16,
+        owner_pid=1,
+        owner_uuid="x",
+    )
     desc = p.MemoryDescriptor.coerce(d)
     assert desc.to_dict() == d
     with pytest.raises(ValueError):
@@ -56,21 +64,53 @@ def test_memory_descriptor_accepts_the_arena_dict():
         p.MemoryDescriptor.coerce(dict(d, kind="nvlink"))
 
 
-@pytest.mark.parametrize("frame,code", [
-    (b"", p.E_TRUNCATED),
-    (b"SWCC\x00\x01\x00\x00" + b"\x00" * 10, p.E_TRUNCATED),
-    (b"XXXX" + bytes(60), p.E_MAGIC),
-    (_signed(b"\x80", version=2), p.E_VERSION),
-    (b"SWCC\x00\x01\x00\x00" + bytes(32) + b"\x80", p.E_AUTH),
-    (_signed(b"\xc1"), p.E_MALFORMED),
-    (_signed(msgspec.msgpack.encode({"sender": "a", "epoch": 1, "to_epoch": 0, "seq": 1,
-                                     "body": {"t": "launch_missiles"}})), p.E_UNKNOWN_TYPE),
-    (_signed(msgspec.msgpack.encode({"sender": "a", "epoch": 1, "to_epoch": 0, "seq": 1,
-                                     "body": {"t": "lease_request", "request_id": 1,
-                                              "num_blocks": -3}})), p.E_MALFORMED),
-    (_signed(msgspec.msgpack.encode({"sender": "a", "epoch": -1, "to_epoch": 0, "seq": 1,
-                                     "body": {"t": "bye"}})), p.E_MALFORMED),
-])
+@pytest.mark.parametrize(
+    "frame,code",
+    [
+        (b"", p.E_TRUNCATED),
+        (b"SWCC\x00\x01\x00\x00" + b"\x00" * 10, p.E_TRUNCATED),
+        (b"XXXX" + bytes(60), p.E_MAGIC),
+        (_signed(b"\x80", version=2), p.E_VERSION),
+        (b"SWCC\x00\x01\x00\x00" + bytes(32) + b"\x80", p.E_AUTH),
+        (_signed(b"\xc1"), p.E_MALFORMED),
+        (
+            _signed(
+                msgspec.msgpack.encode(
+                    {
+                        "sender": "a",
+                        "epoch": 1,
+                        "to_epoch": 0,
+                        "seq": 1,
+                        "body": {"t": "launch_missiles"},
+                    }
+                )
+            ),
+            p.E_UNKNOWN_TYPE,
+        ),
+        (
+            _signed(
+                msgspec.msgpack.encode(
+                    {
+                        "sender": "a",
+                        "epoch": 1,
+                        "to_epoch": 0,
+                        "seq": 1,
+                        "body": {"t": "lease_request", "request_id": 1, "num_blocks": -3},
+                    }
+                )
+            ),
+            p.E_MALFORMED,
+        ),
+        (
+            _signed(
+                msgspec.msgpack.encode(
+                    {"sender": "a", "epoch": -1, "to_epoch": 0, "seq": 1, "body": {"t": "bye"}}
+                )
+            ),
+            p.E_MALFORMED,
+        ),
+    ],
+)
 def test_bad_frames_are_refused_with_their_reason(frame, code):
     """Truncated, foreign, wrong-version, unauthenticated, malformed and unknown frames."""
     with pytest.raises(p.BadMessage) as info:
@@ -107,12 +147,15 @@ def test_random_bytes_only_ever_raise_bad_message(data):
             pass
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
-                     | st.text(max_size=8)
-                     | st.binary(max_size=8),
-                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c,
-                                                                         max_size=4),
-                     max_leaves=12)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -121,8 +164,7 @@ def test_signed_garbage_of_known_types_is_refused_or_valid(kind, junk):
     """Authenticated but nonsensical fields are refused by schema, never accepted half-way."""
     tag = msgspec.inspect.type_info(getattr(p, kind)).tag
     body = {"t": tag, **(junk if isinstance(junk, dict) else {"x": junk})}
-    raw = msgspec.msgpack.encode({"sender": "a", "epoch": 1, "to_epoch": 0, "seq": 1,
-                                  "body": body})
+    raw = msgspec.msgpack.encode({"sender": "a", "epoch": 1, "to_epoch": 0, "seq": 1, "body": body})
     try:
         env = p.Codec(SECRET).decode(_signed(raw))
     except p.BadMessage:
