@@ -264,15 +264,22 @@ class TieredTreeMachine(RuleBasedStateMachine):
             gone = data.draw(st.sets(st.sampled_from(sorted(owned)), min_size=1)) if owned else None
         revoked = {k for k in self.blocks if k[:2] == (donor, lease_id)
                    and (gone is None or k[3] in gone)}
-        # Prefixes that only the revoked blocks hold lose their last copy.
         dev, host, _ = self._held()
-        only_there = {c for k in revoked for c in self.blocks[k][-1:] if c not in dev and c not in host}
+        before = dict(self.blocks)
         stale_before = {t.ticket_id for t, *_ in self.tickets if t.stale}
         r = self.tree.revoke(donor, lease_id, gone)
+        # A residency is dropped whole when any of its blocks is revoked (contract); prefixes
+        # held only by such residencies lose their last copy.
+        direct = [rel.residency for rel in r.released if rel.tier == DONOR and any(
+            (rel.residency.donor, rel.residency.lease, rel.residency.epoch, b) in revoked
+            for b in rel.residency.blocks)]
+        only_there = {before[(d.donor, d.lease, d.epoch, b)][-1] for d in direct for b in d.blocks}
+        only_there = {c for c in only_there if c not in dev and c not in host}
         device_frees = []
         for rel in r.released:
             self._release(rel, device_frees)
         assert not device_frees, "a revoke never releases device KV (device nodes have no holes)"
+        assert not (revoked & set(self.blocks)), "KV still held on revoked blocks"
         for lp in r.lost:
             first_lost = (lp.namespace, tuple(lp.tokens[: lp.still_cached + self.page]))
             assert first_lost in only_there, "revoke reported a prefix that still has a copy"
