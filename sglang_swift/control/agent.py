@@ -15,6 +15,8 @@ on the network. The owner (the scheduler) talks to it through commands and drain
 With tensor parallelism only one rank (rank 0) creates the agent; it speaks for the server,
 and the data plane forwards grants and reclaims to the other ranks. ``agent_id`` must be
 unique per live server on the node and stable across restarts (a restart gets a new epoch).
+Owner commands found invalid on the I/O thread (say, offering a block twice) are logged and
+counted (``commands_refused``), never raised there. Events queue up until drained.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class ControlAgent:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def is_alive(self) -> bool:
+        """False once stopped (or if the I/O thread died, which is logged)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def __enter__(self) -> ControlAgent:
         return self.start()
 
@@ -118,6 +124,11 @@ class ControlAgent:
     def request(self, num_blocks: int, priority: int = 0, donor: str | None = None) -> int:
         """Ask ``donor`` (default: the peer advertising the most) for blocks; the answer is a
         LeaseGranted (maybe fewer blocks) or RequestFailed event carrying the returned id."""
+        if not 1 <= num_blocks <= p.MAX_BLOCKS_PER_MESSAGE or not 0 <= priority <= 100:
+            raise ValueError(
+                f"request({num_blocks}, priority={priority}): need 1..{p.MAX_BLOCKS_PER_MESSAGE}"
+                " blocks and priority 0..100"
+            )
         rid = next(self._ids)
         self._command(self.borrower.request, rid, int(num_blocks), int(priority), donor)
         return rid
@@ -224,10 +235,14 @@ class ControlAgent:
                 now = time.monotonic()
                 if now >= next_tick:
                     with self._lock:
-                        self._table.tick(now)
-                        self.borrower.tick(now)
-                        self.donor.tick(now)
-                        self._bad_log.tick(now)
+                        try:
+                            self._table.tick(now)
+                            self.borrower.tick(now)
+                            self.donor.tick(now)
+                            self._bad_log.tick(now)
+                        except Exception:
+                            log.exception("control agent periodic work failed")
+                            self.count("tick_errors")
                     next_tick = now + hb / 2
         except BaseException:
             log.exception("control agent %s I/O thread crashed", self.config.agent_id)
@@ -244,7 +259,7 @@ class ControlAgent:
             with self._lock:
                 try:
                     fn(*args)
-                except (ValueError, RuntimeError) as exc:
+                except Exception as exc:  # the owner's mistake is logged, never fatal here
                     log.error("owner command %s%r refused: %s", fn.__name__, args[:2], exc)
                     self.count("commands_refused")
 

@@ -88,6 +88,21 @@ def test_grant_reclaim_ack_cycle(pair):
     borrower.check_integrity()
 
 
+def test_owner_mistakes_fail_loudly_or_are_refused(pair):
+    """Impossible requests raise at the call; bad donor commands are refused, not fatal."""
+    _, donor, borrower = pair
+    with pytest.raises(ValueError):
+        borrower.request(0)
+    with pytest.raises(ValueError):
+        borrower.request(1, priority=1000)
+    donor.offer([0])  # already offered
+    donor.offer([10**6])  # outside the arena
+    assert donor.wait_until(lambda a: a.counters.get("commands_refused", 0) == 2, 5)
+    assert donor.is_alive()
+    borrower.request(2)
+    assert len(_next(borrower, LeaseGranted).blocks) == 2
+
+
 def test_read_deadline_follows_heartbeats(pair):
     """The borrower's read deadline stays within one timeout of now while the donor is alive."""
     _, donor, borrower = pair
