@@ -77,8 +77,8 @@ class SwiftConfig:
         "upper bound on donor blocks this server borrows (0: no donor tier)"))
     host_tier_tokens: int = field(default=0, metadata=_opt(_number("host-tier-tokens", int, 0),
         "tokens of host-memory KV tier below the donor tier (0: none)"))
-    block_tokens: int = field(default=16, metadata=_opt(_number("block-tokens", int, 1, 4096),
-        "tokens per donated block (one block holds this many tokens for all layers)"))
+    block_tokens: int = field(default=0, metadata=_opt(_number("block-tokens", int, 0, 4096),
+        "tokens per donated block, all layers (0: SGLang's --page-size; otherwise must equal it)"))
     heartbeat_interval_s: float = field(default=0.2, metadata=_opt(
         _number("heartbeat-interval-s", float, 0.0, 60.0, lo_open=True), "control-channel heartbeat period"))
     heartbeat_timeout_s: float = field(default=1.0, metadata=_opt(
@@ -86,7 +86,7 @@ class SwiftConfig:
         "a peer silent this long is declared dead and its leases dropped"))
     rendezvous_dir: str = field(default="", metadata=_opt(_path("rendezvous-dir"),
         "directory (created 0700) where agents on this node publish their ipc endpoints "
-        "(default: $XDG_RUNTIME_DIR/swiftcache or /tmp/swiftcache-$UID)"))
+        "(default: /tmp/sglang_swift-$UID/control)"))
     secret_file: str = field(default="", metadata=_opt(_path("secret-file"),
         "node secret (0600) that authenticates control messages (default: <rendezvous-dir>/secret)"))
 
@@ -96,7 +96,7 @@ class SwiftConfig:
             value = getattr(self, f.name)
             if parse is not None and value != f.default:  # defaults are valid by construction
                 object.__setattr__(self, f.name, parse(value))
-        if self.block_tokens & (self.block_tokens - 1):
+        if self.block_tokens and self.block_tokens & (self.block_tokens - 1):
             raise ValueError(f"block-tokens must be a power of two; got {self.block_tokens}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
@@ -104,15 +104,16 @@ class SwiftConfig:
                 f"heartbeat-interval-s ({self.heartbeat_interval_s})")
 
     # -- derived values ---------------------------------------------------------------------
-    def resolved_rendezvous_dir(self, environ: dict[str, str] | None = None) -> str:
+    def resolved_rendezvous_dir(self) -> str:
+        """The rendezvous directory; by default the control channel's (what `ctl` reads)."""
         if self.rendezvous_dir:
             return self.rendezvous_dir
-        env = os.environ if environ is None else environ
-        runtime = env.get("XDG_RUNTIME_DIR")
-        return os.path.join(runtime, "swiftcache") if runtime else f"/tmp/swiftcache-{os.getuid()}"
+        from .control.config import default_rendezvous_dir
 
-    def resolved_secret_file(self, environ: dict[str, str] | None = None) -> str:
-        return self.secret_file or os.path.join(self.resolved_rendezvous_dir(environ), "secret")
+        return default_rendezvous_dir()
+
+    def resolved_secret_file(self) -> str:
+        return self.secret_file or os.path.join(self.resolved_rendezvous_dir(), "secret")
 
     # -- transport to child processes --------------------------------------------------------
     def to_json(self) -> str:

@@ -82,7 +82,7 @@ def test_backend_is_registered(loaded_plugins):
 @pytest.mark.parametrize("argv, needle", [
     (["--enable-swiftcache", "--swiftcache-role", "lender"], "--swiftcache-role"),
     (["--enable-swiftcache", "--swiftcache-lend-fraction", "abc"], "--swiftcache-lend-fraction"),
-    (["--enable-swiftcache", "--swiftcache-block-tokens", "0"], "--swiftcache-block-tokens"),
+    (["--enable-swiftcache", "--swiftcache-block-tokens", "-16"], "--swiftcache-block-tokens"),
 ])
 def test_bad_cli_values_are_argparse_errors_naming_the_option(loaded_plugins, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
