@@ -109,7 +109,7 @@ def replay_sglang(trace: list[Request], capacity: int) -> dict:
             pool.free.extend(t.tolist())
 
     cache = RadixCache.create_simulated(mock_allocator=Alloc())
-    clock, ops, hit = time.perf_counter, 0, 0
+    clock, ops, hit, miss = time.perf_counter, 0, 0, 0
     spent = 0.0
     for r in trace:
         t0 = clock()
@@ -137,7 +137,8 @@ def replay_sglang(trace: list[Request], capacity: int) -> dict:
         pool.free.extend(dup)
         ops += 5
         hit += m.device_prefix_len
-    return {"ops": ops, "seconds": spent, "device_hit": hit}
+        miss += max(0, r.reusable - m.device_prefix_len)
+    return {"ops": ops, "seconds": spent, "device_hit": hit, "miss": miss}
 
 
 def make_tree(policy: str, donors: list[tuple[str, int, float]]) -> RadixTree:
@@ -154,7 +155,7 @@ def replay_radix_ext(trace: list[Request], capacity: int, tree: RadixTree,
     pool = SlotPool(capacity)
     clock, ops, spent = time.perf_counter, 0, 0.0
     hits = {"device": 0, "donor": 0}
-    reusable = lost_tokens = 0
+    reusable = lost_tokens = misses = 0
     epoch = 1
     cost = tree.cost
     reload_cost = 0.0
@@ -206,8 +207,9 @@ def replay_radix_ext(trace: list[Request], capacity: int, tree: RadixTree,
         hits["donor"] += donor_hit
         reusable += r.reusable
         miss = max(0, r.reusable - hit_len)
+        misses += miss
         reload_cost += donor_hit * cost.donor + miss * cost.recompute
-    return {"ops": ops, "seconds": spent, "hits": hits, "reusable": reusable,
+    return {"ops": ops, "seconds": spent, "hits": hits, "reusable": reusable, "miss": misses,
             "reload_cost": reload_cost, "lost_to_revoke": lost_tokens}
 
 
@@ -257,9 +259,10 @@ def main() -> int:
     rx = min(rx_runs, key=lambda x: x["seconds"])
     sg_ops, rx_ops = sg["ops"] / sg["seconds"], rx["ops"] / rx["seconds"]
     print(f"SGLang RadixCache : {sg['ops']} ops in {sg['seconds']:.3f} s = {sg_ops:,.0f} ops/s; "
-          f"hit tokens: device {sg['device_hit']}")
+          f"hit tokens: device {sg['device_hit']}; reusable tokens missed {sg['miss']}")
     print(f"radix_ext (donor) : {rx['ops']} ops in {rx['seconds']:.3f} s = {rx_ops:,.0f} ops/s; "
-          f"hit tokens: device {rx['hits']['device']}, donor {rx['hits']['donor']}")
+          f"hit tokens: device {rx['hits']['device']}, donor {rx['hits']['donor']}; "
+          f"reusable tokens missed {rx['miss']}")
     print(f"ratio radix_ext/SGLang ops/s: {rx_ops / sg_ops:.2f}")
 
     half = donor_blocks // 2
@@ -278,8 +281,8 @@ def main() -> int:
         "radix_ext_ops_per_s": round(rx_ops),
         "requests": len(trace),
         "device_capacity": capacity,
-        "sglang_hits": {"device": sg["device_hit"]},
-        "radix_ext_hits": rx["hits"],
+        "sglang_hits": {"device": sg["device_hit"], "miss": sg["miss"]},
+        "radix_ext_hits": {**rx["hits"], "miss": rx["miss"]},
         "reload_cost": {k: round(v["reload_cost"], 1) for k, v in policies.items()},
     }
     print(json.dumps(summary))
