@@ -28,23 +28,24 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, finishes in under 30 s")
     p.add_argument("--tokens", type=int, default=None, help="prefix length (default 4096; "
-                   "quick 1024)")
+                   "quick 3072)")
     p.add_argument("--page-sizes", default="16,64")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; quick 3)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the copy lane "
                    "(the baseline copy runs on the same lane)")
     return p.parse_args(argv)
 
 
-def _random(*shape, dtype, gen) -> torch.Tensor:
-    """Random bits (cheaper than randn for hundreds of MiB; finite values do not matter here)."""
+def _pattern(*shape, dtype, seed: int) -> torch.Tensor:
+    """Distinct 16-bit words per element (cheap for hundreds of MiB, unlike randn); the values
+    only have to differ between slots so the round trip can be verified."""
     t = torch.empty(*shape, dtype=dtype)
-    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
-                                            generator=gen))
+    words = t.view(torch.int16).view(-1)
+    words.copy_((torch.arange(words.numel(), dtype=torch.int32) * 7 + seed).to(torch.int16))
     return t
 
 
@@ -54,14 +55,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int) -> dict:
+class Pool:
+    """One local pool and one baseline buffer pair, shared by every page size of the run."""
+
+    def __init__(self, g: KVGeometry, num_slots: int, nbytes: int):
+        self.k = [_pattern(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, seed=2 * i)
+                  for i in range(g.num_layers)]
+        self.v = [_pattern(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, seed=2 * i + 1)
+                  for i in range(g.num_layers)]
+        self.src_c = _pattern(nbytes, dtype=torch.uint8, seed=3)
+        self.dst_c = torch.empty_like(self.src_c)
+
+
+def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool: Pool) -> dict:
     npages = -(-tokens // g.page_size)
-    num_slots = 2 * npages * g.page_size  # a pool twice the prefix: the prefix's pages scattered
-    gen = torch.Generator().manual_seed(0)
-    k = [_random(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, gen=gen)
-         for _ in range(g.num_layers)]
-    v = [_random(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, gen=gen)
-         for _ in range(g.num_layers)]
+    k, v, src_c, dst_c = pool.k, pool.v, pool.src_c, pool.dst_c
+    num_slots = k[0].shape[0]  # at least twice the prefix: its pages are scattered in the pool
+    gen = torch.Generator().manual_seed(g.page_size)
     perm = torch.randperm(num_slots // g.page_size, generator=gen)
     slots = (perm[:npages, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[:tokens]
     dst = (perm[npages:2 * npages, None] * g.page_size
@@ -70,10 +80,7 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int) -> d
     try:
         blocks = arena.book.alloc("bench", npages)
         eng = TransferEngine(arena.memory, g, cpu_threads=threads)
-        nbytes = tokens * g.bytes_per_token_per_layer * g.num_layers
-        src_c = torch.empty(nbytes, dtype=torch.uint8)
-        src_c.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
-        dst_c = torch.empty_like(src_c)
+        nbytes = src_c.numel()
         counter = CpuLayerCounter(g.num_layers, timeout_s=120)
 
         def store():
@@ -112,8 +119,8 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int) -> d
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tokens = args.tokens or (1024 if args.quick else 4096)
-    repeats = args.repeats or (3 if args.quick else 7)
+    tokens = args.tokens or (3072 if args.quick else 4096)
+    repeats = args.repeats or (2 if args.quick else 5)
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
     t0 = time.monotonic()
     print(f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
@@ -121,9 +128,14 @@ def main(argv=None) -> int:
           f"torch {torch.__version__}, copy lane {args.threads} thread(s); baseline: one "
           f"contiguous copy of the same bytes on the same lane, rounds interleaved")
     rows = []
-    for ps in page_sizes:
-        g = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
-        r = bench_page_size(g, tokens, repeats, args.threads)
+    geoms = [KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
+             for ps in page_sizes]
+    big = max(page_sizes)
+    pool = Pool(geoms[0], 2 * -(-tokens // big) * big,
+                tokens * geoms[0].bytes_per_token_per_layer * args.layers)
+    for g in geoms:
+        ps = g.page_size
+        r = bench_page_size(g, tokens, repeats, args.threads, pool)
         rows.append(r)
         print(f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
               f"{args.dtype} = {g.bytes_per_token_per_layer} B/token/layer, page {ps}, "
