@@ -55,31 +55,46 @@ def _record_path(rendezvous_dir: str, agent_id: str) -> str:
     return os.path.join(rendezvous_dir, agent_id + _SUFFIX)
 
 
-def read_records(rendezvous_dir: str) -> list[PeerRecord]:
-    """All parseable records in the directory; unreadable or malformed ones are skipped."""
-    out = []
+def read_records(
+    rendezvous_dir: str, cache: dict[str, tuple[int, PeerRecord | None]] | None = None
+) -> list[PeerRecord]:
+    """All parseable records in the directory; unreadable or malformed ones are skipped.
+    With ``cache`` (path -> (mtime, record)), unchanged files are not read again."""
+    out: list[PeerRecord] = []
     try:
-        entries = list(os.scandir(rendezvous_dir))
+        entries = [e for e in os.scandir(rendezvous_dir) if e.name.endswith(_SUFFIX)]
     except FileNotFoundError:
         return out
+    if cache is not None:
+        for gone in cache.keys() - {e.path for e in entries}:
+            del cache[gone]
     for entry in entries:
-        if not entry.name.endswith(_SUFFIX):
-            continue
         try:
-            with open(entry.path, "rb") as f:
-                raw = json.loads(f.read(8192))
-            out.append(
-                PeerRecord(
-                    str(raw["agent_id"]),
-                    int(raw["epoch"]),
-                    int(raw["pid"]),
-                    str(raw["endpoint"]),
-                    str(raw.get("model", "")),
-                )
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            mtime = entry.stat().st_mtime_ns
+            hit = cache.get(entry.path) if cache is not None else None
+            rec = hit[1] if hit is not None and hit[0] == mtime else _parse(entry.path)
+        except OSError:
             continue
+        if cache is not None:
+            cache[entry.path] = (mtime, rec)
+        if rec is not None:
+            out.append(rec)
     return out
+
+
+def _parse(path: str) -> PeerRecord | None:
+    try:
+        with open(path, "rb") as f:
+            raw = json.loads(f.read(8192))
+        return PeerRecord(
+            str(raw["agent_id"]),
+            int(raw["epoch"]),
+            int(raw["pid"]),
+            str(raw["endpoint"]),
+            str(raw.get("model", "")),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def next_epoch(rendezvous_dir: str, agent_id: str) -> int:

@@ -6,6 +6,7 @@ Used from the agent's I/O thread only (ZMQ sockets are not thread-safe).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -119,7 +120,7 @@ class Link:
 
     def poll(self, timeout_s: float):
         """Yield (frames, routing_id or None, source) for up to a batch of ready messages."""
-        ready = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        ready = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))  # no 0 ms spins
         if self._wake_r.fileno() in ready:
             try:
                 while self._wake_r.recv(4096):

@@ -48,6 +48,8 @@ class PeerTable:
         self.agent = agent
         self._hello_sent: dict[tuple[str, int], float] = {}  # (id or endpoint, epoch) -> time
         self._next_discovery = 0.0
+        self._next_beat = 0.0
+        self._records: dict = {}  # rendezvous file cache, see discovery.read_records
 
     # ---- receive ----
     def on_frames(self, frames: list[bytes], rid: bytes | None, source: str) -> None:
@@ -191,18 +193,22 @@ class PeerTable:
     def tick(self, now: float) -> None:
         a = self.agent
         cfg = a.config
+        beat = now >= self._next_beat
+        if beat:
+            self._next_beat = now + cfg.heartbeat_interval_s
         for peer in list(a.peers.values()):
             if now - peer.last_rx > cfg.heartbeat_timeout_s:
                 self.lose(peer, "heartbeat timeout")
-                continue
-            a.send(peer, p.Heartbeat(time.monotonic_ns(), peer.echo_ns, a.donor.ledger.lendable()))
+            elif beat:
+                hb = p.Heartbeat(time.monotonic_ns(), peer.echo_ns, a.donor.ledger.lendable())
+                a.send(peer, hb)
         if now >= self._next_discovery:
             self._next_discovery = now + cfg.discovery_interval_s
             self._discover(now)
 
     def _discover(self, now: float) -> None:
         a = self.agent
-        for rec in discovery.read_records(a.config.rendezvous_dir):
+        for rec in discovery.read_records(a.config.rendezvous_dir, self._records):
             if rec.agent_id == a.config.agent_id or not discovery.pid_alive(rec.pid):
                 continue
             known = a.peers.get(rec.agent_id)
