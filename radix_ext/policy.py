@@ -120,6 +120,10 @@ class TieredDemotion:
     name = "tiered"
     make_room_first = False
 
+    def room_bar(self, node: Any, tree: "RadixTree", tier: str, pref: Sequence,
+                 later: Sequence) -> float:
+        return float("inf")
+
     def __init__(self, cost: CostModel):
         self.cost = cost
 
@@ -141,11 +145,32 @@ class TieredDemotion:
 
 class CostAwareDemotion(TieredDemotion):
     """Cheapest expected reload first: each donor lease priced by its reclaim hazard, the host
-    at its fetch cost; a flaky donor can rank below the host. Makes room in a cheaper target
-    (dropping what the eviction policy values least there) before falling to a dearer one."""
+    at its fetch cost; a flaky donor can rank below the host. When a cheaper target is full,
+    room is made there only by dropping copies worth less (by the eviction policy's measure)
+    than what placing the victim in the next target with room would lose."""
 
     name = "cost_aware"
     make_room_first = True
+
+    def _cost_of(self, tier: str, pref: Sequence) -> float:
+        if tier == DONOR:
+            return min((self.cost.donor_expected(x.reclaim_hazard) for x in pref),
+                       default=self.cost.donor)
+        return self.cost.host if tier == HOST else self.cost.recompute
+
+    def room_bar(self, node: Any, tree: "RadixTree", tier: str, pref: Sequence,
+                 later: Sequence) -> float:
+        """Per-token loss of not placing `node` in (tier, pref) but in the best later target
+        with free room (or recomputing it): the most a dropped copy may be worth."""
+        n = len(node.key)
+        fallback = self.cost.recompute
+        for t, p in later:
+            room = (sum(len(x.free_blocks) for x in p) * tree.page_size if t == DONOR and p
+                    else tree.tiers[t].available_tokens())
+            if room >= n:
+                fallback = self._cost_of(t, p)
+                break
+        return reuse_estimate(node, tree) * (fallback - self._cost_of(tier, pref))
 
     def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
         options: list[tuple[float, str, Sequence]] = []

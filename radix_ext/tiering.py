@@ -51,16 +51,26 @@ class TieringMixin:
         """Copy `x` (no residency left but `dev`) into a lower tier; False if none takes it."""
         targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
         if self.demotion.make_room_first:
-            return any(self._place(x, dev, t, p, steps, True) for t, p in targets)
-        return any(self._place(x, dev, t, p, steps, False) for t, p in targets) or any(
-            self._place(x, dev, t, p, steps, True) for t, p in targets)
+            # Per target: free room, else room made by dropping only copies worth less than
+            # what falling through to the later targets would lose on `x`.
+            for i, (t, p) in enumerate(targets):
+                if self._place(x, dev, t, p, steps, None):
+                    return True
+                bar = self.demotion.room_bar(x, self, t, p, targets[i + 1 :])
+                if bar > 0 and self._place(x, dev, t, p, steps, bar):
+                    return True
+            return False
+        return any(self._place(x, dev, t, p, steps, None) for t, p in targets) or any(
+            self._place(x, dev, t, p, steps, float("inf")) for t, p in targets)
 
-    def _place(self, x: Any, dev: Any, tier: str, pref: Any, steps: list, make_room: bool) -> bool:
+    def _place(self, x: Any, dev: Any, tier: str, pref: Any, steps: list, bar: Any) -> bool:
+        """Copy `x` into `tier`; with `bar`, first make room there by dropping copies whose
+        policy priority is below `bar` (None: use free room only)."""
         n = len(x.key)
         t = self.tiers[tier]
         res = t.alloc(n, pref)
-        if res is None and make_room and t.capacity_tokens() >= n:
-            steps.extend(self._make_room(tier, n, within=pref).steps)
+        if res is None and bar is not None and t.capacity_tokens() >= n:
+            steps.extend(self._make_room(tier, n, within=pref, bar=bar).steps)
             res = t.alloc(n, pref)
         if res is None:
             return False
@@ -77,8 +87,10 @@ class TieringMixin:
         """
         return self._make_room(tier, num_tokens, chunk=False)
 
-    def _make_room(self, tier: str, need: int, chunk: bool = True, within=()) -> MakeRoomResult:
-        """`within`: donor leases to make room in (all when empty)."""
+    def _make_room(self, tier: str, need: int, chunk: bool = True, within=(),
+                   bar: float = float("inf")) -> MakeRoomResult:
+        """`within`: donor leases to make room in (all when empty); `bar`: drop only copies whose
+        policy priority is below it."""
         t = self.tiers[tier]
         page = self.page_size
         if within:
@@ -93,12 +105,25 @@ class TieringMixin:
             return MakeRoomResult()
         pol = self.eviction
         members = self._in_tier[tier]
-        heap = [
-            (pol.tier_priority(x, tier, self), x.id, x)
-            for x in members
-            if not x.pins and (len(x.res) > 1 or not x.children)
-            and (keys is None or (x.res[tier].donor, x.res[tier].lease) in keys)
-        ]
+        # Nothing below `bar` at the last scan, and nothing changed since: skip the scan.
+        floor_key = (tier, frozenset(keys) if keys else None)
+        floor = self._room_floor.get(floor_key)
+        if floor is not None and floor[:2] == (self.clock, len(members)) and bar <= floor[2]:
+            return MakeRoomResult()
+        heap = []
+        lowest = float("inf")
+        for x in members:
+            if x.pins or not (len(x.res) > 1 or not x.children):
+                continue
+            if keys is not None and (x.res[tier].donor, x.res[tier].lease) not in keys:
+                continue
+            prio = pol.tier_priority(x, tier, self)
+            lowest = min(lowest, prio)
+            if prio < bar:
+                heap.append((prio, x.id, x))
+        if not heap:
+            self._room_floor[floor_key] = (self.clock, len(members), lowest)
+            return MakeRoomResult()
         heapq.heapify(heap)
         steps: list = []
         freed = 0
@@ -118,7 +143,9 @@ class TieringMixin:
                 self._refresh_leaf(parent)
                 if (parent in members and not parent.pins and not parent.children and (
                         keys is None or (parent.res[tier].donor, parent.res[tier].lease) in keys)):
-                    heapq.heappush(heap, (pol.tier_priority(parent, tier, self), parent.id, parent))
+                    prio = pol.tier_priority(parent, tier, self)
+                    if prio < bar:
+                        heapq.heappush(heap, (prio, parent.id, parent))
         return MakeRoomResult(tuple(steps), freed)
 
     def _cascade(self, x: Any, tier: str, res: Any, steps: list) -> None:

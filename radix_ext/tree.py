@@ -87,6 +87,7 @@ class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
         self._in_tier: dict[str, set[Node]] = {name: set() for name in self.tiers}
         self._tickets: dict = {}
         self._next_ticket = 1
+        self._room_floor: dict = {}  # make-room scan cache, see TieringMixin._make_room
 
     # ---- residency bookkeeping ----------------------------------------------------------------
 

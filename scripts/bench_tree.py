@@ -17,7 +17,7 @@ time inside tree calls is measured, both sides alike. Each side runs `--repeats`
 
 Cost-aware vs LRU: the same trace with two donors of equal size, a stable one (reclaim hazard
 0.05) and a flaky one (0.6) that takes its lease back every `--revoke-every` requests and lends
-it again under a new epoch. Reload cost = per request, over the prompt tokens seen before:
+it again under a new epoch; at each total donor size in `--policy-donor-factors`. Reload cost = per request, over the prompt tokens seen before:
 donor hits x donor cost + misses x recompute cost (radix_ext.CostModel units: one token's
 recompute = 1).
 """
@@ -59,7 +59,10 @@ class Tokenizer:
         return [v.setdefault(w, len(v) + 1) for w in WORD.findall(text)]
 
 
-def build_trace(n_convs: int, sessions: int, max_turns: int, max_chars: int, seed: int) -> list[Request]:
+def build_trace(n_convs: int, sessions: int, max_turns: int, max_chars: int,
+                seed: int) -> tuple[list[Request], int]:
+    """The requests, and the peak live set: the most tokens the active conversations' histories
+    held at once (what a device must hold for every follow-up turn to hit)."""
     convs = load_conversations(n_convs, min_turns=2, max_chars_per_message=max_chars)
     tok = Tokenizer()
     system = tok(SYSTEM)
@@ -67,6 +70,7 @@ def build_trace(n_convs: int, sessions: int, max_turns: int, max_chars: int, see
     queue = list(convs)
     active: list[list] = []  # [turns, next_turn, history tokens]
     trace: list[Request] = []
+    live = peak = 0
     while queue or active:
         while queue and len(active) < sessions:
             active.append([queue.pop(0).turns[:max_turns], 0, array("q", system)])
@@ -78,9 +82,12 @@ def build_trace(n_convs: int, sessions: int, max_turns: int, max_chars: int, see
         reusable = len(history) if (k > 0 or trace) else 0
         trace.append(Request(prompt, full, reusable))
         s[1], s[2] = k + 1, full
+        live += len(full) - len(history)
+        peak = max(peak, live)
         if s[1] == len(turns):
             active.remove(s)
-    return trace
+            live -= len(full)
+    return trace, peak
 
 
 class SlotPool:
@@ -222,34 +229,36 @@ def working_set(trace: list[Request]) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small trace, one repeat (< 30 s)")
+    ap.add_argument("--quick", action="store_true", help="small trace (< 30 s)")
     ap.add_argument("--conversations", type=int, default=1500)
     ap.add_argument("--sessions", type=int, default=48, help="conversations active at once")
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--max-chars", type=int, default=1500, help="clip each message (chars)")
-    ap.add_argument("--device-fraction", type=float, default=0.1,
-                    help="device capacity as a fraction of the trace's working set")
+    ap.add_argument("--device-fraction", type=float, default=0.35,
+                    help="device capacity as a fraction of the peak live set (active histories)")
     ap.add_argument("--donor-factor", type=float, default=2.0, help="donor blocks / device slots")
     ap.add_argument("--revoke-every", type=int, default=100)
+    ap.add_argument("--policy-donor-factors", default="2,6",
+                    help="donor sizes (x device) at which LRU and cost-aware are compared")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     if a.quick:
-        a.conversations, a.repeats = 300, 1
+        a.conversations = 300
 
     from sglang_swift.cpu_compat import activate_in_process
 
     activate_in_process()
-    trace = build_trace(a.conversations, a.sessions, a.max_turns, a.max_chars, a.seed)
+    trace, peak_live = build_trace(a.conversations, a.sessions, a.max_turns, a.max_chars, a.seed)
     ws = working_set(trace)
     longest = max(len(r.full) for r in trace)
-    capacity = max(int(ws * a.device_fraction), 2 * longest)
+    capacity = max(int(peak_live * a.device_fraction), 2 * longest)
     donor_blocks = int(capacity * a.donor_factor)
     prompt_tokens = sum(len(r.prompt) for r in trace)
     print(f"trace: {len(trace)} requests from {a.conversations} ShareGPT conversations, "
           f"{prompt_tokens} prompt tokens, working set {ws} tokens, longest request {longest}")
-    print(f"device capacity {capacity} tokens ({capacity / ws:.0%} of working set), "
-          f"donor {donor_blocks} blocks")
+    print(f"device capacity {capacity} tokens ({capacity / peak_live:.0%} of the peak live set "
+          f"{peak_live}), donor {donor_blocks} blocks (1 block = 1 token)")
 
     sg_runs, rx_runs = [], []
     for _ in range(a.repeats):
@@ -265,16 +274,19 @@ def main() -> int:
           f"reusable tokens missed {rx['miss']}")
     print(f"ratio radix_ext/SGLang ops/s: {rx_ops / sg_ops:.2f}")
 
-    half = donor_blocks // 2
-    flaky = ("flaky", half, 0.6)
-    policies = {}
-    for pol in ("lru", "cost_aware"):
-        tree = make_tree(pol, [("stable", half, 0.05), flaky])
-        policies[pol] = replay_radix_ext(trace, capacity, tree, a.revoke_every, flaky)
-        p = policies[pol]
-        print(f"policy {pol:10s}: reload cost {p['reload_cost']:,.0f} (of {p['reusable']} reusable "
-              f"prompt tokens) hits device {p['hits']['device']}, donor {p['hits']['donor']}; "
-              f"tokens lost to revocations {p['lost_to_revoke']}")
+    costs: dict[str, dict[str, float]] = {}
+    for factor in [float(f) for f in a.policy_donor_factors.split(",")]:
+        half = int(capacity * factor) // 2
+        flaky = ("flaky", half, 0.6)
+        label = f"donor_{factor:g}x"
+        costs[label] = {}
+        for pol in ("lru", "cost_aware"):
+            tree = make_tree(pol, [("stable", half, 0.05), flaky])
+            p = replay_radix_ext(trace, capacity, tree, a.revoke_every, flaky)
+            costs[label][pol] = round(p["reload_cost"], 1)
+            print(f"donor {factor:g}x device, policy {pol:10s}: reload cost {p['reload_cost']:,.0f} "
+                  f"(of {p['reusable']} reusable prompt tokens); hits device {p['hits']['device']}, "
+                  f"donor {p['hits']['donor']}; tokens lost to revocations {p['lost_to_revoke']}")
     summary = {
         "ratio": round(rx_ops / sg_ops, 3),
         "sglang_ops_per_s": round(sg_ops),
@@ -283,7 +295,7 @@ def main() -> int:
         "device_capacity": capacity,
         "sglang_hits": {"device": sg["device_hit"], "miss": sg["miss"]},
         "radix_ext_hits": {**rx["hits"], "miss": rx["miss"]},
-        "reload_cost": {k: round(v["reload_cost"], 1) for k, v in policies.items()},
+        "reload_cost": costs,
     }
     print(json.dumps(summary))
     return 0
