@@ -7,6 +7,8 @@ churn, 32 requests in flight), first as the machine is ("idle": nothing of ours 
 the agents measured), then under load (one CPU-spinning process per core). The last line is
 JSON; its unprefixed keys are the idle figures, ``load_*`` the loaded ones, and ``loadavg``
 the 1-minute load average seen at start, so a busy "idle" machine is visible.
+``busy_owner_grant_*``: grant latency while another Python thread of the borrower's process
+spins, as a scheduler loop would; the agent's thread then waits for the GIL.
 
     python scripts/bench_control.py [--quick]
 """
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from sglang_swift.control import (
@@ -61,8 +64,19 @@ def wait_event(agent: ControlAgent, kind, timeout: float = 5.0):
     raise TimeoutError(kind.__name__)
 
 
-def bench_grants(rdv: str, n: int) -> list[float]:
+def _spin(stop: threading.Event) -> None:
+    """A stand-in for a busy scheduler loop: pure Python that holds the GIL."""
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x += i
+
+
+def bench_grants(rdv: str, n: int, busy_owner: bool = False) -> list[float]:
     agent = ControlAgent(ControlConfig("bench-borrower", rendezvous_dir=rdv)).start()
+    stop = threading.Event()
+    if busy_owner:
+        threading.Thread(target=_spin, args=(stop,), daemon=True).start()
     try:
         assert agent.wait_until(
             lambda a: a.peers.get("sim-donor") and a.peers["sim-donor"].lendable > 0, 10
@@ -77,6 +91,7 @@ def bench_grants(rdv: str, n: int) -> list[float]:
                 agent.release(e.key)
         return lat
     finally:
+        stop.set()
         agent.stop()
 
 
@@ -152,6 +167,7 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
     donor = spawn(rdv, "--agent-id", "sim-donor", "--donate", "4096")
     try:
         grants = bench_grants(rdv, n)
+        busy = bench_grants(rdv, max(100, n // 10), busy_owner=True)
         msgs = bench_msgs(rdv, seconds)
     finally:
         donor.kill()
@@ -163,6 +179,8 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
         "reclaim_p50_ms": pct(reclaims, 0.5) * 1e3,
         "reclaim_p99_ms": pct(reclaims, 0.99) * 1e3,
         "msgs_per_s": msgs,
+        "busy_owner_grant_p50_ms": pct(busy, 0.5) * 1e3,
+        "busy_owner_grant_p99_ms": pct(busy, 0.99) * 1e3,
         "grants": len(grants),
         "reclaims": len(reclaims),
     }
@@ -195,6 +213,8 @@ def main() -> None:
             f"{name:5s} grant p50 {r['grant_p50_ms']:.3f} ms  p99 {r['grant_p99_ms']:.3f} ms "
             f"({r['grants']} grants) | reclaim p50 {r['reclaim_p50_ms']:.3f} ms  "
             f"p99 {r['reclaim_p99_ms']:.3f} ms ({r['reclaims']}) | {r['msgs_per_s']:.0f} msg/s"
+            f" | grant with a busy owner thread p50 {r['busy_owner_grant_p50_ms']:.3f} ms "
+            f"p99 {r['busy_owner_grant_p99_ms']:.3f} ms"
         )
     out = {k: round(v, 4) for k, v in idle.items()}
     out.update({f"load_{k}": round(v, 4) for k, v in load.items()})
