@@ -30,6 +30,7 @@ class TieringMixin:
             _, _, x = heapq.heappop(heap)
             if x not in self._dev_leaves:
                 continue
+            self._room_hint = num_tokens - evicted  # what this call may still demote
             dev = self._pop_res(x, DEVICE)
             steps.append(Released(DEVICE, dev))
             n = len(x.key)
@@ -45,6 +46,7 @@ class TieringMixin:
             self._refresh_leaf(parent)
             if parent in self._dev_leaves:
                 heapq.heappush(heap, (pol.device_priority(parent, self), parent.id, parent))
+        self._room_hint = 0
         return EvictionPlan(evicted, demoted, dropped, tuple(steps))
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
@@ -99,8 +101,9 @@ class TieringMixin:
             avail = sum(len(lease.free_blocks) for lease in within) * page
         else:
             keys, cap, avail = None, t.capacity_tokens(), t.available_tokens()
-        # Free a chunk at once: candidates are found by a scan, so amortise it.
-        goal = max(need, cap // 32 if chunk else 0) - avail
+        # Free a chunk at once (at least what the current eviction may still demote):
+        # candidates are found by a scan, so amortise it.
+        goal = max(need, max(cap // 32, self._room_hint) if chunk else 0) - avail
         if goal <= 0:
             return MakeRoomResult()
         pol = self.eviction

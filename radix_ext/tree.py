@@ -88,6 +88,7 @@ class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
         self._tickets: dict = {}
         self._next_ticket = 1
         self._room_floor: dict = {}  # make-room scan cache, see TieringMixin._make_room
+        self._room_hint = 0  # tokens the running evict_device may still demote
 
     # ---- residency bookkeeping ----------------------------------------------------------------
 
