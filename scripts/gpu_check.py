@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20)")
     p.add_argument("--target", type=float, default=0.85)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--dry-run-cpu", action="store_true",
+                   help="run the whole flow on CPU (shm instead of CUDA IPC, Triton interpreted, "
+                        "host timers) at toy size: tests the script, measures nothing")
     p.add_argument("--json-out", default=None, help="also write the final JSON here")
     p.add_argument("--role", choices=["donor", "borrower"], default="donor",
                    help=argparse.SUPPRESS)
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     if args.repeats is None:
         args.repeats = 5 if args.quick else 20
     args.page_sizes = [int(x) for x in str(args.page_sizes).split(",")]
+    if args.dry_run_cpu:
+        args.device = "cpu"
     if min(args.tokens, args.layers, args.repeats, *args.page_sizes) <= 0:
         p.error("tokens, layers, repeats and page sizes must be positive")
     return args
@@ -87,7 +93,7 @@ def _tuning_str(t) -> str:
 
 def summarize(rows: list[dict], checks: dict, target: float) -> dict:
     ok = all(checks.values())
-    out = {"ok": ok, "checks": checks, "target": target, "path": "cuda-triton",
+    out = {"ok": ok, "checks": checks, "target": target, "path": "triton",
            "store_ratio": None, "load_ratio": None, "rows": rows}
     if rows:
         out["store_ratio"] = round(min(r["store_gbps"] / r["copy_gbps"] for r in rows), 3)
@@ -96,11 +102,25 @@ def summarize(rows: list[dict], checks: dict, target: float) -> dict:
 
 
 # ---- on the GPU ------------------------------------------------------------------------------
-def _cuda_time(fn, repeats: int) -> float:
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cuda_time(fn, repeats: int, device) -> float:
     import torch
 
     fn()
-    torch.cuda.synchronize()
+    _sync(device)
+    if device.type != "cuda":  # --dry-run-cpu: host timer
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,6 +140,8 @@ def check_kernels(device) -> dict:
 
     results = {}
     L, H, DK, DV, P, N, S, NB = 3, 4, 64, 32, 16, 77, 512, 12
+    if device.type != "cuda":  # dry run: interpreted Triton, keep it small
+        L, H, DK, DV, P, N, S, NB = 2, 1, 16, 8, 4, 9, 32, 4
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         isz = dtype.itemsize
         bb = -(-L * P * H * (DK + DV) * isz // 512) * 512
@@ -148,7 +170,7 @@ def check_kernels(device) -> dict:
                 same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa
                 ok = ok and same(ok_k, rk) and same(ok_v, rv)
                 ok = ok and torch.equal(ok_k[slots], k[layer][slots])
-            torch.cuda.synchronize()
+            _sync(device)
             results[f"kernels_{str(dtype).removeprefix('torch.')}_{kind}"] = bool(ok)
     return results
 
@@ -180,14 +202,14 @@ def borrower(args) -> int:
     import torch
 
     import swift_kernels as sk
-    from sglang_swift.dataplane import (CudaLayerCounter, KVGeometry, TransferEngine,
-                                        map_arena)
+    from sglang_swift.dataplane import KVGeometry, TransferEngine, make_layer_counter, map_arena
 
     msg = json.loads(sys.stdin.readline())
     desc = {**msg["desc"], "handle": bytes.fromhex(msg["desc"]["handle"])}
     lease = msg["blocks"]
     device = torch.device(args.device)
-    torch.cuda.set_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     mapped = map_arena(desc)
     checks, rows, last = {}, [], None
     for ps in args.page_sizes:
@@ -200,8 +222,9 @@ def borrower(args) -> int:
         slots = (perm[:npages, None] * ps + ar).reshape(-1)[:args.tokens]
         dst = (perm[npages:2 * npages, None] * ps + ar).reshape(-1)[:args.tokens]
         blocks = torch.tensor(lease[:npages], device=device)
-        eng = TransferEngine(mapped.memory, g, liveness=mapped.alive)
-        counter = CudaLayerCounter(g.num_layers, timeout_s=60)
+        eng = TransferEngine(mapped.memory, g, liveness=mapped.alive,
+                             backend="triton" if args.dry_run_cpu else "auto")
+        counter = make_layer_counter(g.num_layers, device, timeout_s=60)
         # -- correctness through the engine: Triton store, layer-wise load, event waits
         assert eng.begin_store(k, v, slots, blocks).wait(60).ok
         k2 = [torch.full_like(x, float("nan")) for x in k]
@@ -218,7 +241,7 @@ def borrower(args) -> int:
         nbytes = args.tokens * g.bytes_per_token_per_layer * g.num_layers
         src_c = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
         dst_c = torch.empty_like(src_c)
-        t_copy = _cuda_time(lambda: dst_c.copy_(src_c), args.repeats)
+        t_copy = _cuda_time(lambda: dst_c.copy_(src_c), args.repeats, device)
 
         def layers(op, tuning):
             def run():
@@ -227,10 +250,11 @@ def borrower(args) -> int:
                        else dst, blocks, ps, backend="triton", tuning=tuning, validate=False)
             return run
 
-        store_t = {i: _cuda_time(layers(sk.store_layer, t), args.repeats)
-                   for i, t in enumerate(TUNINGS)}
-        load_t = {i: _cuda_time(layers(sk.load_layer, t), args.repeats)
-                  for i, t in enumerate(TUNINGS)}
+        tunings = TUNINGS[:2] if args.dry_run_cpu else TUNINGS
+        store_t = {i: _cuda_time(layers(sk.store_layer, t), args.repeats, device)
+                   for i, t in enumerate(tunings)}
+        load_t = {i: _cuda_time(layers(sk.load_layer, t), args.repeats, device)
+                  for i, t in enumerate(tunings)}
         best_s, best_l = min(store_t, key=store_t.get), min(load_t, key=load_t.get)
         eng.tuning = TUNINGS[best_l]
 
@@ -240,8 +264,8 @@ def borrower(args) -> int:
             for layer in range(g.num_layers):
                 counter.wait_until(layer)
 
-        t_engine_load = _cuda_time(engine_load, args.repeats)
-        torch.cuda.synchronize()
+        t_engine_load = _cuda_time(engine_load, args.repeats, device)
+        _sync(device)
         rows.append({"page_size": ps, "bytes": nbytes, "copy_gbps": nbytes / t_copy / 1e9,
                      "store_gbps": nbytes / store_t[best_s] / 1e9,
                      "load_gbps": nbytes / t_engine_load / 1e9,
@@ -253,7 +277,8 @@ def borrower(args) -> int:
         last = (npages, _checksum(mapped.memory, lease[:npages]))
         eng.close()
         del k, v, k2, v2, src_c, dst_c
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(json.dumps({"checks": checks, "rows": rows, "checksum_blocks": last[0],
                       "checksum": last[1]}), flush=True)
     mapped.close()
@@ -263,7 +288,7 @@ def borrower(args) -> int:
 def donor(args) -> int:
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.dry_run_cpu:
         print(NO_CUDA)
         return 2
     import triton
@@ -271,9 +296,14 @@ def donor(args) -> int:
     from sglang_swift.dataplane import KVGeometry, SharedArena, choose_block_bytes
 
     device = torch.device(args.device)
-    torch.cuda.set_device(device)
-    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, {torch.cuda.device_count()} GPU(s)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+              f"triton {triton.__version__}, {torch.cuda.device_count()} GPU(s)")
+    else:
+        print(f"DRY RUN on CPU (shm instead of CUDA IPC, Triton interpreted): the flow is "
+              f"exercised, the numbers mean nothing; torch {torch.__version__}, triton "
+              f"{triton.__version__}")
     t0 = time.monotonic()
     checks = check_kernels(device)
     print(f"kernels vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
@@ -289,7 +319,8 @@ def donor(args) -> int:
                               args.device, "--tokens", str(args.tokens), "--page-sizes",
                               ",".join(map(str, args.page_sizes)), "--layers", str(args.layers),
                               "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
-                              "--dtype", args.dtype, "--repeats", str(args.repeats)],
+                              "--dtype", args.dtype, "--repeats", str(args.repeats)]
+                             + (["--dry-run-cpu"] if args.dry_run_cpu else []),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         out, _ = child.communicate(json.dumps({"desc": {**desc, "handle": desc["handle"].hex()},
@@ -309,9 +340,10 @@ def donor(args) -> int:
     arena.book.check_integrity()
     arena.close()
     rows = result["rows"]
-    print(f"bandwidth on the CUDA-IPC-mapped arena, {args.layers} layers x {args.kv_heads} KV "
-          f"heads x {args.head_dim} {args.dtype} (4 KiB/token/layer at 8x128 bf16), "
-          f"{args.tokens} tokens; load = layer-wise through the side stream and layer events")
+    print(f"bandwidth on the {desc['kind']}-mapped arena, {args.layers} layers x {args.kv_heads} "
+          f"KV heads x {args.head_dim} {args.dtype} ({geoms[0].bytes_per_token_per_layer} "
+          f"B/token/layer), {args.tokens} tokens; store = best launch shape; load = layer-wise "
+          f"through the engine (side stream, one event per layer, consumer stream waits)")
     print(format_table(rows, args.target))
     summary = summarize(rows, checks, args.target)
     line = json.dumps({k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio",
@@ -324,6 +356,8 @@ def donor(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dry_run_cpu:  # read when triton decorates the kernels: set before any import of it
+        os.environ["TRITON_INTERPRET"] = "1"
     return borrower(args) if args.role == "borrower" else donor(args)
 
 

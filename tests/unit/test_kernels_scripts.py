@@ -42,6 +42,21 @@ def test_gpu_check_exits_clearly_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(240)
+def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
+    """The GPU script's flow end to end on CPU at toy size: kernels vs reference (interpreted),
+    export to a second process (shm standing in for CUDA IPC), layer-wise round trip through the
+    engine and counter, the donor seeing the borrower's bytes, the table and the JSON line."""
+    rc = gpu_check.main(["--dry-run-cpu", "--tokens", "20", "--layers", "2", "--page-sizes",
+                         "8", "--repeats", "1", "--kv-heads", "1", "--head-dim", "16"])
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert rc == 0 and summary["ok"], out
+    checks = summary["checks"]
+    assert checks["ipc_roundtrip_page8"] and checks["donor_sees_borrower_bytes"]
+    assert any(line.strip().startswith("8 ") for line in out)
+
+
 def test_bench_transfer_toy_run_ends_with_json(capsys):
     rc = bench_transfer.main(["--tokens", "40", "--layers", "2", "--page-sizes", "8,16",
                               "--repeats", "1"])
