@@ -1,6 +1,7 @@
 """`RadixTree`: a page-aligned radix prefix tree whose nodes live in tiers (bookkeeping only).
 
-The structure lives here (match, insert, lock/unlock, splits, sizes); moving KV between tiers
+The public structure operations live here (match, insert, lock/unlock); node bookkeeping and
+queries in `structure.py`; moving KV between tiers
 is in `tiering.py` (evict/demote, make room), two-phase load-back in `loadback.py`, donor
 revocation in `revoke.py`, and `check_integrity` in `integrity.py`.
 
@@ -25,8 +26,9 @@ from radix_ext.loadback import LoadBackMixin
 from radix_ext.node import Node
 from radix_ext.policy import make_demotion, make_eviction
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency
-from radix_ext.results import InsertResult, LoadSegment, Match
+from radix_ext.results import InsertResult, Match
 from radix_ext.revoke import RevokeMixin
+from radix_ext.structure import StructureMixin
 from radix_ext.tiering import TieringMixin
 from radix_ext.tiers import DonorTier, HostTier
 
@@ -50,7 +52,7 @@ def common_len(a: array, b: array, pos: int, n: int, page: int) -> int:
     return lo - lo % page
 
 
-class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
+class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
     """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
     returns what the caller must copy and free."""
 
@@ -89,81 +91,6 @@ class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
         self._next_ticket = 1
         self._room_floor: dict = {}  # make-room scan cache, see TieringMixin._make_room
         self._room_hint = 0  # tokens the running evict_device may still demote
-
-    # ---- residency bookkeeping ----------------------------------------------------------------
-
-    def _new_node(self, parent: Node, key: array, ck: Any) -> Node:
-        node = Node(self._next_id, parent, key, ck, self.clock)
-        self._next_id += 1
-        return node
-
-    def _add_res(self, node: Node, res: Any) -> None:
-        tier = res.tier
-        node.res[tier] = res
-        if tier == DEVICE:
-            if node.lock_ref:
-                self.dev_protected += len(node.key)
-            else:
-                self.dev_evictable += len(node.key)
-        else:
-            self._in_tier[tier].add(node)
-
-    def _pop_res(self, node: Node, tier: str) -> Any:
-        res = node.res.pop(tier)
-        if tier == DEVICE:
-            if node.lock_ref:
-                self.dev_protected -= len(node.key)
-            else:
-                self.dev_evictable -= len(node.key)
-            self._dev_leaves.discard(node)
-        else:
-            self._in_tier[tier].discard(node)
-        return res
-
-    def _refresh_leaf(self, node: Node) -> None:
-        """Keep `_dev_leaves` = device-resident, unlocked, unpinned, no device-resident child."""
-        if node is self.root:
-            return
-        if DEVICE in node.res and not node.lock_ref and not node.pins:
-            for c in node.children.values():
-                if DEVICE in c.res:
-                    self._dev_leaves.discard(node)
-                    return
-            self._dev_leaves.add(node)
-        else:
-            self._dev_leaves.discard(node)
-
-    def _child_key(self, key: array, pos: int, parent: Node, namespace: Any) -> Any:
-        page = self.page_size
-        first = key[pos] if page == 1 else tuple(key[pos : pos + page])
-        return (namespace, first) if parent is self.root else first
-
-    def _split(self, child: Node, at: int) -> Node:
-        """Cut `child` after `at` tokens; the new head takes its place and returns."""
-        parent = child.parent
-        head = self._new_node(parent, child.key[:at], child.ck)
-        head.last_access, head.hits = child.last_access, child.hits
-        head.lock_ref, head.pins = child.lock_ref, child.pins
-        for tier, res in child.res.items():
-            h, t = res.split(at, self.page_size)
-            head.res[tier] = h
-            child.res[tier] = t
-            if tier != DEVICE:
-                self._in_tier[tier].add(head)
-        child.key = child.key[at:]
-        child.ck = self._child_key(child.key, 0, head, None)
-        child.parent = head
-        head.children[child.ck] = child
-        parent.children[head.ck] = head
-        return head
-
-    def _cheapest(self, node: Node) -> LoadSegment:
-        best = None
-        for tier, res in node.res.items():
-            c = self.cost.residency_cost(tier, res, self)
-            if best is None or c < best[0]:
-                best = (c, tier, res)
-        return LoadSegment(node, best[1], best[2])
 
     # ---- public operations --------------------------------------------------------------------
 
@@ -302,50 +229,3 @@ class RadixTree(TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
                 self.dev_protected -= n
                 self._refresh_leaf(node)
             node = node.parent
-
-    def device_indices(self, node: Node) -> array:
-        """Device slot indices on the path from the root to `node` (which must be on the device)."""
-        parts = []
-        root = self.root
-        while node is not root:
-            parts.append(node.res[DEVICE].indices)
-            node = node.parent
-        out = array("q")
-        for p in reversed(parts):
-            out.extend(p)
-        return out
-
-    def prefix_of(self, node: Node) -> tuple[Any, array]:
-        """(namespace, tokens) of the path from the root to `node`."""
-        parts = []
-        ns = None
-        while node is not self.root:
-            parts.append(node.key)
-            if node.parent is self.root:
-                ns = node.ck[0]
-            node = node.parent
-        out = array("q")
-        for p in reversed(parts):
-            out.extend(p)
-        return ns, out
-
-    def is_root(self, node: Node) -> bool:
-        return node is self.root
-
-    # ---- sizes --------------------------------------------------------------------------------
-
-    def evictable_size(self) -> int:
-        """Device tokens held by the tree and not locked."""
-        return self.dev_evictable
-
-    def protected_size(self) -> int:
-        """Device tokens held by the tree under a lock."""
-        return self.dev_protected
-
-    def device_size(self) -> int:
-        return self.dev_evictable + self.dev_protected
-
-    def tier_size(self, tier: str) -> int:
-        """Tokens held in a lower tier."""
-        t = self.tiers.get(tier)
-        return 0 if t is None else t.capacity_tokens() - t.available_tokens()
