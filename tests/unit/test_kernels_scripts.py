@@ -42,6 +42,7 @@ def test_gpu_check_exits_clearly_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
+@pytest.mark.integration  # starts the borrower as a second process
 @pytest.mark.timeout(240)
 def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     """The GPU script's flow end to end on CPU at toy size: kernels vs reference (interpreted),
