@@ -96,7 +96,7 @@ def test_timeout_ends_the_wait_and_fails_the_rest():
     assert time.monotonic() - t0 < 5
     assert c.failed_layers() == (1, 2) and c.failure_reason().startswith("timeout")
     t0 = time.monotonic()
-    assert c.wait_until(2) is False and time.monotonic() - t0 < 0.2  # no second timeout
+    assert c.wait_until(2) is False and time.monotonic() - t0 < 1.0  # no second timeout
 
 
 def _engine_setup(n=10):
