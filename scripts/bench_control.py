@@ -9,6 +9,8 @@ JSON; its unprefixed keys are the idle figures, ``load_*`` the loaded ones, and 
 the 1-minute load average seen at start, so a busy "idle" machine is visible.
 ``busy_owner_grant_*``: grant latency while another Python thread of the borrower's process
 spins, as a scheduler loop would; the agent's thread then waits for the GIL.
+``manual_grant_*``: the borrower's agent in manual mode (``start(thread=False)``), pumped by
+its owner's loop.
 
     python scripts/bench_control.py [--quick]
 """
@@ -95,6 +97,33 @@ def bench_grants(rdv: str, n: int, busy_owner: bool = False) -> list[float]:
         agent.stop()
 
 
+def bench_grants_manual(rdv: str, n: int) -> list[float]:
+    """The borrower's agent in manual mode: the owner's loop pumps it (no I/O thread)."""
+    agent = ControlAgent(ControlConfig("bench-manual", rendezvous_dir=rdv)).start(thread=False)
+    try:
+        deadline = time.monotonic() + 10
+        while not (agent.peers.get("sim-donor") and agent.peers["sim-donor"].lendable):
+            agent.pump(0.01)
+            assert time.monotonic() < deadline, "donor not found"
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            rid = agent.request(4, donor="sim-donor")
+            got = None
+            while got is None:
+                agent.pump(0.001)
+                for e in agent.poll_events():
+                    if isinstance(e, (LeaseGranted, RequestFailed)) and e.request_id == rid:
+                        got = e
+                assert time.perf_counter() - t0 < 5, "no answer"
+            lat.append(time.perf_counter() - t0)
+            if isinstance(got, LeaseGranted):
+                agent.release(got.key)
+        return lat
+    finally:
+        agent.stop()
+
+
 def bench_msgs(rdv: str, seconds: float, window: int = 32) -> float:
     agent = ControlAgent(ControlConfig("bench-pipe", rendezvous_dir=rdv)).start()
     try:
@@ -168,6 +197,7 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
     try:
         grants = bench_grants(rdv, n)
         busy = bench_grants(rdv, max(100, n // 10), busy_owner=True)
+        manual = bench_grants_manual(rdv, n)
         msgs = bench_msgs(rdv, seconds)
     finally:
         donor.kill()
@@ -179,6 +209,8 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
         "reclaim_p50_ms": pct(reclaims, 0.5) * 1e3,
         "reclaim_p99_ms": pct(reclaims, 0.99) * 1e3,
         "msgs_per_s": msgs,
+        "manual_grant_p50_ms": pct(manual, 0.5) * 1e3,
+        "manual_grant_p99_ms": pct(manual, 0.99) * 1e3,
         "busy_owner_grant_p50_ms": pct(busy, 0.5) * 1e3,
         "busy_owner_grant_p99_ms": pct(busy, 0.99) * 1e3,
         "grants": len(grants),
@@ -213,6 +245,8 @@ def main() -> None:
             f"{name:5s} grant p50 {r['grant_p50_ms']:.3f} ms  p99 {r['grant_p99_ms']:.3f} ms "
             f"({r['grants']} grants) | reclaim p50 {r['reclaim_p50_ms']:.3f} ms  "
             f"p99 {r['reclaim_p99_ms']:.3f} ms ({r['reclaims']}) | {r['msgs_per_s']:.0f} msg/s"
+            f" | manual-mode grant p50 {r['manual_grant_p50_ms']:.3f} ms "
+            f"p99 {r['manual_grant_p99_ms']:.3f} ms"
             f" | grant with a busy owner thread p50 {r['busy_owner_grant_p50_ms']:.3f} ms "
             f"p99 {r['busy_owner_grant_p99_ms']:.3f} ms"
         )

@@ -73,9 +73,18 @@ class ControlAgent:
         self._error: BaseException | None = None
         self.link: Link | None = None
         self.endpoint = ""
+        self._manual = False
+        self._next_tick = 0.0
 
     # ---- lifecycle ----
-    def start(self, timeout: float = 10.0) -> ControlAgent:
+    def start(self, timeout: float = 10.0, *, thread: bool = True) -> ControlAgent:
+        """Bind, publish and begin. ``thread=False`` is manual mode: no background thread;
+        the owner calls ``pump()`` from its own loop often enough (well within the heartbeat
+        interval), which avoids competing for the GIL but stalls heartbeats while it is busy."""
+        if not thread:
+            self._setup()
+            self._manual = True
+            return self
         self._thread = threading.Thread(
             target=self._run, name=f"swift-ctl-{self.config.agent_id}", daemon=True
         )
@@ -87,6 +96,10 @@ class ControlAgent:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Say goodbye to peers (their leases with us end), close sockets, withdraw the record."""
+        if self._manual:
+            self._manual = False
+            self._teardown()
+            return
         self._stop.set()
         if self.link is not None:
             self.link.wake()
@@ -95,7 +108,7 @@ class ControlAgent:
 
     def is_alive(self) -> bool:
         """False once stopped (or if the I/O thread died, which is logged)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._manual or (self._thread is not None and self._thread.is_alive())
 
     def __enter__(self) -> ControlAgent:
         return self.start()
@@ -159,7 +172,7 @@ class ControlAgent:
 
     def wait_until(self, predicate, timeout: float) -> bool:
         """Block the caller until ``predicate(agent)`` holds (checked under the agent's lock
-        whenever peers or adverts change) or ``timeout`` passes."""
+        after every batch of I/O) or ``timeout`` passes. Not for manual mode: pump instead."""
         with self._changed:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
@@ -210,6 +223,13 @@ class ControlAgent:
         if self.link is not None:
             self.link.wake()
 
+    def pump(self, timeout: float = 0.0) -> None:
+        """Manual mode only: handle what is ready (waiting up to ``timeout`` s), the owner's
+        commands, and the periodic work that is due. Never blocks longer than ``timeout``."""
+        if not self._manual:
+            raise RuntimeError("pump() is for agents started with thread=False")
+        self._step(min(timeout, max(0.0, self._next_tick - time.monotonic())))
+
     def _run(self) -> None:
         try:
             self._setup()
@@ -218,37 +238,38 @@ class ControlAgent:
             self._ready.set()
             return
         self._ready.set()
-        hb = self.config.heartbeat_interval_s
-        next_tick = 0.0
         try:
             while not self._stop.is_set():
-                for frames, rid, source in self.link.poll(max(0.0, next_tick - time.monotonic())):
-                    with self._lock:
-                        try:
-                            self._table.on_frames(frames, rid, source)
-                        except Exception:  # a bug must not take the channel down with it
-                            log.exception("handling a message from %s failed; dropped", source)
-                            self.count("handler_errors")
-                self._drain_commands()
-                with self._lock:
-                    self._changed.notify_all()  # wake wait_until() callers to re-check
-                now = time.monotonic()
-                if now >= next_tick:
-                    with self._lock:
-                        try:
-                            self._table.tick(now)
-                            self.borrower.tick(now)
-                            self.donor.tick(now)
-                            self._bad_log.tick(now)
-                        except Exception:
-                            log.exception("control agent periodic work failed")
-                            self.count("tick_errors")
-                    next_tick = now + hb / 2
+                self._step(max(0.0, self._next_tick - time.monotonic()))
         except BaseException:
             log.exception("control agent %s I/O thread crashed", self.config.agent_id)
             raise
         finally:
             self._teardown()
+
+    def _step(self, timeout: float) -> None:
+        for frames, rid, source in self.link.poll(timeout):
+            with self._lock:
+                try:
+                    self._table.on_frames(frames, rid, source)
+                except Exception:  # a bug must not take the channel down with it
+                    log.exception("handling a message from %s failed; dropped", source)
+                    self.count("handler_errors")
+        self._drain_commands()
+        with self._lock:
+            self._changed.notify_all()  # wake wait_until() callers to re-check
+        now = time.monotonic()
+        if now >= self._next_tick:
+            with self._lock:
+                try:
+                    self._table.tick(now)
+                    self.borrower.tick(now)
+                    self.donor.tick(now)
+                    self._bad_log.tick(now)
+                except Exception:
+                    log.exception("control agent periodic work failed")
+                    self.count("tick_errors")
+            self._next_tick = now + self.config.heartbeat_interval_s / 2
 
     def _drain_commands(self) -> None:
         while True:

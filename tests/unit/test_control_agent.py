@@ -290,3 +290,40 @@ def test_low_watermark_triggers_reclaim_and_reserve_is_kept():
     finally:
         borrower.stop()
         donor.stop()
+
+
+def test_manual_mode_agent_is_pumped_by_its_owner():
+    """Started with thread=False, an agent does its I/O only inside pump(), which never
+    blocks longer than asked; it borrows and acknowledges like a threaded one."""
+    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
+    donor = ControlAgent(_cfg(rdv, "donor"), memory=MEM).start()
+    borrower = ControlAgent(_cfg(rdv, "borrower")).start(thread=False)
+
+    def pump_until(kind, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            borrower.pump(0.01)
+            assert time.monotonic() - t0 < 0.5
+            for e in borrower.poll_events():
+                if isinstance(e, kind):
+                    return e
+        raise AssertionError(f"no {kind.__name__}")
+
+    try:
+        donor.offer(range(32))
+        for _ in range(100):
+            borrower.pump(0.01)
+            if "donor" in borrower.peers and borrower.peers["donor"].lendable:
+                break
+        borrower.request(8)
+        grant = pump_until(LeaseGranted)
+        donor.demand(30)
+        rec = pump_until(ReclaimRequested)
+        borrower.ack_reclaim(rec)
+        borrower.pump(0)
+        assert donor.wait_until(lambda a: a.status().lent == 2, 5)
+        assert len(grant.blocks) == 8
+    finally:
+        borrower.stop()
+        donor.stop()
