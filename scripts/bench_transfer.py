@@ -20,23 +20,33 @@ import time
 
 import torch
 
-from sglang_swift.dataplane import (CpuLayerCounter, KVGeometry, SharedArena, TransferEngine,
-                                    block_bytes_for)
+from sglang_swift.dataplane import (
+    CpuLayerCounter,
+    KVGeometry,
+    SharedArena,
+    TransferEngine,
+    block_bytes_for,
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, finishes in under 30 s")
-    p.add_argument("--tokens", type=int, default=None, help="prefix length (default 4096; "
-                   "quick 3072)")
+    p.add_argument(
+        "--tokens", type=int, default=None, help="prefix length (default 4096; quick 3072)"
+    )
     p.add_argument("--page-sizes", default="16,64")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 2)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the copy lane "
-                   "(the baseline copy runs on the same lane)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the copy lane (the baseline copy runs on the same lane)",
+    )
     return p.parse_args(argv)
 
 
@@ -59,10 +69,14 @@ class Pool:
     """One local pool and one baseline buffer pair, shared by every page size of the run."""
 
     def __init__(self, g: KVGeometry, num_slots: int, nbytes: int):
-        self.k = [_pattern(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, seed=2 * i)
-                  for i in range(g.num_layers)]
-        self.v = [_pattern(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, seed=2 * i + 1)
-                  for i in range(g.num_layers)]
+        self.k = [
+            _pattern(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, seed=2 * i)
+            for i in range(g.num_layers)
+        ]
+        self.v = [
+            _pattern(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, seed=2 * i + 1)
+            for i in range(g.num_layers)
+        ]
         self.src_c = _pattern(nbytes, dtype=torch.uint8, seed=3)
         self.dst_c = torch.empty_like(self.src_c)
 
@@ -74,8 +88,9 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool
     gen = torch.Generator().manual_seed(g.page_size)
     perm = torch.randperm(num_slots // g.page_size, generator=gen)
     slots = (perm[:npages, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[:tokens]
-    dst = (perm[npages:2 * npages, None] * g.page_size
-           + torch.arange(g.page_size)).reshape(-1)[:tokens]  # other pages: the source survives
+    dst = (perm[npages : 2 * npages, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[
+        :tokens
+    ]  # other pages: the source survives
     arena = SharedArena(npages + 8, block_bytes_for(g))
     try:
         blocks = arena.book.alloc("bench", npages)
@@ -100,8 +115,10 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool
             fn()  # warm-up: page faults, thread start
         rounds = [(_timed(copy), _timed(store), _timed(load)) for _ in range(repeats)]
         same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
-        ok = all(same(k[l][dst], k[l][slots]) and same(v[l][dst], v[l][slots])
-                 for l in range(g.num_layers))
+        ok = all(
+            same(k[i][dst], k[i][slots]) and same(v[i][dst], v[i][slots])
+            for i in range(g.num_layers)
+        )
         eng.close()
     finally:
         arena.close()
@@ -111,10 +128,17 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool
     # Ratios per round, then the median: rounds share whatever else the machine is doing.
     store_ratio = statistics.median(r[0] / r[1] for r in rounds)
     load_ratio = statistics.median(r[0] / r[2] for r in rounds)
-    return {"page_size": g.page_size, "bytes": nbytes, "copy_gbps": nbytes / t_copy / 1e9,
-            "store_gbps": nbytes / t_store / 1e9, "load_gbps": nbytes / t_load / 1e9,
-            "store_ratio": store_ratio, "load_ratio": load_ratio,
-            "load_ms_per_layer": t_load / g.num_layers * 1e3, "verified": ok}
+    return {
+        "page_size": g.page_size,
+        "bytes": nbytes,
+        "copy_gbps": nbytes / t_copy / 1e9,
+        "store_gbps": nbytes / t_store / 1e9,
+        "load_gbps": nbytes / t_load / 1e9,
+        "store_ratio": store_ratio,
+        "load_ratio": load_ratio,
+        "load_ms_per_layer": t_load / g.num_layers * 1e3,
+        "verified": ok,
+    }
 
 
 def main(argv=None) -> int:
@@ -123,27 +147,38 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.quick else 5)
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
     t0 = time.monotonic()
-    print(f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
-          f"POSIX shared memory, lease blocks consecutive (fresh lease), local pages shuffled; "
-          f"torch {torch.__version__}, copy lane {args.threads} thread(s); baseline: one "
-          f"contiguous copy of the same bytes on the same lane, rounds interleaved")
+    print(
+        f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
+        f"POSIX shared memory, lease blocks consecutive (fresh lease), local pages shuffled; "
+        f"torch {torch.__version__}, copy lane {args.threads} thread(s); baseline: one "
+        f"contiguous copy of the same bytes on the same lane, rounds interleaved"
+    )
     rows = []
-    geoms = [KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
-             for ps in page_sizes]
+    geoms = [
+        KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
+        for ps in page_sizes
+    ]
     big = max(page_sizes)
-    pool = Pool(geoms[0], 2 * -(-tokens // big) * big,
-                tokens * geoms[0].bytes_per_token_per_layer * args.layers)
+    pool = Pool(
+        geoms[0],
+        2 * -(-tokens // big) * big,
+        tokens * geoms[0].bytes_per_token_per_layer * args.layers,
+    )
     for g in geoms:
         ps = g.page_size
         r = bench_page_size(g, tokens, repeats, args.threads, pool)
         rows.append(r)
-        print(f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
-              f"{args.dtype} = {g.bytes_per_token_per_layer} B/token/layer, page {ps}, "
-              f"{tokens} tokens, {r['bytes'] / 2**20:.0f} MiB per direction")
-        print(f"  contiguous copy {r['copy_gbps']:7.2f} GB/s | store {r['store_gbps']:7.2f} GB/s "
-              f"({r['store_ratio']:.2f}x) | layer-wise load "
-              f"{r['load_gbps']:7.2f} GB/s ({r['load_ratio']:.2f}x, "
-              f"{r['load_ms_per_layer']:.2f} ms/layer) | verified {r['verified']}")
+        print(
+            f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
+            f"{args.dtype} = {g.bytes_per_token_per_layer} B/token/layer, page {ps}, "
+            f"{tokens} tokens, {r['bytes'] / 2**20:.0f} MiB per direction"
+        )
+        print(
+            f"  contiguous copy {r['copy_gbps']:7.2f} GB/s | store {r['store_gbps']:7.2f} GB/s "
+            f"({r['store_ratio']:.2f}x) | layer-wise load "
+            f"{r['load_gbps']:7.2f} GB/s ({r['load_ratio']:.2f}x, "
+            f"{r['load_ms_per_layer']:.2f} ms/layer) | verified {r['verified']}"
+        )
     summary = {
         "path": "cpu-vectorized",
         "store_ratio": round(min(r["store_ratio"] for r in rows), 3),
@@ -152,7 +187,9 @@ def main(argv=None) -> int:
         "store_gbps": [round(r["store_gbps"], 2) for r in rows],
         "load_gbps": [round(r["load_gbps"], 2) for r in rows],
         "copy_gbps": [round(r["copy_gbps"], 2) for r in rows],
-        "page_sizes": page_sizes, "tokens": tokens, "layers": args.layers,
+        "page_sizes": page_sizes,
+        "tokens": tokens,
+        "layers": args.layers,
         "bytes_per_token_per_layer": rows[0]["bytes"] // tokens // args.layers,
         "verified": all(r["verified"] for r in rows),
         "seconds": round(time.monotonic() - t0, 1),

@@ -32,13 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-NO_CUDA = ("gpu_check: no CUDA device is visible here, so nothing was run. This script needs one "
-           "NVIDIA GPU (it was written for an H200); on CPU use scripts/bench_transfer.py and "
-           "the CPU tests.")
-TUNINGS = [{"block": 1024, "tokens": 1, "num_warps": 4},
-           {"block": 1024, "tokens": 4, "num_warps": 4},
-           {"block": 1024, "tokens": 8, "num_warps": 8},
-           {"block": 512, "tokens": 4, "num_warps": 4}]
+NO_CUDA = (
+    "gpu_check: no CUDA device is visible here, so nothing was run. This script needs one "
+    "NVIDIA GPU (it was written for an H200); on CPU use scripts/bench_transfer.py and "
+    "the CPU tests."
+)
+TUNINGS = [
+    {"block": 1024, "tokens": 1, "num_warps": 4},
+    {"block": 1024, "tokens": 4, "num_warps": 4},
+    {"block": 1024, "tokens": 8, "num_warps": 8},
+    {"block": 512, "tokens": 4, "num_warps": 4},
+]
 
 
 def parse_args(argv=None):
@@ -53,12 +57,14 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20)")
     p.add_argument("--target", type=float, default=0.85)
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--dry-run-cpu", action="store_true",
-                   help="run the whole flow on CPU (shm instead of CUDA IPC, Triton interpreted, "
-                        "host timers) at toy size: tests the script, measures nothing")
+    p.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="run the whole flow on CPU (shm instead of CUDA IPC, Triton interpreted, "
+        "host timers) at toy size: tests the script, measures nothing",
+    )
     p.add_argument("--json-out", default=None, help="also write the final JSON here")
-    p.add_argument("--role", choices=["donor", "borrower"], default="donor",
-                   help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=["donor", "borrower"], default="donor", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tokens is None:
         args.tokens = 4096 if args.quick else 32768
@@ -74,16 +80,20 @@ def parse_args(argv=None):
 
 def format_table(rows: list[dict], target: float) -> str:
     """Bandwidth table: one row per page size, GB/s and the ratio to the same-run D2D copy."""
-    head = (f"{'page':>5} {'MiB':>7} {'d2d GB/s':>9} {'store GB/s':>11} {'ratio':>6} "
-            f"{'load GB/s':>10} {'ratio':>6} {'ms/layer':>9}  tuning (store | load)")
+    head = (
+        f"{'page':>5} {'MiB':>7} {'d2d GB/s':>9} {'store GB/s':>11} {'ratio':>6} "
+        f"{'load GB/s':>10} {'ratio':>6} {'ms/layer':>9}  tuning (store | load)"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         sr, lr = r["store_gbps"] / r["copy_gbps"], r["load_gbps"] / r["copy_gbps"]
         flag = "" if min(sr, lr) >= target else f"  below {target}x"
-        lines.append(f"{r['page_size']:>5} {r['bytes'] / 2**20:>7.0f} {r['copy_gbps']:>9.1f} "
-                     f"{r['store_gbps']:>11.1f} {sr:>6.2f} {r['load_gbps']:>10.1f} {lr:>6.2f} "
-                     f"{r['load_ms_per_layer']:>9.3f}  {_tuning_str(r.get('store_tuning'))} | "
-                     f"{_tuning_str(r.get('load_tuning'))}{flag}")
+        lines.append(
+            f"{r['page_size']:>5} {r['bytes'] / 2**20:>7.0f} {r['copy_gbps']:>9.1f} "
+            f"{r['store_gbps']:>11.1f} {sr:>6.2f} {r['load_gbps']:>10.1f} {lr:>6.2f} "
+            f"{r['load_ms_per_layer']:>9.3f}  {_tuning_str(r.get('store_tuning'))} | "
+            f"{_tuning_str(r.get('load_tuning'))}{flag}"
+        )
     return "\n".join(lines)
 
 
@@ -93,8 +103,15 @@ def _tuning_str(t) -> str:
 
 def summarize(rows: list[dict], checks: dict, target: float) -> dict:
     ok = all(checks.values())
-    out = {"ok": ok, "checks": checks, "target": target, "path": "triton",
-           "store_ratio": None, "load_ratio": None, "rows": rows}
+    out = {
+        "ok": ok,
+        "checks": checks,
+        "target": target,
+        "path": "triton",
+        "store_ratio": None,
+        "load_ratio": None,
+        "rows": rows,
+    }
     if rows:
         out["store_ratio"] = round(min(r["store_gbps"] / r["copy_gbps"] for r in rows), 3)
         out["load_ratio"] = round(min(r["load_gbps"] / r["copy_gbps"] for r in rows), 3)
@@ -186,23 +203,139 @@ def _local_pool(g, num_slots, device, seed):
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    mk = lambda d: torch.randint(-2**15, 2**15, (num_slots, g.num_kv_heads, d),  # noqa: E731
-                                 dtype=torch.int16, device=device, generator=gen)
+
+    def mk(d):
+        shape = (num_slots, g.num_kv_heads, d)
+        return torch.randint(
+            -(2**15), 2**15, shape, dtype=torch.int16, device=device, generator=gen
+        )
+
     if g.dtype.itemsize == 2:
-        return ([mk(g.head_dim).view(g.dtype) for _ in range(g.num_layers)],
-                [mk(g.v_head_dim).view(g.dtype) for _ in range(g.num_layers)])
-    return ([torch.randn(num_slots, g.num_kv_heads, g.head_dim, device=device,
-                         generator=gen).to(g.dtype) for _ in range(g.num_layers)],
-            [torch.randn(num_slots, g.num_kv_heads, g.v_head_dim, device=device,
-                         generator=gen).to(g.dtype) for _ in range(g.num_layers)])
+        return (
+            [mk(g.head_dim).view(g.dtype) for _ in range(g.num_layers)],
+            [mk(g.v_head_dim).view(g.dtype) for _ in range(g.num_layers)],
+        )
+    return (
+        [
+            torch.randn(num_slots, g.num_kv_heads, g.head_dim, device=device, generator=gen).to(
+                g.dtype
+            )
+            for _ in range(g.num_layers)
+        ],
+        [
+            torch.randn(num_slots, g.num_kv_heads, g.v_head_dim, device=device, generator=gen).to(
+                g.dtype
+            )
+            for _ in range(g.num_layers)
+        ],
+    )
+
+
+def _borrow_page_size(args, mapped, lease, ps, device):
+    """Round trip and bandwidth for one page size on the mapped arena: (round trip ok, row)."""
+    import torch
+
+    import swift_kernels as sk
+    from sglang_swift.dataplane import KVGeometry, TransferEngine, make_layer_counter
+
+    g = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
+    npages = -(-args.tokens // ps)
+    num_slots = 2 * npages * ps
+    k, v = _local_pool(g, num_slots, device, seed=ps)
+    perm = torch.randperm(num_slots // ps, device=device)
+    ar = torch.arange(ps, device=device)
+    slots = (perm[:npages, None] * ps + ar).reshape(-1)[: args.tokens]
+    dst = (perm[npages : 2 * npages, None] * ps + ar).reshape(-1)[: args.tokens]
+    blocks = torch.tensor(lease[:npages], device=device)
+    eng = TransferEngine(
+        mapped.memory,
+        g,
+        liveness=mapped.alive,
+        backend="triton" if args.dry_run_cpu else "auto",
+    )
+    counter = make_layer_counter(g.num_layers, device, timeout_s=60)
+    # -- correctness through the engine: Triton store, layer-wise load, event waits
+    assert eng.begin_store(k, v, slots, blocks).wait(60).ok
+    k2 = [torch.full_like(x, float("nan")) for x in k]
+    v2 = [torch.full_like(x, float("nan")) for x in v]
+    h = eng.begin_load(k2, v2, dst, blocks, counter)
+    counter.set_consumer(h.producer_id)
+    same = True
+    for layer in range(g.num_layers):
+        same &= counter.wait_until(layer)  # current stream waits on the layer's event
+        same &= torch.equal(k2[layer][dst].view(torch.int8), k[layer][slots].view(torch.int8))
+        same &= torch.equal(v2[layer][dst].view(torch.int8), v[layer][slots].view(torch.int8))
+    ok = bool(same and h.wait(60).ok)
+    # -- bandwidth: best launch shape for store and for load, then the engine's path
+    nbytes = args.tokens * g.bytes_per_token_per_layer * g.num_layers
+    src_c = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst_c = torch.empty_like(src_c)
+
+    def copy():
+        dst_c.copy_(src_c)
+
+    t_copy = _cuda_time(copy, args.repeats, device)
+
+    def layers(op, tuning):
+        def run():
+            for layer in range(g.num_layers):
+                op(
+                    mapped.memory,
+                    layer,
+                    k[layer],
+                    v[layer],
+                    slots if op is sk.store_layer else dst,
+                    blocks,
+                    ps,
+                    backend="triton",
+                    tuning=tuning,
+                    validate=False,
+                )
+
+        return run
+
+    tunings = TUNINGS[:2] if args.dry_run_cpu else TUNINGS
+    store_t = {
+        i: _cuda_time(layers(sk.store_layer, t), args.repeats, device)
+        for i, t in enumerate(tunings)
+    }
+    load_t = {
+        i: _cuda_time(layers(sk.load_layer, t), args.repeats, device) for i, t in enumerate(tunings)
+    }
+    best_s, best_l = min(store_t, key=store_t.get), min(load_t, key=load_t.get)
+    eng.tuning = TUNINGS[best_l]
+
+    def engine_load():
+        hh = eng.begin_load(k, v, dst, blocks, counter)
+        counter.set_consumer(hh.producer_id)
+        for layer in range(g.num_layers):
+            counter.wait_until(layer)
+
+    t_engine_load = _cuda_time(engine_load, args.repeats, device)
+    _sync(device)
+    eng.close()
+    return ok, (
+        {
+            "page_size": ps,
+            "bytes": nbytes,
+            "copy_gbps": nbytes / t_copy / 1e9,
+            "store_gbps": nbytes / store_t[best_s] / 1e9,
+            "load_gbps": nbytes / t_engine_load / 1e9,
+            "load_kernel_gbps": nbytes / load_t[best_l] / 1e9,
+            "load_ms_per_layer": t_engine_load / g.num_layers * 1e3,
+            "store_tuning": TUNINGS[best_s],
+            "load_tuning": TUNINGS[best_l],
+            "all_store_gbps": [round(nbytes / t / 1e9, 1) for t in store_t.values()],
+            "all_load_gbps": [round(nbytes / t / 1e9, 1) for t in load_t.values()],
+        }
+    )
 
 
 def borrower(args) -> int:
     """Second process: map the donor's arena through CUDA IPC, verify, measure; JSON on stdout."""
     import torch
 
-    import swift_kernels as sk
-    from sglang_swift.dataplane import KVGeometry, TransferEngine, make_layer_counter, map_arena
+    from sglang_swift.dataplane import map_arena
 
     msg = json.loads(sys.stdin.readline())
     desc = {**msg["desc"], "handle": bytes.fromhex(msg["desc"]["handle"])}
@@ -213,74 +346,19 @@ def borrower(args) -> int:
     mapped = map_arena(desc)
     checks, rows, last = {}, [], None
     for ps in args.page_sizes:
-        g = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
+        ok, row = _borrow_page_size(args, mapped, lease, ps, device)
+        checks[f"ipc_roundtrip_page{ps}"] = ok
+        rows.append(row)
         npages = -(-args.tokens // ps)
-        num_slots = 2 * npages * ps
-        k, v = _local_pool(g, num_slots, device, seed=ps)
-        perm = torch.randperm(num_slots // ps, device=device)
-        ar = torch.arange(ps, device=device)
-        slots = (perm[:npages, None] * ps + ar).reshape(-1)[:args.tokens]
-        dst = (perm[npages:2 * npages, None] * ps + ar).reshape(-1)[:args.tokens]
-        blocks = torch.tensor(lease[:npages], device=device)
-        eng = TransferEngine(mapped.memory, g, liveness=mapped.alive,
-                             backend="triton" if args.dry_run_cpu else "auto")
-        counter = make_layer_counter(g.num_layers, device, timeout_s=60)
-        # -- correctness through the engine: Triton store, layer-wise load, event waits
-        assert eng.begin_store(k, v, slots, blocks).wait(60).ok
-        k2 = [torch.full_like(x, float("nan")) for x in k]
-        v2 = [torch.full_like(x, float("nan")) for x in v]
-        h = eng.begin_load(k2, v2, dst, blocks, counter)
-        counter.set_consumer(h.producer_id)
-        same = True
-        for layer in range(g.num_layers):
-            same &= counter.wait_until(layer)  # current stream waits on the layer's event
-            same &= torch.equal(k2[layer][dst].view(torch.int8), k[layer][slots].view(torch.int8))
-            same &= torch.equal(v2[layer][dst].view(torch.int8), v[layer][slots].view(torch.int8))
-        checks[f"ipc_roundtrip_page{ps}"] = bool(same and h.wait(60).ok)
-        # -- bandwidth: best launch shape for store and for load, then the engine's path
-        nbytes = args.tokens * g.bytes_per_token_per_layer * g.num_layers
-        src_c = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-        dst_c = torch.empty_like(src_c)
-        t_copy = _cuda_time(lambda: dst_c.copy_(src_c), args.repeats, device)
-
-        def layers(op, tuning):
-            def run():
-                for layer in range(g.num_layers):
-                    op(mapped.memory, layer, k[layer], v[layer], slots if op is sk.store_layer
-                       else dst, blocks, ps, backend="triton", tuning=tuning, validate=False)
-            return run
-
-        tunings = TUNINGS[:2] if args.dry_run_cpu else TUNINGS
-        store_t = {i: _cuda_time(layers(sk.store_layer, t), args.repeats, device)
-                   for i, t in enumerate(tunings)}
-        load_t = {i: _cuda_time(layers(sk.load_layer, t), args.repeats, device)
-                  for i, t in enumerate(tunings)}
-        best_s, best_l = min(store_t, key=store_t.get), min(load_t, key=load_t.get)
-        eng.tuning = TUNINGS[best_l]
-
-        def engine_load():
-            hh = eng.begin_load(k, v, dst, blocks, counter)
-            counter.set_consumer(hh.producer_id)
-            for layer in range(g.num_layers):
-                counter.wait_until(layer)
-
-        t_engine_load = _cuda_time(engine_load, args.repeats, device)
-        _sync(device)
-        rows.append({"page_size": ps, "bytes": nbytes, "copy_gbps": nbytes / t_copy / 1e9,
-                     "store_gbps": nbytes / store_t[best_s] / 1e9,
-                     "load_gbps": nbytes / t_engine_load / 1e9,
-                     "load_kernel_gbps": nbytes / load_t[best_l] / 1e9,
-                     "load_ms_per_layer": t_engine_load / g.num_layers * 1e3,
-                     "store_tuning": TUNINGS[best_s], "load_tuning": TUNINGS[best_l],
-                     "all_store_gbps": [round(nbytes / t / 1e9, 1) for t in store_t.values()],
-                     "all_load_gbps": [round(nbytes / t / 1e9, 1) for t in load_t.values()]})
         last = (npages, _checksum(mapped.memory, lease[:npages]))
-        eng.close()
-        del k, v, k2, v2, src_c, dst_c
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(json.dumps({"checks": checks, "rows": rows, "checksum_blocks": last[0],
-                      "checksum": last[1]}), flush=True)
+    print(
+        json.dumps(
+            {"checks": checks, "rows": rows, "checksum_blocks": last[0], "checksum": last[1]}
+        ),
+        flush=True,
+    )
     mapped.close()
     return 0
 
@@ -298,33 +376,64 @@ def donor(args) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-              f"triton {triton.__version__}, {torch.cuda.device_count()} GPU(s)")
+        print(
+            f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, {torch.cuda.device_count()} GPU(s)"
+        )
     else:
-        print(f"DRY RUN on CPU (shm instead of CUDA IPC, Triton interpreted): the flow is "
-              f"exercised, the numbers mean nothing; torch {torch.__version__}, triton "
-              f"{triton.__version__}")
+        print(
+            f"DRY RUN on CPU (shm instead of CUDA IPC, Triton interpreted): the flow is "
+            f"exercised, the numbers mean nothing; torch {torch.__version__}, triton "
+            f"{triton.__version__}"
+        )
     t0 = time.monotonic()
     checks = check_kernels(device)
     print(f"kernels vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
-    geoms = [KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
-             for ps in args.page_sizes]
+    geoms = [
+        KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
+        for ps in args.page_sizes
+    ]
     num_blocks = max(-(-args.tokens // g.page_size) for g in geoms) + 8
     arena = SharedArena(num_blocks, choose_block_bytes(geoms), device=str(device))
     lease = arena.book.alloc("gpu-check", num_blocks - 8)
     desc = arena.export()
-    print(f"arena: {num_blocks} blocks x {arena.book.block_bytes / 2**20:.1f} MiB on {device}, "
-          f"exported as {desc['kind']} ({len(desc['handle'])}-byte handle)")
-    child = subprocess.Popen([sys.executable, __file__, "--role", "borrower", "--device",
-                              args.device, "--tokens", str(args.tokens), "--page-sizes",
-                              ",".join(map(str, args.page_sizes)), "--layers", str(args.layers),
-                              "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
-                              "--dtype", args.dtype, "--repeats", str(args.repeats)]
-                             + (["--dry-run-cpu"] if args.dry_run_cpu else []),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    print(
+        f"arena: {num_blocks} blocks x {arena.book.block_bytes / 2**20:.1f} MiB on {device}, "
+        f"exported as {desc['kind']} ({len(desc['handle'])}-byte handle)"
+    )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "borrower",
+            "--device",
+            args.device,
+            "--tokens",
+            str(args.tokens),
+            "--page-sizes",
+            ",".join(map(str, args.page_sizes)),
+            "--layers",
+            str(args.layers),
+            "--kv-heads",
+            str(args.kv_heads),
+            "--head-dim",
+            str(args.head_dim),
+            "--dtype",
+            args.dtype,
+            "--repeats",
+            str(args.repeats),
+        ]
+        + (["--dry-run-cpu"] if args.dry_run_cpu else []),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        out, _ = child.communicate(json.dumps({"desc": {**desc, "handle": desc["handle"].hex()},
-                                               "blocks": lease}) + "\n", timeout=480)
+        out, _ = child.communicate(
+            json.dumps({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": lease}) + "\n",
+            timeout=480,
+        )
         result = json.loads(out.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
         child.kill()
@@ -335,19 +444,22 @@ def donor(args) -> int:
             child.kill()
     checks.update(result["checks"])
     if "checksum" in result:
-        donor_sum = _checksum(arena.memory, lease[:result["checksum_blocks"]])
+        donor_sum = _checksum(arena.memory, lease[: result["checksum_blocks"]])
         checks["donor_sees_borrower_bytes"] = donor_sum == result["checksum"]
     arena.book.check_integrity()
     arena.close()
     rows = result["rows"]
-    print(f"bandwidth on the {desc['kind']}-mapped arena, {args.layers} layers x {args.kv_heads} "
-          f"KV heads x {args.head_dim} {args.dtype} ({geoms[0].bytes_per_token_per_layer} "
-          f"B/token/layer), {args.tokens} tokens; store = best launch shape; load = layer-wise "
-          f"through the engine (side stream, one event per layer, consumer stream waits)")
+    print(
+        f"bandwidth on the {desc['kind']}-mapped arena, {args.layers} layers x {args.kv_heads} "
+        f"KV heads x {args.head_dim} {args.dtype} ({geoms[0].bytes_per_token_per_layer} "
+        f"B/token/layer), {args.tokens} tokens; store = best launch shape; load = layer-wise "
+        f"through the engine (side stream, one event per layer, consumer stream waits)"
+    )
     print(format_table(rows, args.target))
     summary = summarize(rows, checks, args.target)
-    line = json.dumps({k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio",
-                                               "target", "checks")})
+    line = json.dumps(
+        {k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio", "target", "checks")}
+    )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=1))
     print(line)

@@ -21,8 +21,18 @@ from .kv_layout import LayerShape, arena_layer_views
 from .kv_reference import load_layer_ref, store_layer_ref
 from .kv_vectorized import RowPlan, load_layer_fast, plan_rows, store_layer_fast
 
-__all__ = ["BACKENDS", "LayerShape", "RowPlan", "arena_layer_views", "load_layer",
-           "plan_rows", "resolve_backend", "store_layer", "store_pages", "triton_available"]
+__all__ = [
+    "BACKENDS",
+    "LayerShape",
+    "RowPlan",
+    "arena_layer_views",
+    "load_layer",
+    "plan_rows",
+    "resolve_backend",
+    "store_layer",
+    "store_pages",
+    "triton_available",
+]
 
 BACKENDS = ("auto", "reference", "vectorized", "triton")
 
@@ -42,11 +52,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "vectorized"
     if backend == "triton":
         if not triton_available():
-            raise ValueError("backend 'triton' needs the triton package; install it or use "
-                             "backend='vectorized' on CPU")
+            raise ValueError(
+                "backend 'triton' needs the triton package; install it or use "
+                "backend='vectorized' on CPU"
+            )
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("Triton runs on CPU tensors only under TRITON_INTERPRET=1, exported "
-                             "before triton is imported; use backend='vectorized' on CPU")
+            raise ValueError(
+                "Triton runs on CPU tensors only under TRITON_INTERPRET=1, exported "
+                "before triton is imported; use backend='vectorized' on CPU"
+            )
     if backend == "vectorized" and device.type != "cpu":
         raise ValueError("backend 'vectorized' is the CPU path; use 'triton' on CUDA")
     return backend
@@ -60,15 +74,15 @@ def _validate(arena, k, v, slots, blocks, page_size, layers, check_ranges):
         raise ValueError(f"arena on {arena.device} but the local buffers on {k.device}")
     for layer in layers:
         _lay.check_fits(arena, shape, layer)
-    _lay.check_indices(slots, blocks, k.shape[0], arena.shape[0], page_size, k.device,
-                       check_ranges)
+    _lay.check_indices(slots, blocks, k.shape[0], arena.shape[0], page_size, k.device, check_ranges)
     return shape
 
 
 def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan, tuning=None):
     if backend == "reference":
-        (store_layer_ref if op == "store" else load_layer_ref)(arena, shape, layer, k, v,
-                                                               slots, blocks)
+        (store_layer_ref if op == "store" else load_layer_ref)(
+            arena, shape, layer, k, v, slots, blocks
+        )
     elif backend == "vectorized":
         plan = plan or plan_rows(slots, blocks, shape.page_size)
         (store_layer_fast if op == "store" else load_layer_fast)(arena, shape, layer, k, v, plan)
@@ -79,52 +93,117 @@ def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan, tuning=Non
         kv_triton.launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning)
 
 
-def store_pages(arena, k_buffers, v_buffers, slots, blocks, page_size, *, backend="auto",
-                check_ranges=True, plan: RowPlan | None = None) -> None:
+def store_pages(
+    arena,
+    k_buffers,
+    v_buffers,
+    slots,
+    blocks,
+    page_size,
+    *,
+    backend="auto",
+    check_ranges=True,
+    plan: RowPlan | None = None,
+) -> None:
     """Gather a prefix's tokens from every layer of the local pool into arena blocks.
 
     `k_buffers[l]` / `v_buffers[l]`: layer l's local [num_slots, H, D] tensors; token i goes from
     slot `slots[i]` to row `i % page_size` of block `blocks[i // page_size]`, all layers.
     """
     if len(k_buffers) != len(v_buffers) or not k_buffers:
-        raise ValueError(f"need one K and one V buffer per layer, got {len(k_buffers)} K and "
-                         f"{len(v_buffers)} V")
+        raise ValueError(
+            f"need one K and one V buffer per layer, got {len(k_buffers)} K and {len(v_buffers)} V"
+        )
     slots, blocks = slots.contiguous(), blocks.contiguous()
     shapes = set()
-    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers)):
-        shape = _validate(arena, k, v, slots, blocks, page_size, [layer],
-                          check_ranges and layer == 0)
+    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+        shape = _validate(
+            arena, k, v, slots, blocks, page_size, [layer], check_ranges and layer == 0
+        )
         shapes.add((shape, k.shape[0]))
     if len(shapes) != 1:
-        raise ValueError("all layers' local buffers must have the same dtype, heads, head sizes "
-                         "and slot count")
+        raise ValueError(
+            "all layers' local buffers must have the same dtype, heads, head sizes and slot count"
+        )
     be = resolve_backend(backend, k_buffers[0].device)
     if be == "vectorized" and plan is None:
         plan = plan_rows(slots, blocks, page_size)
-    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers)):
+    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
         _run("store", be, arena, shape, layer, k, v, slots, blocks, plan)
 
 
-def store_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
-                check_ranges=True, plan: RowPlan | None = None, tuning=None,
-                validate=True) -> None:
+def store_layer(
+    arena,
+    layer,
+    k,
+    v,
+    slots,
+    blocks,
+    page_size,
+    *,
+    backend="auto",
+    check_ranges=True,
+    plan: RowPlan | None = None,
+    tuning=None,
+    validate=True,
+) -> None:
     """Store one layer (the unit the GPU side stream and the CPU worker thread schedule)."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
-    shape = (_validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
-             if validate else _lay.shape_of(k, v, page_size))
-    _run("store", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
-         plan, tuning)
+    shape = (
+        _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+        if validate
+        else _lay.shape_of(k, v, page_size)
+    )
+    _run(
+        "store",
+        resolve_backend(backend, k.device),
+        arena,
+        shape,
+        layer,
+        k,
+        v,
+        slots,
+        blocks,
+        plan,
+        tuning,
+    )
 
 
-def load_layer(arena, layer, k, v, slots, blocks, page_size, *, backend="auto",
-               check_ranges=True, plan: RowPlan | None = None, tuning=None,
-               validate=True) -> None:
+def load_layer(
+    arena,
+    layer,
+    k,
+    v,
+    slots,
+    blocks,
+    page_size,
+    *,
+    backend="auto",
+    check_ranges=True,
+    plan: RowPlan | None = None,
+    tuning=None,
+    validate=True,
+) -> None:
     """Scatter layer `layer` of the arena blocks into local slots: k/v[slots[i]] = token i.
     `tuning` (triton only): {"block", "tokens", "num_warps"}, see kv_triton.DEFAULT_TUNING.
     `validate=False` skips every check: only for a caller that validated the same arguments
     already (the transfer engine checks once per transfer, not once per layer)."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
-    shape = (_validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
-             if validate else _lay.shape_of(k, v, page_size))
-    _run("load", resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
-         plan, tuning)
+    shape = (
+        _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
+        if validate
+        else _lay.shape_of(k, v, page_size)
+    )
+    _run(
+        "load",
+        resolve_backend(backend, k.device),
+        arena,
+        shape,
+        layer,
+        k,
+        v,
+        slots,
+        blocks,
+        plan,
+        tuning,
+    )

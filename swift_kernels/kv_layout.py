@@ -52,8 +52,10 @@ def _fail(msg: str) -> None:
 
 def check_arena(arena: torch.Tensor) -> None:
     if arena.dtype != torch.uint8 or arena.dim() != 2:
-        _fail(f"arena must be a 2-D uint8 tensor [num_blocks, block_bytes], got {arena.dtype} "
-              f"{tuple(arena.shape)}")
+        _fail(
+            f"arena must be a 2-D uint8 tensor [num_blocks, block_bytes], got {arena.dtype} "
+            f"{tuple(arena.shape)}"
+        )
     if arena.stride(1) != 1 or arena.stride(0) != arena.shape[1]:
         _fail(f"arena must be contiguous, got strides {arena.stride()}")
 
@@ -64,8 +66,10 @@ def check_layer_buffers(k: torch.Tensor, v: torch.Tensor, name: str = "layer") -
         if t.dim() != 3:
             _fail(f"{name} {tag} buffer must be [num_slots, heads, head_dim], got {tuple(t.shape)}")
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-            _fail(f"{name} {tag} buffer's heads x head_dim must be contiguous, got strides "
-                  f"{t.stride()}; pass a buffer whose rows are contiguous")
+            _fail(
+                f"{name} {tag} buffer's heads x head_dim must be contiguous, got strides "
+                f"{t.stride()}; pass a buffer whose rows are contiguous"
+            )
     if k.dtype != v.dtype:
         _fail(f"{name}: K is {k.dtype} but V is {v.dtype}")
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
@@ -85,12 +89,21 @@ def check_fits(arena: torch.Tensor, shape: LayerShape, layer: int) -> None:
     if block_bytes % shape.itemsize:
         _fail(f"block_bytes {block_bytes} is not a multiple of the {shape.dtype} item size")
     if layer < 0 or (layer + 1) * shape.layer_bytes > block_bytes:
-        _fail(f"layer {layer} does not fit in a block of {block_bytes} bytes "
-              f"({shape.layer_bytes} bytes per layer per page)")
+        _fail(
+            f"layer {layer} does not fit in a block of {block_bytes} bytes "
+            f"({shape.layer_bytes} bytes per layer per page)"
+        )
 
 
-def check_indices(slots: torch.Tensor, blocks: torch.Tensor, num_slots: int, num_blocks: int,
-                  page_size: int, device: torch.device, check_ranges: bool = True) -> None:
+def check_indices(
+    slots: torch.Tensor,
+    blocks: torch.Tensor,
+    num_slots: int,
+    num_blocks: int,
+    page_size: int,
+    device: torch.device,
+    check_ranges: bool = True,
+) -> None:
     for tag, t in (("slots", slots), ("blocks", blocks)):
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             _fail(f"{tag} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
@@ -114,6 +127,6 @@ def arena_layer_views(arena: torch.Tensor, shape: LayerShape, layer: int):
     typed = arena.view(shape.dtype)
     base = layer * shape.layer_elems
     pk = shape.page_size * shape.row_k
-    k = typed[:, base: base + pk].view(-1, shape.page_size, shape.row_k)
-    v = typed[:, base + pk: base + shape.layer_elems].view(-1, shape.page_size, shape.row_v)
+    k = typed[:, base : base + pk].view(-1, shape.page_size, shape.row_k)
+    v = typed[:, base + pk : base + shape.layer_elems].view(-1, shape.page_size, shape.row_v)
     return k, v

@@ -19,10 +19,23 @@ def _token_coords(slots_ptr, blocks_ptr, t, PAGE: tl.constexpr):
 
 
 @triton.jit
-def store_layer_kernel(k_ptr, v_ptr, k_stride, v_stride, slots_ptr, blocks_ptr, arena_ptr,
-                       block_elems, layer_off, n_tokens,
-                       PAGE: tl.constexpr, ROW_K: tl.constexpr, ROW_V: tl.constexpr,
-                       BLOCK: tl.constexpr, TOKENS: tl.constexpr):
+def store_layer_kernel(
+    k_ptr,
+    v_ptr,
+    k_stride,
+    v_stride,
+    slots_ptr,
+    blocks_ptr,
+    arena_ptr,
+    block_elems,
+    layer_off,
+    n_tokens,
+    PAGE: tl.constexpr,
+    ROW_K: tl.constexpr,
+    ROW_V: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+):
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mk = offs < ROW_K
     mv = offs < ROW_V
@@ -38,10 +51,23 @@ def store_layer_kernel(k_ptr, v_ptr, k_stride, v_stride, slots_ptr, blocks_ptr, 
 
 
 @triton.jit
-def load_layer_kernel(k_ptr, v_ptr, k_stride, v_stride, slots_ptr, blocks_ptr, arena_ptr,
-                      block_elems, layer_off, n_tokens,
-                      PAGE: tl.constexpr, ROW_K: tl.constexpr, ROW_V: tl.constexpr,
-                      BLOCK: tl.constexpr, TOKENS: tl.constexpr):
+def load_layer_kernel(
+    k_ptr,
+    v_ptr,
+    k_stride,
+    v_stride,
+    slots_ptr,
+    blocks_ptr,
+    arena_ptr,
+    block_elems,
+    layer_off,
+    n_tokens,
+    PAGE: tl.constexpr,
+    ROW_K: tl.constexpr,
+    ROW_V: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+):
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mk = offs < ROW_K
     mv = offs < ROW_V
@@ -67,15 +93,31 @@ def launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning: dict | None
         return
     tune = {**DEFAULT_TUNING, **(tuning or {})}
     if set(tune) != set(DEFAULT_TUNING) or any(
-            not isinstance(x, int) or x <= 0 or x & (x - 1) for x in tune.values()):
-        raise ValueError(f"tuning must set only {sorted(DEFAULT_TUNING)} to powers of two, got "
-                         f"{tuning}")
+        not isinstance(x, int) or x <= 0 or x & (x - 1) for x in tune.values()
+    ):
+        raise ValueError(
+            f"tuning must set only {sorted(DEFAULT_TUNING)} to powers of two, got {tuning}"
+        )
     row = max(shape.row_k, shape.row_v)
     block = min(tune["block"], triton.next_power_of_2(row))
     tokens = tune["tokens"]
     typed = arena.view(shape.dtype)
     grid = (triton.cdiv(n, tokens), triton.cdiv(row, block))
-    kernel[grid](k, v, k.stride(0), v.stride(0), slots, blocks, typed,
-                 typed.stride(0), layer * shape.layer_elems, n,
-                 PAGE=shape.page_size, ROW_K=shape.row_k, ROW_V=shape.row_v, BLOCK=block,
-                 TOKENS=tokens, num_warps=tune["num_warps"])
+    kernel[grid](
+        k,
+        v,
+        k.stride(0),
+        v.stride(0),
+        slots,
+        blocks,
+        typed,
+        typed.stride(0),
+        layer * shape.layer_elems,
+        n,
+        PAGE=shape.page_size,
+        ROW_K=shape.row_k,
+        ROW_V=shape.row_v,
+        BLOCK=block,
+        TOKENS=tokens,
+        num_warps=tune["num_warps"],
+    )

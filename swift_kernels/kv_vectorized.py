@@ -17,8 +17,13 @@ import torch
 
 from .kv_layout import LayerShape
 
-_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16),
-         (1, torch.uint8))
+_WIDE = (
+    (16, torch.complex128),
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
 CHUNK_PAGES = 256  # bounds the gather temporary (256 pages x 16 tokens x 2 KiB = 8 MiB)
 
 
@@ -31,13 +36,13 @@ class RowPlan:
     page_aligned: bool
     local_pages: torch.Tensor | None  # full pages: local page id (slot // page_size)
     full_blocks: torch.Tensor | None  # full pages: arena block id
-    tail_slots: torch.Tensor | None   # last partial page's slots
-    tail_block: int                   # its block (-1 when there is no partial page)
-    tok_blocks: torch.Tensor | None   # not page-aligned: per-token block and row
+    tail_slots: torch.Tensor | None  # last partial page's slots
+    tail_block: int  # its block (-1 when there is no partial page)
+    tok_blocks: torch.Tensor | None  # not page-aligned: per-token block and row
     tok_rows: torch.Tensor | None
     slots: torch.Tensor
     runs: tuple[tuple[int, int, int], ...] = ()  # (first page, pages, first block) when used
-    run_pages: tuple[torch.Tensor, ...] = ()      # local_pages of each run, sliced once
+    run_pages: tuple[torch.Tensor, ...] = ()  # local_pages of each run, sliced once
 
 
 def plan_rows(slots: torch.Tensor, blocks: torch.Tensor, page_size: int) -> RowPlan:
@@ -46,23 +51,38 @@ def plan_rows(slots: torch.Tensor, blocks: torch.Tensor, page_size: int) -> RowP
     n = slots.shape[0]
     nfull, rem = divmod(n, page_size)
     full = slots[: nfull * page_size].view(nfull, page_size)
-    aligned = bool(
-        ((full[:, :1] % page_size) == 0).all()
-        and (full == full[:, :1] + torch.arange(page_size)).all()
-    ) if nfull else True
+    aligned = (
+        bool(
+            ((full[:, :1] % page_size) == 0).all()
+            and (full == full[:, :1] + torch.arange(page_size)).all()
+        )
+        if nfull
+        else True
+    )
     if rem and aligned:
-        tail = slots[nfull * page_size:]
+        tail = slots[nfull * page_size :]
         aligned = bool(tail[0] % page_size == 0 and (tail == tail[0] + torch.arange(rem)).all())
     if aligned:
         runs = _block_runs(blocks[:nfull])
         local_pages = full[:, 0] // page_size
-        return RowPlan(n, page_size, True, local_pages, blocks[:nfull],
-                       slots[nfull * page_size:] if rem else None,
-                       int(blocks[nfull]) if rem else -1, None, None, slots, runs,
-                       tuple(local_pages[s:s + m] for s, m, _ in runs))
+        return RowPlan(
+            n,
+            page_size,
+            True,
+            local_pages,
+            blocks[:nfull],
+            slots[nfull * page_size :] if rem else None,
+            int(blocks[nfull]) if rem else -1,
+            None,
+            None,
+            slots,
+            runs,
+            tuple(local_pages[s : s + m] for s, m, _ in runs),
+        )
     tok = torch.arange(n)
-    return RowPlan(n, page_size, False, None, None, None, -1, blocks[tok // page_size],
-                   tok % page_size, slots)
+    return RowPlan(
+        n, page_size, False, None, None, None, -1, blocks[tok // page_size], tok % page_size, slots
+    )
 
 
 def _block_runs(blocks: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
@@ -76,7 +96,7 @@ def _block_runs(blocks: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
         return ()
     ends = starts[1:] + [n]
     b = blocks.tolist()
-    return tuple((s, e - s, b[s]) for s, e in zip(starts, ends))
+    return tuple((s, e - s, b[s]) for s, e in zip(starts, ends, strict=True))
 
 
 def _wide_dtype(*nbytes: int) -> torch.dtype:
@@ -93,23 +113,33 @@ def _parts(arena, shape: LayerShape, layer, k, v):
     isz = shape.itemsize
     base = layer * shape.layer_bytes
     kb = shape.page_size * shape.row_k * isz
-    spans = ((k, base, base + kb, shape.head_dim * isz),
-             (v, base + kb, base + shape.layer_bytes, shape.v_head_dim * isz))
+    spans = (
+        (k, base, base + kb, shape.head_dim * isz),
+        (v, base + kb, base + shape.layer_bytes, shape.v_head_dim * isz),
+    )
     for buf, lo, hi, d_bytes in spans:
-        wide = _wide_dtype(d_bytes, lo, hi, arena.shape[1], arena.storage_offset(),
-                           buf.stride(0) * isz, buf.storage_offset() * isz)
+        wide = _wide_dtype(
+            d_bytes,
+            lo,
+            hi,
+            arena.shape[1],
+            arena.storage_offset(),
+            buf.stride(0) * isz,
+            buf.storage_offset() * isz,
+        )
         w = wide.itemsize
         lw = buf.view(wide)  # [S, H, D * isz / w]
         local = lw.as_strided((lw.shape[0], lw.shape[1] * lw.shape[2]), (lw.stride(0), 1))
-        yield local, arena.view(wide)[:, lo // w: hi // w]
+        yield local, arena.view(wide)[:, lo // w : hi // w]
 
 
 def _pages_of(local: torch.Tensor, page_size: int) -> torch.Tensor | None:
     """[S, w] -> [S // P, P * w] when rows are back to back, else None."""
     if local.stride(0) != local.shape[1]:
         return None
-    return local.as_strided((local.shape[0] // page_size, page_size * local.shape[1]),
-                            (page_size * local.shape[1], 1))
+    return local.as_strided(
+        (local.shape[0] // page_size, page_size * local.shape[1]), (page_size * local.shape[1], 1)
+    )
 
 
 def store_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> None:
@@ -125,13 +155,14 @@ def store_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> No
                 part3[plan.tok_blocks, plan.tok_rows] = local.index_select(0, plan.slots)
             continue
         if plan.runs:  # one pass: gather local pages straight into each run of blocks
-            for (_, m, b0), idx in zip(plan.runs, plan.run_pages):
-                torch.index_select(pages, 0, idx, out=part[b0:b0 + m])
+            for (_, m, b0), idx in zip(plan.runs, plan.run_pages, strict=True):
+                torch.index_select(pages, 0, idx, out=part[b0 : b0 + m])
         else:
             for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
                 e = s + CHUNK_PAGES
-                part.index_copy_(0, plan.full_blocks[s:e],
-                                 pages.index_select(0, plan.local_pages[s:e]))
+                part.index_copy_(
+                    0, plan.full_blocks[s:e], pages.index_select(0, plan.local_pages[s:e])
+                )
         if plan.tail_slots is not None:
             rem = plan.tail_slots.shape[0]
             part3[plan.tail_block, :rem] = local.index_select(0, plan.tail_slots)
@@ -147,14 +178,15 @@ def load_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> Non
             local.index_copy_(0, plan.slots, part3[blk, row])
             continue
         if plan.runs:  # one pass: scatter each run of blocks straight into local pages
-            for (_, m, b0), idx in zip(plan.runs, plan.run_pages):
+            for (_, m, b0), idx in zip(plan.runs, plan.run_pages, strict=True):
                 # index_put_ measured ~15% faster than index_copy_ for this scatter
-                pages.index_put_((idx,), part[b0:b0 + m])
+                pages.index_put_((idx,), part[b0 : b0 + m])
         else:
             for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
                 e = s + CHUNK_PAGES
-                pages.index_copy_(0, plan.local_pages[s:e],
-                                  part.index_select(0, plan.full_blocks[s:e]))
+                pages.index_copy_(
+                    0, plan.local_pages[s:e], part.index_select(0, plan.full_blocks[s:e])
+                )
         if plan.tail_slots is not None:
             rem = plan.tail_slots.shape[0]
             local.index_copy_(0, plan.tail_slots, part3[plan.tail_block, :rem])

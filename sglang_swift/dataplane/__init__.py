@@ -5,18 +5,41 @@ Importing it touches no GPU and starts nothing; SGLang is never imported here.
 """
 
 from .arena import FREE, ArenaExhausted, BlockArena, OwnershipError
-from .geometry import (KVGeometry, block_bytes_for, choose_block_bytes, fit_page_size,
-                       unused_bytes)
+from .geometry import KVGeometry, block_bytes_for, choose_block_bytes, fit_page_size, unused_bytes
 from .layer_counter import CpuLayerCounter, CudaLayerCounter, LayerWaitResult
-from .sharing import (MappedArena, MappingError, SharedArena, map_arena, owner_alive,
-                      unlink_descriptor)
+from .sharing import (
+    MappedArena,
+    MappingError,
+    SharedArena,
+    map_arena,
+    owner_alive,
+    unlink_descriptor,
+)
 from .transfer import TransferEngine, TransferHandle, TransferResult
 
 __all__ = [
-    "FREE", "ArenaExhausted", "BlockArena", "CpuLayerCounter", "CudaLayerCounter", "KVGeometry",
-    "LayerWaitResult", "MappedArena", "MappingError", "OwnershipError", "SharedArena",
-    "TransferEngine", "TransferHandle", "TransferResult", "block_bytes_for", "choose_block_bytes",
-    "fit_page_size", "make_layer_counter", "map_arena", "owner_alive", "unlink_descriptor", "unused_bytes",
+    "FREE",
+    "ArenaExhausted",
+    "BlockArena",
+    "CpuLayerCounter",
+    "CudaLayerCounter",
+    "KVGeometry",
+    "LayerWaitResult",
+    "MappedArena",
+    "MappingError",
+    "OwnershipError",
+    "SharedArena",
+    "TransferEngine",
+    "TransferHandle",
+    "TransferResult",
+    "block_bytes_for",
+    "choose_block_bytes",
+    "fit_page_size",
+    "make_layer_counter",
+    "map_arena",
+    "owner_alive",
+    "unlink_descriptor",
+    "unused_bytes",
 ]
 
 

@@ -28,12 +28,16 @@ class OwnershipError(ValueError):
 class BlockArena:
     def __init__(self, num_blocks: int, block_bytes: int, memory: torch.Tensor | None = None):
         if num_blocks <= 0 or block_bytes <= 0:
-            raise ValueError(f"arena needs positive num_blocks and block_bytes, got "
-                             f"{num_blocks}, {block_bytes}")
-        if memory is not None and (memory.dtype != torch.uint8
-                                   or tuple(memory.shape) != (num_blocks, block_bytes)):
-            raise ValueError(f"arena memory must be uint8 [{num_blocks}, {block_bytes}], got "
-                             f"{memory.dtype} {tuple(memory.shape)}")
+            raise ValueError(
+                f"arena needs positive num_blocks and block_bytes, got {num_blocks}, {block_bytes}"
+            )
+        if memory is not None and (
+            memory.dtype != torch.uint8 or tuple(memory.shape) != (num_blocks, block_bytes)
+        ):
+            raise ValueError(
+                f"arena memory must be uint8 [{num_blocks}, {block_bytes}], got "
+                f"{memory.dtype} {tuple(memory.shape)}"
+            )
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.memory = memory
@@ -66,8 +70,10 @@ class BlockArena:
         if owner == FREE:
             raise OwnershipError("alloc to the free pool makes no sense; use release()")
         if n > len(self._free):
-            raise ArenaExhausted(f"{owner} asked for {n} blocks, {len(self._free)} are free; "
-                                 f"evict or shrink the request")
+            raise ArenaExhausted(
+                f"{owner} asked for {n} blocks, {len(self._free)} are free; "
+                f"evict or shrink the request"
+            )
         got = [self._free.pop() for _ in range(n)]
         held = self._held.setdefault(owner, set())
         for b in got:
@@ -108,8 +114,9 @@ class BlockArena:
         held = self._held.get(owner, set())
         bad = [b for b in blocks if b not in held]
         if bad or len(set(blocks)) != len(blocks):
-            raise OwnershipError(f"{owner} does not hold blocks {bad[:8]} (or repeats a block); "
-                                 f"nothing was moved")
+            raise OwnershipError(
+                f"{owner} does not hold blocks {bad[:8]} (or repeats a block); nothing was moved"
+            )
 
     # ---- integrity -----------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -118,13 +125,15 @@ class BlockArena:
         seen = [0] * self.num_blocks
         for b in self._free:
             assert 0 <= b < self.num_blocks, f"free list holds out-of-range block {b}"
-            assert self._owner[b] == FREE, f"block {b} is on the free list but owned by " \
-                                           f"{self._owner[b]}"
+            assert self._owner[b] == FREE, (
+                f"block {b} is on the free list but owned by {self._owner[b]}"
+            )
             seen[b] += 1
         for owner, held in self._held.items():
             for b in held:
-                assert self._owner[b] == owner, f"block {b} in {owner}'s set but owned by " \
-                                                f"{self._owner[b]}"
+                assert self._owner[b] == owner, (
+                    f"block {b} in {owner}'s set but owned by {self._owner[b]}"
+                )
                 seen[b] += 1
         for b, count in enumerate(seen):
             assert count == 1, f"block {b} has {count} owners"

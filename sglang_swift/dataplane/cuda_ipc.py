@@ -38,7 +38,7 @@ def _pack_fields(fields) -> bytes:
 def _unpack_fields(data: bytes) -> list:
     out, i = [], 0
     while i < len(data):
-        tag = data[i:i + 1]
+        tag = data[i : i + 1]
         i += 1
         if tag == b"n":
             out.append(None)
@@ -50,7 +50,7 @@ def _unpack_fields(data: bytes) -> list:
             i += 8
         elif tag == b"b":
             (n,) = struct.unpack_from("<I", data, i)
-            out.append(data[i + 4:i + 4 + n])
+            out.append(data[i + 4 : i + 4 + n])
             i += 4 + n
         else:
             raise MappingError("bad_descriptor", f"corrupt CUDA IPC handle at byte {i - 1}")
@@ -69,11 +69,13 @@ def open_handle(handle: bytes, total: int) -> torch.Tensor:
         torch.cuda._lazy_init()  # noqa: SLF001
         storage = torch.UntypedStorage._new_shared_cuda(*share)  # noqa: SLF001
     except RuntimeError as e:
-        raise MappingError("not_found", f"CUDA IPC open failed ({e}); the donor may be gone") \
-            from e
+        raise MappingError("not_found", f"CUDA IPC open failed ({e}); the donor may be gone") from e
     if storage.nbytes() - tensor_offset < total:
-        raise MappingError("size", f"IPC allocation holds {storage.nbytes() - tensor_offset} "
-                                   f"bytes, descriptor says {total}")
+        raise MappingError(
+            "size",
+            f"IPC allocation holds {storage.nbytes() - tensor_offset} "
+            f"bytes, descriptor says {total}",
+        )
     region = torch.empty(0, dtype=torch.uint8, device=storage.device)
     region.set_(storage, tensor_offset, (total,), (1,))
     return region

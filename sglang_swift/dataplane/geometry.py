@@ -101,7 +101,7 @@ class KVGeometry:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVGeometry":
+    def from_dict(cls, d: dict) -> KVGeometry:
         return cls(**{**d, "dtype": dtype_from_name(d["dtype"])})
 
 
@@ -144,7 +144,15 @@ def fit_page_size(geometry: KVGeometry, block_bytes: int, multiple_of: int = 1) 
     per_token = geometry.num_layers * geometry.bytes_per_token_per_layer
     page = block_bytes // per_token // multiple_of * multiple_of
     if page <= 0:
-        raise ValueError(f"one token of {geometry} for all layers takes {per_token} bytes; a "
-                         f"block of {block_bytes} cannot hold {multiple_of} of them")
-    return KVGeometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                      geometry.v_head_dim, geometry.dtype, page)
+        raise ValueError(
+            f"one token of {geometry} for all layers takes {per_token} bytes; a "
+            f"block of {block_bytes} cannot hold {multiple_of} of them"
+        )
+    return KVGeometry(
+        geometry.num_layers,
+        geometry.num_kv_heads,
+        geometry.head_dim,
+        geometry.v_head_dim,
+        geometry.dtype,
+        page,
+    )

@@ -78,8 +78,10 @@ class CpuLayerCounter:
         with self._cond:
             nxt = (self.producer_index + 1) % self.num_counters
             if self._slots[nxt].in_flight():
-                raise RuntimeError(f"layer counter slot {nxt} is still loading; more than "
-                                   f"{self.num_counters} loads in flight")
+                raise RuntimeError(
+                    f"layer counter slot {nxt} is still loading; more than "
+                    f"{self.num_counters} loads in flight"
+                )
             self._slots[nxt].arm()
             self.producer_index = nxt
             return nxt
@@ -119,8 +121,9 @@ class CpuLayerCounter:
             return slot.failed()
 
     # ---- explicit waits and queries --------------------------------------------------------
-    def wait(self, layer: int, timeout_s: float | None = None,
-             consumer_id: int | None = None) -> LayerWaitResult:
+    def wait(
+        self, layer: int, timeout_s: float | None = None, consumer_id: int | None = None
+    ) -> LayerWaitResult:
         idx = self.consumer_index if consumer_id is None else consumer_id
         if idx < 0:
             return LayerWaitResult(True, layer, (), None)

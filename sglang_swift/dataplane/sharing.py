@@ -29,8 +29,16 @@ _MAGIC = b"SWIFTARN"
 _VERSION = 1
 # magic, version, revoked, block_bytes, num_blocks, owner pid, owner uuid
 _HEADER = struct.Struct("<8sIIQQQ48s")
-DESCRIPTOR_KEYS = ("kind", "handle", "device", "total_bytes", "block_bytes", "num_blocks",
-                   "owner_pid", "owner_uuid")
+DESCRIPTOR_KEYS = (
+    "kind",
+    "handle",
+    "device",
+    "total_bytes",
+    "block_bytes",
+    "num_blocks",
+    "owner_pid",
+    "owner_uuid",
+)
 
 
 class MappingError(RuntimeError):
@@ -59,15 +67,21 @@ def owner_alive(pid: int) -> bool:
 
 
 def _pack_header(block_bytes, num_blocks, pid, owner_uuid, revoked=0) -> bytes:
-    raw = _HEADER.pack(_MAGIC, _VERSION, revoked, block_bytes, num_blocks, pid,
-                       owner_uuid.encode())
+    raw = _HEADER.pack(_MAGIC, _VERSION, revoked, block_bytes, num_blocks, pid, owner_uuid.encode())
     return raw.ljust(HEADER_BYTES, b"\0")
 
 
 def _unpack_header(raw: bytes) -> dict:
     magic, ver, revoked, bb, nb, pid, uid = _HEADER.unpack_from(raw)
-    return {"magic": magic, "version": ver, "revoked": revoked, "block_bytes": bb,
-            "num_blocks": nb, "owner_pid": pid, "owner_uuid": uid.rstrip(b"\0").decode()}
+    return {
+        "magic": magic,
+        "version": ver,
+        "revoked": revoked,
+        "block_bytes": bb,
+        "num_blocks": nb,
+        "owner_pid": pid,
+        "owner_uuid": uid.rstrip(b"\0").decode(),
+    }
 
 
 def _desc_get(desc, key):
@@ -83,8 +97,9 @@ def _desc_get(desc, key):
 class SharedArena:
     """A donor's arena in memory other processes can map: the ownership book plus the region."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, device: str = "cpu",
-                 name_prefix: str = "swift"):
+    def __init__(
+        self, num_blocks: int, block_bytes: int, device: str = "cpu", name_prefix: str = "swift"
+    ):
         if block_bytes % 16:
             raise ValueError(f"block_bytes must be a multiple of 16, got {block_bytes}")
         self.device = torch.device(device)
@@ -92,13 +107,14 @@ class SharedArena:
         self.owner_pid = os.getpid()
         self.total_bytes = HEADER_BYTES + num_blocks * block_bytes
         self._shm = None
-        header = torch.frombuffer(bytearray(_pack_header(block_bytes, num_blocks, self.owner_pid,
-                                                         self.owner_uuid)), dtype=torch.uint8)
+        header = torch.frombuffer(
+            bytearray(_pack_header(block_bytes, num_blocks, self.owner_pid, self.owner_uuid)),
+            dtype=torch.uint8,
+        )
         if self.device.type == "cpu":
             name = f"{name_prefix}_{os.getpid()}_{uuid_mod.uuid4().hex[:12]}"
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.total_bytes)
-            self.region = torch.frombuffer(self._shm.buf, dtype=torch.uint8,
-                                           count=self.total_bytes)
+            self.region = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.total_bytes)
         elif self.device.type == "cuda":
             self.region = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
         else:
@@ -135,9 +151,20 @@ class SharedArena:
     def revoke_export(self) -> None:
         """Mark the region revoked: mapped borrowers see it at their next check(); on CPU the
         name is unlinked too, so no new mapping succeeds."""
-        self.region[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(_pack_header(
-            self.book.block_bytes, self.book.num_blocks, self.owner_pid, self.owner_uuid, 1)),
-            dtype=torch.uint8))
+        self.region[:HEADER_BYTES].copy_(
+            torch.frombuffer(
+                bytearray(
+                    _pack_header(
+                        self.book.block_bytes,
+                        self.book.num_blocks,
+                        self.owner_pid,
+                        self.owner_uuid,
+                        1,
+                    )
+                ),
+                dtype=torch.uint8,
+            )
+        )
         if self._shm is not None:
             try:
                 self._shm.unlink()
@@ -226,8 +253,9 @@ def _open_shm(name: str) -> _ShmAttach:
     try:
         return _ShmAttach(name)
     except FileNotFoundError as e:
-        raise MappingError("not_found", f"shared memory {name!r} is gone (revoked or the donor "
-                                        f"exited)") from e
+        raise MappingError(
+            "not_found", f"shared memory {name!r} is gone (revoked or the donor exited)"
+        ) from e
 
 
 def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
@@ -239,8 +267,10 @@ def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
     except (TypeError, ValueError) as e:
         raise MappingError("bad_descriptor", f"non-integer size fields: {e}") from e
     if nb <= 0 or bb <= 0 or bb % 16 or total != HEADER_BYTES + nb * bb:
-        raise MappingError("bad_descriptor", f"inconsistent sizes: total_bytes={total}, "
-                                             f"num_blocks={nb}, block_bytes={bb}")
+        raise MappingError(
+            "bad_descriptor",
+            f"inconsistent sizes: total_bytes={total}, num_blocks={nb}, block_bytes={bb}",
+        )
     if geometry is not None:
         try:
             unused_bytes(geometry, bb)
@@ -253,23 +283,27 @@ def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
         shm = _open_shm(bytes(d["handle"]).decode())
         if shm.size < total:
             shm.close()
-            raise MappingError("size", f"shared memory holds {shm.size} bytes, descriptor "
-                                       f"says {total}")
+            raise MappingError(
+                "size", f"shared memory holds {shm.size} bytes, descriptor says {total}"
+            )
         region = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
     elif d["kind"] == "cuda_ipc":
         from .cuda_ipc import open_handle
 
         region = open_handle(bytes(d["handle"]), total)
     else:
-        raise MappingError("unsupported", f"descriptor kind {d['kind']!r}; expected shm or "
-                                          f"cuda_ipc")
+        raise MappingError(
+            "unsupported", f"descriptor kind {d['kind']!r}; expected shm or cuda_ipc"
+        )
     mapped = MappedArena(d, region[HEADER_BYTES:].view(nb, bb), region, shm)
     h = mapped.header()
-    problems = [f"{k}: header {h[k]!r} != descriptor {d[k]!r}"
-                for k in ("block_bytes", "num_blocks", "owner_pid", "owner_uuid") if h[k] != d[k]]
+    problems = [
+        f"{k}: header {h[k]!r} != descriptor {d[k]!r}"
+        for k in ("block_bytes", "num_blocks", "owner_pid", "owner_uuid")
+        if h[k] != d[k]
+    ]
     if h["magic"] != _MAGIC or h["version"] != _VERSION:
-        problems.insert(0, f"not a SwiftCache arena (magic {h['magic']!r}, version "
-                           f"{h['version']})")
+        problems.insert(0, f"not a SwiftCache arena (magic {h['magic']!r}, version {h['version']})")
     if problems:
         mapped.close()
         raise MappingError("identity", "; ".join(problems))

@@ -39,9 +39,12 @@ class CpuLane:
 
     def __init__(self, name: str = "swift-copy", threads: int = 1):
         self.threads = threads
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
-                                           initializer=torch.set_num_threads,
-                                           initargs=(threads,))
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=name,
+            initializer=torch.set_num_threads,
+            initargs=(threads,),
+        )
 
     def submit(self, fn, *args) -> cf.Future:
         return self._pool.submit(fn, *args)

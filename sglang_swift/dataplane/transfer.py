@@ -63,9 +63,17 @@ class TransferHandle:
 class TransferEngine:
     """Moves KV between one model's local pool and one arena (local or mapped)."""
 
-    def __init__(self, arena_memory: torch.Tensor, geometry: KVGeometry, *, backend: str = "auto",
-                 liveness: Callable[[], bool] | None = None, device=None, cpu_threads: int = 1,
-                 tuning: dict | None = None):
+    def __init__(
+        self,
+        arena_memory: torch.Tensor,
+        geometry: KVGeometry,
+        *,
+        backend: str = "auto",
+        liveness: Callable[[], bool] | None = None,
+        device=None,
+        cpu_threads: int = 1,
+        tuning: dict | None = None,
+    ):
         unused_bytes(geometry, arena_memory.shape[1])  # raises if a page does not fit a block
         self.arena = arena_memory
         self.geometry = geometry
@@ -81,27 +89,39 @@ class TransferEngine:
     def _check(self, k_buffers, v_buffers, slots, blocks):
         g = self.geometry
         if len(k_buffers) != g.num_layers or len(v_buffers) != g.num_layers:
-            raise ValueError(f"geometry has {g.num_layers} layers, got {len(k_buffers)} K and "
-                             f"{len(v_buffers)} V buffers")
+            raise ValueError(
+                f"geometry has {g.num_layers} layers, got {len(k_buffers)} K and "
+                f"{len(v_buffers)} V buffers"
+            )
         k, v = k_buffers[0], v_buffers[0]
-        if (k.dtype, k.shape[1], k.shape[2], v.shape[2]) != (g.dtype, g.num_kv_heads, g.head_dim,
-                                                             g.v_head_dim):
-            raise ValueError(f"local buffers {k.dtype} {tuple(k.shape)} / {tuple(v.shape)} do "
-                             f"not match {g}")
+        if (k.dtype, k.shape[1], k.shape[2], v.shape[2]) != (
+            g.dtype,
+            g.num_kv_heads,
+            g.head_dim,
+            g.v_head_dim,
+        ):
+            raise ValueError(
+                f"local buffers {k.dtype} {tuple(k.shape)} / {tuple(v.shape)} do not match {g}"
+            )
         lay.check_arena(self.arena)
-        for layer, (kl, vl) in enumerate(zip(k_buffers, v_buffers)):
+        for layer, (kl, vl) in enumerate(zip(k_buffers, v_buffers, strict=True)):
             lay.check_layer_buffers(kl, vl, f"layer {layer}")
-            if (kl.shape, vl.shape, kl.dtype, kl.device) != (k.shape, v.shape, k.dtype,
-                                                             self.device):
-                raise ValueError(f"layer {layer}'s buffers {kl.dtype} {tuple(kl.shape)} on "
-                                 f"{kl.device} differ from layer 0's {k.dtype} {tuple(k.shape)} "
-                                 f"on {self.device}")
+            if (kl.shape, vl.shape, kl.dtype, kl.device) != (
+                k.shape,
+                v.shape,
+                k.dtype,
+                self.device,
+            ):
+                raise ValueError(
+                    f"layer {layer}'s buffers {kl.dtype} {tuple(kl.shape)} on "
+                    f"{kl.device} differ from layer 0's {k.dtype} {tuple(k.shape)} "
+                    f"on {self.device}"
+                )
         lay.check_fits(self.arena, lay.shape_of(k, v, g.page_size), g.num_layers - 1)
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         blocks = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
         # Every index is range-checked once here; the per-layer calls skip that check.
-        lay.check_indices(slots, blocks, k.shape[0], self.arena.shape[0], g.page_size,
-                          self.device)
+        lay.check_indices(slots, blocks, k.shape[0], self.arena.shape[0], g.page_size, self.device)
         plan = sk.plan_rows(slots, blocks, g.page_size) if self.backend == "vectorized" else None
         return slots, blocks, plan
 
@@ -113,22 +133,41 @@ class TransferEngine:
         def job():
             for layer in range(self.geometry.num_layers):
                 if handle._abort.is_set():
-                    return TransferResult(False, tuple(range(layer, self.geometry.num_layers)),
-                                          "aborted")
+                    return TransferResult(
+                        False, tuple(range(layer, self.geometry.num_layers)), "aborted"
+                    )
                 if not self.liveness():
-                    return TransferResult(False, tuple(range(layer, self.geometry.num_layers)),
-                                          "donor lost")
-                sk.store_layer(self.arena, layer, k_buffers[layer], v_buffers[layer], slots,
-                               blocks, self.geometry.page_size, backend=self.backend,
-                               plan=plan, tuning=self.tuning, validate=False)
+                    return TransferResult(
+                        False, tuple(range(layer, self.geometry.num_layers)), "donor lost"
+                    )
+                sk.store_layer(
+                    self.arena,
+                    layer,
+                    k_buffers[layer],
+                    v_buffers[layer],
+                    slots,
+                    blocks,
+                    self.geometry.page_size,
+                    backend=self.backend,
+                    plan=plan,
+                    tuning=self.tuning,
+                    validate=False,
+                )
             return TransferResult(True, (), None)
 
         handle = TransferHandle(None, sync=getattr(self.lane, "synchronize", None))
         handle._future = self.lane.submit(job)
         return handle
 
-    def begin_load(self, k_buffers, v_buffers, slots, blocks, counter,
-                   before_layer: Callable[[int], None] | None = None) -> TransferHandle:
+    def begin_load(
+        self,
+        k_buffers,
+        v_buffers,
+        slots,
+        blocks,
+        counter,
+        before_layer: Callable[[int], None] | None = None,
+    ) -> TransferHandle:
         """Scatter `blocks` back into local `slots`, layer by layer, signalling `counter`.
 
         Arms the counter's next slot (`counter.update_producer()`); the handle's `producer_id`
@@ -145,16 +184,31 @@ class TransferEngine:
                 if before_layer is not None:
                     before_layer(layer)
                 if counter.aborted(pid):  # timed out or failed by someone else: stop copying
-                    return TransferResult(False, counter.failed_layers(pid),
-                                          counter.failure_reason(pid))
-                reason = ("aborted" if handle._abort.is_set()
-                          else None if self.liveness() else "donor lost")
+                    return TransferResult(
+                        False, counter.failed_layers(pid), counter.failure_reason(pid)
+                    )
+                reason = (
+                    "aborted"
+                    if handle._abort.is_set()
+                    else None
+                    if self.liveness()
+                    else "donor lost"
+                )
                 if reason is None:
                     try:
-                        sk.load_layer(self.arena, layer, k_buffers[layer], v_buffers[layer],
-                                      slots, blocks, self.geometry.page_size,
-                                      backend=self.backend, plan=plan, tuning=self.tuning,
-                                      validate=False)
+                        sk.load_layer(
+                            self.arena,
+                            layer,
+                            k_buffers[layer],
+                            v_buffers[layer],
+                            slots,
+                            blocks,
+                            self.geometry.page_size,
+                            backend=self.backend,
+                            plan=plan,
+                            tuning=self.tuning,
+                            validate=False,
+                        )
                     except Exception as e:  # noqa: BLE001 - reported as failed layers
                         reason = f"copy failed: {e}"
                 if reason is not None:

@@ -20,8 +20,14 @@ import time
 
 import pytest
 
-GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "v_head_dim": 16,
-            "dtype": "bfloat16", "page_size": 8}
+GEOMETRY = {
+    "num_layers": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "v_head_dim": 16,
+    "dtype": "bfloat16",
+    "page_size": 8,
+}
 N_TOKENS = 45  # 5 full pages and a partial sixth
 TIMEOUT_S = 20.0
 
@@ -77,10 +83,14 @@ def borrower_main(mode: str) -> None:
     mapped = map_arena(desc, g)
     gen = torch.Generator().manual_seed(1234)
     num_slots = 128
-    k = [torch.randn(num_slots, g.num_kv_heads, g.head_dim, generator=gen).to(g.dtype)
-         for _ in range(g.num_layers)]
-    v = [torch.randn(num_slots, g.num_kv_heads, g.v_head_dim, generator=gen).to(g.dtype)
-         for _ in range(g.num_layers)]
+    k = [
+        torch.randn(num_slots, g.num_kv_heads, g.head_dim, generator=gen).to(g.dtype)
+        for _ in range(g.num_layers)
+    ]
+    v = [
+        torch.randn(num_slots, g.num_kv_heads, g.v_head_dim, generator=gen).to(g.dtype)
+        for _ in range(g.num_layers)
+    ]
     pages = torch.randperm(num_slots // g.page_size, generator=gen)[: len(blocks)]
     slots = (pages[:, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[:N_TOKENS]
     engine = TransferEngine(mapped.memory, g, liveness=mapped.alive)
@@ -102,13 +112,26 @@ def borrower_main(mode: str) -> None:
     oks, identical = [], []
     for layer in range(g.num_layers):  # what attention does: wait for layer l, then read it
         oks.append(counter.wait_until(layer))
-        identical.append(bool(torch.equal(k2[layer][dst], k[layer][slots])
-                              and torch.equal(v2[layer][dst], v[layer][slots])))
+        identical.append(
+            bool(
+                torch.equal(k2[layer][dst], k[layer][slots])
+                and torch.equal(v2[layer][dst], v[layer][slots])
+            )
+        )
     elapsed = time.monotonic() - t0
     result = handle.wait(TIMEOUT_S)
-    _say({"stored": stored.ok, "oks": oks, "identical": identical, "elapsed": elapsed,
-          "failed": list(counter.failed_layers()), "reason": counter.failure_reason(),
-          "load_ok": result.ok, "digest": _digest(mapped.memory, blocks)})
+    _say(
+        {
+            "stored": stored.ok,
+            "oks": oks,
+            "identical": identical,
+            "elapsed": elapsed,
+            "failed": list(counter.failed_layers()),
+            "reason": counter.failure_reason(),
+            "load_ok": result.ok,
+            "digest": _digest(mapped.memory, blocks),
+        }
+    )
     engine.close()
     mapped.close()
 
@@ -117,8 +140,12 @@ def borrower_main(mode: str) -> None:
 class Child:
     def __init__(self, role: str, log_path):
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, __file__, role], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, role],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+        )
         self.role, self.log_path, self._buf = role, log_path, b""
 
     def send(self, obj) -> None:
@@ -132,8 +159,10 @@ class Child:
             ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
             chunk = os.read(self.proc.stdout.fileno(), 65536) if ready else b""
             if not chunk:
-                raise AssertionError(f"{self.role}: no reply (exit code {self.proc.poll()}); "
-                                     f"stderr: {self.log_path.read_text()[-2000:]}")
+                raise AssertionError(
+                    f"{self.role}: no reply (exit code {self.proc.poll()}); "
+                    f"stderr: {self.log_path.read_text()[-2000:]}"
+                )
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)

@@ -11,10 +11,21 @@ import pytest
 import torch
 
 import swift_kernels as sk
-from sglang_swift.dataplane import (FREE, ArenaExhausted, BlockArena, KVGeometry, MappingError,
-                                    OwnershipError, SharedArena, TransferEngine, block_bytes_for,
-                                    choose_block_bytes, fit_page_size, map_arena,
-                                    unused_bytes)
+from sglang_swift.dataplane import (
+    FREE,
+    ArenaExhausted,
+    BlockArena,
+    KVGeometry,
+    MappingError,
+    OwnershipError,
+    SharedArena,
+    TransferEngine,
+    block_bytes_for,
+    choose_block_bytes,
+    fit_page_size,
+    map_arena,
+    unused_bytes,
+)
 from sglang_swift.dataplane.sharing import DESCRIPTOR_KEYS
 
 LLAMA3_8B = KVGeometry(32, 8, 128, 128, torch.bfloat16, 16)  # 4 KiB per token per layer
@@ -108,10 +119,13 @@ def test_two_geometries_share_one_arena_without_interfering():
         results = {}
         for name, g, n in (("m32", SMALL_FP32, 9), ("m16", SMALL_FP16, 17)):
             blocks = donor.book.alloc(name, -(-n // g.page_size))
-            k = [torch.randn(32, g.num_kv_heads, g.head_dim).to(g.dtype)
-                 for _ in range(g.num_layers)]
-            v = [torch.randn(32, g.num_kv_heads, g.v_head_dim).to(g.dtype)
-                 for _ in range(g.num_layers)]
+            k = [
+                torch.randn(32, g.num_kv_heads, g.head_dim).to(g.dtype) for _ in range(g.num_layers)
+            ]
+            v = [
+                torch.randn(32, g.num_kv_heads, g.v_head_dim).to(g.dtype)
+                for _ in range(g.num_layers)
+            ]
             slots = torch.randperm(32)[:n]
             eng = TransferEngine(mem, g)
             assert eng.begin_store(k, v, slots, blocks).wait().ok
@@ -162,15 +176,18 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"owner_uuid": "someone-else"}, "identity"),
-    ({"block_bytes": 512, "num_blocks": 6}, "identity"),
-    ({"block_bytes": 2048, "total_bytes": 4096 + 3 * 2048}, "size"),
-    ({"total_bytes": 999}, "bad_descriptor"),
-    ({"kind": "rdma"}, "unsupported"),
-    ({"handle": b"swift_no_such_segment"}, "not_found"),
-    ({"owner_pid": None}, "owner_dead"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"owner_uuid": "someone-else"}, "identity"),
+        ({"block_bytes": 512, "num_blocks": 6}, "identity"),
+        ({"block_bytes": 2048, "total_bytes": 4096 + 3 * 2048}, "size"),
+        ({"total_bytes": 999}, "bad_descriptor"),
+        ({"kind": "rdma"}, "unsupported"),
+        ({"handle": b"swift_no_such_segment"}, "not_found"),
+        ({"owner_pid": None}, "owner_dead"),
+    ],
+)
 def test_mapping_is_checked(change, reason):
     donor = SharedArena(3, 1024)
     try:

@@ -17,9 +17,17 @@ import swift_kernels as sk
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-BACKENDS = ["vectorized", pytest.param("triton", marks=pytest.mark.skipif(
-    not sk.triton_available(), reason="triton cannot be imported; the Triton kernels are "
-                                      "tested only where it is installed"))]
+BACKENDS = [
+    "vectorized",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not sk.triton_available(),
+            reason="triton cannot be imported; the Triton kernels are "
+            "tested only where it is installed",
+        ),
+    ),
+]
 POISON = 0xA5  # a byte pattern no random KV value is made of
 
 
@@ -143,16 +151,19 @@ def test_fused_kv_buffer_rows_with_a_row_stride_are_handled():
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("slot_range", "slot indices span"),
-    ("block_range", "block ids span"),
-    ("block_count", "need 2 blocks"),
-    ("dtype_mismatch", "K is torch.float16 but V is torch.float32"),
-    ("arena_dtype", "2-D uint8"),
-    ("layer_too_big", "does not fit in a block"),
-    ("inner_stride", "must be contiguous"),
-    ("index_dtype", "int32/int64"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("slot_range", "slot indices span"),
+        ("block_range", "block ids span"),
+        ("block_count", "need 2 blocks"),
+        ("dtype_mismatch", "K is torch.float16 but V is torch.float32"),
+        ("arena_dtype", "2-D uint8"),
+        ("layer_too_big", "does not fit in a block"),
+        ("inner_stride", "must be contiguous"),
+        ("index_dtype", "int32/int64"),
+    ],
+)
 def test_wrappers_reject_bad_inputs_before_writing(problem, message):
     k, v = _local(torch.float16, 1, 16, 2, 8, 8, seed=10)
     k, v = k[0], v[0]

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 
+import bench_transfer
+import gpu_check
 import pytest
 import torch
 
-import bench_transfer
-import gpu_check
-
-ROW = {"page_size": 16, "bytes": 2**30, "copy_gbps": 4000.0, "store_gbps": 3600.0,
-       "load_gbps": 3000.0, "load_ms_per_layer": 0.01,
-       "store_tuning": {"block": 1024, "tokens": 4, "num_warps": 4}, "load_tuning": None}
+ROW = {
+    "page_size": 16,
+    "bytes": 2**30,
+    "copy_gbps": 4000.0,
+    "store_gbps": 3600.0,
+    "load_gbps": 3000.0,
+    "load_ms_per_layer": 0.01,
+    "store_tuning": {"block": 1024, "tokens": 4, "num_warps": 4},
+    "load_tuning": None,
+}
 
 
 def test_gpu_check_arguments():
@@ -48,8 +54,23 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     """The GPU script's flow end to end on CPU at toy size: kernels vs reference (interpreted),
     export to a second process (shm standing in for CUDA IPC), layer-wise round trip through the
     engine and counter, the donor seeing the borrower's bytes, the table and the JSON line."""
-    rc = gpu_check.main(["--dry-run-cpu", "--tokens", "20", "--layers", "2", "--page-sizes",
-                         "8", "--repeats", "1", "--kv-heads", "1", "--head-dim", "16"])
+    rc = gpu_check.main(
+        [
+            "--dry-run-cpu",
+            "--tokens",
+            "20",
+            "--layers",
+            "2",
+            "--page-sizes",
+            "8",
+            "--repeats",
+            "1",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "16",
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert rc == 0 and summary["ok"], out
@@ -59,8 +80,9 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
 
 
 def test_bench_transfer_toy_run_ends_with_json(capsys):
-    rc = bench_transfer.main(["--tokens", "40", "--layers", "2", "--page-sizes", "8,16",
-                              "--repeats", "1"])
+    rc = bench_transfer.main(
+        ["--tokens", "40", "--layers", "2", "--page-sizes", "8,16", "--repeats", "1"]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
     summary = json.loads(out[-1])

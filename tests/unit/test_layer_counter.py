@@ -9,8 +9,14 @@ import time
 import pytest
 import torch
 
-from sglang_swift.dataplane import (CpuLayerCounter, KVGeometry, SharedArena, TransferEngine,
-                                    block_bytes_for, make_layer_counter)
+from sglang_swift.dataplane import (
+    CpuLayerCounter,
+    KVGeometry,
+    SharedArena,
+    TransferEngine,
+    block_bytes_for,
+    make_layer_counter,
+)
 
 G = KVGeometry(4, 2, 8, 8, torch.float16, 4)
 
@@ -77,7 +83,7 @@ def test_fail_wakes_waiters_and_names_the_failed_layers():
     c.set_consumer(pid)
     c.complete(0)
     results = []
-    waiter = threading.Thread(target=lambda: results.extend(c.wait(l) for l in range(4)))
+    waiter = threading.Thread(target=lambda: results.extend(c.wait(i) for i in range(4)))
     waiter.start()
     assert c.fail("donor lost") == (1, 2, 3)
     waiter.join(timeout=30)
@@ -171,8 +177,9 @@ def test_stuck_load_times_out_and_reports_layers():
     gate = threading.Event()
     try:
         counter = CpuLayerCounter(G.num_layers, timeout_s=0.5)
-        h = eng.begin_load(k2, v2, slots, blocks, counter,
-                           before_layer=lambda layer: layer == 1 and gate.wait(60))
+        h = eng.begin_load(
+            k2, v2, slots, blocks, counter, before_layer=lambda layer: layer == 1 and gate.wait(60)
+        )
         counter.set_consumer(h.producer_id)
         assert counter.wait_until(0) is True
         t0 = time.monotonic()
@@ -196,8 +203,9 @@ def test_cuda_counter_records_on_the_copy_stream_and_waits_on_the_device(monkeyp
     from sglang_swift.dataplane import CudaLayerCounter, streams
 
     recorded, waited = [], []
-    monkeypatch.setattr(streams, "record_event",
-                        lambda s: recorded.append(s) or f"ev{len(recorded)}")
+    monkeypatch.setattr(
+        streams, "record_event", lambda s: recorded.append(s) or f"ev{len(recorded)}"
+    )
     monkeypatch.setattr(streams, "wait_event_on_current_stream", waited.append)
     c = CudaLayerCounter(3, timeout_s=5)
     c.set_consumer(c.update_producer())
