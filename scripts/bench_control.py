@@ -202,6 +202,9 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
     finally:
         donor.kill()
         donor.wait()
+        shm = f"/dev/shm/swc-sim-donor-{donor.pid}"  # killed, so its arena is still there
+        if os.path.exists(shm):
+            os.unlink(shm)
     reclaims = bench_reclaims(rdv, max(20, n // 10))
     return {
         "grant_p50_ms": pct(grants, 0.5) * 1e3,

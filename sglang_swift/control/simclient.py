@@ -4,6 +4,7 @@ commands, wait for events with deadlines, and always end it."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -144,4 +145,8 @@ class SimGroup:
 
         for proc in self.procs:
             proc.close()
+            try:  # a killed donor leaves its arena behind
+                os.unlink(f"/dev/shm/swc-{proc.agent_id}-{proc.proc.pid}")
+            except FileNotFoundError:
+                pass
         shutil.rmtree(self.root, ignore_errors=True)

@@ -4,6 +4,7 @@ stale and forged input, timeouts, and the `ctl status` view."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -55,8 +56,15 @@ def _next(agent: ControlAgent, kind, timeout: float = 5.0):
 
 
 @pytest.fixture
-def pair():
-    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
+def rdv():
+    """A short rendezvous path (ipc socket paths are limited to 107 bytes), removed after."""
+    root = tempfile.mkdtemp(prefix="swcu")
+    yield os.path.join(root, "r")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def pair(rdv):
     donor = ControlAgent(_cfg(rdv, "donor", request_timeout_s=0.5), memory=MEM).start()
     borrower = ControlAgent(_cfg(rdv, "borrower", request_timeout_s=0.5)).start()
     donor.offer(range(32))
@@ -191,9 +199,8 @@ def test_unknown_sender_gets_an_error_and_no_state(pair):
         sock.close()
 
 
-def test_requests_to_a_silent_donor_time_out():
+def test_requests_to_a_silent_donor_time_out(rdv):
     """A donor that never answers: the request fails with timeout, then the peer is dropped."""
-    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
     borrower = ControlAgent(_cfg(rdv, "borrower", request_timeout_s=0.3)).start()
     mute = zmq.Context.instance().socket(zmq.ROUTER)
     mute.setsockopt(zmq.LINGER, 0)
@@ -265,10 +272,9 @@ def test_static_peer_list_over_tcp_on_loopback(tmp_path):
         donor.stop()
 
 
-def test_low_watermark_triggers_reclaim_and_reserve_is_kept():
+def test_low_watermark_triggers_reclaim_and_reserve_is_kept(rdv):
     """The donor's owner reporting free memory under the watermark takes blocks back, first
     the reserve (never lent), then leased blocks through reclaim."""
-    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")  # short: ipc paths max 107 bytes
     donor = ControlAgent(
         _cfg(rdv, "donor", reserve_blocks=4, low_watermark_blocks=10), memory=MEM
     ).start()
@@ -292,10 +298,9 @@ def test_low_watermark_triggers_reclaim_and_reserve_is_kept():
         donor.stop()
 
 
-def test_manual_mode_agent_is_pumped_by_its_owner():
+def test_manual_mode_agent_is_pumped_by_its_owner(rdv):
     """Started with thread=False, an agent does its I/O only inside pump(), which never
     blocks longer than asked; it borrows and acknowledges like a threaded one."""
-    rdv = os.path.join(tempfile.mkdtemp(prefix="swcu"), "r")
     donor = ControlAgent(_cfg(rdv, "donor"), memory=MEM).start()
     borrower = ControlAgent(_cfg(rdv, "borrower")).start(thread=False)
 
