@@ -332,3 +332,26 @@ def test_manual_mode_agent_is_pumped_by_its_owner(rdv):
     finally:
         borrower.stop()
         donor.stop()
+
+
+def test_grant_arriving_after_the_request_timed_out_is_given_back(rdv):
+    """A grant for a request the borrower already gave up on is released at once, so a slow
+    donor never leaks blocks to a borrower that does not know it holds them."""
+    slow = dict(heartbeat_interval_s=0.05, heartbeat_timeout_s=3.0, lease_margin_s=0.5)
+    donor = ControlAgent(ControlConfig("donor", rendezvous_dir=rdv, **slow), memory=MEM).start()
+    borrower = ControlAgent(
+        ControlConfig("borrower", rendezvous_dir=rdv, request_timeout_s=0.2, **slow)
+    ).start()
+    try:
+        donor.offer(range(32))
+        assert borrower.wait_until(lambda a: "donor" in a.peers and a.peers["donor"].lendable, 5)
+        with donor._lock:  # stall the donor's I/O thread until the borrower gives up
+            rid = borrower.request(4)
+            failed = _next(borrower, RequestFailed)
+            assert (failed.request_id, failed.reason) == (rid, "timeout")
+        assert borrower.wait_until(lambda a: a.counters.get("grants_refused", 0) == 1, 5)
+        assert donor.wait_until(lambda a: a.status().lent == 0, 5)
+        assert not borrower.status().leases
+    finally:
+        borrower.stop()
+        donor.stop()
