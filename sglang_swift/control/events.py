@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sglang_swift.control.protocol import MemoryDescriptor
@@ -65,12 +66,14 @@ class BlocksReturned:
 
 @dataclass(frozen=True)
 class PeerChanged:
-    """A peer joined (``joined``) or was lost (``reason``: timeout, restarted, left)."""
+    """A peer joined (``joined``) or was lost (``reason``: timeout, restarted, left), at
+    CLOCK_MONOTONIC time ``at``."""
 
     agent_id: str
     epoch: int
     joined: bool
     reason: str = ""
+    at: float = field(default_factory=time.monotonic)
 
 
 Event = LeaseGranted | RequestFailed | ReclaimRequested | LeaseLost | BlocksReturned | PeerChanged

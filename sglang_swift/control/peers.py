@@ -129,6 +129,8 @@ class PeerTable:
             )
             return
         if body.code == p.E_UNKNOWN_PEER:  # it declared us dead: our leases there are void
+            if env.seq <= peer.last_seq:  # but it has spoken to us since: an old error
+                return a.on_refused("stale", "unknown_peer error older than the peer's news", env)
             a.borrower.lose_donor(peer.agent_id, peer.epoch, "donor forgot us")
             a.donor.drop_borrower(peer.agent_id)
             a.send(peer, self._hello(reply=True))

@@ -17,6 +17,8 @@ from sglang_swift.control import (
     ControlAgent,
     ControlConfig,
     LeaseGranted,
+    LeaseLost,
+    PeerChanged,
     ReclaimRequested,
     RequestFailed,
 )
@@ -355,3 +357,24 @@ def test_grant_arriving_after_the_request_timed_out_is_given_back(rdv):
     finally:
         borrower.stop()
         donor.stop()
+
+
+def test_a_stalled_borrower_stops_reading_before_the_donor_gives_up_on_it(pair):
+    """The borrower's read deadline ends before its donor declares it dead, even when the
+    borrower's process is frozen; afterwards it learns it was forgotten and rejoins."""
+    _, donor, borrower = pair
+    borrower.request(6)
+    grant = _next(borrower, LeaseGranted)
+    with borrower._lock:  # freeze the borrower's I/O thread
+        deadline = borrower.read_deadline("donor")
+        gone = _next(donor, PeerChanged, timeout=5)
+        while gone.joined:
+            gone = _next(donor, PeerChanged, timeout=5)
+    assert gone.reason == "heartbeat timeout"
+    assert deadline < gone.at, "the donor could reuse blocks the borrower may still read"
+    lost = _next(borrower, LeaseLost)
+    assert lost.key == grant.key
+    assert borrower.wait_until(lambda a: "donor" in a.peers and a.peers["donor"].lendable, 5)
+    assert donor.wait_until(lambda a: "borrower" in a.peers, 5)
+    borrower.request(32)
+    assert len(_next(borrower, LeaseGranted).blocks) == 32
