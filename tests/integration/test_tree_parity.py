@@ -16,16 +16,17 @@ from sglang_swift.workload.sharegpt import load_conversations
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 12
 TURNS = 4
-CONVERSATIONS = 2
 
 
-def replay(model_dir, swiftcache: bool, log_path) -> tuple[list[str], list[int], str]:
+def replay(model_dir, swiftcache: bool, log_path, max_total_tokens: int, conversations: int,
+           chars: int) -> tuple[list[str], list[int], str]:
     """Turn-by-turn replay, conversations interleaved so they share and evict each other's KV."""
-    convs = load_conversations(CONVERSATIONS, min_turns=TURNS, max_chars_per_message=300)
+    convs = load_conversations(conversations, min_turns=TURNS, max_chars_per_message=chars)
     history: list[list[dict]] = [[] for _ in convs]
     outputs, cached = [], []
     args = ["--enable-cache-report", "--dtype", "float32"]
-    with LocalServer(model_dir, swiftcache=swiftcache, extra_args=args, log_path=log_path) as s:
+    with LocalServer(model_dir, swiftcache=swiftcache, extra_args=args, log_path=log_path,
+                     max_total_tokens=max_total_tokens) as s:
         for t in range(TURNS):
             for conv, messages in zip(convs, history):
                 messages.append({"role": "user", "content": conv.turns[t].user})
@@ -39,9 +40,15 @@ def replay(model_dir, swiftcache: bool, log_path) -> tuple[list[str], list[int],
     return outputs, cached, log
 
 
-def test_swiftcache_tree_matches_stock_sglang(tiny_model, tmp_path):
-    swift_out, swift_cached, swift_log = replay(tiny_model, True, tmp_path / "swift.log")
-    stock_out, stock_cached, _ = replay(tiny_model, False, tmp_path / "stock.log")
+# (KV pool tokens, conversations, chars per message): a pool that holds everything; and one
+# smaller than the three conversations' histories, so both trees must evict the same prefixes.
+@pytest.mark.parametrize("pool,conversations,chars", [(4096, 2, 300), (512, 3, 150)],
+                         ids=["roomy", "evicting"])
+def test_swiftcache_tree_matches_stock_sglang(tiny_model, tmp_path, pool, conversations, chars):
+    swift_out, swift_cached, swift_log = replay(tiny_model, True, tmp_path / "swift.log",
+                                                pool, conversations, chars)
+    stock_out, stock_cached, _ = replay(tiny_model, False, tmp_path / "stock.log",
+                                        pool, conversations, chars)
     print(f"cached tokens per turn: swiftcache {swift_cached}, stock {stock_cached}")
     assert "SwiftCache: radix_ext tree" in swift_log
     assert swift_out == stock_out
