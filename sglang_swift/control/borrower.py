@@ -86,7 +86,7 @@ class BorrowerSide:
         held = self.leases.get(key)
         if held is None:
             return
-        gone = held.blocks() if blocks is None else set(blocks)
+        gone = held.blocks() if blocks is None else held.blocks() & set(blocks)
         held.active -= gone
         for rid in list(held.reclaiming):
             held.reclaiming[rid] -= gone
@@ -98,9 +98,13 @@ class BorrowerSide:
     # ---- messages from donors ----
     def on_grant(self, peer, msg: p.Grant) -> None:
         key = LeaseKey(peer.agent_id, peer.epoch, msg.lease_id)
-        pend = self.pending.pop(msg.request_id, None)
+        pend = self.pending.get(msg.request_id)
+        if pend is not None and pend.donor == peer.agent_id:
+            del self.pending[msg.request_id]
+        else:
+            pend = None
         bad = self._check_grant(peer, msg, key)
-        if pend is None or pend.donor != peer.agent_id or bad:
+        if pend is None or bad:
             log.warning(
                 "release unexpected grant %s from %s: %s",
                 msg.lease_id,
