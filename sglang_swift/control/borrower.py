@@ -114,6 +114,8 @@ class BorrowerSide:
             self.agent.count("grants_refused")
             if msg.epoch == peer.epoch and not (bad and "twice" in bad):
                 self.agent.send(peer, p.Release(msg.lease_id, msg.epoch, list(msg.blocks)))
+            if pend is not None:  # the owner still gets an answer to its request
+                self.agent.emit(RequestFailed(msg.request_id, peer.agent_id, "bad_grant"))
             return
         self._expire(peer.agent_id, time.monotonic())
         self.confirmed[peer.agent_id] = max(self.confirmed.get(peer.agent_id, 0.0), pend.sent_at)
