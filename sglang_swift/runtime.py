@@ -1,0 +1,256 @@
+"""SwiftRuntime: one per SwiftCache server, in its scheduler process, beside the scheduler loop.
+
+It ties the three components together for a live SGLang server:
+- the control agent (`control/`), which finds the other SwiftCache servers on the node;
+- as a donor, a shared arena (`dataplane/`) of `lend_fraction` of the server's KV capacity,
+  offered to borrowers and taken back (reclaim) when the server's own KV usage passes
+  `reclaim_watermark`;
+- as a borrower, leases of donor blocks, mapped from each grant's descriptor and handed to the
+  radix tree's donor tier, plus the copies the tree asks for (store on demotion, load on a hit).
+
+Threading: the agent runs its own I/O thread; everything here runs on the scheduler thread, which
+calls `pump()` before it uses the tree (the tree adapter does). Faults are expected events: a lost
+or reclaiming donor is revoked from the tree before the reclaim is acknowledged, and a copy from a
+donor whose read deadline passed is refused, so the request recomputes instead of reading blocks
+that may already hold someone else's data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .config import SwiftConfig
+from .control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseKey,
+                      LeaseLost, PeerChanged, ReclaimRequested, RequestFailed)
+from .dataplane import KVGeometry, MappingError, SharedArena, TransferEngine, map_arena
+
+logger = logging.getLogger(__name__)
+
+
+def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
+    """The KV geometry of SGLang's MHATokenToKVPool (one TP rank), one page per block."""
+    return KVGeometry(num_layers=kv_pool.layer_num, num_kv_heads=kv_pool.head_num,
+                      head_dim=kv_pool.head_dim,
+                      v_head_dim=getattr(kv_pool, "v_head_dim", kv_pool.head_dim),
+                      dtype=kv_pool.store_dtype, page_size=page_size)
+
+
+def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
+    return ControlConfig(agent_id=agent_id, rendezvous_dir=config.resolved_rendezvous_dir(),
+                         secret_file=config.resolved_secret_file(),
+                         heartbeat_interval_s=config.heartbeat_interval_s,
+                         heartbeat_timeout_s=config.heartbeat_timeout_s,
+                         lease_margin_s=min(0.25, config.heartbeat_timeout_s / 4))
+
+
+@dataclass
+class HeldLease:
+    """A lease this server borrows: arena block ids by lease-local index (the tree's numbering)."""
+
+    key: LeaseKey
+    arena_blocks: list[int]
+    engine: TransferEngine
+    local: dict[int, int] = field(default_factory=dict)  # arena block id -> lease-local index
+
+    def __post_init__(self) -> None:
+        self.local = {b: i for i, b in enumerate(self.arena_blocks)}
+
+
+class SwiftRuntime:
+    """The live side of SwiftCache in one server; see the module docstring for the contract."""
+
+    def __init__(self, config: SwiftConfig, *, model: str, kv_pool: Any, allocator: Any,
+                 tree: Any, page_size: int, agent_id: str | None = None) -> None:
+        self.config = config
+        self.kv_pool = kv_pool
+        self.allocator = allocator
+        self.tree = tree
+        self.geometry = geometry_of(kv_pool, page_size)
+        self.device = kv_pool.k_buffer[0].device
+        self.lends = config.role in ("donor", "both", "auto") and config.lend_fraction > 0
+        self.borrows = config.role in ("borrower", "both", "auto") and config.max_borrow_blocks > 0
+        self.agent_id = agent_id or f"{os.path.basename(model.rstrip('/')) or 'model'}-{os.getpid()}"
+        self.agent = ControlAgent(control_config_for(config, self.agent_id), model=model)
+        self.arena: SharedArena | None = None
+        self.withheld: set[int] = set()  # donor: blocks reclaimed for the server's own demand
+        self.leases: dict[tuple[str, int], HeldLease] = {}  # (donor, lease id) -> held lease
+        self._mapped: dict[str, Any] = {}  # donor owner_uuid -> MappedArena
+        self._requested = False
+        self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
+                      "revoked_tokens": 0, "leases": 0, "reclaims": 0, "lost_leases": 0}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "SwiftRuntime":
+        if self.lends:
+            blocks = int(self.allocator.size * self.config.lend_fraction) // self.geometry.page_size
+            if blocks > 0:
+                self.arena = SharedArena(blocks, _aligned(self.geometry.page_bytes),
+                                         device=str(self.device))
+                self.agent.set_memory(self.arena.export())
+                self.agent.offer(list(range(blocks)))
+        self.agent.start()
+        logger.info("SwiftCache runtime %s started: lends %d blocks, borrows up to %d",
+                    self.agent_id, self.arena.book.num_blocks if self.arena else 0,
+                    self.config.max_borrow_blocks if self.borrows else 0)
+        return self
+
+    def stop(self) -> None:
+        self.agent.stop()
+        for held in self.leases.values():
+            held.engine.close()
+        for m in self._mapped.values():
+            m.close()
+        self.leases.clear()
+        self._mapped.clear()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    # ---- the scheduler thread's step ------------------------------------------------------
+    def pump(self) -> None:
+        """Handle what the agent queued; ask for leases; enforce the donor watermark."""
+        for event in self.agent.poll_events():
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(self, event)
+        if self.borrows and not self._requested and self._peer_count() > 0:
+            want = self.config.max_borrow_blocks - self._held_blocks()
+            if want > 0:
+                self.agent.request(want)
+                self._requested = True
+        if self.arena is not None:
+            self._enforce_watermark()
+
+    def _peer_count(self) -> int:
+        return len(self.agent.status().peers)
+
+    def _held_blocks(self) -> int:
+        return sum(len(h.arena_blocks) for h in self.leases.values())
+
+    def own_usage(self) -> float:
+        """Share of this server's KV pool in use by live requests (the tree's evictable part is
+        reclaimable, so it does not count as demand)."""
+        free = self.allocator.available_size() + self.tree.evictable_size()
+        return 1.0 - free / max(1, self.allocator.size)
+
+    def _enforce_watermark(self) -> None:
+        if self.own_usage() > self.config.reclaim_watermark:
+            lent = self.arena.book.num_blocks - len(self.withheld)
+            if lent > 0:
+                self.agent.demand(lent)
+        elif self.withheld and self.own_usage() < self.config.reclaim_watermark * 0.8:
+            self.agent.offer(sorted(self.withheld))
+            self.withheld.clear()
+
+    # ---- events -----------------------------------------------------------------------------
+    def _on_granted(self, ev: LeaseGranted) -> None:
+        self._requested = False
+        try:
+            mapped = self._mapped.get(ev.memory.owner_uuid)
+            if mapped is None:
+                mapped = map_arena(ev.memory, self.geometry)
+                self._mapped[ev.memory.owner_uuid] = mapped
+            engine = TransferEngine(mapped.memory, self.geometry, liveness=mapped.alive)
+        except MappingError as exc:  # an expected event: give the blocks back, run without them
+            logger.warning("SwiftCache: cannot map donor %s (%s); releasing the lease",
+                           ev.key.donor, exc)
+            self.agent.release(ev.key)
+            return
+        held = HeldLease(ev.key, list(ev.blocks), engine)
+        self.leases[(ev.key.donor, ev.key.lease_id)] = held
+        self.tree.donor.add_lease(ev.key.donor, ev.key.lease_id, ev.key.epoch, len(ev.blocks))
+        self.stats["leases"] += 1
+
+    def _on_failed(self, ev: RequestFailed) -> None:
+        self._requested = False
+
+    def _on_reclaim(self, ev: ReclaimRequested) -> None:
+        held = self.leases.get((ev.key.donor, ev.key.lease_id))
+        if held is not None:
+            local = [held.local[b] for b in ev.blocks if b in held.local]
+            result = self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local)
+            self._count_revoked(result)
+            self.tree.donor.remove_blocks(ev.key.donor, ev.key.lease_id, local)
+            for b in ev.blocks:
+                held.local.pop(b, None)
+            held.arena_blocks = [b for b in held.arena_blocks if b in held.local]
+        self.stats["reclaims"] += 1
+        self.agent.ack_reclaim(ev)  # only after the tree stopped referencing those blocks
+
+    def _on_lost(self, ev: LeaseLost) -> None:
+        held = self.leases.pop((ev.key.donor, ev.key.lease_id), None)
+        if held is None:
+            return
+        self._count_revoked(self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id))
+        self.tree.donor.remove_lease(ev.key.donor, ev.key.lease_id)
+        held.engine.close()
+        self.stats["lost_leases"] += 1
+        logger.warning("SwiftCache: lease %s lost (%s); its prefixes will be recomputed",
+                       ev.key, ev.reason)
+
+    def _on_returned(self, ev: BlocksReturned) -> None:
+        self.withheld.update(ev.blocks)
+
+    def _on_peer(self, ev: PeerChanged) -> None:
+        logger.info("SwiftCache: peer %s %s %s", ev.agent_id,
+                    "joined" if ev.joined else "lost", ev.reason)
+
+    _handlers = {LeaseGranted: _on_granted, RequestFailed: _on_failed,
+                 ReclaimRequested: _on_reclaim, LeaseLost: _on_lost,
+                 BlocksReturned: _on_returned, PeerChanged: _on_peer}
+
+    def _count_revoked(self, result: Any) -> None:
+        """Account a tree revoke and free the device slots of nodes that went with a lost
+        prefix (a child cannot outlive the prefix it extends)."""
+        self.stats["revoked_tokens"] += result.num_tokens_lost
+        slots = [i for r in result.released if r.tier == "device" for i in r.residency.indices]
+        if slots:
+            self.allocator.free(torch.tensor(slots, dtype=torch.int64, device=self.device))
+
+    # ---- copies the tree asks for ---------------------------------------------------------
+    def _held(self, residency: Any) -> HeldLease:
+        return self.leases[(residency.donor, residency.lease)]
+
+    def store(self, device_indices: Sequence[int], residency: Any) -> bool:
+        """Copy device slots into the donor blocks of `residency`; False if the donor is gone."""
+        held = self.leases.get((residency.donor, residency.lease))
+        if held is None or not self._readable(residency.donor):
+            return False
+        blocks = [held.arena_blocks[i] for i in residency.blocks]
+        slots = torch.as_tensor(list(device_indices), dtype=torch.int64)
+        result = held.engine.begin_store(self.kv_pool.k_buffer, self.kv_pool.v_buffer, slots,
+                                         blocks).wait(self.config.heartbeat_timeout_s * 4)
+        if result.ok:
+            self.stats["stored_tokens"] += len(slots)
+        return result.ok
+
+    def load(self, residency: Any, device_indices: Sequence[int], counter: Any) -> bool:
+        """Copy the donor blocks of `residency` into device slots, layer by layer, signalling
+        `counter`; False (nothing valid was produced) if the donor is gone or too late to read."""
+        held = self.leases.get((residency.donor, residency.lease))
+        if held is None or not self._readable(residency.donor):
+            self.stats["refused_loads"] += 1
+            return False
+        blocks = [held.arena_blocks[i] for i in residency.blocks]
+        slots = torch.as_tensor(list(device_indices), dtype=torch.int64)
+        handle = held.engine.begin_load(self.kv_pool.k_buffer, self.kv_pool.v_buffer, slots,
+                                        blocks, counter)
+        result = handle.wait(self.config.heartbeat_timeout_s * 4)
+        if not result.ok:
+            self.stats["refused_loads"] += 1
+            return False
+        self.stats["loaded_tokens"] += len(slots)
+        return True
+
+    def _readable(self, donor: str) -> bool:
+        return time.monotonic() < self.agent.read_deadline(donor)
+
+
+def _aligned(n: int, align: int = 256) -> int:
+    return (n + align - 1) // align * align
