@@ -43,6 +43,7 @@ class RowPlan:
     slots: torch.Tensor
     runs: tuple[tuple[int, int, int], ...] = ()  # (first page, pages, first block) when used
     run_pages: tuple[torch.Tensor, ...] = ()  # local_pages of each run, sliced once
+    run_pages_np: tuple = ()  # the same as numpy arrays (the load's scatter uses numpy)
 
 
 def plan_rows(slots: torch.Tensor, blocks: torch.Tensor, page_size: int) -> RowPlan:
@@ -78,6 +79,7 @@ def plan_rows(slots: torch.Tensor, blocks: torch.Tensor, page_size: int) -> RowP
             slots,
             runs,
             tuple(local_pages[s : s + m] for s, m, _ in runs),
+            tuple(local_pages[s : s + m].numpy() for s, m, _ in runs),
         )
     tok = torch.arange(n)
     return RowPlan(
@@ -178,9 +180,11 @@ def load_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> Non
             local.index_copy_(0, plan.slots, part3[blk, row])
             continue
         if plan.runs:  # one pass: scatter each run of blocks straight into local pages
-            for (_, m, b0), idx in zip(plan.runs, plan.run_pages, strict=True):
-                # index_put_ measured ~15% faster than index_copy_ for this scatter
-                pages.index_put_((idx,), part[b0 : b0 + m])
+            # numpy's fancy assignment of whole-page records is a memcpy per page: measured
+            # 0.86x of a contiguous copy, against 0.70x for torch's index_put_ / index_copy_
+            dst_pages = _records(pages)
+            for (_, m, b0), idx in zip(plan.runs, plan.run_pages_np, strict=True):
+                dst_pages[idx] = _records(part[b0 : b0 + m])
         else:
             for s in range(0, plan.local_pages.shape[0], CHUNK_PAGES):
                 e = s + CHUNK_PAGES
@@ -190,6 +194,15 @@ def load_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> Non
         if plan.tail_slots is not None:
             rem = plan.tail_slots.shape[0]
             local.index_copy_(0, plan.tail_slots, part3[plan.tail_block, :rem])
+
+
+def _records(t: torch.Tensor):
+    """[rows, w] (CPU, rows of contiguous bytes, any row stride) -> a numpy array of `rows`
+    opaque records sharing its memory, so numpy moves each row as one memcpy."""
+    import numpy as np
+
+    a = t.view(torch.uint8).numpy()
+    return a.view(np.dtype((np.void, a.shape[1])))[:, 0]
 
 
 def _coords(plan: RowPlan):
