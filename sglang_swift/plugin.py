@@ -35,8 +35,9 @@ CONFIG_ATTR = "_swiftcache_config"  # bookkeeping attribute on ServerArgs (pickl
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 REGISTER_BACKEND = "sglang.srt.mem_cache.registry.register_radix_cache_backend"
-HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND,
-                "sglang.srt.mem_cache.registry.create_unified_radix_cache")
+SCHEDULER_STEP = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
+HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND, SCHEDULER_STEP,
+                "sglang.srt.mem_cache.radix_cache.RadixCache")
 
 
 class SwiftCacheUnavailable(RuntimeError):
@@ -163,6 +164,15 @@ def config_for_server(server_args: Any) -> SwiftConfig:
     return SwiftConfig.from_json(text)
 
 
+def _before_scheduler_step(scheduler: Any, *a: Any, **kw: Any) -> None:
+    """Once per scheduler loop iteration: let a SwiftCache tree handle control-channel events
+    (leases granted, reclaims, lost donors) on the scheduler thread. Stock trees have no step."""
+    step = getattr(getattr(scheduler, "tree_cache", None), "swift_step", None)
+    if step is not None:
+        step()
+    return None
+
+
 def swiftcache_backend_factory(ctx: Any) -> Any:
     from .tree_cache import create_swift_tree_cache
 
@@ -193,6 +203,7 @@ def register(*, sglang_version: str | None = None, targets: Sequence[str] = HOOK
 
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
+    HookRegistry.register(SCHEDULER_STEP, _before_scheduler_step, HookType.BEFORE)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, swiftcache_backend_factory)
     return []

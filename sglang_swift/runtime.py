@@ -51,15 +51,22 @@ def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
 
 @dataclass
 class HeldLease:
-    """A lease this server borrows: arena block ids by lease-local index (the tree's numbering)."""
+    """A lease this server borrows. The tree numbers its blocks 0..n-1 (lease-local);
+    `arena_blocks[i]` is the donor arena's block id of local block i, fixed for the lease's life.
+    `gone` holds the local blocks the donor took back."""
 
     key: LeaseKey
     arena_blocks: list[int]
     engine: TransferEngine
     local: dict[int, int] = field(default_factory=dict)  # arena block id -> lease-local index
+    gone: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.local = {b: i for i, b in enumerate(self.arena_blocks)}
+
+    @property
+    def held(self) -> int:
+        return len(self.arena_blocks) - len(self.gone)
 
 
 class SwiftRuntime:
@@ -131,7 +138,16 @@ class SwiftRuntime:
         return len(self.agent.status().peers)
 
     def _held_blocks(self) -> int:
-        return sum(len(h.arena_blocks) for h in self.leases.values())
+        return sum(h.held for h in self.leases.values())
+
+    def attach_tree(self, tree: Any) -> None:
+        """The cache was reset (a new, empty tree): register the leases still held in it."""
+        self.tree = tree
+        for held in self.leases.values():
+            k = held.key
+            tree.donor.add_lease(k.donor, k.lease_id, k.epoch, len(held.arena_blocks))
+            if held.gone:
+                tree.donor.remove_blocks(k.donor, k.lease_id, held.gone)
 
     def own_usage(self) -> float:
         """Share of this server's KV pool in use by live requests (the tree's evictable part is
@@ -173,13 +189,11 @@ class SwiftRuntime:
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
         held = self.leases.get((ev.key.donor, ev.key.lease_id))
         if held is not None:
-            local = [held.local[b] for b in ev.blocks if b in held.local]
-            result = self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local)
-            self._count_revoked(result)
-            self.tree.donor.remove_blocks(ev.key.donor, ev.key.lease_id, local)
-            for b in ev.blocks:
-                held.local.pop(b, None)
-            held.arena_blocks = [b for b in held.arena_blocks if b in held.local]
+            local = [held.local[b] for b in ev.blocks
+                     if b in held.local and held.local[b] not in held.gone]
+            # revoke drops every residency on those blocks and takes them out of the tier
+            self.forget(self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local))
+            held.gone.update(local)
         self.stats["reclaims"] += 1
         self.agent.ack_reclaim(ev)  # only after the tree stopped referencing those blocks
 
@@ -187,8 +201,7 @@ class SwiftRuntime:
         held = self.leases.pop((ev.key.donor, ev.key.lease_id), None)
         if held is None:
             return
-        self._count_revoked(self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id))
-        self.tree.donor.remove_lease(ev.key.donor, ev.key.lease_id)
+        self.forget(self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id))
         held.engine.close()
         self.stats["lost_leases"] += 1
         logger.warning("SwiftCache: lease %s lost (%s); its prefixes will be recomputed",
@@ -205,7 +218,7 @@ class SwiftRuntime:
                  ReclaimRequested: _on_reclaim, LeaseLost: _on_lost,
                  BlocksReturned: _on_returned, PeerChanged: _on_peer}
 
-    def _count_revoked(self, result: Any) -> None:
+    def forget(self, result: Any) -> None:
         """Account a tree revoke and free the device slots of nodes that went with a lost
         prefix (a child cannot outlive the prefix it extends)."""
         self.stats["revoked_tokens"] += result.num_tokens_lost
