@@ -31,6 +31,18 @@ class RevokeMixin:
                 return False
             return gone_blocks is None or any(b in gone_blocks for b in res.blocks)
 
+        if gone_blocks is not None:
+            lease = self.donor.leases.get((donor, lease_id))
+            if lease is None:
+                raise ValueError(f"no lease {donor}/{lease_id} to revoke blocks from")
+            owned = set(lease.free_blocks)
+            for x in self._in_tier[DONOR]:
+                r = x.res[DONOR]
+                if (r.donor, r.lease) == (donor, lease_id):
+                    owned.update(r.blocks)
+            if not gone_blocks <= owned:
+                raise ValueError(f"blocks {sorted(gone_blocks - owned)[:8]} are not in lease "
+                                 f"{donor}/{lease_id}; nothing was revoked")
         victims = [x for x in self._in_tier[DONOR] if hit(x.res[DONOR])]
         released: list = []
         stale: list = []

@@ -72,13 +72,15 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything (tier capacity stays; every index returns to its free set)."""
-        for t in list(self.tiers.values()):
-            if t is self.host:
-                self.host = self.tiers[HOST] = HostTier(self.config.host_capacity)
-            elif t is self.donor:
-                for lease in t.leases.values():
-                    lease.free_blocks = list(range(lease.num_blocks - 1, -1, -1))
+        """Forget every cached prefix; lower-tier indices go back to their free sets (leases stay)."""
+        if hasattr(self, "root"):
+            stack = list(self.root.children.values())
+            while stack:
+                x = stack.pop()
+                for tier, res in x.res.items():
+                    if tier in self.tiers:
+                        self.tiers[tier].free(res)
+                stack.extend(x.children.values())
         self._next_id = 1
         self.clock = 0
         self.root = Node(0, None, array("q"), None, 0)

@@ -2,7 +2,7 @@
 
 `create_swift_tree_cache` puts radix_ext behind SGLang's prefix-cache interface
 (`tree_cache_adapter.SwiftRadixCache`). Tree configuration comes from `SwiftConfig`; model kinds
-the tree does not handle yet fail here, at start-up, with the fix.
+and options the tree does not handle yet fail here, at start-up, with the fix.
 """
 
 from __future__ import annotations
@@ -42,13 +42,18 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         ("DSA attention", getattr(ctx, "is_dsa", False)),
         ("--enable-hierarchical-cache", getattr(ctx, "enable_hierarchical_cache", False)),
     ) if on]
+    params = ctx.params
+    if (getattr(params, "eviction_policy", "lru") or "lru").lower() != "lru":
+        unsupported.append(f"--radix-eviction-policy {params.eviction_policy} (SwiftCache orders "
+                           f"evictions itself: use --swiftcache-eviction-policy)")
+    if getattr(params, "enable_kv_cache_events", False):
+        unsupported.append("KV cache events (not emitted by SwiftCache's tree yet)")
     if unsupported:
-        raise ValueError(f"SwiftCache's tree supports dense full-attention models only; this server "
-                         f"has {', '.join(unsupported)}. Run without --enable-swiftcache "
-                         f"(or without --enable-hierarchical-cache: SwiftCache has its own tiers).")
+        raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop those "
+                         f"options or run without --enable-swiftcache (SwiftCache has its own tiers: "
+                         f"no --enable-hierarchical-cache needed).")
     from .tree_cache_adapter import SwiftRadixCache
 
-    params = ctx.params
     cache = SwiftRadixCache(params, tree_config_for(config, params.page_size))
     logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s)", params.page_size,
                 cache.tree_config.eviction)

@@ -84,3 +84,40 @@ def test_adapter_matches_sglang_radix_cache(monkeypatch, seed, page_size):
         assert (stock.evictable_size(), stock.protected_size(), stock.total_size()) == (
             swift.evictable_size(), swift.protected_size(), swift.total_size())
         swift.check_integrity()
+
+
+def _ctx(**overrides):
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    params = CacheInitParams(disable=False, req_to_token_pool=None,
+                             token_to_kv_pool_allocator=RecordingAllocator(), page_size=1,
+                             **overrides.pop("params", {}))
+    fields = dict(params=params, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
+                  enable_hierarchical_cache=False)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def test_factory_builds_radix_ext_with_the_configured_policy():
+    from types import SimpleNamespace
+
+    from sglang_swift.tree_cache import create_swift_tree_cache
+    from sglang_swift.tree_cache_adapter import SwiftRadixCache
+
+    cache = create_swift_tree_cache(_ctx(), SimpleNamespace(eviction_policy="cost_aware"))
+    assert isinstance(cache, SwiftRadixCache) and cache.tree.eviction.name == "cost_aware"
+    # a config without the field (an older SwiftConfig) falls back to LRU
+    assert create_swift_tree_cache(_ctx(), object()).tree.eviction.name == "lru"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"is_hybrid_swa": True}, {"enable_hierarchical_cache": True},
+    {"params": {"eviction_policy": "lfu"}}, {"params": {"enable_kv_cache_events": True}},
+])
+def test_factory_refuses_what_the_tree_cannot_do_with_the_fix(overrides):
+    from sglang_swift.tree_cache import create_swift_tree_cache
+
+    with pytest.raises(ValueError, match="run without --enable-swiftcache"):
+        create_swift_tree_cache(_ctx(**overrides), object())

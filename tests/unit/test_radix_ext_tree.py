@@ -154,3 +154,27 @@ def test_check_integrity_catches_drift():
     t2.insert([3], array("q", [0]))  # slot 0 owned twice
     with pytest.raises(AssertionError, match="owned twice"):
         t2.check_integrity()
+
+
+def test_reset_returns_every_lower_tier_index():
+    t = RadixTree(TreeConfig(donor=True, host_capacity=4))
+    t.donor.add_lease("d", 0, 1, 4)
+    t.insert([1, 2, 3, 4], [0, 1, 2, 3])
+    t.insert([5, 6, 7, 8], [4, 5, 6, 7])
+    t.evict_device(8)
+    assert t.tier_size(DONOR) + t.tier_size(HOST) == 8
+    t.revoke("d", 0, [0])  # a lease with a hole in its block numbers
+    t.reset()
+    assert t.tier_size(DONOR) == 0 and t.tier_size(HOST) == 0 and t.match([1, 2]).prefix_len == 0
+    t.check_integrity()
+
+
+def test_revoking_blocks_a_lease_does_not_own_changes_nothing():
+    t = RadixTree(TreeConfig(donor=True))
+    t.donor.add_lease("d", 0, 1, 4)
+    t.insert([1, 2], [0, 1])
+    t.evict_device(2)
+    with pytest.raises(ValueError, match="not in lease"):
+        t.revoke("d", 0, [99])
+    assert t.match([1, 2]).prefix_len == 2
+    t.check_integrity()
