@@ -60,8 +60,15 @@ def status(args) -> int:
         codec = p.Codec(
             read_secret(args.secret_file or os.path.join(args.rendezvous_dir, "secret"))
         )
-    except (FileNotFoundError, ControlConfigError) as exc:
-        print(f"cannot read the node secret: {exc}", file=sys.stderr)
+    except FileNotFoundError as exc:
+        print(
+            f"no node secret at {exc.filename}: no agent has run with this rendezvous "
+            "directory; pass --rendezvous-dir (and --secret-file) of the running servers",
+            file=sys.stderr,
+        )
+        return 2
+    except ControlConfigError as exc:
+        print(f"cannot use the node secret: {exc}", file=sys.stderr)
         return 2
     records = sorted(discovery.read_records(args.rendezvous_dir), key=lambda r: r.agent_id)
     results = [(rec, query(codec, rec, args.timeout)) for rec in records]
