@@ -119,7 +119,7 @@ class ControlAgent:
     # ---- owner API (thread-safe, non-blocking) ----
     def set_memory(self, memory: p.MemoryDescriptor | dict) -> None:
         """The arena this donor lends (the data plane's descriptor dict or struct). Its
-        ``owner_uuid`` is replaced by ``"<agent_id>:<epoch>"`` in every grant."""
+        An empty ``owner_uuid`` becomes ``"<agent_id>:<epoch>"`` in every grant."""
         self._command(self.donor.set_memory, p.MemoryDescriptor.coerce(memory))
 
     def offer(self, blocks) -> None:

@@ -39,7 +39,9 @@ class DonorSide:
     def set_memory(self, memory: p.MemoryDescriptor) -> None:
         if self.memory is not None and self.ledger.offered:
             raise RuntimeError("memory descriptor changed while blocks are offered")
-        uuid = f"{self.agent.config.agent_id}:{self.agent.epoch}"
+        # The arena's own identity (checked by the borrower against the mapped region's header)
+        # wins; a descriptor without one is named after this agent's incarnation.
+        uuid = memory.owner_uuid or f"{self.agent.config.agent_id}:{self.agent.epoch}"
         self.memory = msgspec.structs.replace(memory, owner_uuid=uuid)
 
     # ---- owner commands ----
