@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -64,21 +63,14 @@ def make_sessions(a: argparse.Namespace):
     return agent_sessions(spec)
 
 
-@contextlib.contextmanager
-def _launched_servers():
-    """Start the CPU demo servers (tiny model; SwiftCache off, then on); yields {label: url}.
-
-    Started one after the other and both kept up, so the same workload runs against each."""
+def _launch_specs():
+    """The CPU demo servers: the tiny model with SwiftCache off, then on."""
     from sglang_swift.local_server import LocalServer
     from sglang_swift.tiny_model import DEFAULT_DIR, ensure_tiny_model
 
     model = ensure_tiny_model(DEFAULT_DIR, seed=0)
-    with contextlib.ExitStack() as stack:
-        urls = {}
-        for label, on in (("swiftcache-off", False), ("swiftcache-on", True)):
-            srv = stack.enter_context(LocalServer(model, swiftcache=on, extra_args=["--enable-cache-report"]))
-            urls[label] = srv.base_url
-        yield urls
+    for label, on in (("swiftcache-off", False), ("swiftcache-on", True)):
+        yield label, LocalServer(model, swiftcache=on, extra_args=["--enable-cache-report"])
 
 
 def run(a: argparse.Namespace, servers: dict[str, str]) -> dict:
@@ -96,9 +88,11 @@ def run(a: argparse.Namespace, servers: dict[str, str]) -> dict:
                     asyncio.run(runner.flush(url))
                 if not a.no_warmup:  # one untimed request, so neither server is measured cold
                     asyncio.run(runner.warmup(url, a.api, a.model))
+                t0 = time.perf_counter()
                 recs = asyncio.run(runner.run_sessions(url, label, sessions, rate, api=a.api,
                                                        seed=a.seed, progress=bar, model=a.model))
                 s = stats.summarize(recs)
+                s["wall_s"] = time.perf_counter() - t0
                 results["runs"].append({"server": label, "rate": rate, "summary": s,
                                         "records": [r.to_json() for r in recs]})
     return results
@@ -137,8 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     servers = dict(s.split("=", 1) for s in a.server)
     if a.launch:
-        with _launched_servers() as launched:
-            results = run(a, {**launched, **servers})
+        # one server at a time, so they don't compete for the CPU cores while measured
+        results = None
+        for label, server in _launch_specs():
+            with server:
+                part = run(a, {label: server.base_url})
+            if results is None:
+                results = part
+            else:
+                results["servers"].update(part["servers"])
+                results["runs"].extend(part["runs"])
+        if servers:
+            part = run(a, servers)
+            results["servers"].update(part["servers"])
+            results["runs"].extend(part["runs"])
     elif servers:
         results = run(a, servers)
     else:
