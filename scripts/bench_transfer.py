@@ -33,14 +33,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, finishes in under 30 s")
     p.add_argument(
-        "--tokens", type=int, default=None, help="prefix length (default 4096; quick 3072)"
+        "--tokens", type=int, default=None, help="prefix length (default 8192; quick 4096)"
     )
-    p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--page-sizes", default=None, help="default 16,32,64; quick 16,64")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 3)")
     p.add_argument(
         "--threads",
         type=int,
@@ -48,6 +48,9 @@ def parse_args(argv=None):
         help="torch threads of the copy lane (the baseline copy runs on the same lane)",
     )
     return p.parse_args(argv)
+
+
+QUICK_BUDGET_S = 18.0  # seconds of timed rounds under --quick, all page sizes together
 
 
 def _pattern(*shape, dtype, seed: int) -> torch.Tensor:
@@ -66,22 +69,27 @@ def _timed(fn) -> float:
 
 
 class Pool:
-    """One local pool and one baseline buffer pair, shared by every page size of the run."""
+    """One local pool and one baseline buffer pair, shared by every page size of the run.
+
+    Every slot's row differs from every other's (one pattern), and each layer's tensor differs
+    in its first word per slot, so a round trip that mixed slots or layers would not verify."""
 
     def __init__(self, g: KVGeometry, num_slots: int, nbytes: int):
-        self.k = [
-            _pattern(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, seed=2 * i)
-            for i in range(g.num_layers)
-        ]
-        self.v = [
-            _pattern(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, seed=2 * i + 1)
-            for i in range(g.num_layers)
-        ]
-        self.src_c = _pattern(nbytes, dtype=torch.uint8, seed=3)
-        self.dst_c = torch.empty_like(self.src_c)
+        base_k = _pattern(num_slots, g.num_kv_heads, g.head_dim, dtype=g.dtype, seed=1)
+        base_v = _pattern(num_slots, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, seed=2)
+        self.k, self.v = [], []
+        for layer in range(g.num_layers):
+            for base, out in ((base_k, self.k), (base_v, self.v)):
+                t = base.clone()
+                t.view(torch.int16)[:, 0, 0] = layer
+                out.append(t)
+        self.src_c = torch.full((nbytes,), 0x5A, dtype=torch.uint8)  # a copy ignores content
+        self.dst_c = torch.zeros_like(self.src_c)
 
 
-def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool: Pool) -> dict:
+def bench_page_size(
+    g: KVGeometry, tokens: int, repeats: int, threads: int, pool: Pool, deadline: float
+) -> dict:
     npages = -(-tokens // g.page_size)
     k, v, src_c, dst_c = pool.k, pool.v, pool.src_c, pool.dst_c
     num_slots = k[0].shape[0]  # at least twice the prefix: its pages are scattered in the pool
@@ -113,7 +121,9 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool
 
         for fn in (copy, store, load):
             fn()  # warm-up: page faults, thread start
-        rounds = [(_timed(copy), _timed(store), _timed(load)) for _ in range(repeats)]
+        rounds = []
+        while len(rounds) < repeats and (not rounds or time.monotonic() < deadline):
+            rounds.append((_timed(copy), _timed(store), _timed(load)))
         same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
         ok = all(
             same(k[i][dst], k[i][slots]) and same(v[i][dst], v[i][slots])
@@ -137,15 +147,18 @@ def bench_page_size(g: KVGeometry, tokens: int, repeats: int, threads: int, pool
         "store_ratio": store_ratio,
         "load_ratio": load_ratio,
         "load_ms_per_layer": t_load / g.num_layers * 1e3,
+        "rounds": len(rounds),
         "verified": ok,
     }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tokens = args.tokens or (3072 if args.quick else 4096)
-    repeats = args.repeats or (2 if args.quick else 5)
-    page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    tokens = args.tokens or (4096 if args.quick else 8192)
+    repeats = args.repeats or (3 if args.quick else 5)
+    page_sizes = [
+        int(x) for x in (args.page_sizes or ("16,64" if args.quick else "16,32,64")).split(",")
+    ]
     t0 = time.monotonic()
     print(
         f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
@@ -166,7 +179,10 @@ def main(argv=None) -> int:
     )
     for g in geoms:
         ps = g.page_size
-        r = bench_page_size(g, tokens, repeats, args.threads, pool)
+        # --quick keeps under 30 s on a busy machine: after the time share of this page size,
+        # stop adding rounds (at least one is always timed)
+        share = (QUICK_BUDGET_S if args.quick else 1e9) * (len(rows) + 1) / len(geoms)
+        r = bench_page_size(g, tokens, repeats, args.threads, pool, t0 + share)
         rows.append(r)
         print(
             f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
@@ -192,6 +208,7 @@ def main(argv=None) -> int:
         "layers": args.layers,
         "bytes_per_token_per_layer": rows[0]["bytes"] // tokens // args.layers,
         "verified": all(r["verified"] for r in rows),
+        "rounds": [r["rounds"] for r in rows],
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(summary))
