@@ -17,9 +17,9 @@ time inside tree calls is measured, both sides alike. Each side runs `--repeats`
 
 Cost-aware vs LRU: the same trace with two donors of equal size, a stable one (reclaim hazard
 0.05) and a flaky one (0.6) that takes its lease back every `--revoke-every` requests and lends
-it again under a new epoch; at each total donor size in `--policy-donor-factors`. Reload cost = per request, over the prompt tokens seen before:
-donor hits x donor cost + misses x recompute cost (radix_ext.CostModel units: one token's
-recompute = 1).
+it again under a new epoch; at each total donor size in `--policy-donor-factors`. Reload cost =
+per request, over the prompt tokens seen before: donor hits x donor cost + misses x recompute
+cost (radix_ext.CostModel units: one token's recompute = 1).
 """
 
 from __future__ import annotations
