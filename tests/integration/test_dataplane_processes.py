@@ -17,6 +17,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -140,11 +141,14 @@ def borrower_main(mode: str) -> None:
 class Child:
     def __init__(self, role: str, log_path):
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        root = str(Path(__file__).resolve().parents[2])  # importable without an install
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, role],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
+            env={**os.environ, "PYTHONPATH": path},
         )
         self.role, self.log_path, self._buf = role, log_path, b""
 
