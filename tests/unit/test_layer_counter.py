@@ -215,3 +215,50 @@ def test_cuda_counter_records_on_the_copy_stream_and_waits_on_the_device(monkeyp
     assert c.wait_until(0) and c.wait_until(1) and waited == ["ev1", "ev2"]
     assert c.fail("donor lost") == (2,)
     assert c.wait_until(2) is False and waited == ["ev1", "ev2"]
+
+
+def test_revoked_arena_mid_load_fails_the_remaining_layers():
+    """Invariant: a donor revoking its arena during a load is seen by the loader's liveness
+    check (the mapping's header) before the next layer; nothing after it is copied."""
+    from sglang_swift.dataplane import map_arena
+
+    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    mapped = map_arena(donor.export(), G)
+    borrower = TransferEngine(mapped.memory, G, liveness=mapped.alive)
+    try:
+        counter = CpuLayerCounter(G.num_layers, timeout_s=30)
+        h = borrower.begin_load(
+            k2, v2, slots, blocks, counter, before_layer=lambda i: i == 2 and donor.revoke_export()
+        )
+        counter.set_consumer(h.producer_id)
+        res = h.wait(30)
+        assert not res.ok and res.failed_layers == (2, 3) and res.reason == "donor lost"
+        assert [counter.wait_until(i) for i in range(G.num_layers)] == [True, True, False, False]
+        assert torch.equal(k2[1][slots], k[1][slots]) and torch.isnan(k2[2][slots].float()).all()
+    finally:
+        borrower.close()
+        eng.close()
+        mapped.close()
+        donor.close()
+
+
+@pytest.mark.parametrize(
+    "problem, message",
+    [("layers", "geometry has 4 layers"), ("heads", "do not match"), ("dtype", "differ from")],
+)
+def test_engine_rejects_mismatched_buffers_before_copying(problem, message):
+    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    try:
+        if problem == "layers":
+            k2, v2 = k2[:3], v2[:3]
+        elif problem == "heads":
+            k2 = [torch.zeros(32, 1, 8, dtype=G.dtype) for _ in k2]
+        else:
+            k2, v2 = k2[:3] + [k2[3].float()], v2[:3] + [v2[3].float()]
+        before = donor.memory.clone()
+        with pytest.raises(ValueError, match=message):
+            eng.begin_store(k2, v2, slots, blocks)
+        assert torch.equal(donor.memory, before)
+    finally:
+        eng.close()
+        donor.close()
