@@ -111,7 +111,8 @@ class TieringMixin:
         # Nothing below `bar` at the last scan, and nothing changed since: skip the scan.
         floor_key = (tier, frozenset(keys) if keys else None)
         floor = self._room_floor.get(floor_key)
-        if floor is not None and floor[:2] == (self.clock, len(members)) and bar <= floor[2]:
+        state = (self.clock, len(members), self.dev_evictable + self.dev_protected)
+        if floor is not None and floor[0] == state and bar <= floor[1]:
             return MakeRoomResult()
         heap = []
         lowest = float("inf")
@@ -125,7 +126,7 @@ class TieringMixin:
             if prio < bar:
                 heap.append((prio, x.id, x))
         if not heap:
-            self._room_floor[floor_key] = (self.clock, len(members), lowest)
+            self._room_floor[floor_key] = (state, lowest)
             return MakeRoomResult()
         heapq.heapify(heap)
         steps: list = []

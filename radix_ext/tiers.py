@@ -113,7 +113,12 @@ class DonorTier:
         """Blocks for `num_tokens` from the first lease in `preference` (default: most free)
         that can hold them all; None (nothing taken) when no single lease can."""
         need = -(-num_tokens // self.page_size)
-        order = preference or sorted(self.leases.values(), key=lambda x: -len(x.free_blocks))
+        if preference:
+            order = preference
+        elif len(self.leases) == 1:
+            order = self.leases.values()
+        else:
+            order = sorted(self.leases.values(), key=lambda x: -len(x.free_blocks))
         for lease in order:
             fb = lease.free_blocks
             if len(fb) >= need:
