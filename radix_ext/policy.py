@@ -120,8 +120,15 @@ class TieredDemotion:
     name = "tiered"
     make_room_first = False
 
+    def cost_of(self, tier: str, pref: Sequence) -> float:
+        """Expected per-token reload cost of a copy placed in (tier, pref)."""
+        if tier == DONOR:
+            return min((self.cost.donor_expected(x.reclaim_hazard) for x in pref),
+                       default=self.cost.donor)
+        return self.cost.host if tier == HOST else self.cost.recompute
+
     def room_bar(self, node: Any, tree: "RadixTree", tier: str, pref: Sequence,
-                 later: Sequence) -> float:
+                 later: Sequence, have: float) -> float:
         return float("inf")
 
     def __init__(self, cost: CostModel):
@@ -152,25 +159,20 @@ class CostAwareDemotion(TieredDemotion):
     name = "cost_aware"
     make_room_first = True
 
-    def _cost_of(self, tier: str, pref: Sequence) -> float:
-        if tier == DONOR:
-            return min((self.cost.donor_expected(x.reclaim_hazard) for x in pref),
-                       default=self.cost.donor)
-        return self.cost.host if tier == HOST else self.cost.recompute
-
     def room_bar(self, node: Any, tree: "RadixTree", tier: str, pref: Sequence,
-                 later: Sequence) -> float:
+                 later: Sequence, have: float) -> float:
         """Per-token loss of not placing `node` in (tier, pref) but in the best later target
-        with free room (or recomputing it): the most a dropped copy may be worth."""
+        with free room, or keeping the copy it has (cost `have`; recompute when none): the most
+        a copy dropped to make room may be worth."""
         n = len(node.key)
-        fallback = self.cost.recompute
+        fallback = have
         for t, p in later:
             room = (sum(len(x.free_blocks) for x in p) * tree.page_size if t == DONOR and p
                     else tree.tiers[t].available_tokens())
             if room >= n:
-                fallback = self._cost_of(t, p)
+                fallback = min(fallback, self.cost_of(t, p))
                 break
-        return reuse_estimate(node, tree) * (fallback - self._cost_of(tier, pref))
+        return reuse_estimate(node, tree) * (fallback - self.cost_of(tier, pref))
 
     def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
         options: list[tuple[float, str, Sequence]] = []

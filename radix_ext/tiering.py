@@ -14,10 +14,11 @@ class TieringMixin:
         """Give up at least `num_tokens` device tokens (fewer if not enough are evictable).
 
         Contract: victims are unlocked, unpinned device leaves, in the eviction policy's order.
-        A victim that already has a lower-tier copy just loses its device residency. Otherwise
-        it is demoted to the first target of the demotion policy with room (donor when leased
-        capacity is free, else host, by default), making room there if needed, and dropped
-        (with its now unreachable subtree) when no tier takes it. Returns the copies to run
+        A victim that already has a lower-tier copy just loses its device residency (unless the
+        demotion policy finds a better place: cost-aware replaces a copy on a flakier donor).
+        Otherwise it is demoted to the first target of the demotion policy with room (donor when
+        leased capacity is free, else host, by default), making room there if needed, and
+        dropped (with its now unreachable subtree) when no tier takes it. Returns the copies to run
         (in order) and the residencies released; the caller frees the device ones after the
         copies. Nothing locked or in flight is touched.
         """
@@ -36,10 +37,10 @@ class TieringMixin:
             n = len(x.key)
             evicted += n
             parent = x.parent
-            if x.res:
+            if (x.res and not self.demotion.make_room_first) or self._demote(x, dev, steps):
                 demoted += n
-            elif self._demote(x, dev, steps):
-                demoted += n
+            elif x.res:
+                demoted += n  # kept the lower copy it had: no better target took it
             else:
                 dropped += n
                 self._remove_subtree(x, steps)
@@ -50,15 +51,21 @@ class TieringMixin:
         return EvictionPlan(evicted, demoted, dropped, tuple(steps))
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
-        """Copy `x` (no residency left but `dev`) into a lower tier; False if none takes it."""
+        """Copy `x` (just off the device, from `dev`) into a lower tier; False if none takes it.
+        A copy `x` already has elsewhere is replaced only by a cheaper one (cost-aware)."""
         targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
         if self.demotion.make_room_first:
-            # Per target: free room, else room made by dropping only copies worth less than
-            # what falling through to the later targets would lose on `x`.
+            have = min((self.cost.residency_cost(t, r, self) for t, r in x.res.items()),
+                       default=self.cost.recompute)
+            # Per target, cheapest first: free room, else room made by dropping only copies
+            # worth less than what falling through (to later targets, or to the copy `x` has)
+            # would lose on `x`.
             for i, (t, p) in enumerate(targets):
+                if self.demotion.cost_of(t, p) >= have:
+                    return False
                 if self._place(x, dev, t, p, steps, None):
                     return True
-                bar = self.demotion.room_bar(x, self, t, p, targets[i + 1 :])
+                bar = self.demotion.room_bar(x, self, t, p, targets[i + 1 :], have)
                 if bar > 0 and self._place(x, dev, t, p, steps, bar):
                     return True
             return False
@@ -72,10 +79,14 @@ class TieringMixin:
         t = self.tiers[tier]
         res = t.alloc(n, pref)
         if res is None and bar is not None and t.capacity_tokens() >= n:
-            steps.extend(self._make_room(tier, n, within=pref, bar=bar).steps)
+            steps.extend(self._make_room(tier, n, within=pref, bar=bar, exclude=x).steps)
             res = t.alloc(n, pref)
         if res is None:
             return False
+        if tier in x.res:  # one copy per tier: the new one replaces a worse one
+            old = self._pop_res(x, tier)
+            t.free(old)
+            steps.append(Released(tier, old))
         self._add_res(x, res)
         steps.append(Transfer(DEVICE, dev, tier, res))
         return True
@@ -90,9 +101,9 @@ class TieringMixin:
         return self._make_room(tier, num_tokens, chunk=False)
 
     def _make_room(self, tier: str, need: int, chunk: bool = True, within=(),
-                   bar: float = float("inf")) -> MakeRoomResult:
+                   bar: float = float("inf"), exclude: Any = None) -> MakeRoomResult:
         """`within`: donor leases to make room in (all when empty); `bar`: drop only copies whose
-        policy priority is below it."""
+        policy priority is below it; `exclude`: a node whose copies stay."""
         t = self.tiers[tier]
         page = self.page_size
         if within:
@@ -117,7 +128,7 @@ class TieringMixin:
         heap = []
         lowest = float("inf")
         for x in members:
-            if x.pins or not (len(x.res) > 1 or not x.children):
+            if x.pins or x is exclude or not (len(x.res) > 1 or not x.children):
                 continue
             if keys is not None and (x.res[tier].donor, x.res[tier].lease) not in keys:
                 continue
