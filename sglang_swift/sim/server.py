@@ -118,8 +118,7 @@ class ModelServer:
         c = self.cache
         m = c.match(r.key_prompt)
         total = self._pages(r.prompt_tokens + r.output_tokens)
-        loads = m.loads if self.load_mode != "none" else ()
-        load_pages = m.load_len if loads else 0
+        load_pages = m.load_len if self.load_mode != "none" and m.loads else 0
         need = total - m.device_len  # own pages (new tokens) + slots for the loaded pages
         if total > c.device_pages - len(self.lent_pages):
             r.rejected = True  # longer than this server's whole KV pool: SGLang rejects it
@@ -136,6 +135,12 @@ class ModelServer:
             if c.free_pages() < need:
                 c.unlock(m.last_device_node)
                 return False
+            # demotions may have made room in a lower tier by dropping pages this request was
+            # about to load: match again (the locked device part cannot have changed)
+            m2 = c.match(r.key_prompt)
+            assert m2.last_device_node is m.last_device_node
+            m = m2
+            load_pages = m.load_len if self.load_mode != "none" and m.loads else 0
         r.anchor = r.lock_node = m.last_device_node
         r.hit_tokens = {"device": m.device_len * self.P}
         r.prefix_pages = m.device_len
