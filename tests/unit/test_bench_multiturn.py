@@ -130,7 +130,7 @@ def test_cli_runs_two_servers_and_writes_json_and_plots(tmp_path):
 
     async def go(url):
         a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",
-                                           "--workload", "agent", "--think-mean", "0", "--out", str(tmp_path)])
+                                           "--workload", "agent", "--think-mean", "0", "--rates", "1000", "--out", str(tmp_path)])
         cli._apply_quick(a)
         a.think_mean = 0.0
         loop = asyncio.get_running_loop()
