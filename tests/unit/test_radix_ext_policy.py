@@ -123,6 +123,31 @@ def test_cost_aware_demotion_prefers_stable_donor_and_host_over_a_flaky_donor():
     t.check_integrity()
 
 
+def test_cost_aware_moves_a_victims_flaky_copy_to_a_stable_donor_with_room():
+    t = cost_tree()
+    t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.9)
+    (node,) = fill(t, [1, 1])
+    t.evict_device(2)
+    assert node.res[DONOR].donor == "flaky"
+    t.unlock(t.complete_load_back(t.begin_load_back(node, [5, 6])).last_node)
+    t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
+    plan = t.evict_device(2)
+    assert [c.dst.donor for c in plan.copies] == ["stable"]
+    assert [r.residency.donor for r in plan.released if r.tier == DONOR] == ["flaky"]
+    assert t.donor.leases[("flaky", 0)].free_blocks and node.res[DONOR].donor == "stable"
+    t.check_integrity()
+
+
+def test_lru_keeps_a_victims_existing_copy_whatever_donor_holds_it():
+    t = tree(donor=True)
+    t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.9)
+    (node,) = fill(t, [1, 1])
+    t.evict_device(2)
+    t.unlock(t.complete_load_back(t.begin_load_back(node, [5, 6])).last_node)
+    t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
+    assert not t.evict_device(2).copies and node.res[DONOR].donor == "flaky"
+
+
 def test_cost_aware_room_making_drops_flaky_copies_first():
     t = cost_tree()
     t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.8)
