@@ -36,14 +36,15 @@ STEP_INTERVAL_S = 0.02
 class DonationRadixCache(SwiftRadixCache):
     """SwiftRadixCache plus a SwiftRuntime (control agent, arena, leases, copies)."""
 
-    def __init__(self, params: Any, tree_config: TreeConfig, config: Any, *, model: str):
+    def __init__(self, params: Any, tree_config: TreeConfig, config: Any, *, model: str,
+                 agent_id: str | None = None):
         self.runtime: SwiftRuntime | None = None
         self._last_step = 0.0
         super().__init__(params, tree_config)
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.runtime = SwiftRuntime(config, model=model, kv_pool=kv_pool,
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
-                                    page_size=self.page_size)
+                                    page_size=self.page_size, agent_id=agent_id)
         self.counter = make_layer_counter(kv_pool.layer_num, self.runtime.device)
         self.runtime.start()
 
