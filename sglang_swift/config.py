@@ -68,8 +68,9 @@ class SwiftConfig:
     eviction_policy: str = field(default="lru", metadata=_opt(
         _choice("eviction-policy", EVICTION_POLICIES),
         "order and target of device evictions: lru, or cost_aware (reuse vs. reload cost per tier)"))
-    lend_fraction: float = field(default=0.5, metadata=_opt(_number("lend-fraction", float, 0.0, 0.95),
-        "fraction of this server's free KV memory it may lend as a donor"))
+    lend_fraction: float = field(default=0.0, metadata=_opt(_number("lend-fraction", float, 0.0, 0.95),
+        "donor: size of the lendable arena, as a fraction of this server's KV pool; it is memory "
+        "beyond the pool, so set it to what the device has idle (0: lend nothing)"))
     reclaim_watermark: float = field(default=0.8, metadata=_opt(
         _number("reclaim-watermark", float, 0.0, 1.0, lo_open=True),
         "own KV usage (0-1] above which a donor reclaims lent blocks"))
