@@ -96,6 +96,8 @@ class Node:
         ledger = DonorLedger(create_policy("proportional"))
         ledger.offer(range(blocks))
         lease = ledger.grant(borrower.name, epoch=1, want=blocks, priority=0)
+        if lease is None:  # nothing to lend (lend_fraction 0 or a pool smaller than one page)
+            return 0
         d = Donation(donor, ledger, lease.lease_id, {}, own_per_block)
         for i, b in enumerate(sorted(lease.active)):
             d.tree_block[b] = i

@@ -43,7 +43,9 @@ class Scenario:
     workload: str = "chat"  # master workload: chat | agent
     donor_rate: float = 0.05  # donor chat sessions/s each ("lighter traffic")
     think_mean_s: float = 10.0
-    lend_fraction: float = SwiftConfig().lend_fraction
+    # Half of each donor's KV pool: SwiftConfig's default until commit d8ed00e, which made the
+    # default 0 ("set it to what the device has idle"); docs/simulation.md shows 0.25 and 0.75 too.
+    lend_fraction: float = 0.5
     watermark: float = SwiftConfig().reclaim_watermark
     drain_s: float = 1800.0  # stop this long after the last arrival (unfinished requests are counted)
 
