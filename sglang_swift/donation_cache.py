@@ -31,6 +31,7 @@ from .tree_cache_adapter import SwiftRadixCache, indices_to_tensor, namespace_of
 
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
+REPORT_INTERVAL_S = 5.0
 
 
 class DonationRadixCache(SwiftRadixCache):
@@ -39,7 +40,8 @@ class DonationRadixCache(SwiftRadixCache):
     def __init__(self, params: Any, tree_config: TreeConfig, config: Any, *, model: str,
                  agent_id: str | None = None):
         self.runtime: SwiftRuntime | None = None
-        self._last_step = 0.0
+        self._last_step = self._last_report = 0.0
+        self._reported: dict = {}
         super().__init__(params, tree_config)
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.runtime = SwiftRuntime(config, model=model, kv_pool=kv_pool,
@@ -55,6 +57,10 @@ class DonationRadixCache(SwiftRadixCache):
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
             self.runtime.pump()
+        if now - self._last_report >= REPORT_INTERVAL_S and self.runtime.stats != self._reported:
+            self._last_report, self._reported = now, dict(self.runtime.stats)
+            logger.info("SwiftCache stats: %s; donor tier %d tokens", self._reported,
+                        self.tree.tier_size(DONOR) if self.tree.donor is not None else 0)
 
     def reset(self) -> None:
         super().reset()  # a new, empty tree: hand it the leases we still hold

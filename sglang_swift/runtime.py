@@ -28,7 +28,8 @@ import torch
 from .config import SwiftConfig
 from .control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseKey,
                       LeaseLost, PeerChanged, ReclaimRequested, RequestFailed)
-from .dataplane import KVGeometry, MappingError, SharedArena, TransferEngine, map_arena
+from .dataplane import (KVGeometry, MappingError, SharedArena, TransferEngine, map_arena,
+                        owner_alive, unlink_descriptor)
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +183,12 @@ class SwiftRuntime:
         self.leases[(ev.key.donor, ev.key.lease_id)] = held
         self.tree.donor.add_lease(ev.key.donor, ev.key.lease_id, ev.key.epoch, len(ev.blocks))
         self.stats["leases"] += 1
+        logger.info("SwiftCache: borrowing %d blocks from %s (lease %d, epoch %d)",
+                    len(ev.blocks), ev.key.donor, ev.key.lease_id, ev.key.epoch)
 
     def _on_failed(self, ev: RequestFailed) -> None:
         self._requested = False
+        logger.info("SwiftCache: lease request to %s failed: %s", ev.donor, ev.reason)
 
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
         held = self.leases.get((ev.key.donor, ev.key.lease_id))
@@ -195,6 +199,8 @@ class SwiftRuntime:
             self.forget(self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local))
             held.gone.update(local)
         self.stats["reclaims"] += 1
+        logger.info("SwiftCache: %s reclaimed %d blocks of lease %d", ev.key.donor,
+                    len(ev.blocks), ev.key.lease_id)
         self.agent.ack_reclaim(ev)  # only after the tree stopped referencing those blocks
 
     def _on_lost(self, ev: LeaseLost) -> None:
@@ -204,8 +210,19 @@ class SwiftRuntime:
         self.forget(self.tree.revoke(ev.key.donor, lease_id=ev.key.lease_id))
         held.engine.close()
         self.stats["lost_leases"] += 1
+        self._drop_dead_mappings()
         logger.warning("SwiftCache: lease %s lost (%s); its prefixes will be recomputed",
                        ev.key, ev.reason)
+
+    def _drop_dead_mappings(self) -> None:
+        """Unmap arenas whose donor process is gone; a donor killed with SIGKILL could not
+        unlink its shared memory, so the last borrower to notice does."""
+        for uuid, mapped in list(self._mapped.items()):
+            if not owner_alive(mapped.descriptor["owner_pid"]):
+                desc = mapped.descriptor
+                mapped.close()
+                del self._mapped[uuid]
+                unlink_descriptor(desc)
 
     def _on_returned(self, ev: BlocksReturned) -> None:
         self.withheld.update(ev.blocks)
