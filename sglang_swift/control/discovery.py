@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from sglang_swift.control.config import ControlConfigError
+from sglang_swift.proc import process_alive
 
 _SUFFIX = ".peer"
 _IPC_PATH_MAX = 107  # sun_path limit on Linux
@@ -29,14 +30,7 @@ class PeerRecord:
     model: str = ""
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+pid_alive = process_alive
 
 
 def ipc_endpoint(rendezvous_dir: str, agent_id: str) -> str:
