@@ -32,15 +32,16 @@ from .tree_cache_adapter import SwiftRadixCache, indices_to_tensor, namespace_of
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
+METRICS_INTERVAL_S = 1.0
 
 
 class DonationRadixCache(SwiftRadixCache):
     """SwiftRadixCache plus a SwiftRuntime (control agent, arena, leases, copies)."""
 
     def __init__(self, params: Any, tree_config: TreeConfig, config: Any, *, model: str,
-                 agent_id: str | None = None):
+                 agent_id: str | None = None, enable_metrics: bool = False):
         self.runtime: SwiftRuntime | None = None
-        self._last_step = self._last_report = 0.0
+        self._last_step = self._last_report = self._last_metrics = 0.0
         self._reported: dict = {}
         super().__init__(params, tree_config)
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
@@ -48,6 +49,11 @@ class DonationRadixCache(SwiftRadixCache):
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
                                     page_size=self.page_size, agent_id=agent_id)
         self.counter = make_layer_counter(kv_pool.layer_num, self.runtime.device)
+        self.metrics = None
+        if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics
+            from .metrics import SwiftMetrics
+
+            self.metrics = SwiftMetrics({"agent": self.runtime.agent_id, "role": config.role})
         self.runtime.start()
 
     def swift_step(self) -> None:
@@ -57,6 +63,11 @@ class DonationRadixCache(SwiftRadixCache):
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
             self.runtime.pump()
+        if self.metrics is not None and now - self._last_metrics >= METRICS_INTERVAL_S:
+            from .metrics import gauges_of
+
+            self._last_metrics = now
+            self.metrics.update(self.runtime.stats, gauges_of(self.runtime, self.tree))
         if now - self._last_report >= REPORT_INTERVAL_S and self.runtime.stats != self._reported:
             self._last_report, self._reported = now, dict(self.runtime.stats)
             logger.info("SwiftCache stats: %s; donor tier %d tokens", self._reported,

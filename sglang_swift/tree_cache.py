@@ -70,7 +70,8 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         model = getattr(server_args, "served_model_name", None) or server_args.model_path
         agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
         cache = DonationRadixCache(params, tree_config, config, model=str(model),
-                                   agent_id=agent_id)
+                                   agent_id=agent_id,
+                                   enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
     else:
         from .tree_cache_adapter import SwiftRadixCache
 

@@ -84,7 +84,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
     donor = LocalServer(tiny_model, max_total_tokens=4096, log_path=tmp_path / "donor.log",
                         extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5"))
     borrower = LocalServer(tiny_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
-                           extra_args=_args(rendezvous, "borrower",
+                           extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                         "--swiftcache-max-borrow-blocks", "1500"))
     with donor, borrower:
         agents = _wait(lambda: [a for a in _ctl_status(rendezvous) if a.get("borrowed")],
@@ -93,6 +93,9 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         texts, cached = _replay(borrower, convs, 3)
         assert texts == ref_texts
         assert sum(cached) > sum(ref_cached), (cached, ref_cached)
+        loaded = _wait(lambda: _metric(borrower, "swiftcache_loaded_tokens_total"), 30,
+                       "swiftcache metrics on the borrower's /metrics")
+        assert loaded > 0
 
         donor_pid = donor.proc.pid
         os.killpg(donor_pid, 9)  # SIGKILL the donor server, scheduler included
@@ -106,6 +109,16 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
     leaked = [f for f in os.listdir("/dev/shm") if f.startswith("swift_")
               and any(f.startswith(f"swift_{pid}_") for pid in _pids_in(tmp_path / "donor.log"))]
     assert not leaked, f"donor arenas left in /dev/shm: {leaked}"
+
+
+def _metric(server, name: str) -> float:
+    """Sum of a metric's samples on the server's Prometheus endpoint (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def _pids_in(log_path) -> set[int]:
