@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
 
-from radix_ext import DEVICE, DONOR, Transfer, TreeConfig
+from radix_ext import DEVICE, DONOR, TreeConfig
 
 from .dataplane import make_layer_counter
 from .runtime import SwiftRuntime
@@ -101,7 +101,7 @@ class DonationRadixCache(SwiftRadixCache):
         if ticket is None:
             self._free(slots)
             return
-        ok = all(self.runtime.load(c.src, c.dst.indices, self.counter) for c in ticket.copies)
+        ok = self.runtime.load([(c.src, c.dst.indices) for c in ticket.copies], self.counter)
         outcome = (self.tree.complete_load_back(ticket) if ok
                    else self.tree.abort_load_back(ticket))
         if outcome.ok:
@@ -126,13 +126,14 @@ class DonationRadixCache(SwiftRadixCache):
             return EvictResult()
         self.runtime.pump()
         plan = self.tree.evict_device(params.num_tokens)
-        for step in plan.steps:
-            if type(step) is not Transfer:
-                continue
+        copies = plan.copies
+        for step in copies:
             if step.src_tier != DEVICE or step.dst_tier != DONOR:
                 raise RuntimeError(f"no data path from {step.src_tier} to {step.dst_tier}")
-            if not self.runtime.store(step.src.indices, step.dst):
-                dst = step.dst  # the copy did not happen: the tree must not keep it
+        done = self.runtime.store([(step.src.indices, step.dst) for step in copies])
+        for step, ok in zip(copies, done):
+            if not ok:  # the copy did not happen: the tree must not keep it
+                dst = step.dst
                 self.runtime.forget(self.tree.revoke(dst.donor, lease_id=dst.lease,
                                                      blocks=dst.blocks))
         allocator = self.token_to_kv_pool_allocator

@@ -244,42 +244,60 @@ class SwiftRuntime:
             self.allocator.free(torch.tensor(slots, dtype=torch.int64, device=self.device))
 
     # ---- copies the tree asks for ---------------------------------------------------------
-    def _held(self, residency: Any) -> HeldLease:
-        return self.leases[(residency.donor, residency.lease)]
+    def store(self, items: Sequence[tuple[Sequence[int], Any]]) -> list[bool]:
+        """Copy each (device slots, donor residency) pair into its donor blocks, in order.
 
-    def store(self, device_indices: Sequence[int], residency: Any) -> bool:
-        """Copy device slots into the donor blocks of `residency`; False if the donor is gone."""
-        held = self.leases.get((residency.donor, residency.lease))
-        if held is None or not self._readable(residency.donor):
-            return False
-        blocks = [held.arena_blocks[i] for i in residency.blocks]
-        slots = torch.as_tensor(list(device_indices), dtype=torch.int64)
-        result = held.engine.begin_store(self.kv_pool.k_buffer, self.kv_pool.v_buffer, slots,
-                                         blocks).wait(self.config.heartbeat_timeout_s * 4)
-        if result.ok:
-            self.stats["stored_tokens"] += len(slots)
-        return result.ok
+        Consecutive pairs on one lease go in one transfer (one pass over the layers) unless a
+        block repeats, which keeps the plan's order where a later copy reuses a block. Returns,
+        per pair, whether its copy happened (False: the donor is gone or too late to write)."""
+        done = [False] * len(items)
+        for key, idxs in _batches(items, lambda item: item[1]):
+            ok = self._copy(key, [items[i][0] for i in idxs], [items[i][1] for i in idxs], None)
+            for i in idxs:
+                done[i] = ok
+        return done
 
-    def load(self, residency: Any, device_indices: Sequence[int], counter: Any) -> bool:
-        """Copy the donor blocks of `residency` into device slots, layer by layer, signalling
-        `counter`; False (nothing valid was produced) if the donor is gone or too late to read."""
-        held = self.leases.get((residency.donor, residency.lease))
-        if held is None or not self._readable(residency.donor):
-            self.stats["refused_loads"] += 1
+    def load(self, items: Sequence[tuple[Any, Sequence[int]]], counter: Any) -> bool:
+        """Copy each (donor residency, device slots) pair back, layer by layer, signalling
+        `counter`; False (treat every slot as garbage) if any copy could not run."""
+        for key, idxs in _batches(items, lambda item: item[0]):
+            if not self._copy(key, [items[i][1] for i in idxs], [items[i][0] for i in idxs],
+                              counter):
+                self.stats["refused_loads"] += 1
+                return False
+        return True
+
+    def _copy(self, key: tuple[str, int], slot_lists: list, residencies: list, counter) -> bool:
+        held = self.leases.get(key)
+        if held is None or not self._readable(key[0]):
             return False
-        blocks = [held.arena_blocks[i] for i in residency.blocks]
-        slots = torch.as_tensor(list(device_indices), dtype=torch.int64)
-        handle = held.engine.begin_load(self.kv_pool.k_buffer, self.kv_pool.v_buffer, slots,
-                                        blocks, counter)
-        result = handle.wait(self.config.heartbeat_timeout_s * 4)
-        if not result.ok:
-            self.stats["refused_loads"] += 1
+        slots = torch.as_tensor([s for lst in slot_lists for s in lst], dtype=torch.int64)
+        blocks = [held.arena_blocks[b] for r in residencies for b in r.blocks]
+        k, v = self.kv_pool.k_buffer, self.kv_pool.v_buffer
+        handle = (held.engine.begin_store(k, v, slots, blocks) if counter is None
+                  else held.engine.begin_load(k, v, slots, blocks, counter))
+        if not handle.wait(self.config.heartbeat_timeout_s * 4).ok:
             return False
-        self.stats["loaded_tokens"] += len(slots)
+        self.stats["stored_tokens" if counter is None else "loaded_tokens"] += len(slots)
         return True
 
     def _readable(self, donor: str) -> bool:
         return time.monotonic() < self.agent.read_deadline(donor)
+
+
+def _batches(items: Sequence, residency_of) -> list[tuple[tuple[str, int], list[int]]]:
+    """Split `items` (in order) into runs on one lease with no block repeated within a run."""
+    runs: list[tuple[tuple[str, int], list[int]]] = []
+    seen: set[int] = set()
+    for i, item in enumerate(items):
+        res = residency_of(item)
+        key = (res.donor, res.lease)
+        if not runs or runs[-1][0] != key or seen.intersection(res.blocks):
+            runs.append((key, []))
+            seen = set()
+        runs[-1][1].append(i)
+        seen.update(res.blocks)
+    return runs
 
 
 def _aligned(n: int, align: int = 256) -> int:

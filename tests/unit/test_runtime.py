@@ -88,7 +88,7 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     plan = tree.evict_device(10)
     (copy,) = plan.copies
     assert copy.dst_tier == DONOR
-    assert borrower.store(copy.src.indices, copy.dst)
+    assert borrower.store([(copy.src.indices, copy.dst)]) == [True]
 
     # A hit loads it back into other slots, bit-identical, layer by layer.
     m = tree.match(list(range(100, 110)))
@@ -96,7 +96,7 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     new_slots = list(range(30, 40))
     ticket = tree.begin_load_back(m.last_node, new_slots)
     counter = make_layer_counter(LAYERS)
-    assert all(borrower.load(c.src, c.dst.indices, counter) for c in ticket.copies)
+    assert borrower.load([(c.src, c.dst.indices) for c in ticket.copies], counter)
     assert tree.complete_load_back(ticket).ok
     for layer in range(LAYERS):
         assert torch.equal(pool.k_buffer[layer][30:40], expect_k[layer])
@@ -119,5 +119,18 @@ def test_copy_refused_after_the_lease_is_gone(pair):
     (copy,) = tree.evict_device(7).copies
     donor.stop()  # the donor leaves: its leases end
     _pump_until([borrower], lambda: borrower.stats["lost_leases"] > 0)
-    assert not borrower.store(copy.src.indices, copy.dst)
+    assert borrower.store([(copy.src.indices, copy.dst)]) == [False]
     assert tree.match(list(range(7))).prefix_len == 0  # nothing cached claims the lost blocks
+
+
+def test_copies_are_batched_per_lease_without_reordering_a_reused_block():
+    """One transfer per run of same-lease copies; a repeated block starts a new run (order kept)."""
+    from radix_ext import DonorResidency
+    from sglang_swift.runtime import _batches
+
+    def res(lease, *blocks):
+        return DonorResidency("d", lease, 1, array("q", blocks))
+
+    items = [([0], res(1, 5)), ([1], res(1, 6)), ([2], res(2, 5)), ([3], res(2, 5)), ([4], res(1, 7))]
+    runs = _batches(items, lambda item: item[1])
+    assert runs == [(("d", 1), [0, 1]), (("d", 2), [2]), (("d", 2), [3]), (("d", 1), [4])]
