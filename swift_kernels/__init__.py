@@ -148,25 +148,8 @@ def store_layer(
     validate=True,
 ) -> None:
     """Store one layer (the unit the GPU side stream and the CPU worker thread schedule)."""
-    slots, blocks = slots.contiguous(), blocks.contiguous()
-    shape = (
-        _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
-        if validate
-        else _lay.shape_of(k, v, page_size)
-    )
-    _run(
-        "store",
-        resolve_backend(backend, k.device),
-        arena,
-        shape,
-        layer,
-        k,
-        v,
-        slots,
-        blocks,
-        plan,
-        tuning,
-    )
+    _one_layer("store", arena, layer, k, v, slots, blocks, page_size, backend, check_ranges, plan,
+               tuning, validate)
 
 
 def load_layer(
@@ -188,22 +171,18 @@ def load_layer(
     `tuning` (triton only): {"block", "tokens", "num_warps"}, see kv_triton.DEFAULT_TUNING.
     `validate=False` skips every check: only for a caller that validated the same arguments
     already (the transfer engine checks once per transfer, not once per layer)."""
+    _one_layer("load", arena, layer, k, v, slots, blocks, page_size, backend, check_ranges, plan,
+               tuning, validate)
+
+
+def _one_layer(direction, arena, layer, k, v, slots, blocks, page_size, backend, check_ranges,
+               plan, tuning, validate) -> None:
+    """The body `store_layer` and `load_layer` share; `direction` picks the kernel."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
     shape = (
         _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
         if validate
         else _lay.shape_of(k, v, page_size)
     )
-    _run(
-        "load",
-        resolve_backend(backend, k.device),
-        arena,
-        shape,
-        layer,
-        k,
-        v,
-        slots,
-        blocks,
-        plan,
-        tuning,
-    )
+    _run(direction, resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
+         plan, tuning)
