@@ -7,25 +7,12 @@ import time
 
 import pytest
 
-from sglang_swift.control.simclient import SimGroup
+from integration.conftest import event as _ev
 
 pytestmark = pytest.mark.integration
 
 TIMEOUT = 1.0  # the default heartbeat timeout
 SLACK = 0.5  # scheduling noise on a loaded 2-core machine
-
-
-@pytest.fixture
-def sims():
-    group = SimGroup()
-    try:
-        yield group
-    finally:
-        group.close()
-
-
-def _ev(name: str, **match):
-    return lambda e: e["ev"] == name and all(e.get(k) == v for k, v in match.items())
 
 
 def _borrow(donor, borrower, n: int) -> dict:

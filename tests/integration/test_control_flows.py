@@ -5,22 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_swift.control.simclient import SimGroup
+from integration.conftest import event as _ev
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sims():
-    group = SimGroup()
-    try:
-        yield group
-    finally:
-        group.close()
-
-
-def _ev(name: str, **match):
-    return lambda e: e["ev"] == name and all(e.get(k) == v for k, v in match.items())
 
 
 def _lendable(borrower, donor_id: str, timeout: float = 10.0) -> None:
