@@ -118,30 +118,33 @@ def run_swiftcache(model: Path, convs, args) -> dict:
           f"{args.pool_tokens} tokens): python -m sglang.launch_server --enable-swiftcache ...",
           flush=True)
     with donor, borrower:
-        _wait_for_lease(rendezvous)
-        print(_ctl(rendezvous, json_out=False))
+        wait_for_lease(rendezvous)
+        print(ctl(rendezvous, json_out=False))
         run = replay_on(borrower, "swiftcache", convs, args)
-        print(_ctl(rendezvous, json_out=False))
+        print(ctl(rendezvous, json_out=False))
     return run
 
 
-def _ctl(rendezvous: str, json_out: bool) -> str:
+def ctl(rendezvous: str, json_out: bool) -> str:
+    """What `python -m sglang_swift.ctl status` prints for `rendezvous`."""
     cmd = [sys.executable, "-m", "sglang_swift.ctl", "status", "--rendezvous-dir", rendezvous]
     out = subprocess.run(cmd + (["--json"] if json_out else []), capture_output=True, text=True,
                          timeout=60)
     return out.stdout if out.returncode == 0 else f"ctl failed: {out.stderr.strip()}"
 
 
-def _wait_for_lease(rendezvous: str, timeout_s: float = 120.0) -> None:
+def wait_for_lease(rendezvous: str, timeout_s: float = 120.0) -> list[dict]:
+    """Poll `ctl status` until an agent holds borrowed blocks; returns those agents' status."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if any(a.get("borrowed") for a in json.loads(_ctl(rendezvous, json_out=True))):
-                return
+            borrowers = [a for a in json.loads(ctl(rendezvous, json_out=True)) if a.get("borrowed")]
         except ValueError:
-            pass
+            borrowers = []
+        if borrowers:
+            return borrowers
         time.sleep(0.5)  # polling another process's state
-    raise RuntimeError(f"the borrower got no lease within {timeout_s:.0f}s; see {rendezvous}/..")
+    raise RuntimeError(f"the borrower got no lease within {timeout_s:.0f}s; see {rendezvous}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,15 +13,13 @@ the same small pool as the reference. Invariants:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from integration.harness import LocalServer, chat
+from sglang_swift.demo import wait_for_lease
 from sglang_swift.workload.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
@@ -35,14 +33,6 @@ def _args(rendezvous: str, role: str, *extra: str) -> list[str]:
             # a loaded 2-core CI machine can starve the agent thread for a second or more
             "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3",
             *extra]
-
-
-def _ctl_status(rendezvous: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "sglang_swift.ctl", "status", "--json",
-                          "--rendezvous-dir", rendezvous], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 def _replay(server, convs, turns) -> tuple[list[str], list[int]]:
@@ -87,8 +77,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
                            extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                         "--swiftcache-max-borrow-blocks", "1500"))
     with donor, borrower:
-        agents = _wait(lambda: [a for a in _ctl_status(rendezvous) if a.get("borrowed")],
-                       90, "the borrower to hold a lease (ctl status)")
+        agents = wait_for_lease(rendezvous, timeout_s=90)  # through `ctl status`
         assert agents[0]["leases"], agents
         texts, cached = _replay(borrower, convs, 3)
         assert texts == ref_texts
