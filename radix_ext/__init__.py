@@ -4,8 +4,8 @@ Pure bookkeeping: imports neither torch nor SGLang, holds indices and residency 
 returns what to copy and free; it never touches memory.
 """
 
-from radix_ext.config import TreeConfig
-from radix_ext.policy import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
+from radix_ext.tree_config import TreeConfig
+from radix_ext.placement import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency, DonorResidency, HostResidency
 from radix_ext.results import (
     EvictionPlan,
@@ -19,12 +19,12 @@ from radix_ext.results import (
     RevokeResult,
     Transfer,
 )
-from radix_ext.tiers import DonorTier, HostTier, Lease
+from radix_ext.tiers import DonorTier, HostTier, LeasedBlocks
 from radix_ext.tree import RadixTree
 
 __all__ = [
     "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency", "DonorResidency",
     "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST", "HostResidency", "HostTier",
-    "InsertResult", "Lease", "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match", "RadixTree",
+    "InsertResult", "LeasedBlocks", "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match", "RadixTree",
     "Released", "RevokeResult", "Transfer", "TreeConfig",
 ]

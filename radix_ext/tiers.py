@@ -51,7 +51,7 @@ class HostTier:
 
 
 @dataclass
-class Lease:
+class LeasedBlocks:
     """Memory one donor lends: `num_blocks` blocks under `epoch`.
 
     `reclaim_hazard` in [0, 1] is how likely the donor wants the memory back before a cached
@@ -77,17 +77,17 @@ class DonorTier:
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.leases: dict[tuple[str, int], Lease] = {}
+        self.leases: dict[tuple[str, int], LeasedBlocks] = {}
 
     def add_lease(
         self, donor: str, lease_id: int, epoch: int, num_blocks: int, reclaim_hazard: float = 0.0
-    ) -> Lease:
+    ) -> LeasedBlocks:
         """Register a lease; its blocks are numbered 0..num_blocks-1 within the lease."""
         if (donor, lease_id) in self.leases:
             raise ValueError(f"lease {donor}/{lease_id} already registered; revoke it first")
         if not 0.0 <= reclaim_hazard <= 1.0:
             raise ValueError(f"reclaim_hazard must be in [0, 1], got {reclaim_hazard}")
-        lease = Lease(donor, lease_id, epoch, num_blocks, reclaim_hazard)
+        lease = LeasedBlocks(donor, lease_id, epoch, num_blocks, reclaim_hazard)
         lease.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.leases[lease.key] = lease
         return lease
@@ -109,7 +109,7 @@ class DonorTier:
     def capacity_tokens(self) -> int:
         return sum(x.num_blocks for x in self.leases.values()) * self.page_size
 
-    def alloc(self, num_tokens: int, preference: Sequence[Lease] = ()) -> Optional[DonorResidency]:
+    def alloc(self, num_tokens: int, preference: Sequence[LeasedBlocks] = ()) -> Optional[DonorResidency]:
         """Blocks for `num_tokens` from the first lease in `preference` (default: most free)
         that can hold them all; None (nothing taken) when no single lease can."""
         need = -(-num_tokens // self.page_size)

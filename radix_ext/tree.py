@@ -20,11 +20,11 @@ from __future__ import annotations
 from array import array
 from typing import Any, Optional, Sequence
 
-from radix_ext.config import TreeConfig
+from radix_ext.tree_config import TreeConfig
 from radix_ext.integrity import IntegrityMixin
 from radix_ext.loadback import LoadBackMixin
 from radix_ext.node import Node
-from radix_ext.policy import make_demotion, make_eviction
+from radix_ext.placement import make_demotion, make_eviction
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency
 from radix_ext.results import InsertResult, Match
 from radix_ext.revoke import RevokeMixin

@@ -34,9 +34,9 @@ from sglang_swift.control import (
     LeaseGranted,
     RequestFailed,
 )
-from sglang_swift.control.sim import ShmArena
+from sglang_swift.testing.control_peer import ShmArena
 
-SIM = [sys.executable, "-m", "sglang_swift.control.sim"]
+SIM = [sys.executable, "-m", "sglang_swift.testing.control_peer"]
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_swift.tiny_model import DEFAULT_DIR, STAMP, ensure_tiny_model
+from sglang_swift.tools.tiny_model import DEFAULT_DIR, STAMP, ensure_tiny_model
 
 
 def main() -> None:

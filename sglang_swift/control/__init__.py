@@ -5,11 +5,11 @@ Map of the package:
   agent.py     ControlAgent, the owner-facing API and its I/O thread (start here)
   protocol.py  every wire message (msgspec structs, msgpack, HMAC-signed frames)
   peers.py     membership: hello, heartbeats, failure detection, dispatch
-  donor.py / ledger.py / policy.py   lending: bookkeeping and the named allocation policies
+  donor.py / ledger.py / grant_policy.py   lending: bookkeeping and the named grant policies
   borrower.py  borrowing: held leases, read deadlines, reclaim acknowledgements
   link.py      ZMQ sockets; discovery.py rendezvous records; auth.py the node secret
-  config.py    ControlConfig; events.py what the owner receives
-  sim.py, sim_borrower.py, simclient.py  a standalone agent process for tests and benchmarks
+  control_config.py  ControlConfig; events.py what the owner receives
+(A standalone agent process for tests and benchmarks lives in `sglang_swift.testing`.)
 
 Invariants: a donor hands a reclaimed block back to its owner only after the borrower
 acknowledged (or released) it, or was declared dead; a borrower reads only before its read
@@ -18,7 +18,7 @@ an earlier incarnation inert; the owner's demand always wins over lending.
 """
 
 from sglang_swift.control.agent import ControlAgent
-from sglang_swift.control.config import ControlConfig, ControlConfigError
+from sglang_swift.control.control_config import ControlConfig, ControlConfigError
 from sglang_swift.control.events import (
     BlocksReturned,
     LeaseGranted,

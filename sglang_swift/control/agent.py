@@ -32,7 +32,7 @@ from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import ensure_private_dir, load_or_create_secret
 from sglang_swift.control.borrower import BorrowerSide
-from sglang_swift.control.config import ControlConfig
+from sglang_swift.control.control_config import ControlConfig
 from sglang_swift.control.donor import DonorSide
 from sglang_swift.control.events import Event, LeaseKey, PeerChanged, ReclaimRequested
 from sglang_swift.control.link import BadMessageLog, Link

@@ -6,7 +6,7 @@ import os
 import secrets
 import stat
 
-from sglang_swift.control.config import ControlConfigError
+from sglang_swift.control.control_config import ControlConfigError
 
 SECRET_BYTES = 32
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class HeldLease:
+class LeaseHolding:
     key: LeaseKey
     active: set[int]
     memory: p.MemoryDescriptor
@@ -56,7 +56,7 @@ class BorrowerSide:
         cfg = agent.config
         self._validity = cfg.heartbeat_timeout_s - cfg.lease_margin_s
         self.pending: dict[int, _Pending] = {}
-        self.leases: dict[LeaseKey, HeldLease] = {}
+        self.leases: dict[LeaseKey, LeaseHolding] = {}
         self.confirmed: dict[str, float] = {}  # donor -> monotonic time it last heard us
 
     def read_deadline(self, donor: str) -> float:
@@ -119,7 +119,7 @@ class BorrowerSide:
             return
         self._expire(peer.agent_id, time.monotonic())
         self.confirmed[peer.agent_id] = max(self.confirmed.get(peer.agent_id, 0.0), pend.sent_at)
-        self.leases[key] = HeldLease(key, set(msg.blocks), msg.memory)
+        self.leases[key] = LeaseHolding(key, set(msg.blocks), msg.memory)
         self.agent.emit(LeaseGranted(msg.request_id, key, tuple(msg.blocks), msg.memory))
 
     def _check_grant(self, peer, msg: p.Grant, key: LeaseKey) -> str:
@@ -205,7 +205,7 @@ class BorrowerSide:
         if peer is not None and peer.epoch == key.epoch:
             self.agent.send(peer, msg)
 
-    def _forget_if_empty(self, held: HeldLease) -> None:
+    def _forget_if_empty(self, held: LeaseHolding) -> None:
         if not held.active and not held.reclaiming:
             self.leases.pop(held.key, None)
 

@@ -14,8 +14,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from sglang_swift.control.config import ControlConfigError
-from sglang_swift.proc import process_alive
+from sglang_swift.control.control_config import ControlConfigError
+from sglang_swift.common.process import process_alive
 
 _SUFFIX = ".peer"
 _IPC_PATH_MAX = 107  # sun_path limit on Linux

@@ -17,7 +17,7 @@ import msgspec
 from sglang_swift.control import protocol as p
 from sglang_swift.control.events import BlocksReturned
 from sglang_swift.control.ledger import DonorLedger, PendingReclaim
-from sglang_swift.control.policy import create_policy
+from sglang_swift.control.grant_policy import create_policy
 
 if TYPE_CHECKING:
     from sglang_swift.control.agent import ControlAgent

@@ -12,11 +12,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from sglang_swift.control.policy import AllocationPolicy
+from sglang_swift.control.grant_policy import AllocationPolicy
 
 
 @dataclass
-class Lease:
+class GrantedLease:
     lease_id: int
     borrower: str
     borrower_epoch: int
@@ -49,7 +49,7 @@ class DonorLedger:
         self.policy, self.reserve, self.cap = policy, reserve, cap
         self.offered: set[int] = set()
         self.free: set[int] = set()
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, GrantedLease] = {}
         self.reclaims: dict[int, PendingReclaim] = {}
         self.owner_debt = 0
         self.unmet: dict[str, tuple[int, int]] = {}  # borrower -> (unmet want, priority)
@@ -86,7 +86,7 @@ class DonorLedger:
             out[lease.borrower] = out.get(lease.borrower, 0) + lease.size
         return out
 
-    def grant(self, borrower: str, epoch: int, want: int, priority: int) -> Lease | None:
+    def grant(self, borrower: str, epoch: int, want: int, priority: int) -> GrantedLease | None:
         held = self.held()
         self.unmet[borrower] = (want, priority)
         demand = {b: (held.get(b, 0) + w, p) for b, (w, p) in self.unmet.items()}
@@ -109,7 +109,7 @@ class DonorLedger:
             return None
         blocks = set(itertools.islice(self.free, n))  # any free blocks; O(n), not O(pool)
         self.free -= blocks
-        lease = Lease(self._next_lease, borrower, epoch, priority, blocks)
+        lease = GrantedLease(self._next_lease, borrower, epoch, priority, blocks)
         self._next_lease += 1
         self.leases[lease.lease_id] = lease
         return lease
@@ -173,7 +173,7 @@ class DonorLedger:
         return out
 
     # ---- internals ----
-    def _drop_if_empty(self, lease: Lease) -> None:
+    def _drop_if_empty(self, lease: GrantedLease) -> None:
         if not lease.active and not lease.reclaiming:
             del self.leases[lease.lease_id]
 

@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from ..proc import process_alive
+from ..common.process import process_alive
 from .arena import BlockArena
 from .geometry import KVGeometry, unused_bytes
 

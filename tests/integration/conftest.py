@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_swift.control.simclient import SimGroup
+from sglang_swift.testing.peer_process import SimGroup
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from integration.harness import LocalServer, chat
-from sglang_swift.demo import wait_for_lease
-from sglang_swift.workload.sharegpt import load_conversations
+from sglang_swift.tools.demo import wait_for_lease
+from sglang_swift.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
 SMALL_POOL = 450  # tokens: five conversations' histories do not fit, so the tree must evict

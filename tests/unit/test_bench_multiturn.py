@@ -10,8 +10,8 @@ import json
 import pytest
 from aiohttp import web
 
-from sglang_swift.bench import runner, stats
-from sglang_swift.bench.workloads import AgentSpec, ChatSpec, agent_sessions, chat_sessions, poisson_arrivals
+from sglang_swift.loadgen import runner, stats
+from sglang_swift.workloads.text_sessions import AgentSpec, ChatSpec, agent_sessions, chat_sessions, poisson_arrivals
 
 
 def test_agent_sessions_are_seeded_and_follow_the_stated_bounds():
@@ -126,7 +126,7 @@ def test_chat_client_reads_usage_and_sends_history():
 
 
 def test_cli_runs_two_servers_and_writes_json_and_plots(tmp_path):
-    from sglang_swift.bench import cli
+    from sglang_swift.loadgen import cli
 
     async def go(url):
         a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",

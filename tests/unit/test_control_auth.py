@@ -9,7 +9,7 @@ import pytest
 
 from sglang_swift.control import discovery
 from sglang_swift.control.auth import ensure_private_dir, load_or_create_secret, read_secret
-from sglang_swift.control.config import ControlConfig, ControlConfigError
+from sglang_swift.control.control_config import ControlConfig, ControlConfigError
 
 
 def test_secret_is_created_0600_and_reused(tmp_path):

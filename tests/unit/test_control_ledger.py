@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_swift.control.config import ControlConfigError
+from sglang_swift.control.control_config import ControlConfigError
 from sglang_swift.control.ledger import DonorLedger
-from sglang_swift.control.policy import create_policy
+from sglang_swift.control.grant_policy import create_policy
 
 
 def _ledger(n: int = 16, reserve: int = 0, cap: int = 0, policy: str = "greedy") -> DonorLedger:

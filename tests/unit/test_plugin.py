@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from sglang_swift import plugin
-from sglang_swift.config import CONFIG_ENV, SwiftConfig, cli_options
+from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig, cli_options
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +32,37 @@ def test_every_config_field_has_a_flag_and_defaults_round_trip():
     """Each configurable field is a --swiftcache-* option; a config survives its JSON transport."""
     flags = [flag for flag, _ in cli_options()]
     assert "--swiftcache-role" in flags and "--swiftcache-eviction-policy" in flags
-    cfg = SwiftConfig(enabled=True, role="donor", max_borrow_blocks=7, block_tokens=32)
+    cfg = SwiftConfig(enabled=True, role="donor", max_borrow_blocks=7, lend_fraction=0.25)
     assert SwiftConfig.from_json(cfg.to_json()) == cfg
 
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"role": "lender"}, "role"), ({"lend_fraction": 1.5}, "lend-fraction"),
-    ({"block_tokens": 24}, "power of two"), ({"max_borrow_blocks": -1}, "max-borrow-blocks"),
+    ({"max_borrow_blocks": -1}, "max-borrow-blocks"), ({"eviction_policy": "fifo"}, "eviction-policy"),
     ({"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 1.0}, "heartbeat-timeout-s"),
 ])
 def test_config_rejects_bad_values_naming_the_option(kwargs, word):
     """A bad value raises ValueError whose message names the option."""
     with pytest.raises(ValueError, match=word):
         SwiftConfig(**kwargs)
+
+
+def test_parse_converts_raw_values_and_the_frozen_config_is_never_rewritten():
+    """`parse` turns CLI/JSON text into typed values; the constructor only validates."""
+    cfg = SwiftConfig.parse(enabled=True, lend_fraction="0.5", max_borrow_blocks="8")
+    assert cfg.lend_fraction == 0.5 and cfg.max_borrow_blocks == 8
+    with pytest.raises(ValueError, match="max_borrow_blocks"):
+        SwiftConfig(max_borrow_blocks="8")
+
+
+def test_lends_and_borrows_are_derived_once_from_the_config():
+    """Whether a server lends or borrows is a property of the config (role and sizes)."""
+    assert SwiftConfig(lend_fraction=0.5).lends and not SwiftConfig(lend_fraction=0.5).borrows
+    assert SwiftConfig(max_borrow_blocks=4).borrows and SwiftConfig(max_borrow_blocks=4).uses_donation
+    assert not SwiftConfig(role="borrower", lend_fraction=0.5).lends
+    assert not SwiftConfig().uses_donation
+    assert SwiftConfig(max_borrow_blocks=4).tree_config(16).donor
+    assert not SwiftConfig().tree_config(16).donor
 
 
 def test_unknown_config_keys_are_refused():

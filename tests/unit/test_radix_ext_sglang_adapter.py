@@ -36,7 +36,7 @@ def test_adapter_matches_sglang_radix_cache(monkeypatch, seed, page_size):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from radix_ext import TreeConfig
-    from sglang_swift.tree_cache_adapter import SwiftRadixCache
+    from sglang_swift.integration.cache import SwiftRadixCache
 
     ticks = itertools.count()
     monkeypatch.setattr(rc.time, "monotonic", lambda: float(next(ticks)))
@@ -103,8 +103,8 @@ def _ctx(**overrides):
 def test_factory_builds_radix_ext_with_the_configured_policy():
     from types import SimpleNamespace
 
-    from sglang_swift.tree_cache import create_swift_tree_cache
-    from sglang_swift.tree_cache_adapter import SwiftRadixCache
+    from sglang_swift.integration.backend import create_swift_tree_cache
+    from sglang_swift.integration.cache import SwiftRadixCache
 
     cache = create_swift_tree_cache(_ctx(), SimpleNamespace(eviction_policy="cost_aware"))
     assert isinstance(cache, SwiftRadixCache) and cache.tree.eviction.name == "cost_aware"
@@ -117,7 +117,7 @@ def test_factory_builds_radix_ext_with_the_configured_policy():
     {"params": {"eviction_policy": "lfu"}}, {"params": {"enable_kv_cache_events": True}},
 ])
 def test_factory_refuses_what_the_tree_cannot_do_with_the_fix(overrides):
-    from sglang_swift.tree_cache import create_swift_tree_cache
+    from sglang_swift.integration.backend import create_swift_tree_cache
 
     with pytest.raises(ValueError, match="run without --enable-swiftcache"):
         create_swift_tree_cache(_ctx(**overrides), object())

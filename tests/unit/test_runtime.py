@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from radix_ext import DONOR, RadixTree, TreeConfig
-from sglang_swift.config import SwiftConfig
+from sglang_swift.integration.swift_config import SwiftConfig
 from sglang_swift.dataplane import make_layer_counter
-from sglang_swift.runtime import SwiftRuntime
+from sglang_swift.integration.runtime import SwiftRuntime
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 64
 
@@ -126,7 +126,7 @@ def test_copy_refused_after_the_lease_is_gone(pair):
 def test_copies_are_batched_per_lease_without_reordering_a_reused_block():
     """One transfer per run of same-lease copies; a repeated block starts a new run (order kept)."""
     from radix_ext import DonorResidency
-    from sglang_swift.runtime import _batches
+    from sglang_swift.integration.runtime import _batches
 
     def res(lease, *blocks):
         return DonorResidency("d", lease, 1, array("q", blocks))

@@ -2,7 +2,7 @@
 
 import json
 
-from sglang_swift.sim import cli
+from sglang_swift.simulator import cli
 
 
 def test_quick_prints_the_summary_json_last(tmp_path, monkeypatch, capsys):

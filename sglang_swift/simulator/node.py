@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from radix_ext import DEVICE, DONOR, HOST
 from sglang_swift.control.ledger import DonorLedger
-from sglang_swift.control.policy import create_policy
+from sglang_swift.control.grant_policy import create_policy
 
 from .clock import EventLoop
 from .links import Link, Network

@@ -2,7 +2,7 @@
 
 A session is a list of steps. Each step appends `user` text to the context, asks for at most
 `max_tokens`, and after the answer arrives waits `think_s` before the next step. Nothing here does
-I/O except reading the ShareGPT file through `sglang_swift.workload.sharegpt`.
+I/O except reading the ShareGPT file through `sglang_swift.workloads.sharegpt`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _clip_tokens_from_chars(text: str) -> int:
 
 
 def chat_sessions(spec: ChatSpec) -> list[Session]:
-    from sglang_swift.workload.sharegpt import load_conversations
+    from sglang_swift.workloads.sharegpt import load_conversations
 
     rng = random.Random(spec.seed)
     convs = load_conversations(spec.num_sessions, min_turns=spec.min_turns,

@@ -1,6 +1,6 @@
 """The main job's demo: SwiftCache servers sharing KV memory, replaying real ShareGPT chats.
 
-    python -m sglang_swift.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
+    python -m sglang_swift.tools.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
 
 On the tiny local model (SGLang's CPU engine here) it starts two SGLang servers with
 --enable-swiftcache: a donor that lends KV blocks and a borrower whose own KV pool is too small for
@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.client import RequestRecord, chat
+from ..loadgen.client import RequestRecord, chat
 from .local_server import LocalServer
 from .tiny_model import DEFAULT_DIR, ensure_tiny_model
-from .workload.sharegpt import Conversation, load_conversations
+from ..workloads.sharegpt import Conversation, load_conversations
 
 
 async def replay(base_url: str, label: str, convs: list[Conversation], turns: int,
@@ -53,7 +53,7 @@ async def replay(base_url: str, label: str, convs: list[Conversation], turns: in
 
 
 def per_turn_table(records: list[RequestRecord]) -> list[dict]:
-    from .bench.stats import pct
+    from ..loadgen.stats import pct
 
     rows = []
     for turn in sorted({r.turn for r in records}):
@@ -126,8 +126,8 @@ def run_swiftcache(model: Path, convs, args) -> dict:
 
 
 def ctl(rendezvous: str, json_out: bool) -> str:
-    """What `python -m sglang_swift.ctl status` prints for `rendezvous`."""
-    cmd = [sys.executable, "-m", "sglang_swift.ctl", "status", "--rendezvous-dir", rendezvous]
+    """What `python -m sglang_swift.tools.ctl status` prints for `rendezvous`."""
+    cmd = [sys.executable, "-m", "sglang_swift.tools.ctl", "status", "--rendezvous-dir", rendezvous]
     out = subprocess.run(cmd + (["--json"] if json_out else []), capture_output=True, text=True,
                          timeout=60)
     return out.stdout if out.returncode == 0 else f"ctl failed: {out.stderr.strip()}"

@@ -9,7 +9,7 @@ import aiohttp
 
 from . import client
 from .client import RequestRecord
-from .workloads import Session, poisson_arrivals
+from ..workloads.text_sessions import Session, poisson_arrivals
 
 
 def _generate_prompt(sess: Session, history: list[tuple[str, str]], user: str) -> str:

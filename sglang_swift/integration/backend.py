@@ -13,37 +13,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def uses_donation(config: Any) -> bool:
-    """Whether this server lends or borrows donated memory (then it runs a SwiftRuntime)."""
-    role = getattr(config, "role", "auto")
-    lends = role in ("donor", "both", "auto") and getattr(config, "lend_fraction", 0) > 0
-    borrows = role in ("borrower", "both", "auto") and getattr(config, "max_borrow_blocks", 0) > 0
-    return lends or borrows
-
-
-def tree_config_for(config: Any, page_size: int):
-    """The radix_ext `TreeConfig` for a SwiftConfig (read defensively: fields may be missing).
-
-    The donor tier exists when this server borrows (the data plane copies into it); the host
-    tier stays off until a host data path exists: a tier the tree could demote to but nobody
-    copies into would hand out KV that is not there.
-    """
-    from radix_ext import TreeConfig
-
-    policy = getattr(config, "eviction_policy", "lru") or "lru"
-    block_tokens = getattr(config, "block_tokens", 0) or 0
-    if block_tokens and block_tokens != page_size:
-        raise ValueError(f"--swiftcache-block-tokens {block_tokens} must equal --page-size "
-                         f"{page_size} (one donated block holds one page); or leave it at 0")
-    borrows = (getattr(config, "role", "auto") in ("borrower", "both", "auto")
-               and (getattr(config, "max_borrow_blocks", 0) or 0) > 0)
-    if getattr(config, "host_tier_tokens", 0):
-        logger.warning("SwiftCache: --swiftcache-host-tier-tokens is not wired to a host data "
-                       "path yet; running without a host tier")
-    return TreeConfig(page_size=page_size, eviction=policy, donor=borrows,
-                      demotion="cost_aware" if policy == "cost_aware" else "tiered")
-
-
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's TreeCacheBuildContext."""
     unsupported = [name for name, on in (
@@ -62,8 +31,8 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop those "
                          f"options or run without --enable-swiftcache (SwiftCache has its own tiers: "
                          f"no --enable-hierarchical-cache needed).")
-    tree_config = tree_config_for(config, params.page_size)
-    if uses_donation(config):
+    tree_config = config.tree_config(params.page_size)
+    if config.uses_donation:
         from .donation_cache import DonationRadixCache
 
         server_args = ctx.server_args
@@ -73,7 +42,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                                    agent_id=agent_id,
                                    enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
     else:
-        from .tree_cache_adapter import SwiftRadixCache
+        from .cache import SwiftRadixCache
 
         cache = SwiftRadixCache(params, tree_config)
     logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s)", params.page_size,

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from .cpu_compat import cpu_env
+from ..cpu_compat import cpu_env
 
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 

@@ -12,13 +12,13 @@ import threading
 import time
 
 
-class SimProcess:
+class PeerProcess:
     def __init__(self, rendezvous_dir: str, agent_id: str, *args: str, stderr=None) -> None:
         self.agent_id = agent_id
         cmd = [
             sys.executable,
             "-m",
-            "sglang_swift.control.sim",
+            "sglang_swift.testing.control_peer",
             "--agent-id",
             agent_id,
             "--rendezvous-dir",
@@ -124,18 +124,18 @@ class SimGroup:
 
         self.root = tempfile.mkdtemp(prefix="swc")
         self.rdv = f"{self.root}/r"
-        self.procs: list[SimProcess] = []
+        self.procs: list[PeerProcess] = []
 
-    def start(self, agent_id: str, *args: str, rdv: str | None = None) -> SimProcess:
+    def start(self, agent_id: str, *args: str, rdv: str | None = None) -> PeerProcess:
         log = open(f"{self.root}/{agent_id}.{len(self.procs)}.log", "w")
         try:
-            proc = SimProcess(rdv or self.rdv, agent_id, *args, stderr=log)
+            proc = PeerProcess(rdv or self.rdv, agent_id, *args, stderr=log)
         finally:
             log.close()  # the child keeps its own descriptor
         self.procs.append(proc)
         return proc
 
-    def log(self, proc: SimProcess) -> str:
+    def log(self, proc: PeerProcess) -> str:
         i = self.procs.index(proc)
         with open(f"{self.root}/{proc.agent_id}.{i}.log") as f:
             return f.read()

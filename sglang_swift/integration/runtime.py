@@ -25,10 +25,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import SwiftConfig
-from .control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseKey,
+from .swift_config import SwiftConfig
+from ..control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseKey,
                       LeaseLost, PeerChanged, ReclaimRequested, RequestFailed)
-from .dataplane import (KVGeometry, MappingError, SharedArena, TransferEngine, map_arena,
+from ..dataplane import (KVGeometry, MappingError, SharedArena, TransferEngine, map_arena,
                         owner_alive, unlink_descriptor)
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
 
 
 @dataclass
-class HeldLease:
+class BorrowedLease:
     """A lease this server borrows. The tree numbers its blocks 0..n-1 (lease-local);
     `arena_blocks[i]` is the donor arena's block id of local block i, fixed for the lease's life.
     `gone` holds the local blocks the donor took back."""
@@ -81,13 +81,11 @@ class SwiftRuntime:
         self.tree = tree
         self.geometry = geometry_of(kv_pool, page_size)
         self.device = kv_pool.k_buffer[0].device
-        self.lends = config.role in ("donor", "both", "auto") and config.lend_fraction > 0
-        self.borrows = config.role in ("borrower", "both", "auto") and config.max_borrow_blocks > 0
         self.agent_id = agent_id or f"{os.path.basename(model.rstrip('/')) or 'model'}-{os.getpid()}"
         self.agent = ControlAgent(control_config_for(config, self.agent_id), model=model)
         self.arena: SharedArena | None = None
         self.withheld: set[int] = set()  # donor: blocks reclaimed for the server's own demand
-        self.leases: dict[tuple[str, int], HeldLease] = {}  # (donor, lease id) -> held lease
+        self.leases: dict[tuple[str, int], BorrowedLease] = {}  # (donor, lease id) -> held lease
         self._mapped: dict[str, Any] = {}  # donor owner_uuid -> MappedArena
         self._requested = False
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
@@ -95,7 +93,7 @@ class SwiftRuntime:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> "SwiftRuntime":
-        if self.lends:
+        if self.config.lends:
             blocks = int(self.allocator.size * self.config.lend_fraction) // self.geometry.page_size
             if blocks > 0:
                 self.arena = SharedArena(blocks, _aligned(self.geometry.page_bytes),
@@ -105,7 +103,7 @@ class SwiftRuntime:
         self.agent.start()
         logger.info("SwiftCache runtime %s started: lends %d blocks, borrows up to %d",
                     self.agent_id, self.arena.book.num_blocks if self.arena else 0,
-                    self.config.max_borrow_blocks if self.borrows else 0)
+                    self.config.max_borrow_blocks if self.config.borrows else 0)
         return self
 
     def stop(self) -> None:
@@ -127,7 +125,7 @@ class SwiftRuntime:
             handler = self._handlers.get(type(event))
             if handler is not None:
                 handler(self, event)
-        if self.borrows and not self._requested and self._peer_count() > 0:
+        if self.config.borrows and not self._requested and self._peer_count() > 0:
             want = self.config.max_borrow_blocks - self._held_blocks()
             if want > 0:
                 self.agent.request(want)
@@ -179,7 +177,7 @@ class SwiftRuntime:
                            ev.key.donor, exc)
             self.agent.release(ev.key)
             return
-        held = HeldLease(ev.key, list(ev.blocks), engine)
+        held = BorrowedLease(ev.key, list(ev.blocks), engine)
         self.leases[(ev.key.donor, ev.key.lease_id)] = held
         self.tree.donor.add_lease(ev.key.donor, ev.key.lease_id, ev.key.epoch, len(ev.blocks))
         self.stats["leases"] += 1

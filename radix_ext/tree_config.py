@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radix_ext.policy import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
+from radix_ext.placement import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
 
 
 @dataclass(frozen=True)

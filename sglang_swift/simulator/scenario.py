@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang_swift.config import SwiftConfig
+from sglang_swift.integration.swift_config import SwiftConfig
 
 from . import params
 from .cache_adapter import TreeCache
 from .node import Node
 from .roofline import Roofline
 from .server import ModelServer, SimRequest
-from .traces import AgentTraffic, ChatTraffic, agent_sessions, chat_sessions, page_ids
+from ..workloads.token_traces import AgentTraffic, ChatTraffic, agent_sessions, chat_sessions, page_ids
 
 SYSTEMS = {
     "sglang-radix": dict(load_mode="none", host=False, donor=False),

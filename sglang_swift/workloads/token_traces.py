@@ -63,7 +63,7 @@ _CONV_CACHE: dict[int, list] = {}
 
 def _conversations(n: int):
     if n not in _CONV_CACHE:
-        from sglang_swift.workload.sharegpt import load_conversations
+        from sglang_swift.workloads.sharegpt import load_conversations
 
         _CONV_CACHE[n] = load_conversations(n, min_turns=1)
     return _CONV_CACHE[n]

@@ -1,5 +1,5 @@
 """A standalone agent process for tests, benchmarks and operators trying the channel without
-a model server: ``python -m sglang_swift.control.sim --agent-id a --rendezvous-dir DIR ...``.
+a model server: ``python -m sglang_swift.testing.control_peer --agent-id a --rendezvous-dir DIR ...``.
 
 It speaks JSON lines: commands on stdin (``{"op": "request", "n": 4}``), events on stdout
 (``{"ev": "LeaseGranted", "t": <monotonic>, ...}``). A donor lends a real shared-memory arena
@@ -30,8 +30,8 @@ import msgspec
 
 from sglang_swift.control import events as ev
 from sglang_swift.control.agent import ControlAgent
-from sglang_swift.control.config import ControlConfig
-from sglang_swift.control.sim_borrower import SimBorrower
+from sglang_swift.control.control_config import ControlConfig
+from sglang_swift.testing.peer_borrower import PeerBorrower
 
 _out_lock = threading.Lock()
 
@@ -151,7 +151,7 @@ def run(args) -> None:
         _break_reclaims(agent)
     agent.start()
     donor = SimDonor(agent, args) if args.donate else None
-    borrower = SimBorrower(agent, args, say, ShmArena)
+    borrower = PeerBorrower(agent, args, say, ShmArena)
     say(
         "ready", agent_id=args.agent_id, epoch=agent.epoch, endpoint=agent.endpoint, pid=os.getpid()
     )

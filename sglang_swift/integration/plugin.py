@@ -25,7 +25,7 @@ import pkgutil
 import sys
 from typing import Any, Callable, Sequence
 
-from .config import CONFIG_ENV, SwiftConfig, cli_options
+from .swift_config import CONFIG_ENV, SwiftConfig, cli_options
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _before_scheduler_step(scheduler: Any, *a: Any, **kw: Any) -> None:
 
 
 def swiftcache_backend_factory(ctx: Any) -> Any:
-    from .tree_cache import create_swift_tree_cache
+    from .backend import create_swift_tree_cache
 
     config = config_for_server(ctx.server_args)
     logger.info("SwiftCache: building the '%s' tree cache in pid %d with %s",

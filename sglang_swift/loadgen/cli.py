@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from . import plots, runner, stats
-from .workloads import AgentSpec, ChatSpec, agent_sessions, chat_sessions
+from ..workloads.text_sessions import AgentSpec, ChatSpec, agent_sessions, chat_sessions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +65,8 @@ def make_sessions(a: argparse.Namespace):
 
 def _launch_specs():
     """The CPU demo servers: the tiny model with SwiftCache off, then on."""
-    from sglang_swift.local_server import LocalServer
-    from sglang_swift.tiny_model import DEFAULT_DIR, ensure_tiny_model
+    from sglang_swift.tools.local_server import LocalServer
+    from sglang_swift.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
 
     model = ensure_tiny_model(DEFAULT_DIR, seed=0)
     for label, on in (("swiftcache-off", False), ("swiftcache-on", True)):

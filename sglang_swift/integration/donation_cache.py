@@ -25,9 +25,9 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Mat
 
 from radix_ext import DEVICE, DONOR, TreeConfig
 
-from .dataplane import make_layer_counter
+from ..dataplane import make_layer_counter
 from .runtime import SwiftRuntime
-from .tree_cache_adapter import SwiftRadixCache, indices_to_tensor, namespace_of
+from .cache import SwiftRadixCache, indices_to_tensor, namespace_of
 
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02

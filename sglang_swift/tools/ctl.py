@@ -1,6 +1,6 @@
 """Operator view of the donation control channel, in the spirit of kvcached's ``kvctl``.
 
-    python -m sglang_swift.ctl status [--rendezvous-dir DIR] [--secret-file FILE] [--json]
+    python -m sglang_swift.tools.ctl status [--rendezvous-dir DIR] [--secret-file FILE] [--json]
 
 Lists every agent published in the rendezvous directory with its lending state, then every
 lease (donor, borrower, blocks, blocks being reclaimed). Each agent is asked over its own
@@ -20,7 +20,7 @@ import zmq
 from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import read_secret
-from sglang_swift.control.config import ControlConfigError, default_rendezvous_dir
+from sglang_swift.control.control_config import ControlConfigError, default_rendezvous_dir
 
 
 def query(codec: p.Codec, rec: discovery.PeerRecord, timeout_s: float) -> p.AgentStatus | str:
@@ -140,7 +140,7 @@ def status(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m sglang_swift.ctl", description=__doc__.split("\n")[0]
+        prog="python -m sglang_swift.tools.ctl", description=__doc__.split("\n")[0]
     )
     sub = ap.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="peers, leases, lent and borrowed blocks")

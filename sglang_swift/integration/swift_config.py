@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from radix_ext import EVICTION_POLICIES as _TREE_EVICTION_POLICIES
+
 ROLES = ("auto", "donor", "borrower", "both")
-EVICTION_POLICIES = ("lru", "cost_aware")
+EVICTION_POLICIES = tuple(sorted(_TREE_EVICTION_POLICIES))  # the names radix_ext knows
 CONFIG_ENV = "SWIFTCACHE_CONFIG"
 
 
@@ -64,7 +66,8 @@ class SwiftConfig:
 
     enabled: bool = False
     role: str = field(default="auto", metadata=_opt(_choice("role", ROLES),
-        "donor lends idle KV memory, borrower uses donated memory, both, or auto (decided by load)"))
+        "donor lends, borrower borrows, both, or auto (lends when a lend fraction is set, "
+        "borrows when a borrow limit is set)"))
     eviction_policy: str = field(default="lru", metadata=_opt(
         _choice("eviction-policy", EVICTION_POLICIES),
         "order and target of device evictions: lru, or cost_aware (reuse vs. reload cost per tier)"))
@@ -76,10 +79,6 @@ class SwiftConfig:
         "own KV usage (0-1] above which a donor reclaims lent blocks"))
     max_borrow_blocks: int = field(default=0, metadata=_opt(_number("max-borrow-blocks", int, 0),
         "upper bound on donor blocks this server borrows (0: no donor tier)"))
-    host_tier_tokens: int = field(default=0, metadata=_opt(_number("host-tier-tokens", int, 0),
-        "tokens of host-memory KV tier below the donor tier (0: none)"))
-    block_tokens: int = field(default=0, metadata=_opt(_number("block-tokens", int, 0, 4096),
-        "tokens per donated block, all layers (0: SGLang's --page-size; otherwise must equal it)"))
     heartbeat_interval_s: float = field(default=0.2, metadata=_opt(
         _number("heartbeat-interval-s", float, 0.0, 60.0, lo_open=True), "control-channel heartbeat period"))
     heartbeat_timeout_s: float = field(default=1.0, metadata=_opt(
@@ -92,24 +91,63 @@ class SwiftConfig:
         "node secret (0600) that authenticates control messages (default: <rendezvous-dir>/secret)"))
 
     def __post_init__(self) -> None:
+        """Validate only (a frozen dataclass is never written here): each field must already be
+        what its parser returns. `SwiftConfig.parse(**raw)` converts raw values (CLI, JSON)."""
         for f in dataclasses.fields(self):
             parse = f.metadata.get("parse")
             value = getattr(self, f.name)
-            if parse is not None and value != f.default:  # defaults are valid by construction
-                object.__setattr__(self, f.name, parse(value))
-        if self.block_tokens and self.block_tokens & (self.block_tokens - 1):
-            raise ValueError(f"block-tokens must be a power of two; got {self.block_tokens}")
+            if parse is not None and value != f.default and parse(value) != value:
+                raise ValueError(f"{f.name}={value!r} is not a valid value; "
+                                 f"build the config with SwiftConfig.parse(...)")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat-timeout-s ({self.heartbeat_timeout_s}) must exceed "
                 f"heartbeat-interval-s ({self.heartbeat_interval_s})")
 
-    # -- derived values ---------------------------------------------------------------------
+    @classmethod
+    def parse(cls, **raw: Any) -> "SwiftConfig":
+        """A config from raw values (strings from a CLI, JSON numbers): each field's parser
+        converts and checks its value, then the cross-field checks run."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown SwiftCache config keys {unknown}; versions of sglang-swift differ?")
+        values = {}
+        for name, value in raw.items():
+            f = fields[name]
+            parse = f.metadata.get("parse")
+            values[name] = parse(value) if parse is not None and value != f.default else value
+        return cls(**values)
+
+    # -- derived values (computed here and nowhere else) -------------------------------------
+    @property
+    def lends(self) -> bool:
+        """This server offers part of its KV pool to borrowers."""
+        return self.role in ("donor", "both", "auto") and self.lend_fraction > 0
+
+    @property
+    def borrows(self) -> bool:
+        """This server keeps evicted prefixes in donor memory (the tree has a donor tier)."""
+        return self.role in ("borrower", "both", "auto") and self.max_borrow_blocks > 0
+
+    @property
+    def uses_donation(self) -> bool:
+        """The server runs a SwiftRuntime (control agent, arenas, copies)."""
+        return self.lends or self.borrows
+
+    def tree_config(self, page_size: int) -> Any:
+        """The radix_ext `TreeConfig` of this server's tree. The donor tier exists when the
+        server borrows; there is no host tier (no host data path in the server yet)."""
+        from radix_ext import TreeConfig
+
+        return TreeConfig(page_size=page_size, eviction=self.eviction_policy, donor=self.borrows,
+                          demotion="cost_aware" if self.eviction_policy == "cost_aware" else "tiered")
+
     def resolved_rendezvous_dir(self) -> str:
         """The rendezvous directory; by default the control channel's (what `ctl` reads)."""
         if self.rendezvous_dir:
             return self.rendezvous_dir
-        from .control.config import default_rendezvous_dir
+        from ..control.control_config import default_rendezvous_dir
 
         return default_rendezvous_dir()
 
@@ -122,12 +160,7 @@ class SwiftConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "SwiftConfig":
-        data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown SwiftCache config keys {unknown}; versions of sglang-swift differ?")
-        return cls(**data)
+        return cls.parse(**json.loads(text))
 
 
 def cli_options() -> list[tuple[str, dataclasses.Field]]:

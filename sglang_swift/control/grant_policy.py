@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from sglang_swift.control.config import ControlConfigError
+from sglang_swift.control.control_config import ControlConfigError
 
 
 class LeaseView(Protocol):

@@ -28,7 +28,7 @@ def _claim_alive(word: bytes) -> bool:
     return True
 
 
-class SimBorrower:
+class PeerBorrower:
     def __init__(self, agent, args, say, arena_cls) -> None:
         self.agent, self.args, self.say, self._arena_cls = agent, args, say, arena_cls
         self.arenas: dict[bytes, object] = {}

@@ -1,0 +1,1 @@
+"""Small host-level helpers shared by the control channel and the data plane."""
