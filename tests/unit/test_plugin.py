@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from sglang_swift import plugin
+from sglang_swift.integration import plugin
 from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig, cli_options
 
 
@@ -138,7 +138,7 @@ def test_unsupported_version_refuses_to_start_loudly(tmp_path):
         from sglang_swift.cpu_compat import activate_in_process
         activate_in_process()
         from sglang.srt.plugins.hook_registry import HookRegistry
-        from sglang_swift import plugin
+        from sglang_swift.integration import plugin
         problems = plugin.register(sglang_version="0.4.0")
         assert problems, problems
         HookRegistry.apply_hooks()
