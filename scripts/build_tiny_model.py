@@ -1,4 +1,4 @@
-"""Build the tiny Llama used by the demo and the tests (see sglang_swift/tiny_model.py)."""
+"""Build a small local Llama used by the demo, tests and benchmarks (see sglang_swift/tools/tiny_model.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,20 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_swift.tools.tiny_model import DEFAULT_DIR, STAMP, ensure_tiny_model
+from sglang_swift.tools.tiny_model import MODEL_SHAPES, STAMP, ensure_tiny_model, model_dir
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny")
+    ap.add_argument("--out", type=Path, default=None, help="default: artifacts/<shape>-llama")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if a build is present")
     args = ap.parse_args()
+    out_dir = args.out or model_dir(args.shape)
     if args.force:
-        (args.out / STAMP).unlink(missing_ok=True)
-    out = ensure_tiny_model(args.out, args.seed)
+        (out_dir / STAMP).unlink(missing_ok=True)
+    out = ensure_tiny_model(out_dir, args.seed, args.shape)
     print(json.dumps(json.loads((out / STAMP).read_text())))
 
 

@@ -1,6 +1,14 @@
-"""A tiny Llama-architecture model with a locally trained tokenizer; no hub access needed.
+"""Small Llama-architecture models with a locally trained tokenizer; no hub access needed.
 
-CLI: `python scripts/build_tiny_model.py --out artifacts/tiny-llama [--seed 0]`.
+CLI: `python scripts/build_tiny_model.py [--shape tiny|small] [--out DIR] [--seed 0]`.
+
+Two named shapes, so a node can run two different models (a donor and a bigger borrower):
+- `tiny` (artifacts/tiny-llama): 4 layers, hidden 128, 2 KV heads of 32; about 0.9 M parameters.
+  Its prefill does about 1.3 kFLOP per byte of KV it writes: recompute is nearly free, so it
+  shows mechanisms, not timings.
+- `small` (artifacts/small-llama): 8 layers, hidden 512, 8 query heads and 4 KV heads of 32;
+  about 22.6 M parameters, 8 KiB of KV per token (fp32), about 5 kFLOP per KV byte; the model
+  the CPU timings use. (Qwen3-32B does about 244 kFLOP per KV byte.)
 
 The tokenizer is a byte-level BPE trained on Python's own standard-library sources (present on every
 machine with Python), with ChatML-style special tokens and chat template. The weights are randomly
@@ -22,10 +30,18 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# A small Llama: grouped KV heads (4 query heads share 2 KV heads), 4 layers, head_dim 32.
-MODEL_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
-                   max_position_embeddings=8192)
+VOCAB_SIZE = 2048
+MODEL_SHAPES = {
+    # grouped KV heads (4 query heads share 2 KV heads), 4 layers, head_dim 32
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB_SIZE,
+                 max_position_embeddings=8192),
+    # 8 layers, 8 query heads sharing 4 KV heads of 32 (head_dim set explicitly: not hidden/heads)
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                  vocab_size=VOCAB_SIZE, max_position_embeddings=8192),
+}
+MODEL_SHAPE = MODEL_SHAPES["tiny"]
 STAMP = "swiftcache_build.json"
 CORPUS_FILES = 80  # stdlib modules, in sorted order, that the tokenizer is trained on
 
@@ -55,7 +71,7 @@ def build_tokenizer(out: Path, vocab_size: int):
     return fast
 
 
-def build_model(out: Path, tokenizer, seed: int) -> None:
+def build_model(out: Path, tokenizer, seed: int, shape: str = "tiny") -> None:
     import torch
 
     from sglang_swift.cpu_compat import torchvision_fix
@@ -65,7 +81,7 @@ def build_model(out: Path, tokenizer, seed: int) -> None:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        **MODEL_SHAPE, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        **MODEL_SHAPES[shape], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
         # A wider init than the 0.02 default gives peaked next-token distributions, so greedy
@@ -85,38 +101,51 @@ def fingerprint(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_tiny_model(out: Path, seed: int = 0) -> Path:
-    """Build the model into `out` unless a complete build for `seed` is already there.
+def ensure_tiny_model(out: Path | None = None, seed: int = 0, shape: str = "tiny") -> Path:
+    """Build model `shape` into `out` (default: its directory under artifacts/) unless a complete
+    build for `seed` and `shape` is already there.
 
     Builds in a private temporary directory and renames it into place, so concurrent callers
     (parallel test runs) never see a half-written model.
     """
-    out = Path(out)
-    if _build_seed(out) == seed:
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {sorted(MODEL_SHAPES)}")
+    out = Path(out) if out is not None else model_dir(shape)
+    if _build_id(out) == (seed, shape):
         return out
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = build_tokenizer(tmp, MODEL_SHAPE["vocab_size"])
-    build_model(tmp, tokenizer, seed)
-    stamp = {"seed": seed, "shape": MODEL_SHAPE, "sha256_16": fingerprint(tmp)}
+    tokenizer = build_tokenizer(tmp, VOCAB_SIZE)
+    build_model(tmp, tokenizer, seed, shape)
+    stamp = {"seed": seed, "shape_name": shape, "shape": MODEL_SHAPES[shape],
+             "sha256_16": fingerprint(tmp)}
     (tmp / STAMP).write_text(json.dumps(stamp))
-    if out.exists() and _build_seed(out) != seed:
+    if out.exists() and _build_id(out) != (seed, shape):
         shutil.rmtree(out, ignore_errors=True)  # a stale or partial build
     try:
         os.rename(tmp, out)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-    if _build_seed(out) != seed:
-        raise RuntimeError(f"could not build the tiny model into {out}")
+    if _build_id(out) != (seed, shape):
+        raise RuntimeError(f"could not build the {shape} model into {out}")
     return out
 
 
-def _build_seed(out: Path) -> int | None:
+def _build_id(out: Path) -> tuple[int, str] | None:
+    """(seed, shape name) of the complete build in `out`, or None."""
     try:
-        return json.loads((out / STAMP).read_text()).get("seed")
+        stamp = json.loads((out / STAMP).read_text())
     except (FileNotFoundError, ValueError):
         return None
+    return stamp.get("seed"), stamp.get("shape_name", "tiny")
 
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "tiny-llama"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # the repository's artifacts/
+
+
+def model_dir(shape: str) -> Path:
+    return ARTIFACTS / f"{shape}-llama"
+
+
+DEFAULT_DIR = model_dir("tiny")
