@@ -9,7 +9,10 @@ What it does, through official extension points only:
 - AFTER-hooks `ServerArgs.from_cli_args`: with the flag on, builds the one frozen `SwiftConfig`, carries
   it to the spawned processes (a bookkeeping attribute that pickles with ServerArgs, plus an env var),
   and selects the `swiftcache` backend; without the flag, leaves ServerArgs exactly as stock;
-- registers the `swiftcache` factory with `register_radix_cache_backend`.
+- registers the `swiftcache` factory with `register_radix_cache_backend`;
+- BEFORE-hooks `Scheduler.get_next_batch_to_run` so the tree handles control events once per loop;
+- AROUND-hooks `MHATokenToKVPool._create_buffers_normal` so a lending server's pool is allocated
+  in shareable memory (`shared_kv_pool.py`); every other server's pool is SGLang's own.
 
 Before any of that it checks the installed sglang version and that every hook target exists. On a
 mismatch it prints a loud message (logging is not configured yet in the launcher) and installs only
@@ -36,7 +39,8 @@ ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 REGISTER_BACKEND = "sglang.srt.mem_cache.registry.register_radix_cache_backend"
 SCHEDULER_STEP = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
-HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND, SCHEDULER_STEP,
+KV_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
+HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND, SCHEDULER_STEP, KV_POOL_BUFFERS,
                 "sglang.srt.mem_cache.radix_cache.RadixCache")
 
 
@@ -204,6 +208,10 @@ def register(*, sglang_version: str | None = None, targets: Sequence[str] = HOOK
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
     HookRegistry.register(SCHEDULER_STEP, _before_scheduler_step, HookType.BEFORE)
+    # A lending server's KV pool goes into shareable memory (a no-op for every other server).
+    from .shared_kv_pool import create_buffers_in_shared_region
+
+    HookRegistry.register(KV_POOL_BUFFERS, create_buffers_in_shared_region, HookType.AROUND)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, swiftcache_backend_factory)
     return []

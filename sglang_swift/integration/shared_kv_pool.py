@@ -1,0 +1,92 @@
+"""A lending server's SGLang KV pool, placed in memory other processes can map.
+
+SGLang sizes its KV pool once at start-up and keeps all of it, so the memory a donor can spare is
+the free part of its own pool. For a borrower to copy into that memory, the pool's buffers must be
+shareable: POSIX shared memory on CPU, one CUDA allocation (exportable by CUDA IPC) on a GPU.
+
+An AROUND hook on `MHATokenToKVPool._create_buffers_normal` (registered by the plugin) does that
+for a server whose `SwiftConfig` lends: it allocates one `SharedArena` region and gives SGLang
+per-layer K and V views of it with exactly the shapes SGLang would allocate (`PoolLayout`), so
+every kernel, attention backend and accounting path sees an ordinary pool. Pools it cannot lay
+out this way (HND or AITER layouts, quantized KV) are built by SGLang as usual, and the server
+then lends nothing and says why in its log; a server that does not lend is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+from ..dataplane.pool_layout import PoolLayout, dtype_name
+from .swift_config import CONFIG_ENV, SwiftConfig
+
+logger = logging.getLogger(__name__)
+
+CREATE_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
+REGION_ATTR = "_swiftcache_region"  # the SharedArena holding the pool (kept alive by the pool)
+LAYOUT_ATTR = "_swiftcache_layout"  # its PoolLayout
+
+
+def lending_config() -> SwiftConfig | None:
+    """The SwiftConfig of this server process if it lends, else None (read at call time)."""
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        return None
+    config = SwiftConfig.from_json(text)
+    return config if config.enabled and config.lends else None
+
+
+def why_not_shareable(pool: Any) -> str | None:
+    """None when the pool can be laid out in a shared region; else the reason it cannot."""
+    layout = getattr(pool, "kv_cache_layout", "nhd")
+    if layout != "nhd" or getattr(pool, "use_hnd", False):
+        return f"KV cache layout {layout!r} (SwiftCache lends only the NHD layout)"
+    if getattr(pool, "post_capture_active", False):
+        return "post-capture KV backing (CUDA VMM) is on"
+    try:
+        dtype_name(pool.store_dtype)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def layout_of(pool: Any, data_offset: int) -> PoolLayout:
+    rows = pool.size + pool.page_size
+    padded = -(-rows // pool.page_size) * pool.page_size
+    return PoolLayout(num_layers=pool.layer_num, rows=rows, padded_rows=padded,
+                      head_num=pool.head_num, head_dim=pool.head_dim,
+                      v_head_dim=pool.v_head_dim, dtype=dtype_name(pool.store_dtype),
+                      page_size=pool.page_size, data_offset=data_offset)
+
+
+def create_buffers_in_shared_region(orig: Callable[[Any], None], pool: Any) -> None:
+    """AROUND hook body: SGLang's own buffer creation, or the same buffers in a shared region."""
+    if lending_config() is None:
+        return orig(pool)
+    reason = why_not_shareable(pool)
+    if reason is not None:
+        logger.warning("SwiftCache: this server's KV pool cannot be shared (%s); it lends nothing",
+                       reason)
+        return orig(pool)
+    from ..dataplane import SharedArena
+    from ..dataplane.block_size import BLOCK_ALIGN_BYTES
+
+    layout = layout_of(pool, data_offset=0)
+    size = -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+    arena = SharedArena(1, size, device=str(pool.device), name_prefix="swiftpool")
+    region = arena.memory.view(-1)  # after the arena's header; zeroed by shm/torch.empty below
+    region.zero_()
+    pool.k_buffer, pool.v_buffer = layout.views(region)
+    setattr(pool, REGION_ATTR, arena)
+    setattr(pool, LAYOUT_ATTR, layout)
+    logger.info("SwiftCache: KV pool of %d tokens (%d layers, %.1f MiB) placed in shared %s "
+                "memory so idle pages can be lent", pool.size, layout.num_layers,
+                layout.data_bytes / 2**20, arena.export()["kind"])
+    return None
+
+
+def shared_region_of(pool: Any) -> tuple[Any, PoolLayout] | None:
+    """(SharedArena, PoolLayout) of a pool the hook placed, else None."""
+    arena = getattr(pool, REGION_ATTR, None)
+    return (arena, getattr(pool, LAYOUT_ATTR)) if arena is not None else None
