@@ -12,10 +12,12 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import plots, runner, stats
-from ..workloads.text_sessions import AgentSpec, ChatSpec, agent_sessions, chat_sessions
+from ..workloads.specs import AgentWorkload, ChatWorkload
+from ..workloads.text_sessions import agent_sessions, chat_sessions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,16 +53,17 @@ def _apply_quick(a: argparse.Namespace) -> None:
 
 def make_sessions(a: argparse.Namespace):
     if a.workload == "chat":
-        return chat_sessions(ChatSpec(num_sessions=a.num_sessions, max_turns=a.max_turns,
-                                      max_chars=a.max_chars, max_tokens=a.max_tokens,
-                                      think_mean_s=a.think_mean, seed=a.seed))
-    spec = AgentSpec(num_sessions=a.num_sessions, max_tokens=a.max_tokens, tool_latency_s=a.think_mean,
-                     seed=a.seed)
+        chat = ChatWorkload(max_turns=a.max_turns, min_turns=2, max_chars_per_message=a.max_chars,
+                            max_output_tokens=a.max_tokens, think_mean_s=a.think_mean, seed=a.seed)
+        return chat_sessions(chat, a.num_sessions)
+    # every answer a.max_tokens long; each session has its own system prompt (no prefix shared
+    # across sessions)
+    agent = AgentWorkload(output_min=a.max_tokens, output_max=a.max_tokens,
+                          tool_latency_mean_s=a.think_mean, shared_system_prompt=False, seed=a.seed)
     if a.quick:
-        spec = AgentSpec(num_sessions=a.num_sessions, system_min=100, system_max=200, steps_min=3,
-                         steps_max=a.max_turns, tool_median=60, tool_min=20, tool_max=200,
-                         max_tokens=a.max_tokens, tool_latency_s=a.think_mean, seed=a.seed)
-    return agent_sessions(spec)
+        agent = replace(agent, system_min=100, system_max=200, steps_min=3, steps_max=a.max_turns,
+                        tool_median=60, tool_min=20, tool_max=200)
+    return agent_sessions(agent, a.num_sessions)
 
 
 def _launch_specs():
@@ -78,7 +81,7 @@ def run(a: argparse.Namespace, servers: dict[str, str]) -> dict:
 
     sessions = make_sessions(a)
     rates = [float(x) for x in a.rates.split(",") if x]
-    total = sum(len(s.steps) for s in sessions) * len(rates) * len(servers)
+    total = sum(len(s.turns) for s in sessions) * len(rates) * len(servers)
     results: dict = {"config": {k: v for k, v in vars(a).items() if k != "server"},
                      "servers": servers, "runs": []}
     with tqdm(total=total, desc="requests", unit="req", file=sys.stderr) as bar:

@@ -2,12 +2,15 @@
 
 `P(value, unit, source)` keeps the citation next to the value; `assumptions_table()` renders all of
 them for docs/simulation.md. Workload shapes (rates, think times, tool-result sizes) are stated
-distributions of the scenario, not hardware parameters; they are listed in scenarios.py.
+distributions of the scenario, not hardware parameters; they are in sglang_swift/workloads/specs.py
+and, as chosen for the simulated node, in scenario.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..workloads import specs as workload_specs
 
 GB = 1e9
 GiB = 1024**3
@@ -97,7 +100,8 @@ MODELS: dict[str, ModelSpec] = {
     "Qwen3-1.7B": ModelSpec("Qwen3-1.7B", 28, 16, 8, 128, 1.7e9, 1.4e9),
 }
 
-CHARS_PER_TOKEN = P(4.0, "chars/token", "OpenAI tokenizer guidance: ~4 characters per English token")
+CHARS_PER_TOKEN = P(float(workload_specs.CHARS_PER_TOKEN), "chars/token",
+                    "OpenAI tokenizer guidance: ~4 characters per English token")
 
 
 def gpu(name: str) -> dict[str, float]:

@@ -9,7 +9,7 @@ Systems compared on the same trace (same sessions, same arrival times):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from .cache_adapter import TreeCache
 from .node import Node
 from .roofline import Roofline
 from .server import ModelServer, SimRequest
-from ..workloads.token_traces import AgentTraffic, ChatTraffic, agent_sessions, chat_sessions, page_ids
+from ..workloads.specs import AgentWorkload, Arrivals, ChatWorkload
+from ..workloads.token_traces import agent_traces, chat_traces, page_ids
 
 SYSTEMS = {
     "sglang-radix": dict(load_mode="none", host=False, donor=False),
@@ -40,7 +41,7 @@ class Scenario:
     gpu: str
     master: str
     donors: tuple[str, ...]
-    workload: str = "chat"  # master workload: chat | agent
+    workload: str = "chat"  # master workload: chat | agent | single (first turns only)
     donor_rate: float = 0.05  # donor chat sessions/s each ("lighter traffic")
     think_mean_s: float = 10.0
     # Half of each donor's KV pool: SwiftConfig's default until commit d8ed00e, which made the
@@ -156,12 +157,28 @@ class RunResult:
     events: int = 0
 
 
+# The traffic of the simulated node (stated choices, docs/simulation.md section 2): chat keeps up to 16
+# turns of each conversation and thinks for the scenario's mean time; agent answers are 16-128 tokens,
+# tool calls take 2 s on average, and all sessions are one agent type, so they share a system prompt.
+MAX_CHAT_TURNS = 16
+AGENT = AgentWorkload(output_min=16, output_max=128, tool_latency_mean_s=2.0, shared_system_prompt=True)
+AGENT_SEED_OFFSET = 17  # agent traces draw apart from the chat traces of the same seed
+
+
 def master_sessions(scn: Scenario, rate: float, window: float, seed: int):
+    arrivals = Arrivals(rate=rate, window_s=window)
     if scn.workload == "agent":
-        return agent_sessions(AgentTraffic(rate=rate, window_s=window, seed=seed))
-    if scn.workload == "single":  # low reuse: first turns only, nothing to reuse across turns
-        return chat_sessions(ChatTraffic(rate=rate, window_s=window, max_turns=1, seed=seed))
-    return chat_sessions(ChatTraffic(rate=rate, window_s=window, think_mean_s=scn.think_mean_s, seed=seed))
+        return agent_traces(replace(AGENT, seed=seed + AGENT_SEED_OFFSET), arrivals)
+    # "single" is low reuse: first turns only, nothing to reuse across turns
+    turns = 1 if scn.workload == "single" else MAX_CHAT_TURNS
+    return chat_traces(ChatWorkload(max_turns=turns, think_mean_s=scn.think_mean_s, seed=seed), arrivals)
+
+
+def donor_sessions(scn: Scenario, donor_index: int, rate: float, window: float, seed: int):
+    """Chat for donor `donor_index` (0-based): other conversations and another seed than the master's."""
+    chat = ChatWorkload(max_turns=MAX_CHAT_TURNS, think_mean_s=scn.think_mean_s,
+                        conversation_offset=2000 + 500 * donor_index, seed=seed + 101 * (donor_index + 1))
+    return chat_traces(chat, Arrivals(rate=rate, window_s=window))
 
 
 def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: int = 0,
@@ -188,9 +205,7 @@ def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: i
     drate = scn.donor_rate if donor_rate is None else donor_rate
     for i, d in enumerate(donors):
         if drate > 0:
-            ss = chat_sessions(ChatTraffic(rate=drate, window_s=window, think_mean_s=scn.think_mean_s,
-                                           offset=2000 + 500 * i, seed=seed + 101 * (i + 1)), sid_base=0)
-            d_reqs[d.name] = _drive(node, d, ss, page, stop_at)
+            d_reqs[d.name] = _drive(node, d, donor_sessions(scn, i, drate, window, seed), page, stop_at)
     queue: list[tuple[float, int]] = []
 
     def sample():

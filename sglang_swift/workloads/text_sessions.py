@@ -1,90 +1,40 @@
-"""Sessions to replay: real ShareGPT conversations (chat) or seeded synthetic tool loops (agent).
+"""Text sessions for the load generator, rendered from a ChatWorkload or AgentWorkload (specs.py).
 
-A session is a list of steps. Each step appends `user` text to the context, asks for at most
-`max_tokens`, and after the answer arrives waits `think_s` before the next step. Nothing here does
-I/O except reading the ShareGPT file through `sglang_swift.workloads.sharegpt`.
+A session is a list of turns. Each turn appends `user` text to the context, asks for `max_tokens`
+(the server is told to ignore EOS, so that is the answer's length), and after the answer arrives
+waits `think_s` before the next turn. Nothing here does I/O except reading ShareGPT (chat).
 """
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
+from .specs import AgentWorkload, Arrivals, ChatWorkload
+
 
 @dataclass(frozen=True)
-class Step:
+class TextTurn:
     user: str
     max_tokens: int
-    think_s: float  # wait after this step's answer, before the next step
+    think_s: float  # wait after this turn's answer, before the next turn
 
 
 @dataclass(frozen=True)
-class Session:
+class TextSession:
     id: str
     system: str
-    steps: tuple[Step, ...]
-    role: str = "user"  # "tool" for agent tool results after the first step
+    turns: tuple[TextTurn, ...]
+    role: str = "user"  # who speaks after the first turn: "tool" for agent tool results
 
 
-@dataclass(frozen=True)
-class ChatSpec:
-    """Chat sessions from ShareGPT. Think time is exponential with mean `think_mean_s`."""
-
-    num_sessions: int = 32
-    max_turns: int = 8
-    min_turns: int = 2
-    max_chars: int = 2000
-    max_tokens: int = 128
-    think_mean_s: float = 2.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    """Tool-use loops: one long system prompt, then steps of a short model turn and a tool result.
-
-    system prompt words ~ Uniform[system_min, system_max]; steps ~ Uniform[steps_min, steps_max];
-    tool result words ~ LogNormal(ln(tool_median), tool_sigma) clipped to [tool_min, tool_max];
-    model output <= max_tokens; tool latency ~ Exponential(mean tool_latency_s).
-    """
-
-    num_sessions: int = 8
-    system_min: int = 1500
-    system_max: int = 3000
-    steps_min: int = 8
-    steps_max: int = 20
-    tool_median: int = 600
-    tool_sigma: float = 0.8
-    tool_min: int = 100
-    tool_max: int = 4000
-    max_tokens: int = 48
-    tool_latency_s: float = 0.5
-    seed: int = 0
-
-
-def _exp(rng: random.Random, mean: float) -> float:
-    return rng.expovariate(1.0 / mean) if mean > 0 else 0.0
-
-
-def _clip_tokens_from_chars(text: str) -> int:
-    return max(1, len(text) // 4)  # ~4 chars per token (OpenAI guidance)
-
-
-def chat_sessions(spec: ChatSpec) -> list[Session]:
-    from sglang_swift.workloads.sharegpt import load_conversations
-
-    rng = random.Random(spec.seed)
-    convs = load_conversations(spec.num_sessions, min_turns=spec.min_turns,
-                               max_chars_per_message=spec.max_chars)
+def chat_sessions(w: ChatWorkload, count: int) -> list[TextSession]:
+    """`count` sessions replaying ShareGPT conversations (fewer turns where a conversation has fewer)."""
+    rng = random.Random(w.seed)
     out = []
-    for c in convs:
-        steps = []
-        for t in c.turns[: spec.max_turns]:
-            # output budget follows the recorded answer's length, capped: real answer-length mix
-            steps.append(Step(t.user, min(spec.max_tokens, _clip_tokens_from_chars(t.assistant)),
-                              _exp(rng, spec.think_mean_s)))
-        out.append(Session(f"sharegpt-{c.id}", "", tuple(steps)))
+    for c in w.conversations(count):
+        turns = tuple(TextTurn(d.text, d.output_tokens, d.think_s) for d in w.draw_turns(c, rng))
+        out.append(TextSession(f"sharegpt-{c.id}", "", turns))
     return out
 
 
@@ -92,30 +42,32 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "den", "par", "qu
 
 
 def _words(rng: random.Random, n: int) -> str:
+    """`n` made-up words: text no two sessions share by chance, so only real prefixes hit a cache."""
     return " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(n))
 
 
-def agent_sessions(spec: AgentSpec) -> list[Session]:
-    rng = random.Random(spec.seed)
+def _system_prompt(w: AgentWorkload, rng: random.Random) -> str:
+    return "You are a tool-using agent. Tools: " + _words(rng, w.draw_system_size(rng))
+
+
+def agent_sessions(w: AgentWorkload, count: int) -> list[TextSession]:
+    """`count` tool loops; sizes are counts of filler words."""
+    rng = random.Random(w.seed)
+    shared = _system_prompt(w, rng) if w.shared_system_prompt else None
     out = []
-    for i in range(spec.num_sessions):
-        system = "You are a tool-using agent. Tools: " + _words(rng, rng.randint(spec.system_min, spec.system_max))
-        n = rng.randint(spec.steps_min, spec.steps_max)
-        steps = [Step("Task: " + _words(rng, 40), spec.max_tokens, _exp(rng, spec.tool_latency_s))]
-        for _ in range(n - 1):
-            size = int(min(spec.tool_max, max(spec.tool_min, rng.lognormvariate(
-                math.log(spec.tool_median), spec.tool_sigma))))
-            steps.append(Step("Tool result: " + _words(rng, size), spec.max_tokens,
-                              _exp(rng, spec.tool_latency_s)))
-        out.append(Session(f"agent-{spec.seed}-{i}", system, tuple(steps), role="tool"))
+    for i in range(count):
+        system = shared if shared is not None else _system_prompt(w, rng)
+        drawn = w.draw_turns(rng, fill=_words)
+        turns = tuple(TextTurn(("Task: " if k == 0 else "Tool result: ") + d.text, d.output_tokens,
+                               d.think_s) for k, d in enumerate(drawn))
+        out.append(TextSession(f"agent-{w.seed}-{i}", system, turns, role="tool"))
     return out
 
 
-def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Start offsets (s) of `n` sessions arriving as a Poisson process of `rate` sessions/s."""
-    rng = random.Random(seed * 7919 + 1)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate) if rate > 0 else 0.0
-    return out
+def start_offsets(count: int, rate: float, seed: int) -> list[float]:
+    """Start offsets (s) of `count` sessions arriving at `rate` sessions/s, the first at 0.
+
+    Drawn from their own stream, apart from the sessions' content, so the same sessions can be
+    replayed at several rates.
+    """
+    return Arrivals(rate=rate, count=count).start_times(random.Random(seed * 7919 + 1))

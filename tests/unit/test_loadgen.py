@@ -1,4 +1,4 @@
-"""Load generator: workload generation, statistics, and the streaming client against a fake server.
+"""Load generator: statistics, and the streaming client and CLI against a fake server.
 
 The fake server is a real aiohttp app on 127.0.0.1 that streams SSE like SGLang; the tests await
 its responses (no sleeps used as waits).
@@ -11,32 +11,8 @@ import pytest
 from aiohttp import web
 
 from sglang_swift.loadgen import runner, stats
-from sglang_swift.workloads.text_sessions import AgentSpec, ChatSpec, agent_sessions, chat_sessions, poisson_arrivals
-
-
-def test_agent_sessions_are_seeded_and_follow_the_stated_bounds():
-    spec = AgentSpec(num_sessions=5, seed=3)
-    a, b = agent_sessions(spec), agent_sessions(spec)
-    assert a == b
-    assert agent_sessions(AgentSpec(num_sessions=5, seed=4)) != a
-    for s in a:
-        assert spec.steps_min <= len(s.steps) <= spec.steps_max
-        assert spec.system_min <= len(s.system.split()) - 6 <= spec.system_max
-        for st in s.steps[1:]:
-            assert spec.tool_min <= len(st.user.split()) - 2 <= spec.tool_max
-
-
-def test_chat_sessions_keep_real_turn_order():
-    sess = chat_sessions(ChatSpec(num_sessions=3, max_turns=4, min_turns=2, max_chars=100, seed=1))
-    assert len(sess) == 3
-    assert all(2 <= len(s.steps) <= 4 for s in sess)
-    assert all(1 <= st.max_tokens <= 128 for s in sess for st in s.steps)
-
-
-def test_poisson_arrivals_have_the_requested_mean_gap():
-    t = poisson_arrivals(4000, rate=2.0, seed=0)
-    assert t[0] == 0.0 and all(b >= a for a, b in zip(t, t[1:]))
-    assert (t[-1] / (len(t) - 1)) == pytest.approx(0.5, rel=0.06)
+from sglang_swift.workloads.specs import AgentWorkload, ChatWorkload
+from sglang_swift.workloads.text_sessions import agent_sessions, chat_sessions
 
 
 def test_summary_percentiles_and_per_turn_hit_rate():
@@ -105,8 +81,9 @@ async def _with_server(fn):
 
 
 def test_generate_client_measures_ttft_itl_and_cached_tokens():
-    sess = agent_sessions(AgentSpec(num_sessions=1, steps_min=3, steps_max=3, system_min=5, system_max=5,
-                                    tool_median=5, tool_min=2, tool_max=9, tool_latency_s=0.0, seed=0))
+    sess = agent_sessions(AgentWorkload(steps_min=3, steps_max=3, system_min=5, system_max=5, tool_median=5,
+                                        tool_min=2, tool_max=9, output_min=48, output_max=48,
+                                        tool_latency_mean_s=0.0, shared_system_prompt=False, seed=0), 1)
     recs, log = asyncio.run(_with_server(lambda url: runner.run_sessions(url, "fake", sess, 1.0)))
     assert [r.turn for r in recs] == [0, 1, 2]
     assert all(r.error is None and r.ttft is not None and r.e2e >= r.ttft for r in recs)
@@ -118,7 +95,8 @@ def test_generate_client_measures_ttft_itl_and_cached_tokens():
 
 
 def test_chat_client_reads_usage_and_sends_history():
-    sess = chat_sessions(ChatSpec(num_sessions=1, max_turns=2, min_turns=2, max_chars=50, think_mean_s=0))
+    sess = chat_sessions(ChatWorkload(max_turns=2, min_turns=2, max_chars_per_message=50, max_output_tokens=128,
+                                      think_mean_s=0), 1)
     recs, log = asyncio.run(_with_server(lambda url: runner.run_sessions(url, "fake", sess, 1.0, api="chat")))
     assert recs[0].text == "abc" and recs[0].cached_tokens == 5 and recs[0].prompt_tokens == 7
     msgs = log[1][1]["messages"]
