@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Multi-turn load generator (chat from ShareGPT, agent tool loops); see sglang_swift/bench/cli.py."""
+"""Multi-turn load generator (chat from ShareGPT, agent tool loops); see sglang_swift/loadgen/cli.py."""
 
 import sys
 from pathlib import Path

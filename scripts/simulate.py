@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Node-scale simulator (SIMULATED numbers); see sglang_swift/sim/cli.py and docs/simulation.md."""
+"""Node-scale simulator (SIMULATED numbers); see sglang_swift/simulator/cli.py and docs/simulation.md."""
 
 import sys
 from pathlib import Path
