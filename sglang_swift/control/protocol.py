@@ -35,8 +35,24 @@ Blocks = Annotated[
 ]
 
 
+class PoolLayoutMsg(msgspec.Struct, frozen=True):
+    """Byte layout of a donor's KV pool region (`dataplane.pool_layout.PoolLayout`): a lease's
+    blocks are pages of that pool; the borrower computes every address from these numbers."""
+
+    num_layers: U64
+    rows: U64
+    padded_rows: U64
+    head_num: U64
+    head_dim: U64
+    v_head_dim: U64
+    dtype: Name
+    page_size: U64
+    data_offset: U64
+
+
 class MemoryDescriptor(msgspec.Struct, frozen=True):
-    """The donor memory a grant's blocks live in; the data plane's arena exports it as a dict."""
+    """The donor memory a grant's blocks live in; the data plane exports it as a dict. With
+    `layout`, the memory is the donor's own KV pool and block ids are its page ids."""
 
     kind: Annotated[str, msgspec.Meta(pattern="^(shm|cuda_ipc)$")]
     handle: Annotated[bytes, msgspec.Meta(max_length=4096)]
@@ -46,6 +62,7 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
     num_blocks: U64
     owner_pid: U64
     owner_uuid: Name
+    layout: PoolLayoutMsg | None = None
 
     @classmethod
     def coerce(cls, value: MemoryDescriptor | dict) -> MemoryDescriptor:
