@@ -73,7 +73,13 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
         return desc
 
     def to_dict(self) -> dict:
-        return msgspec.structs.asdict(self)
+        """Plain values only (the layout as a dict; no `layout` key for a plain arena)."""
+        out = msgspec.structs.asdict(self)
+        if self.layout is None:
+            del out["layout"]
+        else:
+            out["layout"] = msgspec.structs.asdict(self.layout)
+        return out
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="t"):
