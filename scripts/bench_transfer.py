@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from sglang_swift.control.ledger import DonorLedger
 from sglang_swift.dataplane import (
     CpuLayerCounter,
     KVGeometry,
@@ -100,8 +101,10 @@ def bench_page_size(
         :tokens
     ]  # other pages: the source survives
     arena = SharedArena(npages + 8, block_bytes_for(g))
+    book = DonorLedger()  # the live donor's book: a fresh grant is one run of consecutive blocks
+    book.offer(range(arena.num_blocks))
     try:
-        blocks = arena.book.alloc("bench", npages)
+        blocks = sorted(book.grant("bench", 1, npages, 0).active)
         eng = TransferEngine(arena.memory, g, cpu_threads=threads)
         nbytes = src_c.numel()
         counter = CpuLayerCounter(g.num_layers, timeout_s=120)

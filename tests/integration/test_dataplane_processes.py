@@ -53,13 +53,16 @@ def _digest(memory, blocks) -> str:
 
 
 def donor_main() -> None:
+    from sglang_swift.control.ledger import DonorLedger
     from sglang_swift.dataplane import KVGeometry, SharedArena, block_bytes_for
 
     g = KVGeometry.from_dict(GEOMETRY)
     arena = SharedArena(16, block_bytes_for(g))
+    book = DonorLedger()  # the donor's book, as its agent keeps it live
+    book.offer(range(arena.num_blocks))
     try:
-        blocks = arena.book.alloc("lease-1", -(-N_TOKENS // g.page_size))
-        arena.book.check_integrity()
+        blocks = sorted(book.grant("borrower", 1, -(-N_TOKENS // g.page_size), 0).active)
+        book.check_integrity()
         desc = arena.export()
         _say({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": blocks})
         while True:

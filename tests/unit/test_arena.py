@@ -1,5 +1,6 @@
-"""The elastic arena: ownership moves, integrity, block sizing across geometries, and mapping
-checks (in-process; the cross-process path is tests/integration/test_dataplane_processes.py)."""
+"""The arena: the page layout and block sizing across geometries, two models in one arena, and
+mapping checks (in-process; the cross-process path is tests/integration/test_dataplane_processes.py).
+Who owns each block is the donor's ledger: tests/unit/test_control_ledger.py."""
 
 from __future__ import annotations
 
@@ -11,13 +12,11 @@ import pytest
 import torch
 
 import swift_kernels as sk
+from sglang_swift.control.ledger import DonorLedger
 from sglang_swift.dataplane import (
-    FREE,
-    ArenaExhausted,
-    BlockArena,
+    BLOCK_ALIGN_BYTES,
     KVGeometry,
     MappingError,
-    OwnershipError,
     SharedArena,
     TransferEngine,
     block_bytes_for,
@@ -43,12 +42,46 @@ def test_geometry_sizes_and_block_choice():
     assert bb == block_bytes_for(LLAMA3_8B) == 2 * 1024 * 1024
     assert unused_bytes(LLAMA3_8B, bb) == 0
     assert unused_bytes(QWEN3_0_6B, bb) == 4 * 16 * 4096  # 4 fewer layers: 12.5% of each block
-    assert block_bytes_for(SMALL_FP32) % 512 == 0
+    assert block_bytes_for(SMALL_FP32) % BLOCK_ALIGN_BYTES == 0 and BLOCK_ALIGN_BYTES == 512
     with pytest.raises(ValueError, match="more than the arena's block"):
         unused_bytes(LLAMA3_8B, block_bytes_for(QWEN3_0_6B))
     with pytest.raises(ValueError, match="positive int"):
         KVGeometry(0, 1, 1, 1, torch.float16, 1)
     assert KVGeometry.from_dict(SMALL_FP16.to_dict()) == SMALL_FP16
+
+
+@pytest.mark.parametrize("g", [LLAMA3_8B, SMALL_FP32, SMALL_FP16], ids=str)
+def test_layer_spans_tile_the_page_in_order(g):
+    """Invariant: (layer, K/V) spans are back to back in layer order, K before V, each
+    page_size rows long, and together exactly page_bytes: the page layout has no gap or
+    overlap for any shape (V head dim differing from K's included)."""
+    at = 0
+    for layer in range(g.num_layers):
+        for kv, row in ((sk.K, g.k_row_elems), (sk.V, g.v_row_elems)):
+            offset, nbytes = g.span(layer, kv)
+            assert (offset, nbytes) == (at, g.page_size * row * g.itemsize)
+            at += nbytes
+    assert at == g.page_bytes == g.num_layers * g.layer_bytes
+    assert g.bytes_per_token * g.page_size == g.page_bytes
+    with pytest.raises(ValueError, match="outside"):
+        g.span(g.num_layers, sk.K)
+    with pytest.raises(ValueError, match="kv must be"):
+        g.span(0, "q")
+
+
+def test_arena_blocks_are_aligned_or_refused():
+    """Invariant: an arena's block size is a multiple of BLOCK_ALIGN_BYTES (the one alignment),
+    both where it is built and where a borrower maps it."""
+    with pytest.raises(ValueError, match="multiple of 512"):
+        SharedArena(2, 1000)
+    donor = SharedArena(2, 1024)
+    try:
+        desc = {**donor.export(), "block_bytes": 1000, "num_blocks": 2, "total_bytes": 4096 + 2000}
+        with pytest.raises(MappingError) as err:
+            map_arena(desc)
+        assert err.value.reason == "bad_descriptor"
+    finally:
+        donor.close()
 
 
 def test_a_smaller_model_fills_big_blocks_with_more_tokens():
@@ -64,61 +97,18 @@ def test_a_smaller_model_fills_big_blocks_with_more_tokens():
         fit_page_size(lwm, 4096)
 
 
-def test_moves_keep_exactly_one_owner_per_block():
-    arena = BlockArena(10, 512)
-    a = arena.alloc("lease-a", 4)
-    b = arena.alloc("lease-b", 3)
-    arena.check_integrity()
-    assert arena.available() == 3 and set(a).isdisjoint(b)
-    arena.move(a[:2], "lease-a", "donor-kv")  # the donor takes blocks back for its own KV
-    assert arena.owner_of(a[0]) == "donor-kv" and arena.owned("lease-a") == frozenset(a[2:])
-    arena.release("lease-b", b[:1])
-    assert arena.owner_of(b[0]) == FREE
-    assert sorted(arena.revoke("lease-b")) == sorted(b[1:])
-    assert arena.owners() == {FREE: 6, "lease-a": 2, "donor-kv": 2}
-    arena.check_integrity()
-
-
-def test_bad_moves_change_nothing():
-    arena = BlockArena(4, 512)
-    got = arena.alloc("x", 2)
-    with pytest.raises(ArenaExhausted, match="2 are free"):
-        arena.alloc("y", 3)
-    with pytest.raises(OwnershipError):
-        arena.release("y", got)
-    with pytest.raises(OwnershipError):
-        arena.move([got[0], got[0]], "x", "y")
-    assert arena.owners() == {FREE: 2, "x": 2}
-    arena.check_integrity()
-
-
-def test_check_integrity_catches_a_double_owner():
-    arena = BlockArena(4, 512)
-    got = arena.alloc("x", 1)
-    arena._free.append(got[0])  # noqa: SLF001 - corrupt the book on purpose
-    with pytest.raises(AssertionError, match=f"block {got[0]}"):
-        arena.check_integrity()
-
-
-def test_moves_do_not_touch_block_memory():
-    mem = torch.arange(4 * 512, dtype=torch.int64).to(torch.uint8).view(4, 512)
-    before = mem.clone()
-    arena = BlockArena(4, 512, mem)
-    arena.move(arena.alloc("a", 3), "a", "b")
-    arena.revoke("b")
-    assert torch.equal(mem, before)
-
-
 def test_two_geometries_share_one_arena_without_interfering():
     """Invariant: two models of different shapes and dtypes store into disjoint blocks of one
     arena and each reads back exactly its own KV."""
     bb = choose_block_bytes([SMALL_FP32, SMALL_FP16])
     donor = SharedArena(12, bb)
+    book = DonorLedger()  # the donor's book, as the live donor's agent keeps it
+    book.offer(range(donor.num_blocks))
     try:
         mem = donor.memory
         results = {}
         for name, g, n in (("m32", SMALL_FP32, 9), ("m16", SMALL_FP16, 17)):
-            blocks = donor.book.alloc(name, -(-n // g.page_size))
+            blocks = sorted(book.grant(name, 1, -(-n // g.page_size), 0).active)
             k = [
                 torch.randn(32, g.num_kv_heads, g.head_dim).to(g.dtype) for _ in range(g.num_layers)
             ]
@@ -130,11 +120,12 @@ def test_two_geometries_share_one_arena_without_interfering():
             eng = TransferEngine(mem, g)
             assert eng.begin_store(k, v, slots, blocks).wait().ok
             results[name] = (g, eng, k, v, slots, blocks)
-        donor.book.check_integrity()
+        book.check_integrity()
+        assert not set(results["m32"][5]) & set(results["m16"][5])
         for g, eng, k, v, slots, blocks in results.values():
             for layer in range(g.num_layers):
                 k2, v2 = torch.zeros_like(k[layer]), torch.zeros_like(v[layer])
-                sk.load_layer(mem, layer, k2, v2, slots, torch.tensor(blocks), g.page_size)
+                sk.load_layer(mem, layer, k2, v2, slots, torch.tensor(blocks), g)
                 assert torch.equal(k2[slots], k[layer][slots])
                 assert torch.equal(v2[slots], v[layer][slots])
             eng.close()

@@ -1,16 +1,19 @@
-"""Donor ledger and allocation policies: a block is in exactly one place, a reclaimed block is
+"""The donor's book of its blocks (DonorLedger, the one owner book: live donor, tests, benchmarks
+and simulator) and the allocation policies: a block is in exactly one place, a reclaimed block is
 never reusable before its acknowledgement (or the borrower's death), the owner always wins."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_swift.control.control_config import ControlConfigError
-from sglang_swift.control.ledger import DonorLedger
+from sglang_swift.control.ledger import FREE, DonorLedger
 from sglang_swift.control.grant_policy import create_policy
 
 
@@ -18,6 +21,80 @@ def _ledger(n: int = 16, reserve: int = 0, cap: int = 0, policy: str = "greedy")
     led = DonorLedger(create_policy(policy), reserve, cap)
     led.offer(range(n))
     return led
+
+
+def _snapshot(led: DonorLedger):
+    leases = {i: (ls.borrower, sorted(ls.active), sorted(ls.reclaiming)) for i, ls in led.leases.items()}
+    return sorted(led.free), leases, dict(led._place), led.owner_debt  # noqa: SLF001
+
+
+def test_every_move_keeps_exactly_one_place_per_block():
+    """Invariant: grants, reclaims, acks, releases and a borrower's death each move blocks
+    between places and never leave one in two places or none; `place_of` says where a block is;
+    the free pool hands out low ids first, so a fresh lease is one run of consecutive blocks."""
+    led = _ledger(10)
+    a = led.grant("a", 1, 4, 0)
+    b = led.grant("b", 1, 3, 0)
+    led.check_integrity()
+    assert sorted(a.active) == [0, 1, 2, 3] and sorted(b.active) == [4, 5, 6]
+    assert {led.place_of(x) for x in a.active} == {a.lease_id} and led.place_of(9) == FREE
+    assert led.place_of(10) is None and led.held() == {"a": 4, "b": 3}
+    # the donor takes 5 blocks back for its own KV: the 3 free ones now, 2 through a reclaim
+    now, (rec,) = led.demand(5)
+    assert sorted(now) == [7, 8, 9] and led.place_of(7) is None and 7 not in led.offered
+    assert rec.lease_id == b.lease_id and len(rec.blocks) == 2  # greedy: the newest lease first
+    assert {led.place_of(x) for x in rec.blocks} == {b.lease_id}  # still b's until acked
+    led.check_integrity()
+    assert sorted(led.ack("b", rec.reclaim_id, rec.lease_id)) == sorted(rec.blocks)
+    assert len(led.offered) == 5 and led.owner_debt == 0
+    assert led.release("a", a.lease_id, [0]) == [] and led.place_of(0) == FREE
+    assert sorted(led.drop_borrower("a")) == [] and sorted(led.free) == [0, 1, 2, 3]
+    led.check_integrity()
+    again = led.grant("c", 1, 4, 0)  # the released run comes back whole
+    assert sorted(again.active) == [0, 1, 2, 3]
+    led.check_integrity()
+
+
+def test_foreign_or_bad_moves_change_nothing():
+    """Invariant: a release on a lease the borrower does not hold, of another lease's blocks or
+    of blocks never offered, and a stale ack move nothing; offering a block twice is refused;
+    a grant larger than the free pool gets what is free, then nothing."""
+    led = _ledger(4)
+    x = led.grant("x", 1, 2, 0)
+    y = led.grant("y", 1, 1, 0)
+    before = _snapshot(led)
+    assert led.release("y", x.lease_id, set(x.active)) == []
+    assert led.release("x", x.lease_id, y.active | {99}) == []
+    assert led.release("x", 77, set(x.active)) == []
+    assert led.ack("x", 7, x.lease_id) == []
+    with pytest.raises(ValueError, match="already offered"):
+        led.offer([0, 50])
+    assert _snapshot(led) == before and 50 not in led.offered
+    z = led.grant("z", 1, 3, 0)
+    assert len(z.active) == 1 and led.lendable() == 0 and led.grant("w", 1, 1, 0) is None
+    led.check_integrity()
+
+
+def test_check_integrity_names_a_block_in_two_places_or_a_wrong_index():
+    """Invariant: check_integrity catches a block listed twice (a leased block also on the free
+    stack) and a place index that disagrees with where the block is, naming the block."""
+    led = _ledger(4)
+    lease = led.grant("x", 1, 1, 0)
+    (held,) = lease.active
+    led.free.append(held)  # corrupt the book on purpose
+    with pytest.raises(AssertionError, match=f"block {held} is in two places"):
+        led.check_integrity()
+    led.free.remove(held)
+    led._place[led.free[0]] = lease.lease_id  # noqa: SLF001 - the index lies about a free block
+    with pytest.raises(AssertionError, match=f"block {led.free[0]} found in place 0"):
+        led.check_integrity()
+
+
+def test_the_book_never_sees_memory():
+    """Invariant: the ledger is pure bookkeeping: importing it loads no torch, so it cannot read
+    or write the blocks it accounts for (the data plane's SharedArena holds the bytes)."""
+    code = "import sys, sglang_swift.control.ledger; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 def test_grant_then_release_returns_blocks_to_the_pool():
