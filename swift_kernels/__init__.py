@@ -5,7 +5,8 @@ Three implementations of the same two operations, chosen by `backend`:
   "vectorized"  the CPU data path (wide row gathers, see kv_vectorized);
   "triton"      the GPU kernels (on CPU only under TRITON_INTERPRET=1, for tests);
   "auto"        triton on CUDA tensors, vectorized on CPU.
-Every entry point validates shapes, dtypes, strides and index ranges and raises ValueError
+Every entry point takes the model's `KVGeometry` (geometry.py, the project's one description of
+a KV page), validates shapes, dtypes, strides and index ranges against it and raises ValueError
 naming the problem before anything is written. Importing this package needs neither a GPU nor
 Triton: Triton is imported on first use.
 """
@@ -17,16 +18,22 @@ import os
 import torch
 
 from . import kv_layout as _lay
-from .kv_layout import LayerShape, arena_layer_views
+from .geometry import K, V, KVGeometry, dtype_from_name, dtype_name
+from .kv_layout import arena_layer_views, page_address
 from .kv_reference import load_layer_ref, store_layer_ref
 from .kv_vectorized import RowPlan, load_layer_fast, plan_rows, store_layer_fast
 
 __all__ = [
     "BACKENDS",
-    "LayerShape",
+    "K",
+    "KVGeometry",
     "RowPlan",
+    "V",
     "arena_layer_views",
+    "dtype_from_name",
+    "dtype_name",
     "load_layer",
+    "page_address",
     "plan_rows",
     "resolve_backend",
     "store_layer",
@@ -66,31 +73,35 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _validate(arena, k, v, slots, blocks, page_size, layers, check_ranges):
+def _validate_layer(arena, geometry, layer, k, v, slots, blocks, check_ranges):
+    """The one-layer form of kv_layout.check_transfer."""
+    if not isinstance(geometry, KVGeometry):
+        raise ValueError(f"pass the model's KVGeometry, got {type(geometry).__name__}")
     _lay.check_arena(arena)
-    _lay.check_layer_buffers(k, v)
-    shape = _lay.shape_of(k, v, page_size)
+    _lay.check_layer_buffers(geometry, k, v)
     if arena.device != k.device and not (arena.is_cuda and k.is_cuda):
         raise ValueError(f"arena on {arena.device} but the local buffers on {k.device}")
-    for layer in layers:
-        _lay.check_fits(arena, shape, layer)
-    _lay.check_indices(slots, blocks, k.shape[0], arena.shape[0], page_size, k.device, check_ranges)
-    return shape
+    _lay.check_fits(arena, geometry)
+    geometry.elem_span(layer, K)  # raises for a layer outside the geometry
+    _lay.check_indices(slots, blocks, k.shape[0], arena.shape[0], geometry.page_size, k.device,
+                       check_ranges)
 
 
-def _run(op, backend, arena, shape, layer, k, v, slots, blocks, plan, tuning=None):
+def _run(op, backend, arena, geometry, layer, k, v, slots, blocks, plan, tuning=None):
     if backend == "reference":
         (store_layer_ref if op == "store" else load_layer_ref)(
-            arena, shape, layer, k, v, slots, blocks
+            arena, geometry, layer, k, v, slots, blocks
         )
     elif backend == "vectorized":
-        plan = plan or plan_rows(slots, blocks, shape.page_size)
-        (store_layer_fast if op == "store" else load_layer_fast)(arena, shape, layer, k, v, plan)
+        plan = plan or plan_rows(slots, blocks, geometry.page_size)
+        (store_layer_fast if op == "store" else load_layer_fast)(
+            arena, geometry, layer, k, v, plan
+        )
     else:
         from . import kv_triton
 
         kernel = kv_triton.store_layer_kernel if op == "store" else kv_triton.load_layer_kernel
-        kv_triton.launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning)
+        kv_triton.launch(kernel, arena, geometry, layer, k, v, slots, blocks, tuning)
 
 
 def store_pages(
@@ -99,7 +110,7 @@ def store_pages(
     v_buffers,
     slots,
     blocks,
-    page_size,
+    geometry: KVGeometry,
     *,
     backend="auto",
     check_ranges=True,
@@ -110,26 +121,15 @@ def store_pages(
     `k_buffers[l]` / `v_buffers[l]`: layer l's local [num_slots, H, D] tensors; token i goes from
     slot `slots[i]` to row `i % page_size` of block `blocks[i // page_size]`, all layers.
     """
-    if len(k_buffers) != len(v_buffers) or not k_buffers:
-        raise ValueError(
-            f"need one K and one V buffer per layer, got {len(k_buffers)} K and {len(v_buffers)} V"
-        )
+    if not isinstance(geometry, KVGeometry):
+        raise ValueError(f"pass the model's KVGeometry, got {type(geometry).__name__}")
     slots, blocks = slots.contiguous(), blocks.contiguous()
-    shapes = set()
-    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-        shape = _validate(
-            arena, k, v, slots, blocks, page_size, [layer], check_ranges and layer == 0
-        )
-        shapes.add((shape, k.shape[0]))
-    if len(shapes) != 1:
-        raise ValueError(
-            "all layers' local buffers must have the same dtype, heads, head sizes and slot count"
-        )
+    _lay.check_transfer(arena, geometry, k_buffers, v_buffers, slots, blocks, check_ranges)
     be = resolve_backend(backend, k_buffers[0].device)
     if be == "vectorized" and plan is None:
-        plan = plan_rows(slots, blocks, page_size)
+        plan = plan_rows(slots, blocks, geometry.page_size)
     for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-        _run("store", be, arena, shape, layer, k, v, slots, blocks, plan)
+        _run("store", be, arena, geometry, layer, k, v, slots, blocks, plan)
 
 
 def store_layer(
@@ -139,7 +139,7 @@ def store_layer(
     v,
     slots,
     blocks,
-    page_size,
+    geometry: KVGeometry,
     *,
     backend="auto",
     check_ranges=True,
@@ -148,7 +148,7 @@ def store_layer(
     validate=True,
 ) -> None:
     """Store one layer (the unit the GPU side stream and the CPU worker thread schedule)."""
-    _one_layer("store", arena, layer, k, v, slots, blocks, page_size, backend, check_ranges, plan,
+    _one_layer("store", arena, layer, k, v, slots, blocks, geometry, backend, check_ranges, plan,
                tuning, validate)
 
 
@@ -159,7 +159,7 @@ def load_layer(
     v,
     slots,
     blocks,
-    page_size,
+    geometry: KVGeometry,
     *,
     backend="auto",
     check_ranges=True,
@@ -171,18 +171,15 @@ def load_layer(
     `tuning` (triton only): {"block", "tokens", "num_warps"}, see kv_triton.DEFAULT_TUNING.
     `validate=False` skips every check: only for a caller that validated the same arguments
     already (the transfer engine checks once per transfer, not once per layer)."""
-    _one_layer("load", arena, layer, k, v, slots, blocks, page_size, backend, check_ranges, plan,
+    _one_layer("load", arena, layer, k, v, slots, blocks, geometry, backend, check_ranges, plan,
                tuning, validate)
 
 
-def _one_layer(direction, arena, layer, k, v, slots, blocks, page_size, backend, check_ranges,
+def _one_layer(direction, arena, layer, k, v, slots, blocks, geometry, backend, check_ranges,
                plan, tuning, validate) -> None:
     """The body `store_layer` and `load_layer` share; `direction` picks the kernel."""
     slots, blocks = slots.contiguous(), blocks.contiguous()
-    shape = (
-        _validate(arena, k, v, slots, blocks, page_size, [layer], check_ranges)
-        if validate
-        else _lay.shape_of(k, v, page_size)
-    )
-    _run(direction, resolve_backend(backend, k.device), arena, shape, layer, k, v, slots, blocks,
-         plan, tuning)
+    if validate:
+        _validate_layer(arena, geometry, layer, k, v, slots, blocks, check_ranges)
+    _run(direction, resolve_backend(backend, k.device), arena, geometry, layer, k, v, slots,
+         blocks, plan, tuning)

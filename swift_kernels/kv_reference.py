@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .kv_layout import LayerShape, arena_layer_views
+from .geometry import KVGeometry
+from .kv_layout import arena_layer_views
 
 
 def _token_coords(slots: torch.Tensor, blocks: torch.Tensor, page_size: int):
@@ -16,19 +17,19 @@ def _token_coords(slots: torch.Tensor, blocks: torch.Tensor, page_size: int):
     return blocks.long()[tok // page_size], tok % page_size
 
 
-def store_layer_ref(arena, shape: LayerShape, layer, k, v, slots, blocks) -> None:
+def store_layer_ref(arena, geometry: KVGeometry, layer, k, v, slots, blocks) -> None:
     """arena[block of token i, layer, K/V, row of token i] = k/v[slots[i]] for every token i."""
-    blk, row = _token_coords(slots, blocks, shape.page_size)
-    ak, av = arena_layer_views(arena, shape, layer)
+    blk, row = _token_coords(slots, blocks, geometry.page_size)
+    ak, av = arena_layer_views(arena, geometry, layer)
     s = slots.long()
-    ak[blk, row] = k[s].reshape(-1, shape.row_k)
-    av[blk, row] = v[s].reshape(-1, shape.row_v)
+    ak[blk, row] = k[s].reshape(-1, geometry.k_row_elems)
+    av[blk, row] = v[s].reshape(-1, geometry.v_row_elems)
 
 
-def load_layer_ref(arena, shape: LayerShape, layer, k, v, slots, blocks) -> None:
+def load_layer_ref(arena, geometry: KVGeometry, layer, k, v, slots, blocks) -> None:
     """k/v[slots[i]] = arena[block of token i, layer, K/V, row of token i] for every token i."""
-    blk, row = _token_coords(slots, blocks, shape.page_size)
-    ak, av = arena_layer_views(arena, shape, layer)
+    blk, row = _token_coords(slots, blocks, geometry.page_size)
+    ak, av = arena_layer_views(arena, geometry, layer)
     s = slots.long()
-    k[s] = ak[blk, row].reshape(-1, shape.num_kv_heads, shape.head_dim)
-    v[s] = av[blk, row].reshape(-1, shape.num_kv_heads, shape.v_head_dim)
+    k[s] = ak[blk, row].reshape(-1, geometry.num_kv_heads, geometry.head_dim)
+    v[s] = av[blk, row].reshape(-1, geometry.num_kv_heads, geometry.v_head_dim)

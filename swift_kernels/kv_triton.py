@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .geometry import K
+
 
 @triton.jit
 def _token_coords(slots_ptr, blocks_ptr, t, PAGE: tl.constexpr):
@@ -87,7 +89,7 @@ def load_layer_kernel(
 DEFAULT_TUNING = {"block": 1024, "tokens": 4, "num_warps": 4}
 
 
-def launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning: dict | None = None) -> None:
+def launch(kernel, arena, geometry, layer, k, v, slots, blocks, tuning: dict | None = None) -> None:
     n = slots.shape[0]
     if n == 0:
         return
@@ -98,10 +100,10 @@ def launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning: dict | None
         raise ValueError(
             f"tuning must set only {sorted(DEFAULT_TUNING)} to powers of two, got {tuning}"
         )
-    row = max(shape.row_k, shape.row_v)
+    row = max(geometry.k_row_elems, geometry.v_row_elems)
     block = min(tune["block"], triton.next_power_of_2(row))
     tokens = tune["tokens"]
-    typed = arena.view(shape.dtype)
+    typed = arena.view(geometry.dtype)
     grid = (triton.cdiv(n, tokens), triton.cdiv(row, block))
     kernel[grid](
         k,
@@ -112,11 +114,11 @@ def launch(kernel, arena, shape, layer, k, v, slots, blocks, tuning: dict | None
         blocks,
         typed,
         typed.stride(0),
-        layer * shape.layer_elems,
+        geometry.elem_span(layer, K)[0],  # the kernels find V right after K's page
         n,
-        PAGE=shape.page_size,
-        ROW_K=shape.row_k,
-        ROW_V=shape.row_v,
+        PAGE=geometry.page_size,
+        ROW_K=geometry.k_row_elems,
+        ROW_V=geometry.v_row_elems,
         BLOCK=block,
         TOKENS=tokens,
         num_warps=tune["num_warps"],

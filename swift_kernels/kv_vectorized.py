@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_layout import LayerShape
+from .geometry import K, V, KVGeometry
 
 _WIDE = (
     (16, torch.complex128),
@@ -108,16 +108,15 @@ def _wide_dtype(*nbytes: int) -> torch.dtype:
     return torch.uint8
 
 
-def _parts(arena, shape: LayerShape, layer, k, v):
+def _parts(arena, geometry: KVGeometry, layer, k, v):
     """Yield (local [S, w], arena part [nb, P*w]) for K then V of one layer, each in the widest
     element that divides every size, offset and stride involved. As few view ops as possible:
     at small transfers their cost (~5 us each) is a visible share of a layer's time."""
-    isz = shape.itemsize
-    base = layer * shape.layer_bytes
-    kb = shape.page_size * shape.row_k * isz
+    isz = geometry.itemsize
+    (k_lo, k_n), (v_lo, v_n) = geometry.span(layer, K), geometry.span(layer, V)
     spans = (
-        (k, base, base + kb, shape.head_dim * isz),
-        (v, base + kb, base + shape.layer_bytes, shape.v_head_dim * isz),
+        (k, k_lo, k_lo + k_n, geometry.head_dim * isz),
+        (v, v_lo, v_lo + v_n, geometry.v_head_dim * isz),
     )
     for buf, lo, hi, d_bytes in spans:
         wide = _wide_dtype(
@@ -144,9 +143,9 @@ def _pages_of(local: torch.Tensor, page_size: int) -> torch.Tensor | None:
     )
 
 
-def store_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> None:
-    P = shape.page_size
-    for local, part in _parts(arena, shape, layer, k, v):
+def store_layer_fast(arena, geometry: KVGeometry, layer, k, v, plan: RowPlan) -> None:
+    P = geometry.page_size
+    for local, part in _parts(arena, geometry, layer, k, v):
         part3 = part.view(part.shape[0], P, -1)
         pages = _pages_of(local, P) if plan.page_aligned else None
         if pages is None:
@@ -170,9 +169,9 @@ def store_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> No
             part3[plan.tail_block, :rem] = local.index_select(0, plan.tail_slots)
 
 
-def load_layer_fast(arena, shape: LayerShape, layer, k, v, plan: RowPlan) -> None:
-    P = shape.page_size
-    for local, part in _parts(arena, shape, layer, k, v):
+def load_layer_fast(arena, geometry: KVGeometry, layer, k, v, plan: RowPlan) -> None:
+    P = geometry.page_size
+    for local, part in _parts(arena, geometry, layer, k, v):
         part3 = part.view(part.shape[0], P, -1)
         pages = _pages_of(local, P) if plan.page_aligned else None
         if pages is None:

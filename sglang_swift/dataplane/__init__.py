@@ -1,11 +1,23 @@
-"""SwiftCache's data plane: the elastic block-major arena, sharing it across processes, the KV
-transfers between SGLang's local pool and donor blocks, and per-layer completion.
+"""SwiftCache's data plane: the block-major arena, sharing it across processes, the KV transfers
+between SGLang's local pool and donor blocks, and per-layer completion.
+
+What it does not hold: the page's shape (`KVGeometry`, from swift_kernels, re-exported here) and
+the book of who owns each block (`DonorLedger`, control/ledger.py, kept by the donor's agent).
+Block numbers come in three spaces (local slots, arena block ids, lease-local block indices);
+docs/dataplane.md "Block numbers" says which name holds which.
 
 Importing it touches no GPU and starts nothing; SGLang is never imported here.
 """
 
-from .arena import FREE, ArenaExhausted, BlockArena, OwnershipError
-from .geometry import KVGeometry, block_bytes_for, choose_block_bytes, fit_page_size, unused_bytes
+from swift_kernels import KVGeometry
+
+from .block_size import (
+    BLOCK_ALIGN_BYTES,
+    block_bytes_for,
+    choose_block_bytes,
+    fit_page_size,
+    unused_bytes,
+)
 from .layer_counter import CpuLayerCounter, CudaLayerCounter, LayerWaitResult
 from .sharing import (
     MappedArena,
@@ -18,16 +30,13 @@ from .sharing import (
 from .transfer import TransferEngine, TransferHandle, TransferResult
 
 __all__ = [
-    "FREE",
-    "ArenaExhausted",
-    "BlockArena",
+    "BLOCK_ALIGN_BYTES",
     "CpuLayerCounter",
     "CudaLayerCounter",
     "KVGeometry",
     "LayerWaitResult",
     "MappedArena",
     "MappingError",
-    "OwnershipError",
     "SharedArena",
     "TransferEngine",
     "TransferHandle",

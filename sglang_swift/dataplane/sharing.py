@@ -21,11 +21,12 @@ from multiprocessing import shared_memory
 
 import torch
 
-from ..common.process import process_alive
-from .arena import BlockArena
-from .geometry import KVGeometry, unused_bytes
+from swift_kernels import KVGeometry
 
-HEADER_BYTES = 4096
+from ..common.process import process_alive
+from .block_size import BLOCK_ALIGN_BYTES, unused_bytes
+
+HEADER_BYTES = 4096  # a multiple of BLOCK_ALIGN_BYTES, so the blocks after it stay aligned
 _MAGIC = b"SWIFTARN"
 _VERSION = 1
 # magic, version, revoked, block_bytes, num_blocks, owner pid, owner uuid
@@ -83,13 +84,20 @@ def _desc_get(desc, key):
 
 
 class SharedArena:
-    """A donor's arena in memory other processes can map: the ownership book plus the region."""
+    """A donor's arena in memory other processes can map: a header and `num_blocks` blocks of
+    `block_bytes`. It holds the memory only; who owns each block is the donor's `DonorLedger`
+    (control/ledger.py), which the donor's agent keeps."""
 
     def __init__(
         self, num_blocks: int, block_bytes: int, device: str = "cpu", name_prefix: str = "swift"
     ):
-        if block_bytes % 16:
-            raise ValueError(f"block_bytes must be a multiple of 16, got {block_bytes}")
+        if num_blocks <= 0 or block_bytes <= 0 or block_bytes % BLOCK_ALIGN_BYTES:
+            raise ValueError(
+                f"an arena needs num_blocks > 0 and block_bytes a positive multiple of "
+                f"{BLOCK_ALIGN_BYTES}, got {num_blocks} x {block_bytes}; size blocks with "
+                f"block_bytes_for() or choose_block_bytes()"
+            )
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.device = torch.device(device)
         self.owner_uuid = str(uuid_mod.uuid4())
         self.owner_pid = os.getpid()
@@ -108,8 +116,7 @@ class SharedArena:
         else:
             raise ValueError(f"arena device must be cpu or cuda, got {device}")
         self.region[:HEADER_BYTES].copy_(header)
-        memory = self.region[HEADER_BYTES:].view(num_blocks, block_bytes)
-        self.book = BlockArena(num_blocks, block_bytes, memory)
+        self.memory = self.region[HEADER_BYTES:].view(num_blocks, block_bytes)  # uint8 blocks
         self._handle = self._make_handle()
 
     def _make_handle(self) -> bytes:
@@ -119,10 +126,6 @@ class SharedArena:
 
         return export_handle(self.region)
 
-    @property
-    def memory(self) -> torch.Tensor:
-        return self.book.memory
-
     def export(self) -> dict:
         """The MemoryDescriptor a lease grant carries, as a plain dict (the protocol's keys)."""
         return {
@@ -130,8 +133,8 @@ class SharedArena:
             "handle": self._handle,
             "device": str(self.device),
             "total_bytes": self.total_bytes,
-            "block_bytes": self.book.block_bytes,
-            "num_blocks": self.book.num_blocks,
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
             "owner_pid": self.owner_pid,
             "owner_uuid": self.owner_uuid,
         }
@@ -143,8 +146,8 @@ class SharedArena:
             torch.frombuffer(
                 bytearray(
                     _pack_header(
-                        self.book.block_bytes,
-                        self.book.num_blocks,
+                        self.block_bytes,
+                        self.num_blocks,
                         self.owner_pid,
                         self.owner_uuid,
                         1,
@@ -161,8 +164,7 @@ class SharedArena:
 
     def close(self) -> None:
         """Release the region (and unlink the shared-memory name). Idempotent."""
-        self.book.memory = None
-        self.region = None
+        self.memory = self.region = None
         if self._shm is not None:
             shm, self._shm = self._shm, None
             try:
@@ -254,7 +256,7 @@ def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
         nb, bb, total = int(d["num_blocks"]), int(d["block_bytes"]), int(d["total_bytes"])
     except (TypeError, ValueError) as e:
         raise MappingError("bad_descriptor", f"non-integer size fields: {e}") from e
-    if nb <= 0 or bb <= 0 or bb % 16 or total != HEADER_BYTES + nb * bb:
+    if nb <= 0 or bb <= 0 or bb % BLOCK_ALIGN_BYTES or total != HEADER_BYTES + nb * bb:
         raise MappingError(
             "bad_descriptor",
             f"inconsistent sizes: total_bytes={total}, num_blocks={nb}, block_bytes={bb}",

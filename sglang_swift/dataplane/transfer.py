@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 import swift_kernels as sk
+from swift_kernels import KVGeometry
 from swift_kernels import kv_layout as lay
 
-from .geometry import KVGeometry, unused_bytes
+from .block_size import unused_bytes
 from .streams import make_lane
 
 
@@ -87,41 +88,16 @@ class TransferEngine:
         self.lane.close()
 
     def _check(self, k_buffers, v_buffers, slots, blocks):
+        """Validate the whole transfer once (kv_layout.check_transfer); the per-layer calls then
+        skip every check. `slots` are local token slots, `blocks` arena block ids."""
         g = self.geometry
-        if len(k_buffers) != g.num_layers or len(v_buffers) != g.num_layers:
+        if k_buffers and k_buffers[0].device != self.device:
             raise ValueError(
-                f"geometry has {g.num_layers} layers, got {len(k_buffers)} K and "
-                f"{len(v_buffers)} V buffers"
+                f"local buffers on {k_buffers[0].device} differ from the engine's {self.device}"
             )
-        k, v = k_buffers[0], v_buffers[0]
-        if (k.dtype, k.shape[1], k.shape[2], v.shape[2]) != (
-            g.dtype,
-            g.num_kv_heads,
-            g.head_dim,
-            g.v_head_dim,
-        ):
-            raise ValueError(
-                f"local buffers {k.dtype} {tuple(k.shape)} / {tuple(v.shape)} do not match {g}"
-            )
-        lay.check_arena(self.arena)
-        for layer, (kl, vl) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-            lay.check_layer_buffers(kl, vl, f"layer {layer}")
-            if (kl.shape, vl.shape, kl.dtype, kl.device) != (
-                k.shape,
-                v.shape,
-                k.dtype,
-                self.device,
-            ):
-                raise ValueError(
-                    f"layer {layer}'s buffers {kl.dtype} {tuple(kl.shape)} on "
-                    f"{kl.device} differ from layer 0's {k.dtype} {tuple(k.shape)} "
-                    f"on {self.device}"
-                )
-        lay.check_fits(self.arena, lay.shape_of(k, v, g.page_size), g.num_layers - 1)
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         blocks = torch.as_tensor(blocks, dtype=torch.int64, device=self.device)
-        # Every index is range-checked once here; the per-layer calls skip that check.
-        lay.check_indices(slots, blocks, k.shape[0], self.arena.shape[0], g.page_size, self.device)
+        lay.check_transfer(self.arena, g, k_buffers, v_buffers, slots, blocks)
         plan = sk.plan_rows(slots, blocks, g.page_size) if self.backend == "vectorized" else None
         return slots, blocks, plan
 
@@ -147,7 +123,7 @@ class TransferEngine:
                     v_buffers[layer],
                     slots,
                     blocks,
-                    self.geometry.page_size,
+                    self.geometry,
                     backend=self.backend,
                     plan=plan,
                     tuning=self.tuning,
@@ -203,7 +179,7 @@ class TransferEngine:
                             v_buffers[layer],
                             slots,
                             blocks,
-                            self.geometry.page_size,
+                            self.geometry,
                             backend=self.backend,
                             plan=plan,
                             tuning=self.tuning,

@@ -28,8 +28,8 @@ import torch
 from .swift_config import SwiftConfig
 from ..control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseKey,
                       LeaseLost, PeerChanged, ReclaimRequested, RequestFailed)
-from ..dataplane import (KVGeometry, MappingError, SharedArena, TransferEngine, map_arena,
-                        owner_alive, unlink_descriptor)
+from ..dataplane import (KVGeometry, MappingError, SharedArena, TransferEngine, block_bytes_for,
+                        map_arena, owner_alive, unlink_descriptor)
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +96,13 @@ class SwiftRuntime:
         if self.config.lends:
             blocks = int(self.allocator.size * self.config.lend_fraction) // self.geometry.page_size
             if blocks > 0:
-                self.arena = SharedArena(blocks, _aligned(self.geometry.page_bytes),
+                self.arena = SharedArena(blocks, block_bytes_for(self.geometry),
                                          device=str(self.device))
                 self.agent.set_memory(self.arena.export())
                 self.agent.offer(list(range(blocks)))
         self.agent.start()
         logger.info("SwiftCache runtime %s started: lends %d blocks, borrows up to %d",
-                    self.agent_id, self.arena.book.num_blocks if self.arena else 0,
+                    self.agent_id, self.arena.num_blocks if self.arena else 0,
                     self.config.max_borrow_blocks if self.config.borrows else 0)
         return self
 
@@ -156,7 +156,7 @@ class SwiftRuntime:
 
     def _enforce_watermark(self) -> None:
         if self.own_usage() > self.config.reclaim_watermark:
-            lent = self.arena.book.num_blocks - len(self.withheld)
+            lent = self.arena.num_blocks - len(self.withheld)
             if lent > 0:
                 self.agent.demand(lent)
         elif self.withheld and self.own_usage() < self.config.reclaim_watermark * 0.8:
@@ -296,7 +296,3 @@ def _batches(items: Sequence, residency_of) -> list[tuple[tuple[str, int], list[
         runs[-1][1].append(i)
         seen.update(res.blocks)
     return runs
-
-
-def _aligned(n: int, align: int = 256) -> int:
-    return (n + align - 1) // align * align

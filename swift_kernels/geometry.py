@@ -1,0 +1,134 @@
+"""KVGeometry: the one description of a model's KV page, used by the kernels, the data plane and
+the runtime.
+
+It describes any model's page (one TP rank): layers, KV heads, head dim, V head dim, dtype and
+tokens per page. The page's image in a donor block is block-major; for each layer l in order:
+
+    K[l]: [page_size, num_kv_heads, head_dim]     then
+    V[l]: [page_size, num_kv_heads, v_head_dim]
+
+so (layer l, K or V) of a page is one contiguous byte run, `span(l, kv)`, at the same offset in
+every block; bytes after `page_bytes` are unused. Where a borrower's page lands in donor memory
+is `kv_layout.page_address` (today one page per block; docs/dataplane.md "Block numbers").
+Local KV (SGLang's MHATokenToKVPool) keeps the same rows per layer, indexed by token slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+K, V = "k", "v"  # which half of a layer a span names
+
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    """`"bfloat16"` -> torch.bfloat16 (also accepts a torch.dtype)."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported KV dtype {name!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of one model's (one TP rank's) KV cache as SGLang's MHATokenToKVPool holds it, and
+    the byte layout of one page of it. Immutable; `dtype` may be given by name."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    page_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+        for name in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVGeometry.{name} must be a positive int, got {value!r}")
+
+    # ---- one token ---------------------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def k_row_elems(self) -> int:
+        """Elements of K for one token of one layer (heads x head_dim)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def v_row_elems(self) -> int:
+        return self.num_kv_heads * self.v_head_dim
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """K plus V bytes of one token in one layer (4096 for Llama-3-8B / Qwen3-8B in bf16)."""
+        return (self.k_row_elems + self.v_row_elems) * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K plus V bytes of one token over all layers (256 KiB for Qwen3-32B in bf16)."""
+        return self.num_layers * self.bytes_per_token_per_layer
+
+    # ---- one page ----------------------------------------------------------------------------
+    @property
+    def layer_elems(self) -> int:
+        """Elements one layer of one page takes (K page then V page)."""
+        return self.page_size * (self.k_row_elems + self.v_row_elems)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.layer_elems * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page for all layers: the least a block must hold."""
+        return self.num_layers * self.layer_bytes
+
+    def elem_span(self, layer: int, kv: str) -> tuple[int, int]:
+        """(first element, element count) of layer `layer`'s K or V rows within a page, counted
+        in `dtype` elements; K and V of a layer are back to back."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside this geometry's {self.num_layers} layers")
+        k_elems = self.page_size * self.k_row_elems
+        start = layer * self.layer_elems
+        if kv == K:
+            return start, k_elems
+        if kv == V:
+            return start + k_elems, self.page_size * self.v_row_elems
+        raise ValueError(f"kv must be {K!r} or {V!r}, got {kv!r}")
+
+    def span(self, layer: int, kv: str) -> tuple[int, int]:
+        """(byte offset, byte count) of layer `layer`'s K or V rows within one page's image."""
+        start, count = self.elem_span(layer, kv)
+        return start * self.itemsize, count * self.itemsize
+
+    # ---- variants and the wire ---------------------------------------------------------------
+    def with_page_size(self, page_size: int) -> KVGeometry:
+        return dataclasses.replace(self, page_size=page_size)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVGeometry:
+        return cls(**{**d, "dtype": dtype_from_name(d["dtype"])})
