@@ -1,0 +1,132 @@
+"""The donor side: lend the idle part of this server's own SGLang KV pool, take it back on demand.
+
+Capacity moves between the donor's SGLang allocator and its control agent's ledger in whole
+pages (a donor block is one page of its pool: `block id == pool page id`):
+- **lend**: pages allocated from the donor's own allocator (so its scheduler cannot hand them
+  out and its admission sees the smaller pool at once) are offered to the agent's ledger;
+- **reclaim**: when the donor's own free room falls below its reserve, the lender demands pages
+  back; the agent returns them (`BlocksReturned`) only once no borrower reads them any more
+  (after the borrower's acknowledgement, or after the borrower was declared dead), and only
+  then are they freed into the allocator.
+Each move is one allocator call and one agent command, whatever the number of layers.
+
+SGLang's memory accounting stays exact: lent pages are neither free nor cached, so the tree cache
+reports them in `protected_size()` (`lent_tokens`), which keeps the scheduler's idle invariant
+`available + evictable + protected == total` and shows lent memory as in use in its logs.
+
+Policy, in tokens of the donor's pool of size S:
+- `reserve = (1 - reclaim_watermark) x S` stays free for the donor's own traffic at all times:
+  lending never takes the allocator's free room below `reserve`, and when free room plus the
+  tree's evictable part falls below it, the shortfall is demanded back at once;
+- at most `lend_fraction x S` is lent;
+- after a reclaim, nothing is lent again for `relend_cooldown_s` (no oscillation while the
+  donor's own burst lasts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RELEND_COOLDOWN_S = 5.0
+MIN_OFFER_PAGES = 1
+
+
+class PoolLender:
+    """Pages of one server's KV pool lent through its control agent. Runs on the scheduler
+    thread (it calls the allocator); `agent` is the server's ControlAgent."""
+
+    def __init__(self, allocator: Any, page_size: int, *, lend_fraction: float,
+                 reclaim_watermark: float, agent: Any,
+                 clock: Callable[[], float] = time.monotonic,
+                 relend_cooldown_s: float = RELEND_COOLDOWN_S) -> None:
+        if allocator.size % page_size:
+            raise ValueError(f"pool size {allocator.size} is not a whole number of "
+                             f"{page_size}-token pages")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.agent = agent
+        self.max_pages = int(allocator.size * lend_fraction) // page_size
+        self.reserve_tokens = int(allocator.size * (1.0 - reclaim_watermark))
+        self.clock = clock
+        self.relend_cooldown_s = relend_cooldown_s
+        self.lent: set[int] = set()  # pool pages out of the allocator (offered or granted)
+        self.demanded = 0  # pages asked back, not returned yet
+        self._quiet_until = 0.0
+        self.stats = {"lent_pages_total": 0, "returned_pages_total": 0, "demands": 0}
+        self.reclaim_started: float | None = None
+        self.reclaim_latencies: list[float] = []  # seconds from a demand to its last page back
+
+    # ---- what SGLang's accounting needs --------------------------------------------------
+    @property
+    def lent_tokens(self) -> int:
+        return len(self.lent) * self.page_size
+
+    def usable_tokens(self) -> int:
+        """The donor's own usable capacity now: its pool minus what is lent."""
+        return self.allocator.size - self.lent_tokens
+
+    # ---- one scheduler-loop step ---------------------------------------------------------
+    def step(self, evictable_tokens: int, borrowers_present: bool) -> None:
+        """Demand pages back when the donor's own room is short; else lend idle pages."""
+        free = self.allocator.available_size()
+        # pages already demanded will come back: count them as room
+        short = self.reserve_tokens - (free + evictable_tokens + self.demanded * self.page_size)
+        outstanding = len(self.lent) - self.demanded
+        if short > 0 and outstanding > 0:
+            n = min(outstanding, -(-short // self.page_size))
+            self.agent.demand(n)
+            self.demanded += n
+            self.stats["demands"] += 1
+            if self.reclaim_started is None:
+                self.reclaim_started = self.clock()
+            self._quiet_until = self.clock() + self.relend_cooldown_s
+            logger.info("SwiftCache: own traffic needs room: reclaiming %d lent pages", n)
+            return
+        if not borrowers_present or self.demanded or self.clock() < self._quiet_until:
+            return
+        room = (free - self.reserve_tokens) // self.page_size
+        want = min(room, self.max_pages - len(self.lent))
+        if want >= MIN_OFFER_PAGES:
+            self._lend(want)
+
+    def _lend(self, n_pages: int) -> None:
+        slots = self.allocator.alloc(n_pages * self.page_size)
+        if slots is None:
+            return
+        pages = sorted(set((slots // self.page_size).tolist()))
+        if len(pages) * self.page_size != len(slots):
+            # page_size 1 allocators hand out arbitrary slots; a page is a slot there
+            raise RuntimeError("allocator returned slots that are not whole pages")
+        self.lent.update(pages)
+        self.stats["lent_pages_total"] += len(pages)
+        self.agent.offer(pages)
+
+    def on_returned(self, blocks: list[int]) -> None:
+        """The agent gave pages back (no borrower reads them any more): free them into the
+        allocator, so the donor's usable capacity grows back."""
+        pages = [b for b in blocks if b in self.lent]
+        unknown = len(blocks) - len(pages)
+        if unknown:
+            logger.error("SwiftCache: agent returned %d pages this server never lent", unknown)
+        if not pages:
+            return
+        self.lent.difference_update(pages)
+        self.demanded = max(0, self.demanded - len(pages))
+        self.allocator.free_page_ids(torch.tensor(pages, dtype=torch.int64,
+                                                  device=self.allocator.device))
+        self.stats["returned_pages_total"] += len(pages)
+        if self.demanded == 0 and self.reclaim_started is not None:
+            self.reclaim_latencies.append(self.clock() - self.reclaim_started)
+            self.reclaim_started = None
+
+    def check_integrity(self) -> None:
+        if not 0 <= self.demanded <= len(self.lent):
+            raise AssertionError(f"demanded {self.demanded} of {len(self.lent)} lent pages")
+        if len(self.lent) > self.max_pages:
+            raise AssertionError(f"{len(self.lent)} pages lent, more than {self.max_pages}")
