@@ -20,30 +20,27 @@ from dataclasses import dataclass
 
 import torch
 
-K, V = "k", "v"  # which half of a layer a span names
+K, V = 0, 1  # which half of a layer a span names (K rows come first)
 
+# The KV storage dtypes a page may hold (SGLang stores fp8 KV as uint8 or as an fp8 dtype).
 _DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
+    str(d).removeprefix("torch."): d
+    for d in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn,
+              torch.float8_e5m2, torch.uint8)
 }
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
-    """`"bfloat16"` -> torch.bfloat16 (also accepts a torch.dtype)."""
-    if isinstance(name, torch.dtype):
-        return name
-    key = name.removeprefix("torch.")
+    """`"bfloat16"` (or torch.bfloat16) -> torch.bfloat16; ValueError for an unsupported dtype."""
+    key = str(name).removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(f"unsupported KV dtype {name!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[key]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """torch.bfloat16 -> `"bfloat16"`; ValueError for an unsupported dtype."""
+    return str(dtype_from_name(dtype)).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -115,7 +112,7 @@ class KVGeometry:
             return start, k_elems
         if kv == V:
             return start + k_elems, self.page_size * self.v_row_elems
-        raise ValueError(f"kv must be {K!r} or {V!r}, got {kv!r}")
+        raise ValueError(f"kv must be K ({K}) or V ({V}), got {kv!r}")
 
     def span(self, layer: int, kv: str) -> tuple[int, int]:
         """(byte offset, byte count) of layer `layer`'s K or V rows within one page's image."""

@@ -11,30 +11,22 @@ so the K bytes of pool page `p` in layer `l` start at
 (`k_chunk_bytes`); V likewise after `v_offset`. When K and V have the same shape this is exactly
 SGLang's fused `(2, padded_rows, H, D)` allocation per layer. Every address is O(1) arithmetic:
 no per-layer or per-block table travels to the borrower, only this record.
+The page's shape is the project's one `KVGeometry` (`geometry`); this record adds where the
+pool's rows sit in its region.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import torch
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float8_e4m3fn,
-    torch.float8_e5m2)}
+from swift_kernels import KVGeometry
+from swift_kernels.geometry import dtype_from_name as dtype_of
+from swift_kernels.geometry import dtype_name
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"KV dtype {dtype} cannot be shared; supported: {sorted(_DTYPES)}")
-    return name
-
-
-def dtype_of(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unknown KV dtype {name!r}; supported: {sorted(_DTYPES)}")
-    return _DTYPES[name]
+__all__ = ["PoolLayout", "dtype_name", "dtype_of"]
 
 
 @dataclass(frozen=True)
@@ -61,17 +53,23 @@ class PoolLayout:
                              f"multiple of page_size {self.page_size}")
         dtype_of(self.dtype)
 
+    @cached_property
+    def geometry(self) -> KVGeometry:
+        """The shape of one page of this pool (what a borrower's page is compared against)."""
+        return KVGeometry(self.num_layers, self.head_num, self.head_dim, self.v_head_dim,
+                          self.dtype, self.page_size)
+
     @property
     def itemsize(self) -> int:
         return dtype_of(self.dtype).itemsize
 
     @property
     def k_row_bytes(self) -> int:
-        return self.head_num * self.head_dim * self.itemsize
+        return self.geometry.k_row_elems * self.itemsize
 
     @property
     def v_row_bytes(self) -> int:
-        return self.head_num * self.v_head_dim * self.itemsize
+        return self.geometry.v_row_elems * self.itemsize
 
     @property
     def v_offset(self) -> int:
