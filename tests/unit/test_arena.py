@@ -134,6 +134,8 @@ def test_two_geometries_share_one_arena_without_interfering():
 
 
 def test_export_descriptor_has_exactly_the_protocol_keys_and_maps():
+    """Invariant: export() gives exactly the protocol's descriptor keys, and a dict or an
+    object with those fields maps the same bytes."""
     donor = SharedArena(3, 1024)
     try:
         desc = donor.export()
@@ -180,6 +182,8 @@ def _dead_pid() -> int:
     ],
 )
 def test_mapping_is_checked(change, reason):
+    """Invariant: a descriptor that disagrees with the region (identity, size, kind, name,
+    owner) is refused with the matching MappingError reason."""
     donor = SharedArena(3, 1024)
     try:
         desc = {**donor.export(), **change}
@@ -193,6 +197,8 @@ def test_mapping_is_checked(change, reason):
 
 
 def test_geometry_that_does_not_fit_is_refused_and_missing_keys_are_named():
+    """Invariant: mapping for a model whose page exceeds the block is refused (reason
+    geometry); a missing descriptor key is named."""
     donor = SharedArena(2, block_bytes_for(SMALL_FP32))
     try:
         with pytest.raises(MappingError) as err:
@@ -207,6 +213,8 @@ def test_geometry_that_does_not_fit_is_refused_and_missing_keys_are_named():
 
 
 def test_revoked_arena_is_an_expected_event():
+    """Invariant: after revoke_export a mapped borrower sees the arena dead (reason revoked)
+    and no new mapping succeeds."""
     donor = SharedArena(2, 1024)
     try:
         desc = donor.export()
@@ -225,6 +233,8 @@ def test_revoked_arena_is_an_expected_event():
 
 
 def test_cuda_ipc_handle_encoding_round_trips_without_pickle():
+    """Invariant: the CUDA IPC handle fields round-trip through the length-prefixed
+    encoding; garbage is a bad_descriptor."""
     from sglang_swift.dataplane.cuda_ipc import _pack_fields, _unpack_fields
 
     fields = [0, b"\x00\x01ipc-handle", 1 << 40, 0, b"/torch_123_ref", 7, None, True, 4096]
@@ -235,6 +245,8 @@ def test_cuda_ipc_handle_encoding_round_trips_without_pickle():
 
 
 def test_cuda_ipc_descriptor_without_cuda_is_an_expected_failure():
+    """Invariant: a cuda_ipc descriptor on a machine without CUDA is refused as unsupported,
+    not a crash."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only refusal")
     donor = SharedArena(2, 1024)

@@ -74,6 +74,8 @@ L, H, DK, DV, PAGE, N, NSLOTS, NBLOCKS = 3, 2, 8, 4, 4, 19, 64, 9
 @pytest.mark.parametrize("kind", ["pages", "pages-runs", "scattered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_store_matches_reference_and_writes_only_its_blocks(dtype, kind, backend):
+    """Invariant: a store writes exactly the reference's bytes, every token row it owns, and
+    nothing outside its blocks or past the partial page."""
     k, v = _local(dtype, L, NSLOTS, H, DK, DV, seed=1)
     slots, blocks = _case(kind, N, PAGE, NSLOTS, NBLOCKS, seed=2)
     g = _geom(L, PAGE, H, DK, DV, dtype)
@@ -103,6 +105,8 @@ def test_store_matches_reference_and_writes_only_its_blocks(dtype, kind, backend
 @pytest.mark.parametrize("kind", ["pages", "pages-runs", "scattered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_load_layer_matches_reference_and_writes_only_its_slots(dtype, kind, backend):
+    """Invariant: a layer load writes exactly the reference's bytes into its slots and
+    leaves every other slot untouched."""
     k, v = _local(dtype, L, NSLOTS, H, DK, DV, seed=3)
     slots, blocks = _case(kind, N, PAGE, NSLOTS, NBLOCKS, seed=4)
     arena = _arena(NBLOCKS, L, PAGE, H, DK, DV, dtype)
@@ -128,6 +132,8 @@ def test_load_layer_matches_reference_and_writes_only_its_slots(dtype, kind, bac
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trip_is_bit_identical_page_size_one_and_last_partial_page(backend):
+    """Invariant: store then load returns the same bits, at page size 1 and with a partial
+    last page."""
     dtype = torch.bfloat16
     k, v = _local(dtype, 2, 32, 1, 16, 16, seed=5)
     for page, n in ((1, 7), (8, 13)):
@@ -235,6 +241,8 @@ def test_wrappers_reject_bad_inputs_before_writing(problem, message):
 
 
 def test_backend_choice_is_explained():
+    """Invariant: an unknown backend is refused by name; auto picks the vectorized path on
+    CPU and Triton on CUDA."""
     with pytest.raises(ValueError, match="unknown backend"):
         sk.resolve_backend("cuda-magic", torch.device("cpu"))
     assert sk.resolve_backend("auto", torch.device("cpu")) == "vectorized"
@@ -242,6 +250,8 @@ def test_backend_choice_is_explained():
 
 
 def test_block_runs_are_found_and_short_runs_fall_back():
+    """Invariant: consecutive block ids form runs (the one-pass path); fragmented ids fall
+    back to gather-then-scatter."""
     from swift_kernels.kv_vectorized import _block_runs
 
     assert _block_runs(torch.tensor([0, 1, 2, 3, 7, 8, 9, 10])) == ((0, 4, 0), (4, 4, 7))

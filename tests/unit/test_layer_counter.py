@@ -42,6 +42,8 @@ class FakeKVPool:
 
 
 def test_duck_type_matches_sglang_layer_done_counter():
+    """Invariant: the CPU counter has the LayerDoneCounter surface SGLang 0.5.23 calls, and with
+    no consumer set a wait returns at once."""
     c = make_layer_counter(3)
     assert isinstance(c, CpuLayerCounter) and c.num_layers == 3 and c.consumer_index == -1
     for name in ("set_consumer", "wait_until", "update_producer", "reset"):
@@ -50,6 +52,8 @@ def test_duck_type_matches_sglang_layer_done_counter():
 
 
 def test_ring_of_slots_and_in_flight_guard():
+    """Invariant: producer slots rotate through a ring of 3, and a slot still in flight is
+    not reused."""
     c = CpuLayerCounter(2, num_counters=3)
     ids = [c.update_producer() for _ in range(3)]
     assert ids == [0, 1, 2]
@@ -63,6 +67,7 @@ def test_ring_of_slots_and_in_flight_guard():
 
 
 def test_wait_blocks_until_the_layer_is_complete():
+    """Invariant: wait_until(l) returns only after layer l was completed."""
     c = CpuLayerCounter(3, timeout_s=30)
     pid = c.update_producer()
     c.set_consumer(pid)
@@ -78,6 +83,8 @@ def test_wait_blocks_until_the_layer_is_complete():
 
 
 def test_fail_wakes_waiters_and_names_the_failed_layers():
+    """Invariant: fail() wakes every waiter with False and names the layers that were not
+    ready."""
     c = CpuLayerCounter(4, timeout_s=30)
     pid = c.update_producer()
     c.set_consumer(pid)
@@ -94,6 +101,8 @@ def test_fail_wakes_waiters_and_names_the_failed_layers():
 
 
 def test_timeout_ends_the_wait_and_fails_the_rest():
+    """Invariant: a wait past timeout_s fails the remaining layers once; later waits return
+    at once."""
     c = CpuLayerCounter(3, timeout_s=0.3)
     c.set_consumer(c.update_producer())
     c.complete(0)
