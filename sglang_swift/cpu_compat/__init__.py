@@ -1,16 +1,24 @@
 """CPU compatibility layer: what it takes to run SGLang 0.5.23 on a CPU-only machine.
 
-Active only where the project itself runs SGLang on CPU (the demo, the tests), never on a GPU.
-Three obstacles, each removed by one piece (facts measured in shared/notes/cpu-serving.md):
+Active only in the CPU venv that scripts/setup_cpu.sh creates (its `.pth` runs `site_hook`), or
+where the project asks for it explicitly (`cpu_env()`, `activate_in_process()`); never on a GPU
+install. Four pieces (facts measured in shared/notes/cpu-serving.md):
 
-1. `SGLANG_USE_CPU_ENGINE=1` must be set, or SGLang takes GPU code paths (`cpu_env()` sets it).
-2. SGLang's CPU engine imports ops from `sgl_kernel`, whose PyPI build is CUDA-only; the stand-in
-   package in `shim/` (put first on PYTHONPATH by `cpu_env()`) provides the one op a dense Llama
-   calls, in plain torch, and makes every other name importable but raise if called.
-3. torchvision's PyPI wheels here are CUDA builds whose meta registrations fail beside CPU torch;
-   `torchvision_fix` defines the two missing operator schemas just before those registrations run.
-   `site_hook` installs it (and, on the CPU engine, the stand-in's path) from a `.pth` file that
-   scripts/setup_cpu.sh writes into the CPU venv only, so spawned SGLang processes get it too.
+1. `engine_choice`: SGLang needs SGLANG_USE_CPU_ENGINE=1 before its modules import, or it takes
+   GPU code paths. When `sglang` is first imported, the CPU engine is chosen if `accelerator` finds
+   nothing SGLang could use (an explicit SGLANG_USE_CPU_ENGINE or `--device` wins), and the choice
+   is written to the environment so spawned schedulers inherit it.
+2. `server_defaults`: with the CPU engine on, `--device cpu` and `--attention-backend torch_native`
+   when not given, and one log line saying what runs and why (a hook on ServerArgs.resolve_once,
+   registered from the plugin's entry point).
+3. `shim/`: SGLang's CPU engine imports ops from `sgl_kernel`, whose PyPI build is CUDA-only; the
+   stand-in (first on sys.path on the CPU engine) provides the one op a dense Llama calls, in plain
+   torch, and makes every other name importable but raise if called.
+4. `torchvision_fix`: torchvision's PyPI wheels here are CUDA builds whose meta registrations fail
+   beside CPU torch; it defines the two missing operator schemas just before they run.
+
+`cpu_env()` and `activate_in_process()` force the CPU engine explicitly (the demo, tests, scripts
+that predate the automatic choice); the automatic path needs neither.
 """
 
 from __future__ import annotations

@@ -1,23 +1,37 @@
 """What the CPU venv's `swiftcache_cpu_compat.pth` runs at every interpreter start (kept cheap).
 
 scripts/setup_cpu.sh writes that .pth file only into the CPU venv it creates; a GPU install never
-has it. At start-up it (1) installs the torchvision schema fix, which does nothing until torchvision
-is imported and nothing at all where torchvision's own ops load; (2) when SGLang's CPU engine is
-requested (`SGLANG_USE_CPU_ENGINE=1`, which SGLang itself requires on CPU), puts the `sgl_kernel`
-stand-in on sys.path unless the operator opted out with SWIFTCACHE_CPU_COMPAT=0.
+has it. At start-up it imports nothing heavy and probes nothing; it only installs two meta-path
+finders that act when their module is first imported:
+1. the torchvision schema fix (acts on `torchvision._meta_registrations`, a no-op where
+   torchvision's own ops load);
+2. the engine choice (acts on `sglang`): SGLang's CPU engine when no accelerator is found, unless
+   SGLANG_USE_CPU_ENGINE or `--device` says otherwise (see engine_choice).
+A process that inherited SGLANG_USE_CPU_ENGINE=1 (a scheduler the launcher spawned, or `cpu_env()`)
+gets the `sgl_kernel` stand-in on sys.path right away. SWIFTCACHE_CPU_COMPAT=0 turns all of it off,
+and with it the ServerArgs defaults (server_defaults), which act only where this ran.
 """
 
 from __future__ import annotations
 
 import os
-import sys
+
+_activated = False
 
 
 def activate() -> None:
+    global _activated
     if os.environ.get("SWIFTCACHE_CPU_COMPAT") == "0":
         return
-    from . import SHIM_DIR, torchvision_fix
+    from . import engine_choice, torchvision_fix
 
     torchvision_fix.install()
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and str(SHIM_DIR) not in sys.path:
-        sys.path.insert(0, str(SHIM_DIR))
+    engine_choice.install_import_trigger()
+    if os.environ.get(engine_choice.ENGINE_ENV) == "1":
+        engine_choice.put_stand_in_first()
+    _activated = True
+
+
+def activated() -> bool:
+    """Whether the CPU compatibility layer is on in this process (the .pth ran, not opted out)."""
+    return _activated

@@ -9,7 +9,6 @@ stays out of interpreter start-up. torchvision's C++ ops stay unavailable (text 
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 
 _TARGET = "torchvision._meta_registrations"
@@ -45,7 +44,7 @@ def _has_op(qualname: str) -> bool:
         return False
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:  # a sys.meta_path finder; no importlib.abc base, to keep interpreter start cheap
     def find_spec(self, fullname, path=None, target=None):
         if fullname == _TARGET:
             define_schemas()

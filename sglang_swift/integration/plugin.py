@@ -193,6 +193,9 @@ def register(*, sglang_version: str | None = None, targets: Sequence[str] = HOOK
     """Called by SGLang's plugin loader in every process; returns the problems found (if any)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from ..cpu_compat.server_defaults import register_cpu_defaults
+
+    register_cpu_defaults(HookRegistry, HookType)  # CPU venv only, with or without the flag
     version = installed_sglang_version() if sglang_version is None else sglang_version
     problems = check_sglang(version, targets)
     can_parse = target_exists(ADD_CLI_ARGS) and target_exists(FROM_CLI_ARGS)

@@ -1,7 +1,11 @@
 """Start and stop a real `python -m sglang.launch_server` on 127.0.0.1 (demo, tests, benchmarks).
 
-On a CPU machine the server runs on SGLang's CPU engine with the project's compatibility layer
-(`cpu_compat.cpu_env`); with `cpu=False` the environment is left as it is (a GPU machine).
+`cpu` says how the server picks its engine:
+- None (default): as the venv would for a plain `launch_server` (`cpu_compat.engine_choice`: the CPU
+  engine when no accelerator is found), then as True or False;
+- True: SGLang's CPU engine, forced explicitly (`cpu_compat.cpu_env` and CPU_ARGS);
+- False: nothing added; the environment and flags are passed as they are (a GPU machine, or the
+  CPU venv's own automatic choice, which is what a new user gets).
 The server runs in its own process group and is always killed on exit, even if start-up fails.
 """
 
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cpu_compat import cpu_env
+from ..cpu_compat.engine_choice import choose_engine
 
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 
@@ -38,25 +43,28 @@ class LocalServer:
     """A context manager around one SGLang server process; `base_url` is valid inside it."""
 
     def __init__(self, model_path: str | os.PathLike, *, swiftcache: bool = True,
-                 extra_args: Sequence[str] = (), port: int | None = None, cpu: bool = True,
-                 max_total_tokens: int = 4096, log_path: str | os.PathLike | None = None,
+                 extra_args: Sequence[str] = (), port: int | None = None, cpu: bool | None = None,
+                 max_total_tokens: int | None = 4096, log_path: str | os.PathLike | None = None,
                  startup_timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.model_path = str(model_path)
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        base = dict(os.environ if env is None else env)
+        if cpu is None:  # decided here, without probing anything when the environment already says
+            cpu = choose_engine(base, list(extra_args)).cpu_engine
         self.swiftcache = swiftcache
         self.cpu = cpu
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/sglang-server-{self.port}.log")
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--max-total-tokens", str(max_total_tokens)]
+                "--host", "127.0.0.1", "--port", str(self.port)]
+        if max_total_tokens is not None:
+            args += ["--max-total-tokens", str(max_total_tokens)]
         if cpu:
             args += CPU_ARGS
         if swiftcache:
             args.append("--enable-swiftcache")
         self.args = args + list(extra_args)
-        base = dict(os.environ if env is None else env)
         self.env = cpu_env(base) if cpu else base
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None

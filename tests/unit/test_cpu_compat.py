@@ -1,4 +1,6 @@
-"""The CPU compatibility layer: environment, the sgl_kernel stand-in, the torchvision schema fix."""
+"""The CPU compatibility layer: environment, the sgl_kernel stand-in, the torchvision schema fix.
+
+The automatic engine choice and the ServerArgs defaults are in test_cpu_engine_choice.py."""
 
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def test_torchvision_fix_makes_torchvision_importable_in_a_fresh_process():
 
 
 def test_site_hook_puts_stand_in_first_only_for_the_cpu_engine():
-    """The venv's .pth hook: stand-in importable when SGLANG_USE_CPU_ENGINE=1, untouched otherwise."""
+    """The venv's .pth hook: stand-in importable when SGLANG_USE_CPU_ENGINE=1 is inherited; before
+    any engine choice (sglang not imported yet) or when opted out, sys.path is untouched."""
     code = ("from sglang_swift.cpu_compat import site_hook; site_hook.activate(); import sys; "
             "import importlib.util as u; s = u.find_spec('sgl_kernel'); "
             "print('standin' if s and 'cpu_compat' in (s.origin or '') else 'none')")
@@ -72,11 +75,11 @@ def test_site_hook_puts_stand_in_first_only_for_the_cpu_engine():
             if k not in ("SGLANG_USE_CPU_ENGINE", "SWIFTCACHE_CPU_COMPAT", "PYTHONPATH")}
     path = os.pathsep.join(p for p in sys.path if p != str(SHIM_DIR))
     runs = {}
-    for name, extra in {"cpu": {"SGLANG_USE_CPU_ENGINE": "1"}, "gpu": {},
+    for name, extra in {"cpu": {"SGLANG_USE_CPU_ENGINE": "1"}, "undecided": {},
                         "opt_out": {"SGLANG_USE_CPU_ENGINE": "1", "SWIFTCACHE_CPU_COMPAT": "0"}}.items():
         out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                              env={**base, **extra, "PYTHONPATH": path},
                              timeout=60)
         assert out.returncode == 0, out.stderr[-2000:]
         runs[name] = out.stdout.strip()
-    assert runs == {"cpu": "standin", "gpu": "none", "opt_out": "none"}
+    assert runs == {"cpu": "standin", "undecided": "none", "opt_out": "none"}
