@@ -8,68 +8,69 @@ A lending server's `MHATokenToKVPool` buffers are views of one shareable region 
 
 so the K bytes of pool page `p` in layer `l` start at
 `data_offset + l * layer_stride + p * page_size * k_row_bytes` and are contiguous for one page
-(`k_chunk_bytes`); V likewise after `v_offset`. When K and V have the same shape this is exactly
+(`chunk_bytes(K)`); V likewise after `v_offset`. When K and V have the same shape this is exactly
 SGLang's fused `(2, padded_rows, H, D)` allocation per layer. Every address is O(1) arithmetic:
 no per-layer or per-block table travels to the borrower, only this record.
-The page's shape is the project's one `KVGeometry` (`geometry`); this record adds where the
-pool's rows sit in its region.
+
+The page's shape is the project's one `KVGeometry` (`geometry`); this record adds only where the
+pool's rows sit in its region. On the wire (`control.protocol.PoolLayoutMsg`) it is the flat
+field list of `to_dict()`; `from_dict()` converts back (a dict or the message struct).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from functools import cached_property
+from dataclasses import dataclass
 
 import torch
 
 from swift_kernels import KVGeometry
+from swift_kernels.geometry import K, V, dtype_name
 from swift_kernels.geometry import dtype_from_name as dtype_of
-from swift_kernels.geometry import dtype_name
 
-__all__ = ["PoolLayout", "dtype_name", "dtype_of"]
+__all__ = ["KVGeometry", "PoolLayout", "dtype_name", "dtype_of"]
+
+# The wire's flat field names (PoolLayoutMsg) -> this record (the page's shape as a KVGeometry).
+_GEOMETRY_FIELDS = {"num_layers": "num_layers", "head_num": "num_kv_heads",
+                    "head_dim": "head_dim", "v_head_dim": "v_head_dim", "dtype": "dtype",
+                    "page_size": "page_size"}
+WIRE_FIELDS = ("num_layers", "rows", "padded_rows", "head_num", "head_dim", "v_head_dim",
+               "dtype", "page_size", "data_offset")
 
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """The byte layout of one server's KV pool region; see the module docstring."""
+    """The byte layout of one server's KV pool region; see the module docstring.
 
-    num_layers: int
-    rows: int  # token slots SGLang uses (size + page_size)
-    padded_rows: int  # rows rounded up to whole pages
-    head_num: int
-    head_dim: int
-    v_head_dim: int
-    dtype: str  # storage dtype name, e.g. "float32"
-    page_size: int
-    data_offset: int = 0  # bytes from the region start to layer 0 (after a header)
+    `geometry` is one page of the pool (layers, KV heads, head dims, dtype, page size); `rows`
+    the token slots SGLang uses (size + page_size), `padded_rows` those rounded up to whole
+    pages, `data_offset` the bytes from the region start to layer 0."""
+
+    geometry: KVGeometry
+    rows: int
+    padded_rows: int
+    data_offset: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "rows", "padded_rows", "head_num", "head_dim", "v_head_dim",
-                     "page_size"):
-            if getattr(self, name) <= 0:
+        if not isinstance(self.geometry, KVGeometry):
+            raise ValueError(f"PoolLayout.geometry must be a KVGeometry, got {self.geometry!r}")
+        for name in ("rows", "padded_rows"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"PoolLayout.{name} must be > 0, got {getattr(self, name)}")
-        if self.padded_rows < self.rows or self.padded_rows % self.page_size:
+        if not isinstance(self.data_offset, int) or self.data_offset < 0:
+            raise ValueError(f"PoolLayout.data_offset must be >= 0, got {self.data_offset}")
+        page = self.geometry.page_size
+        if self.padded_rows < self.rows or self.padded_rows % page:
             raise ValueError(f"padded_rows {self.padded_rows} must be >= rows {self.rows} and a "
-                             f"multiple of page_size {self.page_size}")
-        dtype_of(self.dtype)
+                             f"multiple of page_size {page}")
 
-    @cached_property
-    def geometry(self) -> KVGeometry:
-        """The shape of one page of this pool (what a borrower's page is compared against)."""
-        return KVGeometry(self.num_layers, self.head_num, self.head_dim, self.v_head_dim,
-                          self.dtype, self.page_size)
-
-    @property
-    def itemsize(self) -> int:
-        return dtype_of(self.dtype).itemsize
-
+    # ---- sizes -------------------------------------------------------------------------------
     @property
     def k_row_bytes(self) -> int:
-        return self.geometry.k_row_elems * self.itemsize
+        return self.geometry.k_row_elems * self.geometry.itemsize
 
     @property
     def v_row_bytes(self) -> int:
-        return self.geometry.v_row_elems * self.itemsize
+        return self.geometry.v_row_elems * self.geometry.itemsize
 
     @property
     def v_offset(self) -> int:
@@ -82,34 +83,52 @@ class PoolLayout:
 
     @property
     def data_bytes(self) -> int:
-        return self.num_layers * self.layer_stride
+        return self.geometry.num_layers * self.layer_stride
 
     @property
     def num_pages(self) -> int:
-        return self.padded_rows // self.page_size
+        return self.padded_rows // self.geometry.page_size
 
     def chunk_bytes(self, half: int) -> int:
         """Bytes of one page of one layer's K (half 0) or V (half 1)."""
-        return self.page_size * (self.k_row_bytes if half == 0 else self.v_row_bytes)
+        if half not in (K, V):
+            raise ValueError(f"half must be K ({K}) or V ({V}), got {half!r}")
+        return self.geometry.page_size * (self.k_row_bytes if half == K else self.v_row_bytes)
 
     def chunk_offset(self, page: int, layer: int, half: int) -> int:
         """Byte offset in the region of page `page`, layer `layer`, K (0) or V (1)."""
-        if not (0 <= page < self.num_pages and 0 <= layer < self.num_layers and half in (0, 1)):
+        if not (0 <= page < self.num_pages and 0 <= layer < self.geometry.num_layers
+                and half in (K, V)):
             raise IndexError(f"page {page} / layer {layer} / half {half} outside {self}")
-        row_bytes = self.k_row_bytes if half == 0 else self.v_row_bytes
         return (self.data_offset + layer * self.layer_stride + half * self.v_offset
-                + page * self.page_size * row_bytes)
+                + page * self.chunk_bytes(half))
 
+    # ---- the wire ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The flat wire fields (`PoolLayoutMsg`'s names), plain values only."""
+        g = self.geometry
+        return {"num_layers": g.num_layers, "rows": self.rows, "padded_rows": self.padded_rows,
+                "head_num": g.num_kv_heads, "head_dim": g.head_dim, "v_head_dim": g.v_head_dim,
+                "dtype": dtype_name(g.dtype), "page_size": g.page_size,
+                "data_offset": self.data_offset}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PoolLayout":
+    def from_dict(cls, data) -> PoolLayout:
+        """From the flat wire fields: a dict, or any object with them as attributes (the
+        protocol's PoolLayoutMsg). ValueError names what is missing or wrong."""
+        get = data.get if isinstance(data, dict) else (lambda k: getattr(data, k, None))
+        values = {k: get(k) for k in WIRE_FIELDS}
+        missing = [k for k, val in values.items() if val is None]
+        extra = sorted(set(data) - set(WIRE_FIELDS)) if isinstance(data, dict) else []
+        if missing or extra:
+            raise ValueError(f"bad pool layout {data!r}: missing {missing}, unknown {extra}")
         try:
-            return cls(**data)
-        except TypeError as exc:
+            geometry = KVGeometry(**{g: values[w] for w, g in _GEOMETRY_FIELDS.items()})
+            return cls(geometry, values["rows"], values["padded_rows"], values["data_offset"])
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"bad pool layout {data!r}: {exc}") from None
 
+    # ---- SGLang's buffers over a region ------------------------------------------------------
     def views(self, region: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """SGLang-shaped per-layer K and V tensors (rows x heads x dim) over `region` (uint8)."""
         if region.dtype != torch.uint8 or region.dim() != 1:
@@ -117,12 +136,12 @@ class PoolLayout:
         if region.numel() < self.data_offset + self.data_bytes:
             raise ValueError(f"region of {region.numel()} bytes is smaller than the pool's "
                              f"{self.data_offset + self.data_bytes}")
-        dt = dtype_of(self.dtype)
+        g = self.geometry
         ks, vs = [], []
-        for layer in range(self.num_layers):
+        for layer in range(g.num_layers):
             base = self.data_offset + layer * self.layer_stride
-            k = region[base: base + self.v_offset].view(dt)
-            v = region[base + self.v_offset: base + self.layer_stride].view(dt)
-            ks.append(k.view(self.padded_rows, self.head_num, self.head_dim)[: self.rows])
-            vs.append(v.view(self.padded_rows, self.head_num, self.v_head_dim)[: self.rows])
+            k = region[base: base + self.v_offset].view(g.dtype)
+            v = region[base + self.v_offset: base + self.layer_stride].view(g.dtype)
+            ks.append(k.view(self.padded_rows, g.num_kv_heads, g.head_dim)[: self.rows])
+            vs.append(v.view(self.padded_rows, g.num_kv_heads, g.v_head_dim)[: self.rows])
         return ks, vs

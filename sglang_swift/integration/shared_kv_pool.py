@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any, Callable
 
-from ..dataplane.pool_layout import PoolLayout, dtype_name
+from ..dataplane.pool_layout import KVGeometry, PoolLayout, dtype_name
 from .swift_config import CONFIG_ENV, SwiftConfig
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,9 @@ def why_not_shareable(pool: Any) -> str | None:
 def layout_of(pool: Any, data_offset: int) -> PoolLayout:
     rows = pool.size + pool.page_size
     padded = -(-rows // pool.page_size) * pool.page_size
-    return PoolLayout(num_layers=pool.layer_num, rows=rows, padded_rows=padded,
-                      head_num=pool.head_num, head_dim=pool.head_dim,
-                      v_head_dim=pool.v_head_dim, dtype=dtype_name(pool.store_dtype),
-                      page_size=pool.page_size, data_offset=data_offset)
+    geometry = KVGeometry(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim,
+                          dtype_name(pool.store_dtype), pool.page_size)
+    return PoolLayout(geometry, rows=rows, padded_rows=padded, data_offset=data_offset)
 
 
 def create_buffers_in_shared_region(orig: Callable[[Any], None], pool: Any) -> None:
@@ -81,7 +80,7 @@ def create_buffers_in_shared_region(orig: Callable[[Any], None], pool: Any) -> N
     setattr(pool, REGION_ATTR, arena)
     setattr(pool, LAYOUT_ATTR, layout)
     logger.info("SwiftCache: KV pool of %d tokens (%d layers, %.1f MiB) placed in shared %s "
-                "memory so idle pages can be lent", pool.size, layout.num_layers,
+                "memory so idle pages can be lent", pool.size, layout.geometry.num_layers,
                 layout.data_bytes / 2**20, arena.export()["kind"])
     return None
 

@@ -61,15 +61,23 @@ def test_pool_of_a_server_that_does_not_lend_is_sglangs_own(monkeypatch):
 
 
 def test_layout_round_trips_and_rejects_nonsense():
-    """The layout record travels as a dict; impossible layouts are refused with the field name."""
-    lay = PoolLayout(num_layers=2, rows=10, padded_rows=12, head_num=1, head_dim=4, v_head_dim=2,
-                     dtype="bfloat16", page_size=4, data_offset=4096)
+    """The layout record travels as the wire's flat fields (a dict or the protocol's
+    PoolLayoutMsg) and comes back equal; impossible layouts are refused naming the field."""
+    from sglang_swift.control.protocol import PoolLayoutMsg
+    from sglang_swift.dataplane import KVGeometry
+
+    lay = PoolLayout(KVGeometry(2, 1, 4, 2, "bfloat16", 4), rows=10, padded_rows=12,
+                     data_offset=4096)
     assert PoolLayout.from_dict(lay.to_dict()) == lay
+    assert PoolLayout.from_dict(PoolLayoutMsg(**lay.to_dict())) == lay
+    assert set(lay.to_dict()) == set(PoolLayoutMsg.__struct_fields__)
     assert lay.layer_stride == 12 * (4 + 2) * 2 and lay.v_offset == 12 * 4 * 2
     assert lay.chunk_offset(1, 1, 1) == 4096 + lay.layer_stride + lay.v_offset + 4 * 2 * 2
+    flat = dict(num_layers=1, rows=10, padded_rows=10, head_num=1, head_dim=4, v_head_dim=4,
+                dtype="float32", page_size=4, data_offset=0)
     with pytest.raises(ValueError, match="padded_rows"):
-        PoolLayout(num_layers=1, rows=10, padded_rows=10, head_num=1, head_dim=4, v_head_dim=4,
-                   dtype="float32", page_size=4)
+        PoolLayout.from_dict(flat)
     with pytest.raises(ValueError, match="dtype"):
-        PoolLayout(num_layers=1, rows=4, padded_rows=4, head_num=1, head_dim=4, v_head_dim=4,
-                   dtype="int7", page_size=4)
+        PoolLayout.from_dict({**flat, "padded_rows": 12, "dtype": "int7"})
+    with pytest.raises(ValueError, match="missing"):
+        PoolLayout.from_dict({k: v for k, v in flat.items() if k != "rows"})
