@@ -4,7 +4,8 @@ between SwiftCache servers on one node. Imports neither SGLang nor torch.
 Map of the package:
   agent.py     ControlAgent, the owner-facing API and its I/O thread (start here)
   protocol.py  every wire message (msgspec structs, msgpack, HMAC-signed frames)
-  peers.py     membership: hello, heartbeats, failure detection, dispatch
+  peers.py     membership: hello, heartbeats, dispatch
+  liveness.py  suspicion and death of peers, lease re-validation (docs/liveness.md)
   donor.py / ledger.py / grant_policy.py   lending: bookkeeping and the named grant policies
   borrower.py  borrowing: held leases, read deadlines, reclaim acknowledgements
   link.py      ZMQ sockets; discovery.py rendezvous records; auth.py the node secret
@@ -12,9 +13,12 @@ Map of the package:
 (A standalone agent process for tests and benchmarks lives in `sglang_swift.testing`.)
 
 Invariants: a donor hands a reclaimed block back to its owner only after the borrower
-acknowledged (or released) it, or was declared dead; a borrower reads only before its read
-deadline, which ends before any donor could declare it dead; epochs make messages from or to
-an earlier incarnation inert; the owner's demand always wins over lending.
+acknowledged (or released) it, or was declared dead; a peer is declared dead only when its
+process is gone, its socket closed, or it was silent for the long ``dead_after_s``, never for a
+pause alone; a borrower reads only before its read deadline, which ends before any donor could
+declare it dead, and a deadline that passed is re-validated with the donor, not taken as loss;
+epochs make messages from or to an earlier incarnation inert; the owner's demand always wins
+over lending.
 """
 
 from sglang_swift.control.agent import ControlAgent

@@ -9,8 +9,11 @@ on the network. The owner (the scheduler) talks to it through commands and drain
 * Borrower owner: ``request(n)`` -> request id; then ``LeaseGranted`` or ``RequestFailed``.
   On ``ReclaimRequested`` it stops reading the blocks, then calls ``ack_reclaim(event)``; it
   must never read them after acking. ``LeaseLost`` means the blocks are gone. It may read a
-  donor's blocks only while ``time.monotonic() < read_deadline(donor)``. ``release(key)``
-  gives blocks back early. Events come from ``poll_events()`` or ``next_event(timeout)``.
+  donor's blocks only while ``time.monotonic() < read_deadline(donor)`` (or per lease,
+  ``read_deadline(donor, lease_id)``); a deadline that passes while the donor lives moves
+  again once the donor re-validates the lease (the lease, its blocks and their content stay).
+  ``release(key)`` gives blocks back early. Events come from ``poll_events()`` or
+  ``next_event(timeout)``.
 
 With tensor parallelism only one rank (rank 0) creates the agent; it speaks for the server,
 and the data plane forwards grants and reclaims to the other ranks. ``agent_id`` must be
@@ -21,6 +24,7 @@ counted (``commands_refused``), never raised there. Events queue up until draine
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -28,6 +32,7 @@ import queue
 import threading
 import time
 
+from sglang_swift.common.private_resources import sweep_shm
 from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import ensure_private_dir, load_or_create_secret
@@ -36,6 +41,7 @@ from sglang_swift.control.control_config import ControlConfig
 from sglang_swift.control.donor import DonorSide
 from sglang_swift.control.events import Event, LeaseKey, PeerChanged, ReclaimRequested
 from sglang_swift.control.link import BadMessageLog, Link
+from sglang_swift.control.liveness import Liveness
 from sglang_swift.control.peers import Peer, PeerTable
 
 log = logging.getLogger(__name__)
@@ -59,6 +65,7 @@ class ControlAgent:
         self.borrower = BorrowerSide(self)
         if memory is not None:
             self.donor.set_memory(p.MemoryDescriptor.coerce(memory))
+        self.liveness = Liveness(self)
         self._table = PeerTable(self)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -81,6 +88,7 @@ class ControlAgent:
         """Bind, publish and begin. ``thread=False`` is manual mode: no background thread;
         the owner calls ``pump()`` from its own loop often enough (well within the heartbeat
         interval), which avoids competing for the GIL but stalls heartbeats while it is busy."""
+        atexit.register(self._stop_at_exit)  # an interpreter exit without stop() still cleans up
         if not thread:
             self._setup()
             self._manual = True
@@ -96,6 +104,7 @@ class ControlAgent:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Say goodbye to peers (their leases with us end), close sockets, withdraw the record."""
+        atexit.unregister(self._stop_at_exit)
         if self._manual:
             self._manual = False
             self._teardown()
@@ -105,6 +114,10 @@ class ControlAgent:
             self.link.wake()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _stop_at_exit(self) -> None:
+        if self.is_alive():
+            self.stop()
 
     def is_alive(self) -> bool:
         """False once stopped (or if the I/O thread died, which is logged)."""
@@ -152,9 +165,11 @@ class ControlAgent:
     def release(self, key: LeaseKey, blocks=None) -> None:
         self._command(self.borrower.release, key, None if blocks is None else list(blocks))
 
-    def read_deadline(self, donor: str) -> float:
+    def read_deadline(self, donor: str, lease_id: int | None = None) -> float:
+        """CLOCK_MONOTONIC time until which ``donor``'s blocks (of ``lease_id`` only, when
+        given) may be read; 0.0 when no lease from it is held. See BorrowerSide."""
         with self._lock:
-            return self.borrower.read_deadline(donor)
+            return self.borrower.read_deadline(donor, lease_id)
 
     def poll_events(self) -> list[Event]:
         out = []
@@ -286,6 +301,10 @@ class ControlAgent:
 
     def _setup(self) -> None:
         cfg = self.config
+        # What killed servers of this user left behind (their pids are gone).
+        swept = discovery.sweep(cfg.rendezvous_dir) + sweep_shm()
+        if swept:
+            self.count("swept", len(swept))
         if cfg.transport == "ipc":
             endpoint = discovery.ipc_endpoint(cfg.rendezvous_dir, cfg.agent_id)
         else:
@@ -293,7 +312,7 @@ class ControlAgent:
         self.link = Link(self.codec, endpoint, cfg.max_message_bytes)
         self.endpoint = self.link.endpoint
         self._record = discovery.PeerRecord(
-            cfg.agent_id, self.epoch, os.getpid(), self.endpoint, self.model
+            cfg.agent_id, self.epoch, os.getpid(), self.endpoint, self.model, self.liveness.host
         )
         discovery.publish(cfg.rendezvous_dir, self._record)
         log.info(

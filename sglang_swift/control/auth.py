@@ -6,20 +6,19 @@ import os
 import secrets
 import stat
 
+from sglang_swift.common import private_resources
 from sglang_swift.control.control_config import ControlConfigError
 
 SECRET_BYTES = 32
 
 
 def ensure_private_dir(path: str) -> None:
-    """Create ``path`` 0700 if missing; refuse one that others can enter or that is not ours."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ControlConfigError(
-            f"rendezvous dir {path} is mode {stat.S_IMODE(st.st_mode):o} owned by uid {st.st_uid}; "
-            f"it must be yours and 0700: `chmod 700 {path}` or choose another directory"
-        )
+    """Create ``path`` 0700 if missing; refuse one that others can enter or that is not ours,
+    or below a directory another user could replace (`common.private_resources`)."""
+    try:
+        private_resources.ensure_private_dir(path)
+    except private_resources.PrivatePathError as exc:
+        raise ControlConfigError(f"rendezvous dir: {exc}") from None
 
 
 def read_secret(path: str) -> bytes:

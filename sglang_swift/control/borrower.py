@@ -1,16 +1,25 @@
 """Borrower half of an agent: requests leases, tracks what it may read, answers reclaims.
 
-Read safety is a lease with an expiry on the node-wide CLOCK_MONOTONIC. A donor's heartbeat
-echoes the send time of the last heartbeat it received from us, so ``confirmed`` is a moment at
-which the donor still knew we were alive. We may read the donor's blocks only until
-``confirmed + heartbeat_timeout - lease_margin``; the donor declares us dead (and reuses our
-blocks) no earlier than ``heartbeat_timeout`` after it last heard from us, which is later. So a
-live but slow borrower stops reading before a donor that gave up on it reuses anything.
+Read safety is a lease with an expiry on CLOCK_MONOTONIC. Each held lease keeps ``vouched``, a
+time (ours) at which the donor still held the lease for us and had just heard from us: the send
+time of our request (grant), of a heartbeat the donor echoed back, or of a Revalidate it
+answered. A donor declares a live-looking borrower dead no earlier than ``dead_after_s`` after
+it last heard from it (liveness.py), so we may read the lease until ``vouched +
+read_validity_s`` (``dead_after_s - lease_margin_s``), which is earlier. (Death by a process
+check needs our process gone, and then nothing reads.)
+
+Past that deadline a lease is *stale*, not lost: nothing may read it and heartbeat echoes do not
+revive it (the donor may have declared us dead and met us again since). Instead we ask the donor
+(Revalidate, once per heartbeat interval until it answers): leases it still holds for us are
+vouched again from the probe's send time, same epoch, same lease, same blocks, so what the tree
+stored in them stays; the others are lost. Otherwise a lease is lost only when its donor is
+declared dead, restarts, leaves, or says it forgot us.
 Runs on the agent's I/O thread only; the agent serialises access with its lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +36,7 @@ from sglang_swift.control.events import (
 
 if TYPE_CHECKING:
     from sglang_swift.control.agent import ControlAgent
+    from sglang_swift.control.peers import Peer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +46,7 @@ class LeaseHolding:
     key: LeaseKey
     active: set[int]
     memory: p.MemoryDescriptor
+    vouched: float  # CLOCK_MONOTONIC time the donor last held this lease for us (see above)
     reclaiming: dict[int, set[int]] = field(default_factory=dict)
 
     def blocks(self) -> set[int]:
@@ -54,13 +65,32 @@ class BorrowerSide:
     def __init__(self, agent: ControlAgent) -> None:
         self.agent = agent
         cfg = agent.config
-        self._validity = cfg.heartbeat_timeout_s - cfg.lease_margin_s
+        self._validity = cfg.read_validity_s
+        self._probe_every = cfg.heartbeat_interval_s
         self.pending: dict[int, _Pending] = {}
         self.leases: dict[LeaseKey, LeaseHolding] = {}
-        self.confirmed: dict[str, float] = {}  # donor -> monotonic time it last heard us
+        self._probed: dict[str, float] = {}  # donor -> when we last asked it to re-validate
+        self._probe_ids = itertools.count(1)
 
-    def read_deadline(self, donor: str) -> float:
-        return self.confirmed.get(donor, 0.0) + self._validity
+    def read_deadline(self, donor: str, lease_id: int | None = None) -> float:
+        """CLOCK_MONOTONIC time until which `donor`'s blocks (of lease `lease_id` only, when
+        given) may be read: the earliest deadline among the matching leases; 0.0 if none."""
+        return min(
+            (
+                held.vouched + self._validity
+                for key, held in self.leases.items()
+                if key.donor == donor and lease_id in (None, key.lease_id)
+            ),
+            default=0.0,
+        )
+
+    def stale(self, donor: str, now: float) -> list[int]:
+        """Ids of `donor`'s leases whose read deadline has passed (awaiting re-validation)."""
+        return [
+            key.lease_id
+            for key, held in self.leases.items()
+            if key.donor == donor and now > held.vouched + self._validity
+        ]
 
     def borrowed(self) -> int:
         return sum(len(h.blocks()) for h in self.leases.values())
@@ -117,9 +147,8 @@ class BorrowerSide:
             if pend is not None:  # the owner still gets an answer to its request
                 self.agent.emit(RequestFailed(msg.request_id, peer.agent_id, "bad_grant"))
             return
-        self._expire(peer.agent_id, time.monotonic())
-        self.confirmed[peer.agent_id] = max(self.confirmed.get(peer.agent_id, 0.0), pend.sent_at)
-        self.leases[key] = LeaseHolding(key, set(msg.blocks), msg.memory)
+        # The donor granted after it received the request, so it held the lease for us then.
+        self.leases[key] = LeaseHolding(key, set(msg.blocks), msg.memory, vouched=pend.sent_at)
         self.agent.emit(LeaseGranted(msg.request_id, key, tuple(msg.blocks), msg.memory))
 
     def _check_grant(self, peer, msg: p.Grant, key: LeaseKey) -> str:
@@ -165,11 +194,32 @@ class BorrowerSide:
             del self.pending[msg.ref]
             self.agent.emit(RequestFailed(msg.ref, peer_id, msg.code))
 
-    def on_echo(self, donor: str, echo_ns: int) -> None:
-        self._expire(donor, time.monotonic())  # never revive a lease whose deadline passed
-        echoed = min(echo_ns / 1e9, time.monotonic())
-        if echoed > self.confirmed.get(donor, 0.0):
-            self.confirmed[donor] = echoed
+    def on_echo(self, peer: Peer, echo_ns: int) -> None:
+        """The donor heard our heartbeat sent at ``echo_ns``: it held our live leases then. A
+        stale lease is not revived this way (only Revalidated can: the donor may have declared
+        us dead and met us again since)."""
+        now = time.monotonic()
+        echoed = min(echo_ns / 1e9, now)
+        for key, held in self.leases.items():
+            if key.donor == peer.agent_id and key.epoch == peer.epoch:
+                if now <= held.vouched + self._validity and echoed > held.vouched:
+                    held.vouched = echoed
+
+    def on_revalidated(self, peer: Peer, msg: p.Revalidated) -> None:
+        now = time.monotonic()
+        echoed = min(msg.echo_ns / 1e9, now)
+        for lease_id in msg.valid:
+            held = self.leases.get(LeaseKey(peer.agent_id, peer.epoch, lease_id))
+            if held is not None and echoed > held.vouched:
+                if now > held.vouched + self._validity:
+                    self.agent.count("leases_revalidated")
+                    log.info("lease %s re-validated by its donor; reading it again", held.key)
+                held.vouched = echoed
+        for lease_id in msg.invalid:
+            key = LeaseKey(peer.agent_id, peer.epoch, lease_id)
+            if key in self.leases:
+                self._lose(key, "dropped by the donor")
+        self._probed.pop(peer.agent_id, None)
 
     # ---- time and loss ----
     def tick(self, now: float) -> None:
@@ -179,26 +229,39 @@ class BorrowerSide:
                 del self.pending[rid]
                 self.agent.emit(RequestFailed(rid, pend.donor, "timeout"))
         for donor in {k.donor for k in self.leases}:
-            self._expire(donor, now)
+            self._revalidate(donor, now)
 
-    def _expire(self, donor: str, now: float) -> None:
-        if now > self.read_deadline(donor) and any(k.donor == donor for k in self.leases):
-            self.lose_donor(donor, None, "lease expired", tell=True)
+    def _revalidate(self, donor: str, now: float) -> None:
+        """Ask `donor` about our stale leases, at most once per heartbeat interval."""
+        stale = self.stale(donor, now)
+        peer = self.agent.peers.get(donor)
+        if not stale or peer is None or now - self._probed.get(donor, -1e9) < self._probe_every:
+            return
+        if donor not in self._probed:
+            log.warning(
+                "leases %s from %s: no word vouching for them for %.1fs; not reading them, "
+                "asking the donor to re-validate", stale[:8], donor, self._validity,
+            )
+        self._probed[donor] = now
+        self.agent.count("revalidations_sent")
+        probe = p.Revalidate(next(self._probe_ids), time.monotonic_ns(), stale[:4096])
+        self.agent.send(peer, probe)
 
-    def lose_donor(self, donor: str, epoch: int | None, reason: str, tell: bool = False) -> None:
-        """Drop every lease from ``donor`` (of ``epoch``, or all). ``tell``: the donor may be
-        alive, so send Release for what we dropped (we stopped reading already)."""
+    def lose_donor(self, donor: str, epoch: int | None, reason: str) -> None:
+        """Drop every lease from ``donor`` (of ``epoch``, or all) and fail its requests."""
         for key in [k for k in self.leases if k.donor == donor and epoch in (None, k.epoch)]:
-            held = self.leases.pop(key)
-            blocks = held.blocks()
-            if tell:
-                self._send_to_donor(key, p.Release(key.lease_id, key.epoch, sorted(blocks)))
-            log.info("lease %s lost (%s): %d blocks", key, reason, len(blocks))
-            self.agent.emit(LeaseLost(key, tuple(sorted(blocks)), reason))
+            self._lose(key, reason)
         for rid in [r for r, pd in self.pending.items() if pd.donor == donor]:
             del self.pending[rid]
             self.agent.emit(RequestFailed(rid, donor, reason))
-        self.confirmed.pop(donor, None)
+        self._probed.pop(donor, None)
+
+    def _lose(self, key: LeaseKey, reason: str) -> None:
+        blocks = self.leases.pop(key).blocks()
+        (log.info if reason == "left" else log.warning)(
+            "lease %s lost (%s): %d blocks", key, reason, len(blocks)
+        )
+        self.agent.emit(LeaseLost(key, tuple(sorted(blocks)), reason))
 
     def _send_to_donor(self, key: LeaseKey, msg) -> None:
         peer = self.agent.peers.get(key.donor)
@@ -218,3 +281,4 @@ class BorrowerSide:
             prev = seen.setdefault((key.donor, key.epoch), set())
             assert not prev & mine, f"{key} overlaps another lease: {sorted(prev & mine)[:8]}"
             prev |= mine
+            assert held.vouched <= time.monotonic(), f"{key} vouched for in the future"

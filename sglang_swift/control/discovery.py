@@ -3,7 +3,8 @@ directory and scans it; a configured list of endpoints can be used as well (or i
 
 A record is small JSON (``agent_id``, ``epoch``, ``pid``, ``endpoint``, ``model``), written
 atomically (temp file + rename), mode 0600, removed on clean shutdown. Records of dead
-processes are skipped by the scanner and shown as stale by `ctl`.
+processes are skipped by the scanner; ``sweep`` removes them with the sockets of dead agents
+(an agent sweeps when it starts and when it finds a peer's process gone; `ctl sweep` too).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from sglang_swift.common.private_resources import socket_name, sweep_sockets
+from sglang_swift.common.process import host_identity, process_alive
 from sglang_swift.control.control_config import ControlConfigError
-from sglang_swift.common.process import process_alive
 
 _SUFFIX = ".peer"
 _IPC_PATH_MAX = 107  # sun_path limit on Linux
@@ -28,15 +30,17 @@ class PeerRecord:
     pid: int
     endpoint: str
     model: str = ""
+    host: str = ""  # common.process.host_identity() of the publisher: its pid means this
 
 
 pid_alive = process_alive
 
 
 def ipc_endpoint(rendezvous_dir: str, agent_id: str) -> str:
-    """A short socket path per agent id (hashed, so long ids fit the 107-byte ipc limit)."""
+    """A short socket path per agent id and process (the id hashed, so long ids fit the
+    107-byte ipc limit; the pid, so a sweep can tell a dead agent's socket)."""
     digest = hashlib.sha1(agent_id.encode()).hexdigest()[:16]
-    path = os.path.join(rendezvous_dir, f"{digest}.sock")
+    path = os.path.join(rendezvous_dir, socket_name(digest))
     if len(path.encode()) > _IPC_PATH_MAX:
         raise ControlConfigError(
             f"ipc path {path} exceeds {_IPC_PATH_MAX} bytes; use a shorter "
@@ -86,6 +90,7 @@ def _parse(path: str) -> PeerRecord | None:
             int(raw["pid"]),
             str(raw["endpoint"]),
             str(raw.get("model", "")),
+            str(raw.get("host", "")),
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -123,3 +128,30 @@ def withdraw(rendezvous_dir: str, rec: PeerRecord) -> None:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+def sweep(rendezvous_dir: str, pid: int | None = None) -> list[str]:
+    """Remove the records and ipc sockets that agents on this host (of process `pid`, when
+    given) left when they died without withdrawing. Returns the file names removed. A record is
+    taken aside by rename first, so one a new incarnation publishes meanwhile is never lost."""
+    removed = sweep_sockets(rendezvous_dir, pid)
+    here = host_identity()
+    for rec in read_records(rendezvous_dir):
+        if not here or rec.host != here or pid not in (None, rec.pid) or pid_alive(rec.pid):
+            continue
+        path = _record_path(rendezvous_dir, rec.agent_id)
+        aside = f"{path}.{os.getpid()}.sweep"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue
+        now = _parse(aside)
+        if now is not None and (now.pid, now.epoch) != (rec.pid, rec.epoch):
+            try:  # a newer incarnation published meanwhile: put it back unless a newer one is
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+        else:
+            removed.append(os.path.basename(path))
+        os.unlink(aside)
+    return removed

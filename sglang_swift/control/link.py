@@ -1,6 +1,10 @@
 """Sockets of one agent: a ROUTER bound at its own endpoint receives; one DEALER per peer
 endpoint sends. Replies to non-peers (errors, `ctl` status) go back through the ROUTER.
 Used from the agent's I/O thread only (ZMQ sockets are not thread-safe).
+
+Each DEALER is monitored, so the agent knows when the connection to a peer is closed: a peer
+whose process exited has no listening socket, and ZMQ cannot reconnect to it (``closed_for``).
+An ipc socket file is made 0600 and removed on close (or by a sweep, see discovery.sweep).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import socket
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from sglang_swift.control import protocol as p
 
@@ -65,8 +70,12 @@ class Link:
             endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
         else:
             self.router.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://") :], 0o600)  # the directory is 0700 as well
         self.endpoint = endpoint
         self.dealers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # monitor socket -> dealer endpoint
+        self._closed_since: dict[str, float] = {}  # endpoint -> monotonic time it dropped
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -82,18 +91,49 @@ class Link:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.codec.max_bytes)
             sock.setsockopt(zmq.SNDHWM, 10000)
+            # Watch before connecting, or the first EVENT_CONNECTED may come unseen.
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError:
+                sock.disable_monitor()
+                monitor.close(0)
                 sock.close(0)
                 raise
             self.dealers[endpoint] = sock
             self.poller.register(sock, zmq.POLLIN)
+            self._monitors[monitor] = endpoint
+            self.poller.register(monitor, zmq.POLLIN)
+            self._closed_since[endpoint] = time.monotonic()  # until the first connect
         return sock
+
+    def closed_for(self, endpoint: str, now: float) -> float:
+        """Seconds the connection to `endpoint` has been down (never up counts from the first
+        send); 0.0 while it is up or when we never sent there."""
+        since = self._closed_since.get(endpoint)
+        return 0.0 if since is None else max(0.0, now - since)
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        endpoint = self._monitors[monitor]
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                self._closed_since.pop(endpoint, None)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._closed_since.setdefault(endpoint, time.monotonic())
 
     def close_dealer(self, endpoint: str, linger_ms: int = 0) -> None:
         sock = self.dealers.pop(endpoint, None)
         if sock is not None:
+            for monitor in [m for m, ep in self._monitors.items() if ep == endpoint]:
+                self.poller.unregister(monitor)
+                del self._monitors[monitor]
+                sock.disable_monitor()
+                monitor.close(0)
+            self._closed_since.pop(endpoint, None)
             self.poller.unregister(sock)
             sock.close(linger_ms)
 
@@ -129,6 +169,9 @@ class Link:
                 pass
         for sock in ready:
             if not isinstance(sock, zmq.Socket) or sock.closed:
+                continue
+            if sock in self._monitors:
+                self._on_monitor(sock)
                 continue
             for _ in range(256):
                 if sock.closed:

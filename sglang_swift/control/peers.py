@@ -8,8 +8,9 @@ Rules that keep stale or hostile input harmless:
   (its leases are dropped on both sides); frames from older epochs are dropped;
 * frames addressed to another epoch of ours (``to_epoch``) are dropped, as are replays
   (``seq`` not increasing);
-* a peer silent for ``heartbeat_timeout_s`` is declared dead: its borrowed blocks return to
-  us, and leases we hold from it are dropped.
+* a peer silent for ``heartbeat_timeout_s`` is suspect, and declared dead only on evidence
+  (liveness.py): its process gone, its socket closed, or ``dead_after_s`` of silence. Then its
+  borrowed blocks return to us, and leases we hold from it are dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class Peer:
     last_seq: int = 0
     echo_ns: int = 0
     lendable: int = 0
+    host: str = ""  # its host_identity(); equal to ours means its pid can be checked
+    pid_start: int = 0
+    suspect_since: float = 0.0  # 0.0: not suspect
+    max_silence_ms: int = 0
 
 
 class PeerTable:
@@ -89,14 +94,14 @@ class PeerTable:
             if env.seq <= peer.last_seq:
                 return a.on_refused("replayed", f"seq {env.seq} <= {peer.last_seq}", env)
             peer.last_seq = env.seq
-        peer.last_rx = time.monotonic()
+        a.liveness.heard(peer, time.monotonic())
         self._dispatch(peer, body)
 
     def _dispatch(self, peer, body) -> None:
         a = self.agent
         if isinstance(body, p.Heartbeat):
             peer.echo_ns, peer.lendable = body.sent_ns, body.lendable
-            a.borrower.on_echo(peer.agent_id, body.echo_ns)
+            a.borrower.on_echo(peer, body.echo_ns)
         elif isinstance(body, p.Advertise):
             peer.lendable = body.lendable
             a.notify()
@@ -110,6 +115,10 @@ class PeerTable:
             a.borrower.on_grant(peer, body)
         elif isinstance(body, p.Reclaim):
             a.borrower.on_reclaim(peer, body)
+        elif isinstance(body, p.Revalidate):
+            a.liveness.on_revalidate(peer, body)
+        elif isinstance(body, p.Revalidated):
+            a.borrower.on_revalidated(peer, body)
         elif isinstance(body, p.Bye):
             self.lose(peer, "left")
         else:
@@ -162,6 +171,8 @@ class PeerTable:
                 hello,
                 last_rx=now,
                 last_seq=env.seq,
+                host=hello.host,
+                pid_start=hello.pid_start,
             )
             a.peers[peer.agent_id] = peer
             log.info(
@@ -173,7 +184,7 @@ class PeerTable:
             )
             a.peer_changed(peer, joined=True)
         else:
-            peer.last_rx = now
+            a.liveness.heard(peer, now)
             peer.last_seq = max(peer.last_seq, env.seq)
         if hello.reply:
             a.send(peer, self._hello(reply=False))
@@ -189,18 +200,22 @@ class PeerTable:
             mem.num_blocks if mem else 0,
             mem.device if mem else "",
             reply,
+            a.liveness.host,
+            a.liveness.pid_start,
         )
 
     # ---- time ----
     def tick(self, now: float) -> None:
         a = self.agent
         cfg = a.config
+        a.liveness.own_pause(now)
         beat = now >= self._next_beat
         if beat:
             self._next_beat = now + cfg.heartbeat_interval_s
         for peer in list(a.peers.values()):
-            if now - peer.last_rx > cfg.heartbeat_timeout_s:
-                self.lose(peer, "heartbeat timeout")
+            reason = a.liveness.verdict(peer, now)
+            if reason:
+                self.lose(peer, reason)
             elif beat:
                 hb = p.Heartbeat(time.monotonic_ns(), peer.echo_ns, a.donor.ledger.lendable())
                 a.send(peer, hb)
@@ -245,6 +260,7 @@ class PeerTable:
             a.link.close_dealer(peer.endpoint)
         self._hello_sent = {k: v for k, v in self._hello_sent.items() if k[0] != peer.agent_id}
         a.peer_changed(peer, joined=False, reason=reason)
+        a.liveness.buried(peer)
 
     # ---- operator view ----
     def status(self) -> p.AgentStatus:
@@ -253,7 +269,14 @@ class PeerTable:
         mem, led = a.donor.memory, a.donor.ledger
         peers = [
             p.PeerStatus(
-                q.agent_id, q.epoch, q.pid, q.model, int((now - q.last_rx) * 1000), q.lendable
+                q.agent_id,
+                q.epoch,
+                q.pid,
+                q.model,
+                int(max(0.0, now - q.last_rx) * 1000),
+                q.lendable,
+                bool(q.suspect_since),
+                q.max_silence_ms,
             )
             for q in a.peers.values()
         ]

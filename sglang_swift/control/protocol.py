@@ -19,7 +19,9 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2: liveness by process checks and lease re-validation (Revalidate); a version-1 agent would
+# declare a live borrower dead after one heartbeat timeout, so the two must not mix.
+PROTOCOL_VERSION = 2
 MAGIC = b"SWCC"
 _HEADER = struct.Struct(">4sHH")
 MAC_BYTES = 32
@@ -33,6 +35,7 @@ Blocks = Annotated[
     list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]],
     msgspec.Meta(max_length=MAX_BLOCKS_PER_MESSAGE),
 ]
+LeaseIds = Annotated[list[U64], msgspec.Meta(max_length=4096)]
 
 
 class PoolLayoutMsg(msgspec.Struct, frozen=True):
@@ -90,7 +93,9 @@ Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(ipc://|tcp://)[^\s]+$", max_l
 
 
 class Hello(_Msg, tag="hello"):
-    """Join or rejoin: who I am and what I can lend. ``reply`` asks the receiver to answer."""
+    """Join or rejoin: who I am and what I can lend. ``reply`` asks the receiver to answer.
+    ``host`` (boot id and pid namespace, `common.process.host_identity`) and ``pid_start`` let
+    a peer on the same host tell from ``pid`` alone whether this process is gone."""
 
     protocol_version: U64
     model: Name
@@ -100,6 +105,8 @@ class Hello(_Msg, tag="hello"):
     num_blocks: U64 = 0
     device: Name = ""
     reply: bool = False
+    host: Name = ""
+    pid_start: U64 = 0
 
 
 class Advertise(_Msg, tag="advertise"):
@@ -158,6 +165,26 @@ class Heartbeat(_Msg, tag="heartbeat"):
     lendable: U64 = 0
 
 
+class Revalidate(_Msg, tag="revalidate"):
+    """Borrower to donor: are these leases still granted to me (this epoch)? Sent when their
+    read deadline passed while the donor was not known to be gone; ``sent_ns`` is the
+    borrower's CLOCK_MONOTONIC at sending, echoed in the answer."""
+
+    probe_id: U64
+    sent_ns: U64
+    lease_ids: LeaseIds
+
+
+class Revalidated(_Msg, tag="revalidated"):
+    """Donor's answer: of the asked leases, ``valid`` are still the borrower's (it may read
+    them until ``echo_ns`` plus its read validity); ``invalid`` are gone (never read again)."""
+
+    probe_id: U64
+    echo_ns: U64
+    valid: LeaseIds
+    invalid: LeaseIds
+
+
 class Error(_Msg, tag="error"):
     code: Name
     detail: Text = ""
@@ -188,6 +215,8 @@ class PeerStatus(msgspec.Struct, frozen=True):
     model: Name
     last_seen_ms: U64
     lendable: U64
+    suspect: bool = False  # silent past the heartbeat timeout, its process not known gone
+    max_silence_ms: U64 = 0  # the longest gap between two messages from it so far
 
 
 class AgentStatus(msgspec.Struct, frozen=True):
@@ -219,6 +248,8 @@ Message = (
     | ReclaimAck
     | Release
     | Heartbeat
+    | Revalidate
+    | Revalidated
     | Error
     | Bye
     | StatusRequest

@@ -18,6 +18,7 @@ MEM = p.MemoryDescriptor("shm", b"arena", "cpu", 4096, 256, 16, 123, "donor:1")
 
 SAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "llama", "ipc:///tmp/x.sock", 42, 256, 16, "cuda:0", True),
+    p.Hello(p.PROTOCOL_VERSION, "l", "tcp://127.0.0.1:5", 42, host="boot/4026531836", pid_start=9),
     p.Advertise(12),
     p.LeaseRequest(7, 4, 2, 256),
     p.Grant(7, 1, 99, [0, 1, 2], MEM),
@@ -25,14 +26,20 @@ SAMPLES = [
     p.ReclaimAck(3, 1, 99, [2]),
     p.Release(1, 99, [0, 1]),
     p.Heartbeat(10**12, 10**12 - 5, 3),
+    p.Revalidate(4, 10**12, [1, 2, 3]),
+    p.Revalidated(4, 10**12, [1, 3], [2]),
     p.Error(p.E_NO_CAPACITY, "full", 7),
     p.Bye(),
     p.StatusRequest(),
 ]
 
 
+def _header(version: int = p.PROTOCOL_VERSION) -> bytes:
+    return p.MAGIC + version.to_bytes(2, "big") + bytes(2)
+
+
 def _signed(body: bytes, version: int = p.PROTOCOL_VERSION) -> bytes:
-    header = p.MAGIC + version.to_bytes(2, "big") + bytes(2)
+    header = _header(version)
     return header + hmac.new(SECRET, header + body, hashlib.sha256).digest() + body
 
 
@@ -70,8 +77,9 @@ def test_memory_descriptor_accepts_the_arena_dict():
         (b"", p.E_TRUNCATED),
         (b"SWCC\x00\x01\x00\x00" + b"\x00" * 10, p.E_TRUNCATED),
         (b"XXXX" + bytes(60), p.E_MAGIC),
-        (_signed(b"\x80", version=2), p.E_VERSION),
-        (b"SWCC\x00\x01\x00\x00" + bytes(32) + b"\x80", p.E_AUTH),
+        (_signed(b"\x80", version=p.PROTOCOL_VERSION + 1), p.E_VERSION),
+        (_signed(b"\x80", version=p.PROTOCOL_VERSION - 1), p.E_VERSION),
+        (_header() + bytes(32) + b"\x80", p.E_AUTH),
         (_signed(b"\xc1"), p.E_MALFORMED),
         (
             _signed(
