@@ -102,16 +102,6 @@ def _check_ancestors(path: str) -> None:
         path = parent
 
 
-def check_private_file(path: str) -> None:
-    """Refuse a file (or socket) that is not ours or that group or others may use."""
-    st = os.lstat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PrivatePathError(
-            f"{path} is mode {stat.S_IMODE(st.st_mode):o} owned by uid {st.st_uid}; it must be "
-            f"yours and 0600: `chmod 600 {path}`"
-        )
-
-
 # ---- sweeping ------------------------------------------------------------------------------
 def sweep_shm(pid: int | None = None, shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink shared memory made by `shm_name` (our uid, host and namespace) whose creator is

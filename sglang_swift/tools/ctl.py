@@ -1,10 +1,14 @@
 """Operator view of the donation control channel, in the spirit of kvcached's ``kvctl``.
 
     python -m sglang_swift.tools.ctl status [--rendezvous-dir DIR] [--secret-file FILE] [--json]
+    python -m sglang_swift.tools.ctl sweep [--rendezvous-dir DIR]
 
-Lists every agent published in the rendezvous directory with its lending state, then every
-lease (donor, borrower, blocks, blocks being reclaimed). Each agent is asked over its own
-endpoint with an authenticated StatusRequest, so `ctl` needs to read the node secret.
+`status` lists every agent published in the rendezvous directory with its lending state (peers
+it suspects are counted apart), then every lease (donor, borrower, blocks, blocks being
+reclaimed). Each agent is asked over its own endpoint with an authenticated StatusRequest, so
+`ctl` needs to read the node secret. `sweep` removes what killed servers of this user left on
+the node (shared memory, sockets, records of processes that are gone); agents do it too when
+they start and when they find a peer's process gone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 import msgspec
 import zmq
 
+from sglang_swift.common.private_resources import sweep_shm
 from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import read_secret
@@ -101,7 +106,7 @@ def status(args) -> int:
                 st.reserve,
                 st.lent,
                 st.borrowed,
-                len(st.peers),
+                _peers(st.peers),
             ]
         )
         for ls in st.leases:  # each lease is reported by both ends; the key dedups
@@ -138,6 +143,19 @@ def status(args) -> int:
     return 0
 
 
+def _peers(peers: list[p.PeerStatus]) -> str:
+    suspect = sum(q.suspect for q in peers)
+    return f"{len(peers)} ({suspect} suspect)" if suspect else str(len(peers))
+
+
+def sweep(args) -> int:
+    removed = discovery.sweep(args.rendezvous_dir) + sweep_shm()
+    print(f"removed {len(removed)} name(s) left by dead processes")
+    for name in removed:
+        print(f"  {name}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m sglang_swift.tools.ctl", description=__doc__.split("\n")[0]
@@ -148,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--secret-file", default="")
     st.add_argument("--timeout", type=float, default=0.5, help="seconds to wait per agent")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    sw = sub.add_parser("sweep", help="remove what killed servers left (shm, sockets, records)")
+    sw.add_argument("--rendezvous-dir", default=default_rendezvous_dir())
     args = ap.parse_args(argv)
-    return status(args)
+    return status(args) if args.command == "status" else sweep(args)
 
 
 if __name__ == "__main__":

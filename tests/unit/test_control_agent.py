@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -22,6 +25,8 @@ from sglang_swift.control import (
     ReclaimRequested,
     RequestFailed,
 )
+from sglang_swift.common.process import host_identity, host_tag
+from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import load_or_create_secret
 
@@ -252,6 +257,29 @@ def test_ctl_status_lists_agents_and_leases(pair, capsys):
     assert "donor" in out and "borrower" in out and "1 lease(s)" in out
     assert ctl.main(["status", "--rendezvous-dir", rdv, "--json"]) == 0
     assert '"lent": 3' in capsys.readouterr().out
+
+
+def test_ctl_sweep_removes_what_a_dead_agent_left(rdv, capsys):
+    """`ctl sweep` removes the record and socket of an agent whose process is gone, and
+    leaves a live agent's alone."""
+    live = ControlAgent(_cfg(rdv, "live")).start()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        ghost = discovery.PeerRecord("ghost", 1, child.pid, "ipc://x", "", host_identity())
+        discovery.publish(rdv, ghost)
+        sock_path = os.path.join(rdv, f"dd.h{host_tag()}.p{child.pid}.sock")
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(sock_path)
+        s.close()
+        assert ctl.main(["sweep", "--rendezvous-dir", rdv]) == 0
+        out = capsys.readouterr().out
+        assert "removed 2 name(s)" in out and "ghost.peer" in out
+        assert not os.path.exists(sock_path)
+        assert [r.agent_id for r in discovery.read_records(rdv)] == ["live"]
+        assert os.path.exists(live.endpoint[len("ipc://") :])
+    finally:
+        live.stop()
 
 
 def test_static_peer_list_over_tcp_on_loopback(tmp_path):
