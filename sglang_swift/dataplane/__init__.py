@@ -1,5 +1,8 @@
-"""SwiftCache's data plane: the block-major arena, sharing it across processes, the KV transfers
-between SGLang's local pool and donor blocks, and per-layer completion.
+"""SwiftCache's data plane: sharing donor memory across processes, the KV transfers between
+SGLang's local pool and donor memory, and per-layer completion. Donor memory is either a
+donor's own SGLang pool lent page by page (`PoolLayout`, `map_pool`, `LeasePacking`,
+`PoolTransferEngine`: any two model shapes) or a block-major arena (`SharedArena`, `map_arena`,
+`TransferEngine`: one borrower page per block).
 
 What it does not hold: the page's shape (`KVGeometry`, from swift_kernels, re-exported here) and
 the book of who owns each block (`DonorLedger`, control/ledger.py, kept by the donor's agent).
@@ -19,6 +22,11 @@ from .block_size import (
     unused_bytes,
 )
 from .layer_counter import CpuLayerCounter, CudaLayerCounter, LayerWaitResult
+from .packing import LeasePacking
+from .pool_layout import PoolLayout
+from .pool_lease import (MappedPool, UnshareablePool, map_pool, pool_geometry,
+                         why_pool_unshareable)
+from .pool_transfer import PoolTransferEngine, PoolTransferHandle
 from .sharing import (
     MappedArena,
     MappingError,
@@ -35,20 +43,29 @@ __all__ = [
     "CudaLayerCounter",
     "KVGeometry",
     "LayerWaitResult",
+    "LeasePacking",
     "MappedArena",
+    "MappedPool",
     "MappingError",
+    "PoolLayout",
+    "PoolTransferEngine",
+    "PoolTransferHandle",
     "SharedArena",
     "TransferEngine",
     "TransferHandle",
     "TransferResult",
+    "UnshareablePool",
     "block_bytes_for",
     "choose_block_bytes",
     "fit_page_size",
     "make_layer_counter",
     "map_arena",
+    "map_pool",
     "owner_alive",
+    "pool_geometry",
     "unlink_descriptor",
     "unused_bytes",
+    "why_pool_unshareable",
 ]
 
 

@@ -54,20 +54,36 @@ class CpuLane:
 
 
 class CudaLane:
-    """A side stream on `device`. `submit` enqueues `fn` on it from the caller's thread (the
-    host returns once the copies are enqueued) and returns a done Future holding fn's result."""
+    """A side stream on `device` (and one on `peer`, the other side of a cross-device copy,
+    when that is another GPU). `submit` enqueues `fn` with both as the current streams of their
+    devices, from the caller's thread (the host returns once the copies are enqueued), and
+    returns a done Future holding fn's result.
+
+    Ordering: at submit the side stream waits for `device`'s current stream (the caller's own
+    forward: a store reads KV it just wrote, a load writes slots it may just have freed), and the
+    peer stream waits for the side stream. A cross-device `copy_` inside `fn` runs on the source
+    device's current stream with a two-way barrier to the destination's (PyTorch's rule), so the
+    chain side stream -> copy -> peer stream (or back) needs no further events. `stream` (the
+    side stream on `device`) is where a layer counter records its events."""
 
     kind = "cuda-stream"
 
-    def __init__(self, device):
+    def __init__(self, device, peer=None):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
+        peer = torch.device(peer) if peer is not None else None
+        self.peer_stream = (torch.cuda.Stream(device=peer)
+                            if peer is not None and peer.type == "cuda" and peer != self.device
+                            else None)
 
     def submit(self, fn, *args) -> cf.Future:
         fut: cf.Future = cf.Future()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.peer_stream is not None:
+            self.peer_stream.wait_stream(self.stream)
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream), torch.cuda.stream(self.peer_stream), \
+                    torch.cuda.device(self.device):
                 fut.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
             fut.set_exception(e)
@@ -75,12 +91,16 @@ class CudaLane:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        if self.peer_stream is not None:
+            self.peer_stream.synchronize()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.stream.synchronize()
+            self.synchronize()
 
 
-def make_lane(device, cpu_threads: int = 1) -> CpuLane | CudaLane:
+def make_lane(device, cpu_threads: int = 1, peer=None) -> CpuLane | CudaLane:
+    """The copy lane for local memory on `device`; `peer` is the other side's device when it is
+    another GPU (a donor pool on cuda:1 for a borrower on cuda:0)."""
     device = torch.device(device)
-    return CudaLane(device) if device.type == "cuda" else CpuLane(threads=cpu_threads)
+    return CudaLane(device, peer) if device.type == "cuda" else CpuLane(threads=cpu_threads)

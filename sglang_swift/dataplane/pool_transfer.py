@@ -1,0 +1,245 @@
+"""Copies between a borrower's own SGLang pool and the pool pages a donor lent it (a pool lease).
+
+`PoolTransferEngine` serves one lease: the borrower's per-layer K / V buffers, the donor's
+mapped region and the lease's `LeasePacking`. Two-phase, as `TransferEngine` (STYLE 3):
+`begin_store(slots, blocks)` / `begin_load(slots, blocks, counter)` validate everything and
+start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
+`abort(reason)` abandons it. `blocks` are lease-local borrower blocks (0 .. num_blocks - 1).
+
+Per layer and K/V, one gather (`index_select`) on the source device and one scatter
+(`index_copy_`) on the destination device move every unit of the transfer, through a
+cross-device copy when the two differ (a borrower on cuda:0, the donor's pool on cuda:1); on CPU
+the same code runs with both devices "cpu" (shared memory), which is how the tests exercise it.
+
+Safety, checked before every layer: the handle was not aborted, the consumer did not give up
+on the load (the layer counter's slot failed), the donor is alive (`liveness`), and the lease's
+read deadline has not passed (`read_deadline`, on `clock`): a store never writes donor pages and
+a load never reads them after the deadline. `abort()` returns only once nothing of this
+transfer writes any more: on CPU it waits for the layer being copied (a lock spans each layer),
+on a GPU it synchronizes the lane's streams after stopping further enqueues.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from swift_kernels import K, V
+
+from .packing import CopyPlan, LeasePacking
+from .streams import make_lane
+from .transfer import TransferHandle, TransferResult
+
+_WIDTHS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16),
+           (1, torch.uint8))
+
+
+class PoolTransferHandle(TransferHandle):
+    """A transfer in flight; see the module docstring for `abort`'s guarantee."""
+
+    def __init__(self, counter=None, producer_id=None, sync=None):
+        super().__init__(None, counter, producer_id, sync)
+        self.layer_lock = threading.Lock()  # held while a layer copies; abort takes it
+
+    def abort(self, reason: str) -> None:
+        """Stop before the next layer and fail the layers not done; returns once no copy of
+        this transfer runs (CPU) or is still queued on the GPU."""
+        self._abort.set()  # first: the lane checks it under the lock before each layer
+        with self.layer_lock:  # then wait out the layer being copied, if any
+            pass
+        if self.counter is not None:
+            self.counter.fail(reason, self.producer_id)
+        if self._sync is not None:
+            self._sync()
+
+    def result(self) -> TransferResult | None:
+        """The outcome once the copy finished (None while it runs); GPU: once enqueued."""
+        return self._future.result() if self._future.done() else None
+
+
+class PoolTransferEngine:
+    """Copies for one pool lease: `k_buffers[l]` / `v_buffers[l]` are the borrower's SGLang pool
+    (NHD `[rows, heads, dim]`, contiguous, as `packing.borrower` says), `region` the donor's pool
+    bytes as mapped (`MappedPool.region`), `packing` the lease's `LeasePacking`."""
+
+    def __init__(self, packing: LeasePacking, region: torch.Tensor, k_buffers, v_buffers, *,
+                 liveness: Callable[[], bool] | None = None,
+                 read_deadline: Callable[[], float] | None = None,
+                 clock: Callable[[], float] = time.monotonic, lane=None, cpu_threads: int = 1):
+        g = packing.borrower
+        _check_buffers(g, k_buffers, v_buffers)
+        if region.dtype != torch.uint8 or region.dim() != 1:
+            raise ValueError(f"region must be the donor pool's flat uint8 bytes, got "
+                             f"{region.dtype} {tuple(region.shape)}")
+        need = packing.donor.data_offset + packing.donor.data_bytes
+        if region.numel() < need:
+            raise ValueError(f"region of {region.numel()} bytes is smaller than the donor "
+                             f"pool's layout ({need}); map it with map_pool(descriptor)")
+        self.local_device, self.donor_device = k_buffers[0].device, region.device
+        if self.local_device.type != self.donor_device.type:
+            raise ValueError(f"borrower pool on {self.local_device} and donor pool on "
+                             f"{self.donor_device}: both must be CPU or both CUDA")
+        self.packing, self.region = packing, region
+        self.k, self.v = list(k_buffers), list(v_buffers)
+        self.rows = k_buffers[0].shape[0]
+        self.liveness = liveness or (lambda: True)
+        self.read_deadline = read_deadline or (lambda: math.inf)
+        self.clock = clock
+        self._own_lane = lane is None
+        self.lane = lane or make_lane(self.local_device, cpu_threads, peer=self.donor_device)
+        ptrs = [region.data_ptr()] + [t.data_ptr() for t in self.k + self.v]
+        self._max_width = 16 if self.local_device.type == "cpu" else 8  # CUDA: int64 rows
+        self._ptr_align = math.gcd(*ptrs, self._max_width)
+
+    def close(self) -> None:
+        if self._own_lane:
+            self.lane.close()
+
+    # ---- the two transfers -------------------------------------------------------------------
+    def begin_store(self, slots, blocks) -> PoolTransferHandle:
+        """Copy borrower tokens `slots` (all layers, K and V) into lease blocks `blocks`: token
+        i goes to row i % page_size of block `blocks[i // page_size]`. The caller keeps those
+        blocks locked (not evictable, not released) until the handle completes."""
+        plan = self._plan(slots, blocks, store=True)
+        handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
+        num_layers = self.packing.borrower.num_layers
+
+        def job() -> TransferResult:
+            for layer in range(num_layers):
+                with handle.layer_lock:
+                    reason = self._stop_reason(handle)
+                    if reason is None:
+                        reason = self._copy_layer(plan, layer, store=True)
+                    if reason is not None:
+                        return TransferResult(False, tuple(range(layer, num_layers)), reason)
+            return TransferResult(True, (), None)
+
+        handle._future = self._submit(plan, job)
+        return handle
+
+    def begin_load(self, slots, blocks, counter,
+                   before_layer: Callable[[int], None] | None = None) -> PoolTransferHandle:
+        """Copy lease blocks `blocks` back into borrower `slots` layer by layer, completing
+        `counter`'s layer l once layer l is in place (GPU: enqueued, with an event). Arms the
+        counter's next slot; `handle.producer_id` is the batch's consumer index. After a failed
+        wait, call `handle.abort(reason)` before the slots are reused. `before_layer(l)` is a
+        test hook run on the lane before layer l."""
+        plan = self._plan(slots, blocks, store=False)
+        pid = counter.update_producer()
+        handle = PoolTransferHandle(counter, pid, getattr(self.lane, "synchronize", None))
+        num_layers = self.packing.borrower.num_layers
+
+        def job() -> TransferResult:
+            for layer in range(num_layers):
+                if before_layer is not None:
+                    before_layer(layer)
+                with handle.layer_lock:
+                    reason = self._stop_reason(handle, counter, pid)
+                    if reason is None:
+                        reason = self._copy_layer(plan, layer, store=False)
+                    if reason is not None:
+                        return TransferResult(False, counter.fail(reason, pid), reason)
+                counter.complete(layer, pid, stream=self.lane.stream)
+            return TransferResult(True, (), None)
+
+        if plan is None:  # nothing to copy: every layer is ready at once
+            for layer in range(num_layers):
+                counter.complete(layer, pid)
+        handle._future = self._submit(plan, job)
+        return handle
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _submit(self, plan: CopyPlan | None, job) -> Future:
+        if plan is None:
+            done: Future = Future()
+            done.set_result(TransferResult(True, (), None))
+            return done
+        return self.lane.submit(job)
+
+    def _stop_reason(self, handle, counter=None, pid=None) -> str | None:
+        if handle._abort.is_set():
+            return "aborted"
+        if counter is not None and counter.aborted(pid):
+            return counter.failure_reason(pid) or "aborted by the consumer"
+        if not self.liveness():
+            return "donor lost"
+        if self.clock() >= self.read_deadline():
+            return "read deadline passed"
+        return None
+
+    def _plan(self, slots, blocks, store: bool) -> CopyPlan | None:
+        """Validate a transfer once and build its index tensors (None when it is empty)."""
+        g, p = self.packing.borrower, self.packing
+        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu().contiguous()
+        blocks = torch.as_tensor(blocks, dtype=torch.int64).reshape(-1).cpu().contiguous()
+        n = slots.numel()
+        if blocks.numel() != -(-n // g.page_size):
+            raise ValueError(f"{n} tokens in pages of {g.page_size} need "
+                             f"{-(-n // g.page_size)} blocks, got {blocks.numel()}")
+        if n == 0:
+            return None
+        if int(slots.min()) < 0 or int(slots.max()) >= self.rows:
+            raise ValueError(f"slots span [{int(slots.min())}, {int(slots.max())}] but the "
+                             f"borrower's pool has {self.rows} rows")
+        if int(blocks.min()) < 0 or int(blocks.max()) >= p.num_blocks:
+            raise ValueError(f"blocks span [{int(blocks.min())}, {int(blocks.max())}] but the "
+                             f"lease holds {p.num_blocks} borrower blocks")
+        if blocks.unique().numel() != blocks.numel():
+            raise ValueError("a block repeats within one transfer; split it into two")
+        if not store and slots.unique().numel() != n:
+            raise ValueError("a load writes one slot twice; every destination slot must differ")
+        plan = p.plan(slots, blocks)
+        local = tuple(t.to(self.local_device) for t in plan.local)
+        stream = tuple(t.to(self.donor_device) for t in plan.stream)
+        return CopyPlan(plan.unit, plan.layer_step, local, stream, plan.page_aligned)
+
+    def _rows(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
+        """`flat` (1-D uint8) as [len // unit, unit] rows in the widest element that divides the
+        unit and every pointer involved (16-byte rows make the index ops run as memcpy)."""
+        width, dtype = next((w, d) for w, d in _WIDTHS
+                            if w <= self._max_width and unit % w == 0 and self._ptr_align % w == 0)
+        usable = flat.numel() // unit * unit
+        return flat[:usable].view(dtype).view(-1, unit // width)
+
+    def _copy_layer(self, plan: CopyPlan, layer: int, store: bool) -> str | None:
+        """Move layer `layer`'s K and V of the whole transfer; an error is returned as the
+        reason (reported as failed layers) rather than raised on the lane."""
+        try:
+            donor = self._rows(self.region, plan.unit)
+            for half, buffers in ((K, self.k), (V, self.v)):
+                local = self._rows(buffers[layer].view(torch.uint8).view(-1), plan.unit)
+                where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
+                                                 plan.unit)
+                if store:
+                    moved = local.index_select(0, plan.local[half])
+                    donor.index_copy_(0, where, moved.to(self.donor_device, non_blocking=True))
+                else:
+                    moved = donor.index_select(0, where)
+                    local.index_copy_(0, plan.local[half],
+                                      moved.to(self.local_device, non_blocking=True))
+        except Exception as exc:  # noqa: BLE001 - reported as failed layers
+            return f"copy failed: {exc}"
+        return None
+
+
+def _check_buffers(g, k_buffers, v_buffers) -> None:
+    if len(k_buffers) != g.num_layers or len(v_buffers) != g.num_layers:
+        raise ValueError(f"the borrower's geometry has {g.num_layers} layers, got "
+                         f"{len(k_buffers)} K and {len(v_buffers)} V buffers")
+    k0 = k_buffers[0]
+    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+        want = ((k0.shape[0], g.num_kv_heads, g.head_dim), (k0.shape[0], g.num_kv_heads,
+                                                            g.v_head_dim))
+        if (tuple(k.shape), tuple(v.shape)) != want or {k.dtype, v.dtype} != {g.dtype}:
+            raise ValueError(f"layer {layer}: buffers {k.dtype} K {tuple(k.shape)} / V "
+                             f"{tuple(v.shape)} do not match {g} with {k0.shape[0]} rows")
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError(f"layer {layer}: K and V must be contiguous NHD buffers")
+        if k.device != k0.device or v.device != k0.device:
+            raise ValueError(f"layer {layer}'s buffers are on {k.device} / {v.device}, layer "
+                             f"0's on {k0.device}; every layer must be on one device")
