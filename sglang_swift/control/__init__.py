@@ -4,7 +4,7 @@ between SwiftCache servers on one node. Imports neither SGLang nor torch.
 Map of the package:
   agent.py     ControlAgent, the owner-facing API and its I/O thread (start here)
   protocol.py  every wire message (msgspec structs, msgpack, HMAC-signed frames)
-  peers.py     membership: hello, heartbeats, dispatch
+  peers.py     membership: hello, heartbeats, dispatch; status.py the operator view
   liveness.py  suspicion and death of peers, lease re-validation (docs/liveness.md)
   donor.py / ledger.py / grant_policy.py   lending: bookkeeping and the named grant policies
   borrower.py  borrowing: held leases, read deadlines, reclaim acknowledgements

@@ -43,6 +43,7 @@ from sglang_swift.control.events import Event, LeaseKey, PeerChanged, ReclaimReq
 from sglang_swift.control.link import BadMessageLog, Link
 from sglang_swift.control.liveness import Liveness
 from sglang_swift.control.peers import Peer, PeerTable
+from sglang_swift.control.status import agent_status
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class ControlAgent:
 
     def status(self) -> p.AgentStatus:
         with self._lock:
-            return self._table.status()
+            return agent_status(self)
 
     def check_integrity(self) -> None:
         with self._lock:

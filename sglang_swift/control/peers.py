@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
+from sglang_swift.control.status import agent_status
 
 if TYPE_CHECKING:
     from sglang_swift.control.agent import ControlAgent
@@ -72,7 +73,7 @@ class PeerTable:
         body = env.body
         if isinstance(body, p.StatusRequest):
             if rid is not None:
-                a.reply(rid, p.StatusReply(self.status()))
+                a.reply(rid, p.StatusReply(agent_status(a)))
             return
         if env.sender == a.config.agent_id:
             return self._refuse(rid, env, p.E_INVALID, "sender claims our own agent id")
@@ -261,60 +262,3 @@ class PeerTable:
         self._hello_sent = {k: v for k, v in self._hello_sent.items() if k[0] != peer.agent_id}
         a.peer_changed(peer, joined=False, reason=reason)
         a.liveness.buried(peer)
-
-    # ---- operator view ----
-    def status(self) -> p.AgentStatus:
-        a = self.agent
-        now = time.monotonic()
-        mem, led = a.donor.memory, a.donor.ledger
-        peers = [
-            p.PeerStatus(
-                q.agent_id,
-                q.epoch,
-                q.pid,
-                q.model,
-                int(max(0.0, now - q.last_rx) * 1000),
-                q.lendable,
-                bool(q.suspect_since),
-                q.max_silence_ms,
-            )
-            for q in a.peers.values()
-        ]
-        leases = [
-            p.LeaseStatus(
-                a.config.agent_id,
-                ls.borrower,
-                a.epoch,
-                ls.lease_id,
-                ls.size,
-                ls.size - len(ls.active),
-            )
-            for ls in led.leases.values()
-        ]
-        leases += [
-            p.LeaseStatus(
-                k.donor,
-                a.config.agent_id,
-                k.epoch,
-                k.lease_id,
-                len(h.active) + sum(map(len, h.reclaiming.values())),
-                sum(map(len, h.reclaiming.values())),
-            )
-            for k, h in a.borrower.leases.items()
-        ]
-        lent = sum(ls.size for ls in led.leases.values())
-        return p.AgentStatus(
-            a.config.agent_id,
-            a.epoch,
-            os.getpid(),
-            a.model,
-            a.endpoint,
-            mem.num_blocks if mem else 0,
-            led.lendable(),
-            led.reserve,
-            lent,
-            a.borrower.borrowed(),
-            peers,
-            leases,
-            dict(a.counters, send_dropped=a.link.dropped if a.link else 0),
-        )
