@@ -17,14 +17,18 @@ from radix_ext.results import (
     Match,
     Released,
     RevokeResult,
+    StoreOutcome,
+    StoreTicket,
     Transfer,
 )
 from radix_ext.tiers import DonorTier, HostTier, LeasedBlocks
 from radix_ext.tree import RadixTree
+from radix_ext.admission import Admission, DevicePool, admit, evict, settle
 
 __all__ = [
-    "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency", "DonorResidency",
-    "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST", "HostResidency", "HostTier",
-    "InsertResult", "LeasedBlocks", "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match", "RadixTree",
-    "Released", "RevokeResult", "Transfer", "TreeConfig",
+    "Admission", "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency",
+    "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST",
+    "HostResidency", "HostTier", "InsertResult", "LeasedBlocks", "LoadOutcome", "LoadSegment",
+    "LoadTicket", "LostPrefix", "Match", "RadixTree", "Released", "RevokeResult", "StoreOutcome",
+    "StoreTicket", "Transfer", "TreeConfig", "admit", "evict", "settle",
 ]

@@ -79,12 +79,58 @@ class Released:
     residency: Any
 
 
+@dataclass(slots=True, eq=False)
+class StoreTicket:
+    """A demotion in flight (two-phase, like `LoadTicket`): copy the device slots `src` into
+    `dst` (tier `dst_tier`), then call `complete_store` or `abort_store`.
+
+    Until then the nodes keep `src` on the device, pinned: they are neither evicted again nor
+    freed, and a match still uses them as device KV. `dst` is allocated in its tier but holds
+    nothing the tree will read. `node` is the deepest node the ticket covers (a match may split
+    it; the ticket then covers `num_tokens` tokens on the path up from `node`). Mutable only by
+    the tree: `stale` when a revoke took `dst`'s blocks back, so completing it must fail; `dst`
+    then keeps only the blocks the lease still owns (None when the lease is gone)."""
+
+    ticket_id: int
+    node: Any
+    num_tokens: int
+    src: Any
+    dst_tier: str
+    dst: Any
+    stale: bool = False
+    transfer: Any = None  # the copy to run, fixed at begin: Transfer(device, src, dst_tier, dst)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    """`ok`: the lower copy is real now. Either way, `released` lists what the tree let go as a
+    consequence, in order: device slots the caller frees now (this ticket's, and those of
+    ancestors whose departure waited on it) and lower-tier residencies of dropped nodes (already
+    back in their tier's free set)."""
+
+    ok: bool
+    released: tuple = ()
+
+    def device_indices_to_free(self) -> array:
+        return _device_indices(self.released)
+
+
+def _device_indices(steps) -> array:
+    out = array("q")
+    for r in steps:
+        if type(r) is Released and r.tier == "device":
+            out.extend(r.residency.indices)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class EvictionPlan:
-    """Result of `evict_device`. `steps` is the exact order of `Transfer`s and `Released`s:
-    run the copies in that order, then free the device entries of `released` (donor and host
-    releases need no action; a later copy may reuse their blocks, hence the order).
-    `num_evicted` counts device tokens given up; `demoted`/`dropped` split them."""
+    """Result of `evict_device`. `steps`, in order: `Released` (device ones: the caller frees
+    them now, nothing reads them; lower ones are already back in their tier), `Transfer`
+    (a copy between two lower tiers: run it before any later step reuses its source), and
+    `StoreTicket` (a demotion: copy, then `complete_store` or `abort_store`; its device slots
+    come back in the `StoreOutcome`). `num_evicted` counts device tokens given up once every
+    store has settled; `demoted`/`dropped` split them as planned."""
 
     num_evicted: int = 0
     demoted: int = 0
@@ -93,18 +139,21 @@ class EvictionPlan:
 
     @property
     def copies(self) -> tuple:
-        return tuple(s for s in self.steps if type(s) is Transfer)
+        """Every copy of the plan in order: lower-tier moves and the stores' transfers."""
+        return tuple(s if type(s) is Transfer else s.transfer
+                     for s in self.steps if type(s) is not Released)
+
+    @property
+    def stores(self) -> tuple:
+        return tuple(s for s in self.steps if type(s) is StoreTicket)
 
     @property
     def released(self) -> tuple:
         return tuple(s for s in self.steps if type(s) is Released)
 
     def device_indices_to_free(self) -> array:
-        out = array("q")
-        for r in self.steps:
-            if type(r) is Released and r.tier == "device":
-                out.extend(r.residency.indices)
-        return out
+        """Device slots free at once (nodes dropped or released without a copy)."""
+        return _device_indices(self.steps)
 
 
 @dataclass(slots=True)
@@ -142,8 +191,9 @@ class LostPrefix:
 
 @dataclass(frozen=True, slots=True)
 class RevokeResult:
-    """`lost`: a `LostPrefix` per subtree that lost its last copy; `released`: residencies dropped (donor ones as revoked, others freed in their tier);
-    `stale_tickets`: ids of in-flight loads that must now fail."""
+    """`lost`: a `LostPrefix` per subtree that lost its last copy; `released`: residencies
+    dropped (donor ones as revoked, others freed in their tier); `stale_tickets`: ids of
+    in-flight loads and stores that must now fail."""
 
     lost: tuple = ()
     released: tuple = ()

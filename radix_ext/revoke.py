@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Iterable, Optional
 
-from radix_ext.residency import DONOR
+from radix_ext.residency import DONOR, DonorResidency
 from radix_ext.results import LostPrefix, Released, RevokeResult
 
 
@@ -16,9 +17,11 @@ class RevokeMixin:
 
         Contract: every donor residency touching a revoked block is dropped, even if pinned
         (the in-flight loads through it become stale and will fail). Nodes left with no copy lose
-        their subtree too; `lost` says where each lost subtree starts. The revoked blocks leave the
-        donor tier for good; a revoked lease is forgotten. An expected event, never an error:
-        the caller falls back to host or recompute.
+        their subtree too; `lost` says where each lost subtree starts. A store in flight into a
+        revoked block becomes stale (completing it fails; its nodes are still on the device, so
+        nothing is lost yet); its other blocks stay reserved until it settles. The revoked blocks
+        leave the donor tier for good; a revoked lease is forgotten. An expected event, never an
+        error: the caller falls back to host or recompute.
         """
         if self.donor is None:
             return RevokeResult()
@@ -36,8 +39,7 @@ class RevokeMixin:
             if lease is None:
                 raise ValueError(f"no lease {donor}/{lease_id} to revoke blocks from")
             owned = set(lease.free_blocks)
-            for x in self._in_tier[DONOR]:
-                r = x.res[DONOR]
+            for r in [x.res[DONOR] for x in self._in_tier[DONOR]] + self._pending_donor():
                 if (r.donor, r.lease) == (donor, lease_id):
                     owned.update(r.blocks)
             if not gone_blocks <= owned:
@@ -46,6 +48,15 @@ class RevokeMixin:
         victims = [x for x in self._in_tier[DONOR] if hit(x.res[DONOR])]
         released: list = []
         stale: list = []
+        for t in self._stores.values():
+            if t.dst_tier == DONOR and t.dst is not None and hit(t.dst):
+                if not t.stale:
+                    t.stale = True
+                    stale.append(t.ticket_id)
+                keep = array("q", [] if gone_blocks is None else
+                               [b for b in t.dst.blocks if b not in gone_blocks])
+                d = t.dst
+                t.dst = DonorResidency(d.donor, d.lease, d.epoch, keep) if keep else None
         orphans = []
         for x in victims:
             if x.pins:
@@ -77,6 +88,10 @@ class RevokeMixin:
                 if lease_id is None or key[1] == lease_id:
                     self.donor.remove_lease(*key)
         return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost)
+
+    def _pending_donor(self) -> list:
+        """Donor residencies of stores in flight (allocated, not yet in any node)."""
+        return [t.dst for t in self._stores.values() if t.dst_tier == DONOR and t.dst is not None]
 
     def _depth(self, node) -> int:
         d = 0

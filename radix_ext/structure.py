@@ -33,6 +33,8 @@ class StructureMixin:
         if tier == DEVICE:
             if node.lock_ref:
                 self.dev_protected -= len(node.key)
+            elif node in self._leaving:
+                self.dev_leaving -= len(node.key)
             else:
                 self.dev_evictable -= len(node.key)
             self._dev_leaves.discard(node)
@@ -41,12 +43,14 @@ class StructureMixin:
         return res
 
     def _refresh_leaf(self, node: Node) -> None:
-        """Keep `_dev_leaves` = device-resident, unlocked, unpinned, no device-resident child."""
+        """Keep `_dev_leaves` = device-resident, unlocked, unpinned (so not leaving), and no
+        child on the device other than leaving ones."""
         if node is self.root:
             return
         if DEVICE in node.res and not node.lock_ref and not node.pins:
+            leaving = self._leaving
             for c in node.children.values():
-                if DEVICE in c.res:
+                if DEVICE in c.res and c not in leaving:
                     self._dev_leaves.discard(node)
                     return
             self._dev_leaves.add(node)
@@ -70,6 +74,8 @@ class StructureMixin:
             child.res[tier] = t
             if tier != DEVICE:
                 self._in_tier[tier].add(head)
+        if child in self._leaving:  # a leaving node leaves whole (one store covers both)
+            self._leaving[head] = self._leaving[child]
         child.key = child.key[at:]
         child.ck = self._child_key(child.key, 0, head, None)
         child.parent = head
@@ -124,8 +130,12 @@ class StructureMixin:
         """Device tokens held by the tree under a lock."""
         return self.dev_protected
 
+    def leaving_size(self) -> int:
+        """Device tokens of leaving nodes (stores in flight, or waiting on their children)."""
+        return self.dev_leaving
+
     def device_size(self) -> int:
-        return self.dev_evictable + self.dev_protected
+        return self.dev_evictable + self.dev_protected + self.dev_leaving
 
     def tier_size(self, tier: str) -> int:
         """Tokens held in a lower tier."""

@@ -13,14 +13,15 @@ class TieringMixin:
     def evict_device(self, num_tokens: int) -> EvictionPlan:
         """Give up at least `num_tokens` device tokens (fewer if not enough are evictable).
 
-        Contract: victims are unlocked, unpinned device leaves, in the eviction policy's order.
-        A victim that already has a lower-tier copy just loses its device residency (unless the
-        demotion policy finds a better place: cost-aware replaces a copy on a flakier donor).
-        Otherwise it is demoted to the first target of the demotion policy with room (donor when
-        leased capacity is free, else host, by default), making room there if needed, and
-        dropped (with its now unreachable subtree) when no tier takes it. Returns the copies to run
-        (in order) and the residencies released; the caller frees the device ones after the
-        copies. Nothing locked or in flight is touched.
+        Contract: victims are unlocked, unpinned device leaves (a node whose device children
+        are all leaving counts as a leaf), in the eviction policy's order. A victim that already
+        has a lower-tier copy just leaves the device (unless the demotion policy finds a better
+        place: cost-aware replaces a copy on a flakier donor). Otherwise it is demoted to the
+        first target of the demotion policy with room (donor when leased capacity is free, else
+        host, by default), making room there if needed, and dropped (with its now unreachable
+        subtree) when no tier takes it. A demotion is a `StoreTicket`: the victim stays on the
+        device, pinned, until the caller settles it (see `store.py`); a victim with leaving
+        children leaves (or is dropped) once they have. Nothing locked or in flight is touched.
         """
         pol = self.eviction
         heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
@@ -32,18 +33,20 @@ class TieringMixin:
             if x not in self._dev_leaves:
                 continue
             self._room_hint = num_tokens - evicted  # what this call may still demote
-            dev = self._pop_res(x, DEVICE)
-            steps.append(Released(DEVICE, dev))
+            dev = x.res[DEVICE]
+            had_copy = len(x.res) > 1
+            self._depart(x)
             n = len(x.key)
             evicted += n
             parent = x.parent
-            if (x.res and not self.demotion.make_room_first) or self._demote(x, dev, steps):
+            if (had_copy and not self.demotion.make_room_first) or self._demote(x, dev, steps):
                 demoted += n
-            elif x.res:
+            elif had_copy:
                 demoted += n  # kept the lower copy it had: no better target took it
             else:
                 dropped += n
-                self._remove_subtree(x, steps)
+            if self._leaving[x] is None:  # no store: leaves now, or once its children have
+                self._leave(x, steps)
             self._refresh_leaf(parent)
             if parent in self._dev_leaves:
                 heapq.heappush(heap, (pol.device_priority(parent, self), parent.id, parent))
@@ -51,12 +54,12 @@ class TieringMixin:
         return EvictionPlan(evicted, demoted, dropped, tuple(steps))
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
-        """Copy `x` (just off the device, from `dev`) into a lower tier; False if none takes it.
-        A copy `x` already has elsewhere is replaced only by a cheaper one (cost-aware)."""
+        """Start copying `x` (leaving the device, from `dev`) into a lower tier; False if none
+        takes it. A copy `x` already has elsewhere is replaced only by a cheaper one (cost-aware)."""
         targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
         if self.demotion.make_room_first:
-            have = min((self.cost.residency_cost(t, r, self) for t, r in x.res.items()),
-                       default=self.cost.recompute)
+            have = min((self.cost.residency_cost(t, r, self) for t, r in x.res.items()
+                        if t != DEVICE), default=self.cost.recompute)
             # Per target, cheapest first: free room, else room made by dropping only copies
             # worth less than what falling through (to later targets, or to the copy `x` has)
             # would lose on `x`.
@@ -73,8 +76,9 @@ class TieringMixin:
             self._place(x, dev, t, p, steps, float("inf")) for t, p in targets)
 
     def _place(self, x: Any, dev: Any, tier: str, pref: Any, steps: list, bar: Any) -> bool:
-        """Copy `x` into `tier`; with `bar`, first make room there by dropping copies whose
-        policy priority is below `bar` (None: use free room only)."""
+        """Start a store of `x` into `tier`; with `bar`, first make room there by dropping
+        copies whose policy priority is below it (None: use free room only). A copy `x` has in
+        `tier` already is replaced when the store completes."""
         n = len(x.key)
         t = self.tiers[tier]
         res = t.alloc(n, pref)
@@ -83,12 +87,7 @@ class TieringMixin:
             res = t.alloc(n, pref)
         if res is None:
             return False
-        if tier in x.res:  # one copy per tier: the new one replaces a worse one
-            old = self._pop_res(x, tier)
-            t.free(old)
-            steps.append(Released(tier, old))
-        self._add_res(x, res)
-        steps.append(Transfer(DEVICE, dev, tier, res))
+        self._begin_store(x, dev, tier, res, steps)
         return True
 
     def make_room(self, tier: str, num_tokens: int) -> MakeRoomResult:

@@ -2,8 +2,9 @@
 
 The public structure operations live here (match, insert, lock/unlock); node bookkeeping and
 queries in `structure.py`; moving KV between tiers
-is in `tiering.py` (evict/demote, make room), two-phase load-back in `loadback.py`, donor
-revocation in `revoke.py`, and `check_integrity` in `integrity.py`.
+is in `tiering.py` (evict/demote, make room), two-phase stores in `store.py`, two-phase
+load-back in `loadback.py`, donor revocation in `revoke.py`, and `check_integrity` in
+`integrity.py`. `admission.py` runs match, lock, evict, re-match and load-back for callers.
 
 Invariants (checked by `check_integrity`):
 * every non-root node is resident in at least one tier; a node that loses its last copy is
@@ -11,8 +12,9 @@ Invariants (checked by `check_integrity`):
 * device residency is prefix-closed: a device-resident node's parent is the root or on the device,
   so a match is "device part, then load part" along the path;
 * `lock_ref` counts the locks held on a node or below it; a locked node is on the device;
-* pinned nodes (in-flight load-backs) are never evicted, demoted or dropped; revoke and insert
-  may overtake a load, which then fails on `complete_load_back`.
+* pinned nodes (in-flight load-backs, stores in flight, leaving nodes) are never evicted, demoted
+  or dropped; revoke and insert may overtake a load, which then fails on `complete_load_back`,
+  and revoke may overtake a store, which then fails on `complete_store`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from radix_ext.placement import make_demotion, make_eviction
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency
 from radix_ext.results import InsertResult, Match
 from radix_ext.revoke import RevokeMixin
+from radix_ext.store import StoreMixin
 from radix_ext.structure import StructureMixin
 from radix_ext.tiering import TieringMixin
 from radix_ext.tiers import DonorTier, HostTier
@@ -52,7 +55,7 @@ def common_len(a: array, b: array, pos: int, n: int, page: int) -> int:
     return lo - lo % page
 
 
-class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
+class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
     """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
     returns what the caller must copy and free."""
 
@@ -72,8 +75,12 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
         self.reset()
 
     def reset(self) -> None:
-        """Forget every cached prefix; lower-tier indices go back to their free sets (leases stay)."""
+        """Forget every cached prefix; lower-tier indices go back to their free sets (leases stay).
+        Tickets in flight are forgotten too: settling one afterwards raises."""
         if hasattr(self, "root"):
+            for t in self._stores.values():
+                if t.dst is not None:
+                    self.tiers[t.dst_tier].free(t.dst)
             stack = list(self.root.children.values())
             while stack:
                 x = stack.pop()
@@ -87,9 +94,13 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
         self.root.lock_ref = 1
         self.dev_evictable = 0
         self.dev_protected = 0
+        self.dev_leaving = 0
         self._dev_leaves: set[Node] = set()
+        self._leaving: dict = {}  # leaving node -> its StoreTicket in flight, or None
         self._in_tier: dict[str, set[Node]] = {name: set() for name in self.tiers}
-        self._tickets: dict = {}
+        self._tickets: dict = {}  # load tickets in flight, by id
+        self._stores: dict = {}  # store tickets in flight, by id (ids shared with loads)
+        self._store_holds: dict = {}  # store id -> nodes it holds on the device (see store.py)
         self._next_ticket = 1
         self._room_floor: dict = {}  # make-room scan cache, see TieringMixin._make_room
         self._room_hint = 0  # tokens the running evict_device may still demote
@@ -178,6 +189,7 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
             else:
                 if child.pins:
                     self._mark_stale(child)
+                self._keep(node)  # its parent must stay on the device now
                 self._add_res(child, DeviceResidency(idx[pos : pos + m]))
                 self._refresh_leaf(child)
                 self._refresh_leaf(node)
@@ -191,6 +203,7 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
             ck = self._child_key(key, pos, node, namespace)
             leaf = self._new_node(node, key[pos:n], ck)
             node.children[ck] = leaf
+            self._keep(node)
             self._add_res(leaf, DeviceResidency(idx[pos:n]))
             self._refresh_leaf(leaf)
             self._refresh_leaf(node)
@@ -199,14 +212,20 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
 
     def lock(self, node: Node) -> None:
         """Mark `node` (and so its path) in use: never evicted, demoted or dropped until the
-        matching `unlock`. The node must be on the device (or be the root, a no-op)."""
+        matching `unlock`. The node must be on the device (or be the root, a no-op); a leaving
+        node on the path stays on the device (its store, if any, still completes)."""
         if node is self.root:
             return
         if DEVICE not in node.res:
             raise ValueError(f"lock needs a device-resident node, got {node}; load it back first")
+        self._hold(node)
+
+    def _hold(self, node: Node) -> None:
         node.direct_locks += 1
         root = self.root
         while node is not root:
+            if node.lock_ref == 0 and node in self._leaving:
+                self._stay(node)  # may hold `node` itself (a store in flight): lock_ref > 0
             if node.lock_ref == 0:
                 n = len(node.key)
                 self.dev_evictable -= n
@@ -221,6 +240,9 @@ class RadixTree(StructureMixin, TieringMixin, LoadBackMixin, RevokeMixin, Integr
             return
         if node.direct_locks <= 0:
             raise ValueError(f"unlock without a matching lock on {node}")
+        self._release(node)
+
+    def _release(self, node: Node) -> None:
         node.direct_locks -= 1
         root = self.root
         while node is not root:

@@ -1,4 +1,4 @@
-"""Stateful property test: random match/insert/lock/unlock/evict/load-back/revoke sequences
+"""Stateful property test: random match/insert/lock/unlock/evict/store/load-back/revoke sequences
 against a reference model, with every invariant checked after every step.
 
 The reference model is a fake data plane. Each device slot, host slot and donor block holds the
@@ -12,6 +12,10 @@ can check, independently of the tree's internals, that:
 * no prefix is held twice in one tier, and no device slot is leaked or owned twice;
 * locked prefixes stay on the device; pinned (in-flight) loads are not disturbed, and a load
   overtaken by a revoke or an insert fails cleanly;
+* a store in flight keeps its device slots holding the right KV until it settles (they are never
+  freed or reused before), its destination is read by nobody until it completes, an aborted
+  store gives its blocks back to the lease (capacity unchanged), and a store overtaken by a
+  revoke of its blocks is stale and fails; settling in any order frees every slot exactly once;
 * revoke reports exactly the prefixes that lost their last copy;
 plus `RadixTree.check_integrity()` after every step.
 """
@@ -31,7 +35,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from radix_ext import DEVICE, DONOR, HOST, RadixTree, Released, Transfer, TreeConfig
+from radix_ext import DEVICE, DONOR, HOST, RadixTree, Released, StoreTicket, Transfer, TreeConfig
 
 DEVICE_SLOTS = 48
 NAMESPACES = (None, "lora-a")
@@ -58,6 +62,7 @@ class TieredTreeMachine(RuleBasedStateMachine):
         self.epochs = Counter()
         self.locks = []  # nodes we locked (tree handles)
         self.tickets = []  # (ticket, {slot: content}) in flight
+        self.stores = []  # store tickets in flight
 
     # ---- fake data plane ----------------------------------------------------------------------
 
@@ -104,6 +109,8 @@ class TieredTreeMachine(RuleBasedStateMachine):
         for s in steps:
             if type(s) is Transfer:
                 self._write(s.dst_tier, s.dst, self._read(s.src_tier, s.src))
+            elif type(s) is StoreTicket:
+                self.stores.append(s)  # the copy runs when the test decides to settle it
             else:
                 self._release(s, device_frees)
         self._free_device(device_frees)
@@ -204,6 +211,26 @@ class TieredTreeMachine(RuleBasedStateMachine):
         assert plan.num_evicted == plan.demoted + plan.dropped
         self._run_steps(plan.steps)
 
+    @precondition(lambda self: self.stores)
+    @rule(i=st.integers(0, 100), ok=st.booleans())
+    def finish_store(self, i, ok):
+        t = self.stores.pop(i % len(self.stores))
+        assert not (set(t.src.indices) & self.free), "a store's device slots were freed early"
+        was_stale = t.stale
+        capacity = self.tree.tiers[t.dst_tier].capacity_tokens()
+        if ok and not was_stale:
+            # the copy reads the pinned device slots now: they must still hold the victim's KV
+            self._write(t.dst_tier, t.dst, self._read(DEVICE, t.src))
+            out = self.tree.complete_store(t)
+        else:
+            out = self.tree.complete_store(t) if ok else self.tree.abort_store(t)
+        assert out.ok == (ok and not was_stale)
+        assert self.tree.tiers[t.dst_tier].capacity_tokens() == capacity, "settling revoked blocks"
+        device_frees = []
+        for rel in out.released:
+            self._release(rel, device_frees)
+        self._free_device(device_frees)
+
     @rule(ns=st.sampled_from(NAMESPACES), key=keys)
     def begin_load_back(self, ns, key):
         m = self.tree.match(key, ns)
@@ -256,17 +283,23 @@ class TieredTreeMachine(RuleBasedStateMachine):
     def revoke(self, data, whole):
         donor, lease_id = data.draw(st.sampled_from(sorted(self.tree.donor.leases)))
         lease = self.tree.donor.leases[(donor, lease_id)]
+        mine = lambda r: (r.donor, r.lease, r.epoch) == (donor, lease_id, lease.epoch)  # noqa: E731
         if whole:
             gone = None
         else:
             owned = list(lease.free_blocks) + [
-                k[3] for k in self.blocks if k[:3] == (donor, lease_id, lease.epoch)]
+                k[3] for k in self.blocks if k[:3] == (donor, lease_id, lease.epoch)] + [
+                b for t in self.stores if t.dst_tier == DONOR and t.dst is not None
+                and mine(t.dst) for b in t.dst.blocks]
             gone = data.draw(st.sets(st.sampled_from(sorted(owned)), min_size=1)) if owned else None
         revoked = {k for k in self.blocks if k[:2] == (donor, lease_id)
                    and (gone is None or k[3] in gone)}
         dev, host, _ = self._held()
         before = dict(self.blocks)
         stale_before = {t.ticket_id for t, *_ in self.tickets if t.stale}
+        stores_hit = {t.ticket_id for t in self.stores if t.dst_tier == DONOR and t.dst is not None
+                      and mine(t.dst) and (gone is None or set(t.dst.blocks) & gone)}
+        stores_stale = {t.ticket_id for t in self.stores if t.stale}
         r = self.tree.revoke(donor, lease_id, gone)
         # A residency is dropped whole when any of its blocks is revoked (contract); prefixes
         # held only by such residencies lose their last copy.
@@ -292,6 +325,10 @@ class TieredTreeMachine(RuleBasedStateMachine):
         for t, *_ in self.tickets:
             if t.ticket_id in r.stale_tickets:
                 assert t.stale and t.ticket_id not in stale_before
+        for t in self.stores:
+            fresh = t.ticket_id not in stores_stale
+            assert t.stale == (t.ticket_id in stores_hit or not fresh), "store staleness wrong"
+            assert (t.ticket_id in r.stale_tickets) == (t.ticket_id in stores_hit and fresh)
 
     # ---- invariants ---------------------------------------------------------------------------
 
@@ -305,7 +342,13 @@ class TieredTreeMachine(RuleBasedStateMachine):
         assert len(self.dev) == self.tree.device_size()
         assert not (self.free & set(self.dev)), "a free slot still holds tree KV"
         held = sum(len(p) for p in self.blocks.values())
-        assert held == self.tree.tier_size(DONOR) and len(self.host) == self.tree.tier_size(HOST)
+        reserved = Counter()  # blocks of stores in flight: allocated, not written yet
+        for t in self.stores:
+            if t.dst is not None:
+                reserved[t.dst_tier] += t.dst.num_tokens(self.page)
+        assert held + reserved[DONOR] == self.tree.tier_size(DONOR)
+        assert len(self.host) + reserved[HOST] == self.tree.tier_size(HOST)
+        assert self.tree.stores_in_flight() == len(self.stores)
         for node, ns, prefix in self.locks:
             assert DEVICE in node.res, "a locked node left the device"
 

@@ -7,7 +7,14 @@ from array import array
 
 import pytest
 
-from radix_ext import DEVICE, DONOR, HOST, RadixTree, TreeConfig
+from radix_ext import DEVICE, DONOR, HOST, RadixTree, TreeConfig, settle
+
+
+def evict(t: RadixTree, n: int):
+    """`evict_device`, then every store completes at once (as if each copy ran)."""
+    plan = t.evict_device(n)
+    settle(t, plan.stores, [True] * len(plan.stores))
+    return plan
 
 
 def test_import_needs_neither_torch_nor_sglang():
@@ -51,7 +58,7 @@ def test_insert_over_a_lower_tier_copy_adopts_the_callers_slots():
     t = RadixTree(TreeConfig(donor=True))
     t.donor.add_lease("d", 0, 1, 8)
     t.insert([1, 2], [0, 1])
-    t.evict_device(2)
+    evict(t, 2)
     r = t.insert([1, 2, 3], [5, 6, 7])
     assert (r.prefix_len, r.duplicate_len) == (2, 0)  # nothing to free: all slots adopted
     node = t.match([1, 2]).last_device_node
@@ -65,7 +72,7 @@ def test_unbalanced_unlock_and_locking_a_non_device_node_fail():
     node = t.insert([1, 2], [0, 1]).last_node
     with pytest.raises(ValueError):
         t.unlock(node)
-    t.evict_device(2)
+    evict(t, 2)
     with pytest.raises(ValueError):
         t.lock(node)
 
@@ -83,7 +90,7 @@ def _tree_with_donor_copies() -> RadixTree:
     t.donor.add_lease("d", 0, 1, 8)
     t.insert([1, 2, 3, 4], [0, 1, 2, 3])
     t.insert([1, 2, 5], [9, 9, 4])
-    t.evict_device(3)
+    evict(t, 3)
     return t
 
 
@@ -93,7 +100,7 @@ def test_a_load_in_flight_is_neither_repeated_nor_undercut():
     ticket = t.begin_load_back(m.last_node, list(range(10, 10 + m.load_len)))
     assert ticket is not None and [c.src_tier for c in ticket.copies] == [DONOR] * len(m.loads)
     assert t.begin_load_back(m.last_node, [0] * m.load_len) is None  # already in flight
-    t.evict_device(100)
+    evict(t, 100)
     assert DEVICE in ticket.anchor.res, "the path being loaded onto was evicted"
     assert all(DONOR in s.node.res for s in m.loads), "a source being read was dropped"
     t.check_integrity()
@@ -113,7 +120,7 @@ def test_aborted_load_back_leaves_the_tree_exactly_as_before():
 def test_completed_load_back_puts_the_path_on_the_device_under_the_callers_lock():
     t = RadixTree(TreeConfig(host_capacity=8))
     t.insert([1, 2, 3], [0, 1, 2])
-    t.evict_device(3)
+    evict(t, 3)
     m = t.match([1, 2, 3])
     assert (m.device_len, m.tokens_from(HOST)) == (0, 3)
     out = t.complete_load_back(t.begin_load_back(m.last_node, [5, 6, 7]))
@@ -129,7 +136,7 @@ def test_revoke_reports_lost_prefixes_and_fails_loads_in_flight():
     t.insert([1, 2], [0, 1])
     t.insert([1, 2, 3, 4], [0, 1, 2, 3])
     t.insert([7, 7], [4, 5])
-    t.evict_device(6)  # all to donor except what fits on host
+    evict(t, 6)  # all to donor except what fits on host
     m = t.match([1, 2, 3, 4])
     ticket = t.begin_load_back(m.last_node, list(range(10, 10 + m.load_len)))
     r = t.revoke("d")
@@ -161,7 +168,7 @@ def test_reset_returns_every_lower_tier_index():
     t.donor.add_lease("d", 0, 1, 4)
     t.insert([1, 2, 3, 4], [0, 1, 2, 3])
     t.insert([5, 6, 7, 8], [4, 5, 6, 7])
-    t.evict_device(8)
+    evict(t, 8)
     assert t.tier_size(DONOR) + t.tier_size(HOST) == 8
     t.revoke("d", 0, [0])  # a lease with a hole in its block numbers
     t.reset()
@@ -173,7 +180,7 @@ def test_revoking_blocks_a_lease_does_not_own_changes_nothing():
     t = RadixTree(TreeConfig(donor=True))
     t.donor.add_lease("d", 0, 1, 4)
     t.insert([1, 2], [0, 1])
-    t.evict_device(2)
+    evict(t, 2)
     with pytest.raises(ValueError, match="not in lease"):
         t.revoke("d", 0, [99])
     assert t.match([1, 2]).prefix_len == 2

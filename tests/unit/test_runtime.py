@@ -85,10 +85,10 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     slots = array("q", range(1, 11))
     expect_k = [k[1:11].clone() for k in pool.k_buffer]
     tree.insert(list(range(100, 110)), slots)
-    plan = tree.evict_device(10)
-    (copy,) = plan.copies
-    assert copy.dst_tier == DONOR
-    assert borrower.store([(copy.src.indices, copy.dst)]) == [True]
+    (ticket,) = tree.evict_device(10).stores
+    assert ticket.dst_tier == DONOR
+    assert borrower.store([(ticket.src.indices, ticket.transfer.dst)]) == [True]
+    assert list(tree.complete_store(ticket).device_indices_to_free()) == list(slots)
 
     # A hit loads it back into other slots, bit-identical, layer by layer.
     m = tree.match(list(range(100, 110)))
@@ -116,10 +116,12 @@ def test_copy_refused_after_the_lease_is_gone(pair):
     _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
     tree = borrower.tree
     tree.insert(list(range(7)), array("q", range(1, 8)))
-    (copy,) = tree.evict_device(7).copies
+    (ticket,) = tree.evict_device(7).stores
     donor.stop()  # the donor leaves: its leases end
     _pump_until([borrower], lambda: borrower.stats["lost_leases"] > 0)
-    assert borrower.store([(copy.src.indices, copy.dst)]) == [False]
+    assert ticket.stale, "the lost lease must make the store in flight stale"
+    assert borrower.store([(ticket.src.indices, ticket.transfer.dst)]) == [False]
+    assert not tree.complete_store(ticket).ok
     assert tree.match(list(range(7))).prefix_len == 0  # nothing cached claims the lost blocks
 
 
