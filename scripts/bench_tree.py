@@ -11,9 +11,11 @@ exact prefix structure, which is all a prefix cache sees).
 
 Per request both trees get the scheduler's operations: match, lock, path indices, allocate
 (evicting when the device is full), insert the prompt+output, re-match, lock the new node, unlock
-the old, unlock at finish. radix_ext additionally loads donor hits back (re-match, begin,
-complete) before allocating. "ops" are those logical operations (evictions included); only the
-time inside tree calls is measured, both sides alike, with the cyclic GC paused. The sides run
+the old, unlock at finish. radix_ext runs them as its admission does (`radix_ext.admit`: match,
+lock, evict, re-match only if the eviction touched the part to load, begin the load-back) and
+completes the load of donor hits. "ops" are those logical operations (evictions, re-matches and
+load-backs included); only the time inside tree calls (and radix_ext's admission, which takes its
+slots from the pool) is measured, both sides alike, with the cyclic GC paused. The sides run
 alternately `--repeats` times each; the best run of each is kept.
 
 Cost-aware vs LRU: the same trace with two donors of equal size, a stable one (reclaim hazard
@@ -38,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radix_ext import DONOR, RadixTree, TreeConfig  # noqa: E402
+from radix_ext import DONOR, DevicePool, RadixTree, TreeConfig, admit  # noqa: E402
 from sglang_swift.workloads.sharegpt import load_conversations  # noqa: E402
 
 SYSTEM = "You are a helpful, careful assistant. Answer clearly and cite what you rely on."
@@ -159,9 +161,29 @@ def make_tree(policy: str, donors: list[tuple[str, int, float]]) -> RadixTree:
     return tree
 
 
+class ListSlots(DevicePool):
+    """`SlotPool` as radix_ext admission sees it; copies are bookkeeping only here."""
+
+    def __init__(self, pool: SlotPool):
+        self.pool = pool
+
+    def available(self) -> int:
+        return len(self.pool.free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        return self.pool.take(n) if n <= len(self.pool.free) else None
+
+    def free(self, indices) -> None:
+        self.pool.free.extend(indices)
+
+    def run_copies(self, copies) -> list[bool]:
+        return [True] * len(copies)
+
+
 def replay_radix_ext(trace: list[Request], capacity: int, tree: RadixTree,
                      revoke_every: int = 0, flaky: tuple = ()) -> dict:
     pool = SlotPool(capacity)
+    slots = ListSlots(pool)
     clock, ops, spent = time.perf_counter, 0, 0.0
     hits = {"device": 0, "donor": 0}
     reusable = lost_tokens = misses = 0
@@ -174,34 +196,23 @@ def replay_radix_ext(trace: list[Request], capacity: int, tree: RadixTree,
             epoch += 1
             tree.donor.add_lease(flaky[0], 0, epoch, flaky[1], flaky[2])
         t0 = clock()
-        m = tree.match(r.prompt)
-        node = m.last_device_node
-        tree.lock(node)
-        ops += 2
-        hit_len = m.device_len
+        a = admit(tree, slots, r.prompt, total=len(r.full))  # match, lock, evict, load
+        ops += 2 + (a.evicted > 0) + a.rematched
         donor_hit = 0
-        if m.loads:
-            need = len(r.full) - m.device_len
-            if len(pool.free) < need:
-                pool.free.extend(tree.evict_device(need - len(pool.free)).device_indices_to_free())
-                ops += 1
-            m2 = tree.match(r.prompt)
-            if m2.loads:
-                ticket = tree.begin_load_back(m2.last_node, pool.take(m2.load_len))
-                out = tree.complete_load_back(ticket)
-                tree.unlock(node)
-                node, hit_len = out.last_node, m2.prefix_len
-                donor_hit = m2.tokens_from(DONOR)
+        node = a.anchor
+        if a.ok and a.load is not None:
+            out = tree.complete_load_back(a.load)
+            tree.unlock(a.anchor)
+            node = out.last_node
+            donor_hit = a.match.tokens_from(DONOR)
+            ops += 2
         prefix = tree.device_indices(node)
-        need = len(r.full) - hit_len
         ops += 1
-        if len(pool.free) < need:
-            pool.free.extend(tree.evict_device(need - len(pool.free)).device_indices_to_free())
-            ops += 1
         spent += clock() - t0
-        if len(pool.free) < need:
+        if not a.ok:
             raise SystemExit(f"device capacity {capacity} cannot hold a {len(r.full)}-token request")
-        row = prefix + array("q", pool.take(need))
+        hit_len = a.prefix_len
+        row = prefix + array("q", a.slots)
         t0 = clock()
         res = tree.insert(r.full, row)
         dup = row[hit_len : res.duplicate_len]

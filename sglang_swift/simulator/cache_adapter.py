@@ -11,23 +11,54 @@ from __future__ import annotations
 from array import array
 
 from radix_ext import DEVICE, DONOR, HOST, RadixTree, TreeConfig
-from radix_ext.results import EvictionPlan
 
 TIERS = (DEVICE, DONOR, HOST)
 
 
+class CountingTree(RadixTree):
+    """A `RadixTree` that counts the calls the simulator reports (`calls`)."""
+
+    def __init__(self, config: TreeConfig) -> None:
+        self.calls = {"match": 0, "insert": 0, "evict": 0, "load": 0, "revoke": 0}
+        super().__init__(config)
+
+    def match(self, key, namespace=None):
+        self.calls["match"] += 1
+        return super().match(key, namespace)
+
+    def insert(self, key, device_indices, namespace=None):
+        self.calls["insert"] += 1
+        return super().insert(key, device_indices, namespace)
+
+    def evict_device(self, num_tokens):
+        self.calls["evict"] += 1
+        return super().evict_device(num_tokens)
+
+    def begin_load_back(self, last_node, device_indices):
+        self.calls["load"] += 1
+        return super().begin_load_back(last_node, device_indices)
+
+    def revoke(self, donor, lease_id=None, blocks=None):
+        self.calls["revoke"] += 1
+        return super().revoke(donor, lease_id, blocks)
+
+
 class TreeCache:
-    """A device page pool plus one `RadixTree` (with optional host and donor tiers)."""
+    """A device page pool plus one `RadixTree` (with optional host and donor tiers). Admission
+    and eviction run through `radix_ext.admission` (see `server.py`)."""
 
     def __init__(self, device_pages: int, host_pages: int = 0, donor: bool = False,
                  eviction: str = "lru", demotion: str = "tiered") -> None:
         if device_pages <= 0:
             raise ValueError(f"device_pages must be positive, got {device_pages}")
-        self.tree = RadixTree(TreeConfig(page_size=1, host_capacity=host_pages, donor=donor,
-                                         eviction=eviction, demotion=demotion))
+        self.tree = CountingTree(TreeConfig(page_size=1, host_capacity=host_pages, donor=donor,
+                                            eviction=eviction, demotion=demotion))
         self.device_pages = device_pages
         self._free = array("q", range(device_pages - 1, -1, -1))
-        self.calls = {"match": 0, "insert": 0, "evict": 0, "load": 0, "revoke": 0}
+
+    @property
+    def calls(self) -> dict:
+        return self.tree.calls
 
     # -- device pool -------------------------------------------------------------------------------
     def free_pages(self) -> int:
@@ -46,16 +77,7 @@ class TreeCache:
     def evictable(self) -> int:
         return self.tree.evictable_size()
 
-    def evict(self, n: int) -> EvictionPlan:
-        """Ask the tree for `n` device pages; the caller runs `plan.copies`, then frees."""
-        self.calls["evict"] += 1
-        return self.tree.evict_device(n)
-
     # -- tree operations ---------------------------------------------------------------------------
-    def match(self, key):
-        self.calls["match"] += 1
-        return self.tree.match(key)
-
     def lock(self, node) -> None:
         self.tree.lock(node)
 
@@ -65,10 +87,6 @@ class TreeCache:
     def path_indices(self, node) -> array:
         return array("q") if self.tree.is_root(node) else self.tree.device_indices(node)
 
-    def begin_load(self, last_node, idx):
-        self.calls["load"] += 1
-        return self.tree.begin_load_back(last_node, idx)
-
     def complete_load(self, ticket):
         out = self.tree.complete_load_back(ticket)
         if not out.ok:
@@ -76,14 +94,12 @@ class TreeCache:
         return out
 
     def insert(self, key, idx):
-        self.calls["insert"] += 1
         return self.tree.insert(key, idx)
 
     def add_lease(self, donor: str, lease_id: int, epoch: int, blocks: int) -> None:
         self.tree.donor.add_lease(donor, lease_id, epoch, blocks)
 
     def revoke(self, donor: str, lease_id: int, blocks):
-        self.calls["revoke"] += 1
         return self.tree.revoke(donor, lease_id, blocks)
 
     def tier_pages(self, tier: str) -> int:

@@ -2,9 +2,10 @@
 
 Each step is either a prefill (extend) batch, FCFS, up to `chunk` new tokens with chunked prefill,
 or one decode step for every running request; prefill goes first when a request can be admitted
-(SGLang's default). Admission matches the prompt in the tree, locks the device prefix, allocates
-pages (evicting through the tree, whose demotion copies must finish before the step computes) and
-starts the load-back of lower-tier pages. How a load overlaps compute depends on `load_mode`:
+(SGLang's default). Admission is radix_ext's (`radix_ext.admission.admit`): match the prompt,
+lock the device prefix, allocate pages (evicting through the tree, whose demotion copies must
+finish before the step computes), re-match if that touched the pages to load, and start the
+load-back of lower-tier pages. How a load overlaps compute depends on `load_mode`:
   "layerwise": the batch waits for loads layer by layer (HiCache, SwiftCache): the step ends at
                max(compute end, last load end + one layer of compute);
   "before":    the request loads first and joins a batch when done (vLLM offloading connector);
@@ -16,6 +17,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable
+
+from radix_ext import DevicePool, admit, evict
 
 from .cache_adapter import TreeCache
 from .roofline import Roofline
@@ -55,6 +58,31 @@ class SimRequest:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+
+class _StepPool(DevicePool):
+    """The server's device pages as radix_ext admission sees them during one step: a demotion
+    copy starts on the node's links (the step's compute waits for it; its bookkeeping settles at
+    once), and a donor under pressure takes lent pages back."""
+
+    def __init__(self, server: "ModelServer", pending: list) -> None:
+        self.server, self.pending = server, pending
+
+    def available(self) -> int:
+        return self.server.cache.free_pages()
+
+    def alloc(self, n: int):
+        return self.server.cache.alloc(n)
+
+    def free(self, indices) -> None:
+        self.server.cache.free(indices)
+
+    def run_copies(self, copies):
+        self.server._run_copies(copies, self.pending)
+        return [True] * len(copies)
+
+    def reclaim(self, num_tokens: int) -> None:
+        self.server._reclaim_if_pressed(num_tokens)
 
 
 class Barrier:
@@ -114,49 +142,27 @@ class ModelServer:
         return -(-tokens // self.P)
 
     def _admit(self, r: SimRequest, pending: list) -> bool:
-        """Match, lock, allocate (evicting), start loads. False (nothing held) when out of memory."""
+        """Admit `r` through radix_ext's admission (match, lock, allocate evicting, re-match,
+        start loads). False (nothing held) when out of memory."""
         c = self.cache
-        m = c.match(r.key_prompt)
         total = self._pages(r.prompt_tokens + r.output_tokens)
-        load_pages = m.load_len if self.load_mode != "none" and m.loads else 0
-        need = total - m.device_len  # own pages (new tokens) + slots for the loaded pages
         if total > c.device_pages - len(self.lent_pages):
             r.rejected = True  # longer than this server's whole KV pool: SGLang rejects it
             return True
-        c.lock(m.last_device_node)
-        self._reclaim_if_pressed(need)
-        if c.free_pages() < need:
-            if c.free_pages() + c.evictable() < need:
-                c.unlock(m.last_device_node)
-                return False
-            plan = c.evict(need - c.free_pages())
-            self._run_copies(plan.copies, pending)
-            c.free(plan.device_indices_to_free())
-            if c.free_pages() < need:
-                c.unlock(m.last_device_node)
-                return False
-            # demotions may have made room in a lower tier by dropping pages this request was
-            # about to load: match again (the locked device part cannot have changed)
-            m2 = c.match(r.key_prompt)
-            assert m2.last_device_node is m.last_device_node
-            m = m2
-            load_pages = m.load_len if self.load_mode != "none" and m.loads else 0
-        r.anchor = r.lock_node = m.last_device_node
+        a = admit(c.tree, _StepPool(self, pending), r.key_prompt, total=total,
+                  load=self.load_mode != "none")
+        if not a.ok:
+            return False
+        m, ticket = a.match, a.load
+        r.anchor = r.lock_node = a.anchor
         r.hit_tokens = {"device": m.device_len * self.P}
-        r.prefix_pages = m.device_len
-        ticket = None
-        if load_pages:
-            idx = c.alloc(load_pages)
-            ticket = c.begin_load(m.last_node, idx)
-            if ticket is None:
-                c.free(idx)
+        r.prefix_pages = a.prefix_len
+        r.own = a.slots
         if ticket is not None:
             r.ticket = ticket
             for cp in ticket.copies:
                 tier = cp.src_tier
                 r.hit_tokens[tier] = r.hit_tokens.get(tier, 0) + len(cp.dst.indices) * self.P
-            r.prefix_pages = m.device_len + load_pages
-            r.own = c.alloc(total - r.prefix_pages)
             r.loads_left = len(ticket.copies)
             r.load_start = self.node.loop.now
             for cp in ticket.copies:
@@ -164,11 +170,14 @@ class ModelServer:
             if self.load_mode == "layerwise":
                 r.barrier = self._barrier
                 self._barrier.n += 1
-        else:
-            r.own = c.alloc(total - m.device_len)
         r.extend = r.prompt_tokens - r.prefix_pages * self.P
         r.admitted = True
         return True
+
+    def evict(self, pages: int) -> int:
+        """Evict `pages` now (demotion copies start on the links; the next step waits for
+        them); returns the pages evicted."""
+        return evict(self.cache.tree, _StepPool(self, []), pages)
 
     def _run_copies(self, copies, pending: list) -> None:
         b = self._barrier

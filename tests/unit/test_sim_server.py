@@ -87,11 +87,9 @@ def test_vllm_mode_loads_before_scheduling():
     srv = _server(node, 0, pages=8, host=16, mode="before")
     srv.submit(_req(0, 0, 129, 1))
     node.loop.run()
-    plan = srv.cache.evict(8)  # push the cached pages down to host by hand
-    for cp in plan.copies:
-        node.copy(srv, cp, None)
-    srv.cache.free(plan.device_indices_to_free())
+    assert srv.evict(8) == 2  # push the cached pages down to host by hand
     node.loop.run()
+    assert srv.cache.tier_pages("host") == 2 and srv.cache.free_pages() == 8
     c = _req(1, 0, 150, 1, at=node.loop.now)
     srv.submit(c)
     node.loop.run()
