@@ -5,9 +5,11 @@ counter), against a plain contiguous copy of the same number of bytes in the sam
 
 On CPU it measures the path CPU deployments use: the vectorized torch gather
 (swift_kernels backend "vectorized") on the copy worker thread, over an arena in POSIX shared
-memory. Triton-interpreted timings mean nothing and are not measured; GPU numbers come from
-scripts/gpu_check.py. The last line printed is a JSON object with store_ratio and load_ratio
-(the worst page size's ratio to the contiguous copy).
+memory. With `--donor-layers N` it measures the pool-lease path instead: the borrower's pages
+packed into pages of a donor's own pool (N layers, same heads and dims, `--donor-page-size`)
+through `PoolTransferEngine`. Triton-interpreted timings mean nothing and are not measured; GPU
+numbers come from scripts/gpu_check.py. The last line printed is a JSON object with store_ratio
+and load_ratio (the worst page size's ratio to the contiguous copy).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ import torch
 
 from sglang_swift.control.ledger import DonorLedger
 from sglang_swift.dataplane import (
+    BLOCK_ALIGN_BYTES,
     CpuLayerCounter,
     KVGeometry,
+    LeasePacking,
+    PoolLayout,
+    PoolTransferEngine,
     SharedArena,
     TransferEngine,
     block_bytes_for,
@@ -42,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 3)")
+    p.add_argument("--donor-layers", type=int, default=None,
+                   help="measure the pool-lease path: a donor pool of this many layers")
+    p.add_argument("--donor-page-size", type=int, default=None,
+                   help="the donor pool's page size (default: the borrower's)")
     p.add_argument(
         "--threads",
         type=int,
@@ -88,8 +98,39 @@ class Pool:
         self.dst_c = torch.zeros_like(self.src_c)
 
 
+def _arena_target(g: KVGeometry, npages: int, threads: int, k, v, donor):
+    """Block-major arena: (lane, store(slots), load(dst, counter), close)."""
+    arena = SharedArena(npages + 8, block_bytes_for(g))
+    book = DonorLedger()  # the live donor's book: a fresh grant is one run of consecutive blocks
+    book.offer(range(arena.num_blocks))
+    blocks = sorted(book.grant("bench", 1, npages, 0).active)
+    eng = TransferEngine(arena.memory, g, cpu_threads=threads)
+    return (eng.lane, lambda slots: eng.begin_store(k, v, slots, blocks),
+            lambda dst, counter: eng.begin_load(k, v, dst, blocks, counter),
+            lambda: (eng.close(), arena.close()))
+
+
+def _pool_target(g: KVGeometry, npages: int, threads: int, k, v, donor: KVGeometry):
+    """A donor's own pool in shared memory, lent page by page (ledger order), the borrower's
+    pages packed into it: (lane, store(slots), load(dst, counter), close)."""
+    need = LeasePacking.pages_for(g, PoolLayout(donor, donor.page_size, donor.page_size), npages)
+    rows = (need + 8) * donor.page_size
+    layout = PoolLayout(donor, rows, rows)
+    arena = SharedArena(1, -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES)
+    book = DonorLedger()
+    book.offer(range(layout.num_pages))
+    pages = sorted(book.grant("bench", 1, need, 0).active)
+    eng = PoolTransferEngine(LeasePacking(g, layout, pages), arena.memory.view(-1), k, v,
+                             cpu_threads=threads)
+    blocks = list(range(npages))
+    return (eng.lane, lambda slots: eng.begin_store(slots, blocks),
+            lambda dst, counter: eng.begin_load(dst, blocks, counter),
+            lambda: (eng.close(), arena.close()))
+
+
 def bench_page_size(
-    g: KVGeometry, tokens: int, repeats: int, threads: int, pool: Pool, deadline: float
+    g: KVGeometry, tokens: int, repeats: int, threads: int, pool: Pool, deadline: float,
+    donor: KVGeometry | None = None,
 ) -> dict:
     npages = -(-tokens // g.page_size)
     k, v, src_c, dst_c = pool.k, pool.v, pool.src_c, pool.dst_c
@@ -100,27 +141,24 @@ def bench_page_size(
     dst = (perm[npages : 2 * npages, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[
         :tokens
     ]  # other pages: the source survives
-    arena = SharedArena(npages + 8, block_bytes_for(g))
-    book = DonorLedger()  # the live donor's book: a fresh grant is one run of consecutive blocks
-    book.offer(range(arena.num_blocks))
+    target = _pool_target if donor is not None else _arena_target
+    lane, begin_store, begin_load, close = target(g, npages, threads, k, v, donor)
     try:
-        blocks = sorted(book.grant("bench", 1, npages, 0).active)
-        eng = TransferEngine(arena.memory, g, cpu_threads=threads)
         nbytes = src_c.numel()
         counter = CpuLayerCounter(g.num_layers, timeout_s=120)
 
         def store():
-            assert eng.begin_store(k, v, slots, blocks).wait(120).ok
+            assert begin_store(slots).wait(120).ok
 
         def load():
-            h = eng.begin_load(k, v, dst, blocks, counter)
+            h = begin_load(dst, counter)
             counter.set_consumer(h.producer_id)
             for layer in range(g.num_layers):  # the consumer reads layers as they land
                 assert counter.wait_until(layer)
             assert h.wait(120).ok
 
         def copy():  # the baseline runs on the same lane, with the same threads
-            eng.lane.submit(dst_c.copy_, src_c).result()
+            lane.submit(dst_c.copy_, src_c).result()
 
         for fn in (copy, store, load):
             fn()  # warm-up: page faults, thread start
@@ -132,9 +170,8 @@ def bench_page_size(
             same(k[i][dst], k[i][slots]) and same(v[i][dst], v[i][slots])
             for i in range(g.num_layers)
         )
-        eng.close()
     finally:
-        arena.close()
+        close()
     t_copy = statistics.median(r[0] for r in rounds)
     t_store = statistics.median(r[1] for r in rounds)
     t_load = statistics.median(r[2] for r in rounds)
@@ -164,8 +201,12 @@ def main(argv=None) -> int:
     ]
     t0 = time.monotonic()
     print(
-        f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
-        f"POSIX shared memory, lease blocks consecutive (fresh lease), local pages shuffled; "
+        (f"path: CPU pool lease (PoolTransferEngine: unit gather + scatter through a staging "
+         f"buffer) into a donor pool of {args.donor_layers} layers in POSIX shared memory, "
+         f"donor pages a fresh grant; " if args.donor_layers else
+         f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
+         f"POSIX shared memory, lease blocks consecutive (fresh lease); ")
+        + f"local pages shuffled; "
         f"torch {torch.__version__}, copy lane {args.threads} thread(s); baseline: one "
         f"contiguous copy of the same bytes on the same lane, rounds interleaved"
     )
@@ -185,12 +226,17 @@ def main(argv=None) -> int:
         # --quick keeps under 30 s on a busy machine: after the time share of this page size,
         # stop adding rounds (at least one is always timed)
         share = (QUICK_BUDGET_S if args.quick else 1e9) * (len(rows) + 1) / len(geoms)
-        r = bench_page_size(g, tokens, repeats, args.threads, pool, t0 + share)
+        donor = None
+        if args.donor_layers:  # same heads and dims; its own layer count and page size
+            donor = KVGeometry(args.donor_layers, g.num_kv_heads, g.head_dim, g.v_head_dim,
+                               g.dtype, args.donor_page_size or ps)
+        r = bench_page_size(g, tokens, repeats, args.threads, pool, t0 + share, donor)
         rows.append(r)
         print(
             f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
             f"{args.dtype} = {g.bytes_per_token_per_layer} B/token/layer, page {ps}, "
             f"{tokens} tokens, {r['bytes'] / 2**20:.0f} MiB per direction"
+            + (f"; donor pool {donor.num_layers} layers, page {donor.page_size}" if donor else "")
         )
         print(
             f"  contiguous copy {r['copy_gbps']:7.2f} GB/s | store {r['store_gbps']:7.2f} GB/s "
@@ -199,7 +245,9 @@ def main(argv=None) -> int:
             f"{r['load_ms_per_layer']:.2f} ms/layer) | verified {r['verified']}"
         )
     summary = {
-        "path": "cpu-vectorized",
+        "path": "cpu-pool-lease" if args.donor_layers else "cpu-vectorized",
+        "donor_layers": args.donor_layers,
+        "donor_page_size": args.donor_page_size,
         "store_ratio": round(min(r["store_ratio"] for r in rows), 3),
         "load_ratio": round(min(r["load_ratio"] for r in rows), 3),
         "threads": args.threads,

@@ -1,4 +1,5 @@
-"""KV transfer kernels between SGLang's per-layer local pool and a block-major arena.
+"""KV transfer kernels between SGLang's per-layer local pool and a block-major arena, and the
+row copy (`copy_rows`, row_copy.py) the pool-lease transfers are built on.
 
 Three implementations of the same two operations, chosen by `backend`:
   "reference"   plain torch, obviously right (the oracle the tests compare against);
@@ -22,6 +23,7 @@ from .geometry import K, V, KVGeometry, dtype_from_name, dtype_name
 from .kv_layout import arena_layer_views, page_address
 from .kv_reference import load_layer_ref, store_layer_ref
 from .kv_vectorized import RowPlan, load_layer_fast, plan_rows, store_layer_fast
+from .row_copy import copy_rows
 
 __all__ = [
     "BACKENDS",
@@ -30,6 +32,7 @@ __all__ = [
     "RowPlan",
     "V",
     "arena_layer_views",
+    "copy_rows",
     "dtype_from_name",
     "dtype_name",
     "load_layer",
