@@ -1,8 +1,9 @@
 """The `swiftcache` radix cache backend that SGLang builds when --enable-swiftcache is on.
 
-`create_swift_tree_cache` puts radix_ext behind SGLang's prefix-cache interface
-(`tree_cache_adapter.SwiftRadixCache`). Tree configuration comes from `SwiftConfig`; model kinds
-and options the tree does not handle yet fail here, at start-up, with the fix.
+`create_swift_tree_cache` builds the one cache class, `cache.SwiftRadixCache` (radix_ext behind
+SGLang's prefix-cache interface), with a `SwiftRuntime` when the server lends or borrows. Tree
+configuration comes from `SwiftConfig`; model kinds and options the tree does not handle yet fail
+here, at start-up, with the fix.
 """
 
 from __future__ import annotations
@@ -31,20 +32,18 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop those "
                          f"options or run without --enable-swiftcache (SwiftCache has its own tiers: "
                          f"no --enable-hierarchical-cache needed).")
-    tree_config = config.tree_config(params.page_size)
-    if config.uses_donation:
-        from .donation_cache import DonationRadixCache
+    from .cache import SwiftRadixCache
 
+    tree_config = config.tree_config(params.page_size)
+    if not config.uses_donation:
+        cache = SwiftRadixCache(params, tree_config)
+    else:
         server_args = ctx.server_args
         model = getattr(server_args, "served_model_name", None) or server_args.model_path
         agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
-        cache = DonationRadixCache(params, tree_config, config, model=str(model),
-                                   agent_id=agent_id,
-                                   enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
-    else:
-        from .cache import SwiftRadixCache
-
-        cache = SwiftRadixCache(params, tree_config)
-    logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s)", params.page_size,
-                cache.tree_config.eviction)
+        cache = SwiftRadixCache(params, tree_config, config, model=str(model), agent_id=agent_id,
+                                enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
+    logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, runtime %s)",
+                params.page_size, cache.tree_config.eviction,
+                "on" if cache.runtime is not None else "off")
     return cache

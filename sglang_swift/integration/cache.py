@@ -3,11 +3,26 @@
 It subclasses SGLang's Python `RadixCache` for the request-level flow it already gets right
 (`checkpoint`, which inserts, frees duplicates, re-matches and moves the request's lock) and
 replaces every operation on the tree itself (match, insert, evict, lock, sizes, path indices)
-with radix_ext. Node handles given to the scheduler are radix_ext nodes.
+with radix_ext. Node handles given to the scheduler are radix_ext nodes. Tensors cross the
+boundary here and only here: radix_ext holds `array('q')` slot indices.
 
-Tensors cross the boundary here and only here: radix_ext holds `array('q')` slot indices.
-With no donor and no host tier (the case while the data plane is not wired in), the tree makes
-the same decisions as SGLang's own LRU radix tree: same matches, same cached-token counts.
+`runtime` is None unless the server lends or borrows (`SwiftConfig.uses_donation`); the tree
+then has no lower tier and makes the same decisions as SGLang's own LRU radix tree. With a
+`SwiftRuntime`, the tree's donor tier is fed by leases from other SwiftCache servers on the
+node; an eviction demotes into donor blocks (each a two-phase store: begin, copy, then complete
+or abort; device slots are freed only after), and a match that hits donor blocks is loaded back
+into fresh slots before the scheduler sees it, so SGLang reports and reuses those tokens as an
+ordinary device hit. Admission (match, lock, allocate evicting, re-match, begin load-back) is
+radix_ext's (`radix_ext.admission`), shared with the simulator and `bench_tree`.
+
+Control events (leases, reclaims, lost donors) are handled once per scheduler loop iteration
+(`swift_step`, called by the plugin's hook), never inside a match or an eviction. Faults are
+expected events: a copy that cannot run (donor gone, read deadline passed) aborts its ticket,
+so the request recomputes those tokens; nothing reads a block after its lease ended.
+
+Load-back is synchronous in `match_prefix` for now: correct everywhere and layer-wise on the
+copy lane, but not overlapped with the forward pass (the next step moves it to SGLang's
+`init_load_back` at admission, reporting the donor part as `host_hit_length`).
 """
 
 from __future__ import annotations
@@ -32,9 +47,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from radix_ext import RadixTree, TreeConfig
+from radix_ext import DEVICE, DONOR, DevicePool, RadixTree, TreeConfig, admission
 
 logger = logging.getLogger(__name__)
+STEP_INTERVAL_S = 0.02
+REPORT_INTERVAL_S = 5.0
+METRICS_INTERVAL_S = 1.0
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:
@@ -58,16 +76,73 @@ def namespace_of(key: RadixKey) -> Any:
     return (key.extra_key, key.cache_salt)
 
 
-class SwiftRadixCache(RadixCache):
-    """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size and
-    policies; the device tier is SGLang's KV pool, lower tiers are attached by the data plane."""
+class KVSlots(DevicePool):
+    """SGLang's KV slot allocator, and the runtime's copies into donor blocks, as radix_ext's
+    admission and eviction see them. Slots go back with `free_segment` (page-aligned runs, as
+    SGLang's own eviction frees them)."""
 
-    def __init__(self, params: CacheInitParams, tree_config: TreeConfig):
+    def __init__(self, cache: "SwiftRadixCache"):
+        self.cache = cache
+
+    def available(self) -> int:
+        return self.cache.token_to_kv_pool_allocator.available_size()
+
+    def alloc(self, num_tokens: int) -> Optional[array]:
+        slots = self.cache.token_to_kv_pool_allocator.alloc(num_tokens)
+        return None if slots is None else tensor_to_indices(slots)
+
+    def free(self, indices: array) -> None:
+        self.cache.token_to_kv_pool_allocator.free_segment(
+            indices_to_tensor(indices, self.cache.device), start_pos=0)
+
+    def run_copies(self, copies) -> list[bool]:
+        runtime = self.cache.runtime
+        if runtime is None:
+            return super().run_copies(copies)
+        for c in copies:
+            if (c.src_tier, c.dst_tier) != (DEVICE, DONOR):
+                raise RuntimeError(f"no data path from {c.src_tier} to {c.dst_tier}")
+        return runtime.store([(c.src.indices, c.dst) for c in copies])
+
+
+class SwiftRadixCache(RadixCache):
+    """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size, policies
+    and tiers; `config` (a `SwiftConfig`) starts a `SwiftRuntime` when the server lends or
+    borrows; `model`, `agent_id` and `enable_metrics` describe it then."""
+
+    def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
+                 model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
+        if tree_config.host_capacity:
+            raise ValueError("SwiftCache's server has no host data path yet: build the tree "
+                             "config with host_capacity=0 (SwiftConfig.tree_config does)")
         self.tree_config = tree_config
+        self.runtime = None
         super().__init__(params)  # calls self.reset()
+        self.slots = KVSlots(self)
+        if config is not None and config.uses_donation:
+            self._start_runtime(config, model, agent_id, enable_metrics)
+
+    def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
+                       enable_metrics: bool) -> None:
+        from ..dataplane import make_layer_counter
+        from .runtime import SwiftRuntime
+
+        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+        self.runtime = SwiftRuntime(config, model=model, kv_pool=kv_pool,
+                                    allocator=self.token_to_kv_pool_allocator, tree=self.tree,
+                                    page_size=self.page_size, agent_id=agent_id)
+        self.counter = make_layer_counter(kv_pool.layer_num, self.runtime.device)
+        self.metrics = None
+        if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics
+            from .metrics import SwiftMetrics
+
+            self.metrics = SwiftMetrics({"agent": self.runtime.agent_id, "role": config.role})
+        self._last_step = self._last_report = self._last_metrics = 0.0
+        self._reported: dict = {}
+        self.runtime.start()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -85,21 +160,64 @@ class SwiftRadixCache(RadixCache):
             best_match_node=self.root_node,
         )
         self.kv_events.record_all_cleared()
+        if self.runtime is not None:  # a new, empty tree: hand it the leases still held
+            self.runtime.attach_tree(self.tree)
+
+    def swift_step(self) -> None:
+        """Called once per scheduler loop iteration (plugin hook): handle control events at
+        most every STEP_INTERVAL_S, so an idle server still takes leases and reclaims."""
+        if self.runtime is None:
+            return
+        now = time.monotonic()
+        if now - self._last_step >= STEP_INTERVAL_S:
+            self._last_step = now
+            self.runtime.pump()
+        if self.metrics is not None and now - self._last_metrics >= METRICS_INTERVAL_S:
+            from .metrics import gauges_of
+
+            self._last_metrics = now
+            self.metrics.update(self.runtime.stats, gauges_of(self.runtime, self.tree))
+        if now - self._last_report >= REPORT_INTERVAL_S and self.runtime.stats != self._reported:
+            self._last_report, self._reported = now, dict(self.runtime.stats)
+            logger.info("SwiftCache stats: %s; donor tier %d tokens", self._reported,
+                        self.tree.tier_size(DONOR) if self.tree.donor is not None else 0)
 
     # ---- tree operations ----------------------------------------------------------------------
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """One match of the tree; a donor hit is loaded back first (see the module docstring)."""
         key = params.key
         if self.disable or len(key) == 0:
             return self._empty_match_result
-        m = self.tree.match(key.raw_token_ids(), namespace_of(key))
-        if m.prefix_len == 0:
+        tokens, ns = key.raw_token_ids(), namespace_of(key)
+        m = self.tree.match(tokens, ns)
+        length, node = m.device_len, m.last_device_node
+        if m.loads and self.runtime is not None:
+            length, node = self._load_back(tokens, ns, m)
+        if length == 0:
             return self._empty_match_result
-        # Lower-tier hits (m.loads) are not offered to the scheduler until the data plane can
-        # load them back; the device part is what SGLang's own tree would return.
-        node = m.last_device_node
-        return MatchResult(device_prefix_len=m.device_len, last_device_node=node,
+        return MatchResult(device_prefix_len=length, last_device_node=node,
                            last_host_node=node, best_match_node=node)
+
+    def _load_back(self, tokens: Any, ns: Any, m: Any) -> tuple[int, Any]:
+        """Load the donor part of match `m` into fresh slots (evicting for them if needed);
+        returns the device prefix (length, last node) as it is afterwards, unlocked."""
+        a = admission.admit(self.tree, self.slots, tokens, ns, match=m)
+        if not a.ok:
+            return m.device_len, m.last_device_node
+        length, node = a.match.device_len, a.anchor
+        ticket = a.load
+        if ticket is not None:
+            ok = self.runtime.load([(c.src, c.dst.indices) for c in ticket.copies], self.counter)
+            out = (self.tree.complete_load_back(ticket) if ok
+                   else self.tree.abort_load_back(ticket))
+            if out.ok:
+                length, node = a.match.prefix_len, out.last_node
+                self.tree.unlock(out.last_node)  # the scheduler locks it when it takes the prefix
+            else:
+                self.slots.free(out.device_indices_to_free)
+        self.tree.unlock(a.anchor)
+        return length, node
 
     def touch_prefix(self, key: RadixKey) -> None:
         if not self.disable and len(key):
@@ -120,19 +238,14 @@ class SwiftRadixCache(RadixCache):
         return InsertResult(prefix_len=r.duplicate_len, last_device_node=r.last_node)
 
     def evict(self, params: EvictParams) -> EvictResult:
+        """Evict through the tree; demotions are stored (begin, copy, settle) before any slot is
+        freed."""
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        plan = self.tree.evict_device(params.num_tokens)
-        if plan.copies:
-            raise RuntimeError("radix_ext planned lower-tier copies but no data plane is attached")
-        allocator = self.token_to_kv_pool_allocator
-        for rel in plan.released:
-            if rel.tier == "device":
-                allocator.free_segment(indices_to_tensor(rel.residency.indices, self.device),
-                                       start_pos=0)
-        self.update_eviction_metrics(plan.num_evicted, start)
-        return EvictResult(num_tokens_evicted=plan.num_evicted)
+        num_evicted = admission.evict(self.tree, self.slots, params.num_tokens)
+        self.update_eviction_metrics(num_evicted, start)
+        return EvictResult(num_tokens_evicted=num_evicted)
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable:
@@ -169,7 +282,7 @@ class SwiftRadixCache(RadixCache):
         stack = list(self.root_node.children.values())
         while stack:
             x = stack.pop()
-            res = x.res.get("device")
+            res = x.res.get(DEVICE)
             if res is not None:
                 out.extend(res.indices)
                 stack.extend(x.children.values())
@@ -185,3 +298,5 @@ class SwiftRadixCache(RadixCache):
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
+        if self.runtime is not None:
+            self.runtime.agent.check_integrity()

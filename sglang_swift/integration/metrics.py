@@ -14,6 +14,8 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "stored_tokens": ("swiftcache_stored_tokens", "tokens copied into donor blocks on demotion"),
     "loaded_tokens": ("swiftcache_loaded_tokens", "tokens loaded back from donor blocks on a hit"),
     "refused_loads": ("swiftcache_refused_loads", "load-backs refused (donor gone or too late)"),
+    "refused_stores": ("swiftcache_refused_stores", "demotion copies refused (donor gone or too "
+                       "late); the store was aborted"),
     "revoked_tokens": ("swiftcache_revoked_tokens", "cached tokens lost to reclaims or lost donors"),
     "leases": ("swiftcache_leases", "leases granted to this server"),
     "reclaims": ("swiftcache_reclaims", "reclaims this server acknowledged"),

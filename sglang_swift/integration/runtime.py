@@ -9,10 +9,11 @@ It ties the three components together for a live SGLang server:
   radix tree's donor tier, plus the copies the tree asks for (store on demotion, load on a hit).
 
 Threading: the agent runs its own I/O thread; everything here runs on the scheduler thread, which
-calls `pump()` before it uses the tree (the tree adapter does). Faults are expected events: a lost
-or reclaiming donor is revoked from the tree before the reclaim is acknowledged, and a copy from a
-donor whose read deadline passed is refused, so the request recomputes instead of reading blocks
-that may already hold someone else's data.
+calls `pump()` once per loop iteration (`SwiftRadixCache.swift_step`, from the plugin's hook).
+Faults are expected events: a lost or reclaiming donor is revoked from the tree before the reclaim
+is acknowledged, and a copy from a donor whose read deadline passed is refused (the tree's store
+or load ticket is then aborted), so the request recomputes instead of reading blocks that may
+already hold someone else's data.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class SwiftRuntime:
         self._mapped: dict[str, Any] = {}  # donor owner_uuid -> MappedArena
         self._requested = False
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
-                      "revoked_tokens": 0, "leases": 0, "reclaims": 0, "lost_leases": 0}
+                      "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
+                      "lost_leases": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> "SwiftRuntime":
@@ -234,12 +236,10 @@ class SwiftRuntime:
                  BlocksReturned: _on_returned, PeerChanged: _on_peer}
 
     def forget(self, result: Any) -> None:
-        """Account a tree revoke and free the device slots of nodes that went with a lost
-        prefix (a child cannot outlive the prefix it extends)."""
+        """Account a tree revoke. It releases no device slot (device residency is prefix-closed,
+        so a subtree that lost its last copy was already off the device), and stores or loads it
+        made stale fail when their holder settles them."""
         self.stats["revoked_tokens"] += result.num_tokens_lost
-        slots = [i for r in result.released if r.tier == "device" for i in r.residency.indices]
-        if slots:
-            self.allocator.free(torch.tensor(slots, dtype=torch.int64, device=self.device))
 
     # ---- copies the tree asks for ---------------------------------------------------------
     def store(self, items: Sequence[tuple[Sequence[int], Any]]) -> list[bool]:
@@ -247,10 +247,12 @@ class SwiftRuntime:
 
         Consecutive pairs on one lease go in one transfer (one pass over the layers) unless a
         block repeats, which keeps the plan's order where a later copy reuses a block. Returns,
-        per pair, whether its copy happened (False: the donor is gone or too late to write)."""
+        per pair, whether its copy happened (False: the donor is gone or too late to write; the
+        caller aborts that store, which leaves the lease as it was)."""
         done = [False] * len(items)
         for key, idxs in _batches(items, lambda item: item[1]):
             ok = self._copy(key, [items[i][0] for i in idxs], [items[i][1] for i in idxs], None)
+            self.stats["refused_stores"] += 0 if ok else 1
             for i in idxs:
                 done[i] = ok
         return done

@@ -101,15 +101,15 @@ def _ctx(**overrides):
 
 
 def test_factory_builds_radix_ext_with_the_configured_policy():
-    from types import SimpleNamespace
-
     from sglang_swift.integration.backend import create_swift_tree_cache
     from sglang_swift.integration.cache import SwiftRadixCache
+    from sglang_swift.integration.swift_config import SwiftConfig
 
-    cache = create_swift_tree_cache(_ctx(), SimpleNamespace(eviction_policy="cost_aware"))
+    cache = create_swift_tree_cache(_ctx(), SwiftConfig.parse(eviction_policy="cost_aware"))
     assert isinstance(cache, SwiftRadixCache) and cache.tree.eviction.name == "cost_aware"
-    # a config without the field (an older SwiftConfig) falls back to LRU
-    assert create_swift_tree_cache(_ctx(), object()).tree.eviction.name == "lru"
+    assert cache.runtime is None and cache.tree.donor is None, "neither lends nor borrows"
+    cache.swift_step()  # the plugin's per-iteration hook is a no-op without a runtime
+    assert create_swift_tree_cache(_ctx(), SwiftConfig()).tree.eviction.name == "lru"
 
 
 @pytest.mark.parametrize("overrides", [
@@ -121,3 +121,40 @@ def test_factory_refuses_what_the_tree_cannot_do_with_the_fix(overrides):
 
     with pytest.raises(ValueError, match="run without --enable-swiftcache"):
         create_swift_tree_cache(_ctx(**overrides), object())
+
+
+class StubRuntime:
+    """The one runtime call an eviction makes: `store`; copies succeed per `results`."""
+
+    def __init__(self, allocator, results):
+        self.allocator, self.results, self.freed_at_store = allocator, list(results), None
+
+    def store(self, items):
+        self.freed_at_store = list(self.allocator.freed)
+        return [self.results.pop(0) for _ in items]
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_live_eviction_stores_before_freeing_and_a_refused_copy_is_aborted_not_revoked(copied):
+    """Invariant: an eviction that demotes frees the victim's device slots only after its store
+    settled; a refused copy aborts the store (the lease keeps its blocks, nothing claims them)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from radix_ext import DONOR, TreeConfig
+    from sglang_swift.integration.cache import SwiftRadixCache
+
+    alloc = RecordingAllocator()
+    cache = SwiftRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                            token_to_kv_pool_allocator=alloc, page_size=1),
+                            TreeConfig(donor=True))
+    cache.tree.donor.add_lease("d", 0, 1, 8)
+    cache.runtime = StubRuntime(alloc, [copied])
+    cache.insert(InsertParams(key=RadixKey(array("q", [1, 2, 3])),
+                              value=torch.tensor([4, 5, 6])))
+    assert cache.evict(EvictParams(num_tokens=3)).num_tokens_evicted == 3
+    assert cache.runtime.freed_at_store == [] and sorted(alloc.freed) == [4, 5, 6]
+    assert cache.tree.match([1, 2, 3]).tokens_from(DONOR) == (3 if copied else 0)
+    assert cache.tree.donor.capacity_tokens() == 8 and cache.tree.stores_in_flight() == 0
+    cache.tree.check_integrity()
