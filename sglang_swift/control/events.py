@@ -49,8 +49,12 @@ class ReclaimRequested:
 
 @dataclass(frozen=True)
 class LeaseLost:
-    """Borrower: the donor died, restarted or went silent; the blocks are gone (no ack needed).
-    The agent's read deadline for that donor had already passed when this was queued."""
+    """Borrower: the lease is over and its blocks are gone (no ack needed); never read them
+    again. ``reason``: the donor's process is gone (``heartbeat timeout``, ``connection
+    closed``), it ``restarted`` or ``left``, was ``unresponsive`` for ``dead_after_s``, or it
+    dropped the lease (``dropped by the donor``, ``donor forgot us``). Whenever the donor may
+    still be running, this lease's read deadline had passed before this was queued. A pause,
+    even past the read deadline, is not a loss: the lease is re-validated (docs/liveness.md)."""
 
     key: LeaseKey
     blocks: tuple[int, ...]
@@ -66,8 +70,8 @@ class BlocksReturned:
 
 @dataclass(frozen=True)
 class PeerChanged:
-    """A peer joined (``joined``) or was lost (``reason``: timeout, restarted, left), at
-    CLOCK_MONOTONIC time ``at``."""
+    """A peer joined (``joined``) or was lost (``reason``: heartbeat timeout, connection
+    closed, unresponsive, restarted, left), at CLOCK_MONOTONIC time ``at``."""
 
     agent_id: str
     epoch: int
