@@ -219,7 +219,8 @@ class BorrowerSide:
             key = LeaseKey(peer.agent_id, peer.epoch, lease_id)
             if key in self.leases:
                 self._lose(key, "dropped by the donor")
-        self._probed.pop(peer.agent_id, None)
+        if not self.stale(peer.agent_id, now):
+            self._probed.pop(peer.agent_id, None)  # the next stale lease is a new episode
 
     # ---- time and loss ----
     def tick(self, now: float) -> None:
