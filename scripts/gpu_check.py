@@ -11,6 +11,11 @@
 3. The borrower measures store and per-layer load bandwidth on the mapped arena against a
    device-to-device copy of the same bytes in the same run (target: at least 0.85x), sweeping a
    few launch shapes; the donor prints the table and, last, a JSON line.
+4. Pool leases (scripts/gpu_pool_check.py): the donor also lends pages of a live pool region of
+   another shape; the borrower maps it through CUDA IPC, stores and loads layer by layer with
+   the pool-lease engine (one-pass Triton row copy), checks the bytes, the packing rule, the
+   two copy paths against each other and, where two GPUs exist, the cross-device path (skipped
+   with a message on one GPU); the donor checks its own buffers hold the borrower's stream.
 
 Exit status: 0 when every check passed (bandwidth below target is reported, not failed),
 1 when a check failed, 2 when there is no CUDA device (nothing run).
@@ -345,7 +350,11 @@ def borrower(args) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mapped = map_arena(desc)
-    checks, rows, last = {}, [], None
+    from gpu_pool_check import borrower_pool_checks
+
+    pool_checks, pool_row, pool_info = borrower_pool_checks(
+        args, msg["pool"], device, _local_pool, _cuda_time, args.dry_run_cpu)
+    checks, rows, last = dict(pool_checks), [], None
     for ps in args.page_sizes:
         ok, row = _borrow_page_size(args, mapped, lease, ps, device)
         checks[f"ipc_roundtrip_page{ps}"] = ok
@@ -356,7 +365,8 @@ def borrower(args) -> int:
             torch.cuda.empty_cache()
     print(
         json.dumps(
-            {"checks": checks, "rows": rows, "checksum_blocks": last[0], "checksum": last[1]}
+            {"checks": checks, "rows": rows, "checksum_blocks": last[0], "checksum": last[1],
+             "pool_row": pool_row, "pool_info": pool_info}
         ),
         flush=True,
     )
@@ -399,6 +409,9 @@ def donor(args) -> int:
     # The borrower's blocks: the first ones, as a fresh grant from the donor's ledger hands out
     # (control/ledger.py is not imported here: this script needs only torch and triton).
     lease = list(range(num_blocks - 8))
+    from gpu_pool_check import make_donor_pool, stream_checksum
+
+    pool_arena, pool_layout, (pool_k, pool_v), pool_pages, pool_msg = make_donor_pool(args, device)
     desc = arena.export()
     print(
         f"arena: {num_blocks} blocks x {arena.block_bytes / 2**20:.1f} MiB on {device}, "
@@ -434,7 +447,8 @@ def donor(args) -> int:
     )
     try:
         out, _ = child.communicate(
-            json.dumps({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": lease}) + "\n",
+            json.dumps({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": lease,
+                        "pool": pool_msg}) + "\n",
             timeout=480,
         )
         result = json.loads(out.strip().splitlines()[-1])
@@ -450,6 +464,23 @@ def donor(args) -> int:
         donor_sum = _checksum(arena.memory, lease[: result["checksum_blocks"]])
         checks["donor_sees_borrower_bytes"] = donor_sum == result["checksum"]
     arena.close()
+    pool_info, pool_row = result.get("pool_info"), result.get("pool_row")
+    if pool_info is not None:
+        seen = stream_checksum(pool_k, pool_v, pool_layout.geometry.page_size, pool_pages,
+                               pool_info["used"])
+        checks["pool_donor_sees_bytes"] = seen == pool_info["checksum"]
+        print(f"pool lease: {pool_info['blocks']} borrower blocks in {len(pool_pages)} donor "
+              f"pages, unit {pool_info['unit']} B, copy path {pool_info['backend']}; "
+              f"cross-device: {pool_info['cross_device']}")
+    if pool_row is not None:
+        print(f"pool lease bandwidth (borrower page {pool_row['page_size']}, donor "
+              f"{pool_row['donor_layers']} layers page {pool_row['donor_page_size']}): copy "
+              f"{pool_row['copy_gbps']:.1f} GB/s, store {pool_row['store_gbps']:.1f} "
+              f"({pool_row['store_gbps'] / pool_row['copy_gbps']:.2f}x), layer-wise load "
+              f"{pool_row['load_gbps']:.1f} ({pool_row['load_gbps'] / pool_row['copy_gbps']:.2f}x"
+              f", {pool_row['load_ms_per_layer']:.3f} ms/layer)")
+    del pool_k, pool_v
+    pool_arena.close()
     rows = result["rows"]
     print(
         f"bandwidth on the {desc['kind']}-mapped arena, {args.layers} layers x {args.kv_heads} "
@@ -459,8 +490,13 @@ def donor(args) -> int:
     )
     print(format_table(rows, args.target))
     summary = summarize(rows, checks, args.target)
+    if pool_row is not None:
+        summary["pool"] = {"store_ratio": round(pool_row["store_gbps"] / pool_row["copy_gbps"], 3),
+                           "load_ratio": round(pool_row["load_gbps"] / pool_row["copy_gbps"], 3),
+                           "backend": pool_row["backend"]}
     line = json.dumps(
-        {k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio", "target", "checks")}
+        {k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio", "target", "checks",
+                                 "pool") if k in summary}
     )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=1))

@@ -113,9 +113,9 @@ class PoolTransferEngine:
         self.liveness = liveness or (lambda: True)
         self.read_deadline = read_deadline or (lambda: math.inf)
         self.clock = clock
+        self.backend = resolve_backend(backend, self.local_device, self.donor_device)
         self._own_lane = lane is None
         self.lane = lane or make_lane(self.local_device, cpu_threads, peer=self.donor_device)
-        self.backend = resolve_backend(backend, self.local_device, self.donor_device)
         staged = self.backend == "staged"
         self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8) if staged else None
         ptrs = [region.data_ptr()] + [t.data_ptr() for t in self.k + self.v]
@@ -226,6 +226,11 @@ class PoolTransferEngine:
             self._staging = torch.empty(plan.unit, dtype=torch.uint8)  # a unit above 2 MiB
         local = tuple(t.to(self.local_device) for t in plan.local)
         stream = tuple(t.to(self.donor_device) for t in plan.stream)
+        if self.local_device.type == "cuda":  # made on the caller's stream, read on the lane's:
+            for t in local:  # keep the allocator from reusing them before the lane is done
+                t.record_stream(self.lane.stream)
+            for t in stream:
+                t.record_stream(getattr(self.lane, "peer_stream", None) or self.lane.stream)
         return CopyPlan(plan.unit, plan.layer_step, local, stream, plan.page_aligned)
 
     def _rows(self, flat: torch.Tensor, unit: int) -> torch.Tensor:

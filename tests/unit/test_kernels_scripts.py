@@ -56,7 +56,9 @@ def test_gpu_check_exits_clearly_without_cuda(capsys):
 def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     """The GPU script's flow end to end on CPU at toy size: kernels vs reference (interpreted),
     export to a second process (shm standing in for CUDA IPC), layer-wise round trip through the
-    engine and counter, the donor seeing the borrower's bytes, the table and the JSON line."""
+    engine and counter, the donor seeing the borrower's bytes, the table and the JSON line; and
+    the pool-lease part: a live pool region of another shape lent to the second process, round
+    trip, packing rule, both copy paths, the cross-device path with both devices "cpu"."""
     rc = gpu_check.main(
         [
             "--dry-run-cpu",
@@ -79,6 +81,12 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     assert rc == 0 and summary["ok"], out
     checks = summary["checks"]
     assert checks["ipc_roundtrip_page8"] and checks["donor_sees_borrower_bytes"]
+    for name in ("pool_ipc_roundtrip", "pool_stream_matches_rule", "pool_backends_agree",
+                 "pool_cross_device", "pool_donor_sees_bytes"):
+        assert checks[name] is True, name
+    assert summary["pool"]["backend"] == "triton"
+    assert any(line.startswith("pool lease:") and "cross-device: borrower pool on cpu" in line
+               for line in out)
     assert any(line.strip().startswith("8 ") for line in out)
 
 
