@@ -106,10 +106,11 @@ class LeasePacking:
         page, layer, half, off = self.locate(stream_offset)
         return self.donor.chunk_offset(page, layer, half) + off
 
-    def blocks_touching(self, pages: Iterable[int]) -> list[int]:
+    def blocks_touching(self, pages: Iterable[int], strict: bool = True) -> list[int]:
         """Sorted borrower blocks whose bytes lie (partly) in any of `pages` (donor page ids of
         this lease, e.g. a `Reclaim.blocks`): they become unreadable once those pages go back.
-        O(len(pages) + blocks returned); ValueError for a page this lease does not hold."""
+        O(len(pages) + blocks returned). A page this lease does not hold raises ValueError, or
+        is skipped with `strict=False`."""
         out: set[int] = set()
         unknown = []
         for p in pages:
@@ -121,7 +122,7 @@ class LeasePacking:
             last = min(((j + 1) * self.donor_page_bytes - 1) // self.block_bytes,
                        self.num_blocks - 1)
             out.update(range(first, last + 1))
-        if unknown:
+        if unknown and strict:
             raise ValueError(f"donor pages {unknown[:8]} are not in this lease "
                              f"({len(self.donor_pages)} pages)")
         return sorted(out)

@@ -132,6 +132,7 @@ def test_reclaimed_pages_map_to_exactly_the_blocks_that_overlap_them(name):
     assert lease.blocks_touching(pages) == list(range(lease.num_blocks))
     with pytest.raises(ValueError, match="not in this lease"):
         lease.blocks_touching([1])
+    assert lease.blocks_touching([1, pages[0]], strict=False) == lease.blocks_touching(pages[:1])
 
 
 def test_scattered_slots_use_a_unit_that_divides_one_token_row():
