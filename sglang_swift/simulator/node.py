@@ -15,6 +15,7 @@ from radix_ext import DEVICE, DONOR, HOST
 from sglang_swift.control.ledger import DonorLedger
 from sglang_swift.control.grant_policy import create_policy
 
+from .capacity import lend_blocks
 from .clock import EventLoop
 from .links import Link, Network
 
@@ -91,8 +92,7 @@ class Node:
         """`donor` offers `lend_fraction` of its KV pool; `borrower` asks for all of it.
         Returns the blocks granted (one block = one borrower page)."""
         own_per_block = borrower.page_bytes / donor.page_bytes
-        pool_bytes = donor.cache.device_pages * donor.page_bytes
-        blocks = int(lend_fraction * pool_bytes // borrower.page_bytes)
+        blocks = lend_blocks(lend_fraction, donor.cache.device_pages * donor.page_bytes, borrower.page_bytes)
         ledger = DonorLedger(create_policy("proportional"))
         ledger.offer(range(blocks))
         lease = ledger.grant(borrower.name, epoch=1, want=blocks, priority=0)

@@ -25,51 +25,57 @@ class P:
 
 
 # -- GPUs ---------------------------------------------------------------------------------------
-_LANDSCAPE = "shared/notes/landscape.md"
+_PAPER = "SwiftCache paper, arXiv 2606.16135, testbed"
+_NVLINK_MEASURED = ("measured P2P write ~371-377 GB/s per GPU pair on HGX H100, p2pBandwidthLatencyTest "
+                    "(github.com/NVIDIA/nccl/issues/1264)")
+_PCIE_MEASURED = ("copy-engine H2D 55.6 GB/s on PCIe Gen5 x16, nvbandwidth example output "
+                  "(github.com/NVIDIA/nvbandwidth/issues/24)")
 GPUS: dict[str, dict[str, P]] = {
     "H20": {
-        "hbm_bytes": P(96 * GB, "B", "H20 96 GB HBM3 (willitrunai.com/gpus/h20-96gb; paper testbed 4x H20 96 GB)"),
+        "hbm_bytes": P(96 * GB, "B", f"H20 96 GB HBM3 (willitrunai.com/gpus/h20-96gb; {_PAPER}: 4x H20 96 GB)"),
         "hbm_bw": P(4.0e12, "B/s", "H20 4.0 TB/s (willitrunai.com/gpus/h20-96gb)"),
         "bf16_flops": P(148e12, "FLOP/s", "H20 148 TFLOPS FP16/BF16 dense (willitrunai.com/gpus/h20-96gb)"),
-        "nvlink_bw_dir": P(200 * GB, "B/s", "paper testbed: NVLink 400 GB/s bidirectional -> 200 GB/s per direction (paper.md)"),
-        "pcie_bw_dir": P(32 * GB, "B/s", "paper: PCIe quoted as 32 GB/s (paper.md)"),
+        "nvlink_bw_dir": P(200 * GB, "B/s", f"{_PAPER}: NVLink 400 GB/s bidirectional -> 200 GB/s per direction"),
+        "pcie_bw_dir": P(32 * GB, "B/s", f"{_PAPER}: PCIe quoted as 32 GB/s"),
     },
     "H100": {
-        "hbm_bytes": P(80 * GB, "B", "H100 SXM 80 GB (landscape.md 6.1)"),
-        "hbm_bw": P(3.35e12, "B/s", "H100 SXM 3.35 TB/s (landscape.md 6.1)"),
-        "bf16_flops": P(989e12, "FLOP/s", "H100 SXM 989 TFLOPS BF16 dense (NVIDIA H100 datasheet)"),
-        "nvlink_bw_dir": P(370 * GB, "B/s", "measured P2P write ~371-377 GB/s per pair, HGX H100 (NVIDIA/nccl#1264; landscape 6.1)"),
-        "pcie_bw_dir": P(55.6 * GB, "B/s", "nvbandwidth H2D copy-engine 55.6 GB/s, PCIe Gen5 x16 (landscape 6.1)"),
+        "hbm_bytes": P(80 * GB, "B", "H100 SXM 80 GB HBM3 (NVIDIA H100 Tensor Core GPU datasheet)"),
+        "hbm_bw": P(3.35e12, "B/s", "H100 SXM 3.35 TB/s (NVIDIA H100 Tensor Core GPU datasheet)"),
+        "bf16_flops": P(989e12, "FLOP/s", "H100 SXM 989 TFLOPS BF16 dense (NVIDIA H100 Tensor Core GPU datasheet)"),
+        "nvlink_bw_dir": P(370 * GB, "B/s", _NVLINK_MEASURED),
+        "pcie_bw_dir": P(55.6 * GB, "B/s", _PCIE_MEASURED),
     },
     "H200": {
-        "hbm_bytes": P(141 * GB, "B", "H200 141 GB HBM3e (landscape.md 6.1)"),
-        "hbm_bw": P(4.8e12, "B/s", "H200 4.8 TB/s (landscape.md 6.1)"),
-        "bf16_flops": P(989e12, "FLOP/s", "H200 989 TFLOPS BF16 dense, same die as H100 (NVIDIA H200 datasheet)"),
-        "nvlink_bw_dir": P(370 * GB, "B/s", "as H100: NVLink 4 via NVSwitch, measured ~371-377 GB/s (nccl#1264)"),
-        "pcie_bw_dir": P(55.6 * GB, "B/s", "as H100: nvbandwidth H2D 55.6 GB/s (landscape 6.1)"),
+        "hbm_bytes": P(141 * GB, "B", "H200 SXM 141 GB HBM3e (NVIDIA H200 Tensor Core GPU datasheet)"),
+        "hbm_bw": P(4.8e12, "B/s", "H200 SXM 4.8 TB/s (NVIDIA H200 Tensor Core GPU datasheet)"),
+        "bf16_flops": P(989e12, "FLOP/s", "H200 SXM 989 TFLOPS BF16 dense, same die as H100 (NVIDIA H200 datasheet)"),
+        "nvlink_bw_dir": P(370 * GB, "B/s", f"as H100 (NVLink 4 through NVSwitch): {_NVLINK_MEASURED}"),
+        "pcie_bw_dir": P(55.6 * GB, "B/s", f"as H100: {_PCIE_MEASURED}"),
     },
 }
 
 EFFICIENCY: dict[str, P] = {
-    "compute": P(0.6, "-", "~600 of 989 TFLOP/s effective BF16 assumed in landscape.md 6.3 (ratio 0.61)"),
-    "hbm": P(0.7, "-", "kernels reach 60-85% of HBM peak (landscape.md 6.1); lower half taken for KV reads"),
+    "compute": P(0.6, "-", "assumed: large prefill GEMMs reach ~60% of dense BF16 peak (~600 of 989 TFLOP/s "
+                 "on H100); a stated assumption, not a measurement"),
+    "hbm": P(0.7, "-", "assumed: memory-bound kernels reach 60-85% of HBM peak (mikamirai.com H100 HBM "
+             "study); the lower part is taken for KV reads"),
 }
 
-# -- SGLang serving defaults (0.5.23, sglang/srt/arg_groups/memory_hook.py) ---------------------------
+# -- SGLang serving defaults (pinned sglang 0.5.23: sglang/srt/arg_groups/memory_hook.py) --------------
+_MEMORY_HOOK = "sglang 0.5.23 srt/arg_groups/memory_hook.py"
+_HICACHE_DOCS = "SGLang HiCache best practices (docs.sglang.io/advanced_features/hicache_best_practices.html)"
 SGLANG: dict[str, P] = {
-    "chunked_prefill_size": P(8192, "tokens", "memory_hook.py: 8192 for 60-160 GB GPUs (H20/H100/H200)"),
-    "max_running_requests": P(256, "reqs", "memory_hook.py: decode cuda-graph max_bs 256 for tp<4"),
-    "reserved_mem_base": P(512 * MiB, "B", "memory_hook.py: reserved_mem = 512 MB + 1.5 MB x activation tokens"),
-    "reserved_mem_per_token": P(1.5 * MiB, "B/token", "memory_hook.py: activation_tokens * 1.5 MB"),
-    "reserved_mem_graph_per_bs": P(2 * MiB, "B/req", "memory_hook.py reserve_for_graph_mb: max_bs * 2 MB"),
-    "reserved_mem_tp_slack": P(128 * MiB, "B", "memory_hook.py: tp*pp/8 * 1024 MB (tp=1)"),
-    "reserved_mem_floor": P(10 * GiB, "B", "memory_hook.py: reserved >= 10 GB when GPU > 60 GB"),
-    "page_size": P(64, "tokens", "HiCache recommended --page-size 64 (landscape.md 2.1); one radix key = one page"),
-    "hicache_ratio": P(2, "x device", "HiCache --hicache-ratio 2 (minimum), landscape.md 2.1"),
+    "chunked_prefill_size": P(8192, "tokens", f"{_MEMORY_HOOK}: 8192 for 60-160 GB GPUs (H20/H100/H200)"),
+    "max_running_requests": P(256, "reqs", f"{_MEMORY_HOOK}: decode cuda-graph max_bs 256 for tp<4"),
+    "reserved_mem_base": P(512 * MiB, "B", f"{_MEMORY_HOOK}: reserved_mem = 512 MB + 1.5 MB x activation tokens"),
+    "reserved_mem_per_token": P(1.5 * MiB, "B/token", f"{_MEMORY_HOOK}: activation_tokens * 1.5 MB"),
+    "reserved_mem_graph_per_bs": P(2 * MiB, "B/req", f"{_MEMORY_HOOK} reserve_for_graph_mb: max_bs * 2 MB"),
+    "reserved_mem_tp_slack": P(128 * MiB, "B", f"{_MEMORY_HOOK}: tp*pp/8 * 1024 MB (tp=1)"),
+    "reserved_mem_floor": P(10 * GiB, "B", f"{_MEMORY_HOOK}: reserved >= 10 GB when GPU > 60 GB"),
+    "page_size": P(64, "tokens", f"--page-size 64, {_HICACHE_DOCS}; one radix key = one page"),
+    "hicache_ratio": P(2, "x device", f"--hicache-ratio 2, {_HICACHE_DOCS}; also the default in cache mode "
+                       "(sglang 0.5.23 srt/arg_groups/fields/memory.py)"),
 }
-
-# -- models: Qwen3 configs (HF model cards / configs; landscape.md 6.2) -----------------------------
-_QWEN = "Qwen3 model card / HF config (landscape.md 6.2)"
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ class ModelSpec:
     head_dim: int
     params: float  # all parameters (weights bytes = 2 x params in BF16)
     nonembed_params: float  # matmul FLOPs per token = 2 x these
-    source: str = _QWEN
+    source: str
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -92,13 +98,18 @@ class ModelSpec:
         return 2.0 * self.params
 
 
-MODELS: dict[str, ModelSpec] = {
-    "Qwen3-32B": ModelSpec("Qwen3-32B", 64, 64, 8, 128, 32.8e9, 31.2e9),
-    "Qwen3-14B": ModelSpec("Qwen3-14B", 40, 40, 8, 128, 14.8e9, 13.2e9),
-    "Qwen3-8B": ModelSpec("Qwen3-8B", 36, 32, 8, 128, 8.2e9, 6.95e9),
-    "Qwen3-4B": ModelSpec("Qwen3-4B", 36, 32, 8, 128, 4.0e9, 3.6e9),
-    "Qwen3-1.7B": ModelSpec("Qwen3-1.7B", 28, 16, 8, 128, 1.7e9, 1.4e9),
-}
+# -- models: Qwen3 configs (config.json and model card of each, huggingface.co/Qwen/<name>) -----------
+def _qwen(name: str) -> str:
+    return f"huggingface.co/Qwen/{name}: config.json (layers, heads, head_dim) and model card (parameters)"
+
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    ModelSpec("Qwen3-32B", 64, 64, 8, 128, 32.8e9, 31.2e9, _qwen("Qwen3-32B")),
+    ModelSpec("Qwen3-14B", 40, 40, 8, 128, 14.8e9, 13.2e9, _qwen("Qwen3-14B")),
+    ModelSpec("Qwen3-8B", 36, 32, 8, 128, 8.2e9, 6.95e9, _qwen("Qwen3-8B")),
+    ModelSpec("Qwen3-4B", 36, 32, 8, 128, 4.0e9, 3.6e9, _qwen("Qwen3-4B")),
+    ModelSpec("Qwen3-1.7B", 28, 16, 8, 128, 1.7e9, 1.4e9, _qwen("Qwen3-1.7B")),
+)}
 
 CHARS_PER_TOKEN = P(float(workload_specs.CHARS_PER_TOKEN), "chars/token",
                     "OpenAI tokenizer guidance: ~4 characters per English token")

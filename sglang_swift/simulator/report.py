@@ -37,23 +37,55 @@ def reduction_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def interference_table(rows: list[dict]) -> str:
-    lines = ["| master rate | donor | P99 TTFT alone (s) | P99 TTFT lending (s) | change | P99 TPOT alone (ms) | P99 TPOT lending (ms) | change |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['rate']} | {r['donor']} | {r['ttft_p99_alone']:.3f} | {r['ttft_p99_lending']:.3f} | "
-                     f"{r['ttft_change']:+.1%} | {r['tpot_p99_alone'] * 1e3:.2f} | {r['tpot_p99_lending'] * 1e3:.2f} | "
-                     f"{r['tpot_change']:+.1%} |")
+def comparison_table(comparisons: dict) -> str:
+    """Goodput and P99 TTFT at the baseline's highest sustained rate, with memory per tier."""
+    lines = ["| comparison | baseline | memory GB (device/donor/host): SwiftCache; baseline | SLO P99 TTFT (s) | "
+             "goodput SwiftCache / baseline (sessions/s) | goodput ratio | stable rate | P99 TTFT there (s): "
+             "SwiftCache / baseline | reduction |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in comparisons.items():
+        base = c["baseline"]
+        mem = "; ".join("/".join(f"{c['memory_gb'][s][t]:.1f}" for t in ("device", "donor", "host"))
+                        for s in ("swiftcache", base))
+        g = c["goodput_sessions_per_s"]
+        low = {s: (">=" if c["goodput_is_lower_bound"][s] else "") for s in g}
+        p = c["p99_ttft_s_at_stable_rate"]
+        lines.append(f"| {name} | {base} | {mem} | {c['slo_p99_ttft_s']:.2f} | "
+                     f"{low['swiftcache']}{g['swiftcache']:.3f} / {low[base]}{g[base]:.3f} | "
+                     f"{_s(c['goodput_ratio_vs_hicache'], '{:.2f}x')} | {c['stable_rate_sessions_per_s']:.3f} | "
+                     f"{_s(p['swiftcache'])} / {_s(p[base])} | {_s(c['p99_ttft_reduction_at_stable'], '{:.1%}')} |")
+    by_f = {name: c.get("goodput_ratio_vs_hicache_by_slo_factor", {}) for name, c in comparisons.items()}
+    factors = sorted({f for d in by_f.values() for f in d}, key=float)
+    if len(factors) > 1:
+        lines += ["", "| SLO factor | " + " | ".join(f"goodput ratio, {n}" for n in by_f) + " |",
+                  "|---|" + "---|" * len(by_f)]
+        for f in factors:
+            lines.append(f"| {f} | " + " | ".join(_s(d.get(f), "{:.2f}x") for d in by_f.values()) + " |")
     return "\n".join(lines)
 
 
-def busy_table(rows: list[dict]) -> str:
-    lines = ["| donor rate (sessions/s each) | HiCache P99 (s) | SwiftCache P99 (s) | reduction | lent blocks | reclaimed | donor hit | failed loads | donor interference |",
+def donor_goodput_table(scn, rates, slos) -> str:
+    lines = ["| donor | model | SLO P99 TTFT (s) | goodput alone (chat sessions/s) |", "|---|---|---|---|"]
+    for i, (g, slo) in enumerate(zip(rates, slos)):
+        lines.append(f"| donor{i + 1} | {scn.donors[i]} | {slo:.3f} | {g:.3g} |")
+    return "\n".join(lines)
+
+
+def interference_table(rows: list[dict]) -> str:
+    """Per donor load share: each donor's P99 TTFT and TPOT alone and while lending."""
+    lines = ["| donor load (share of own goodput) | donor | rate (sessions/s) | P99 TTFT alone (s) | "
+             "P99 TTFT lending (s) | change | P99 TPOT alone (ms) | P99 TPOT lending (ms) | change |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['donor_rate']} | {r['hicache_p99']:.3f} | {r['swift_p99']:.3f} | {r['reduction']:.1%} | "
-                     f"{r['lent_blocks']} | {r['reclaimed_blocks']} | {r['donor_hit']:.2f} | {r['load_failures']} | "
-                     f"{r['donor_interference']:+.1%} |")
+        for d in r["donors"]:
+            lines.append(f"| {r['share']:.0%} | {d['donor']} | {d['rate']:.3g} | {d['ttft_p99_alone']:.3f} | "
+                         f"{d['ttft_p99_lending']:.3f} | {d['ttft_change']:+.1%} | {d['tpot_p99_alone'] * 1e3:.2f} | "
+                         f"{d['tpot_p99_lending'] * 1e3:.2f} | {d['tpot_change']:+.1%} |")
+    lines += ["", "| donor load | master rate (sessions/s) | lent blocks | reclaimed | master donor hit | "
+              "master P99 TTFT (s) | master stable | failed loads |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['share']:.0%} | {r['master_rate']:.3f} | {r['lent_blocks']} | {r['reclaimed_blocks']} | "
+                     f"{r['master_donor_hit']:.2f} | {r['master_ttft_p99']:.3f} | {r['master_stable']} | "
+                     f"{r['master_load_failures']} |")
     return "\n".join(lines)
 
 

@@ -5,20 +5,23 @@ Systems compared on the same trace (same sessions, same arrival times):
   sglang-hicache  + host tier over PCIe (hicache_ratio x device), layer-wise load overlapped
   vllm-offload    + host tier over PCIe, same size, the load finishes before the request is scheduled
   swiftcache      + donor HBM over NVLink (leased through the donor ledger), then the host tier
+  sglang-hicache-bighost  HiCache whose host tier is as large as SwiftCache's donor + host tiers
+                  (the equal-memory baseline: it separates bandwidth from capacity)
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, replace
-
-import numpy as np
 
 from sglang_swift.integration.swift_config import SwiftConfig
 
 from . import params
 from .cache_adapter import TreeCache
+from .capacity import PAGE_TOKENS, device_pages, master_tier_pages, page_bytes
 from .node import Node
 from .roofline import Roofline
+from .run_metrics import metrics, stable
 from .server import ModelServer, SimRequest
 from ..workloads.specs import AgentWorkload, Arrivals, ChatWorkload
 from ..workloads.token_traces import agent_traces, chat_traces, page_ids
@@ -28,8 +31,6 @@ SYSTEMS = {
     "sglang-hicache": dict(load_mode="layerwise", host=True, donor=False),
     "vllm-offload": dict(load_mode="before", host=True, donor=False),
     "swiftcache": dict(load_mode="layerwise", host=True, donor=True),
-    # sensitivity, not a product configuration: HiCache with a host tier as large as SwiftCache's
-    # donor + host tiers together, to separate the bandwidth effect from the capacity effect
     "sglang-hicache-bighost": dict(load_mode="layerwise", host="big", donor=False),
 }
 MAIN_SYSTEMS = ("sglang-radix", "sglang-hicache", "vllm-offload", "swiftcache")
@@ -42,10 +43,12 @@ class Scenario:
     master: str
     donors: tuple[str, ...]
     workload: str = "chat"  # master workload: chat | agent | single (first turns only)
-    donor_rate: float = 0.05  # donor chat sessions/s each ("lighter traffic")
+    # chat sessions/s of each donor's own traffic, in `donors` order; () leaves every donor idle.
+    # The experiments set them to a share of each donor's own goodput (experiments.donor_rates).
+    donor_rates: tuple[float, ...] = ()
     think_mean_s: float = 10.0
-    # Half of each donor's KV pool: SwiftConfig's default until commit d8ed00e, which made the
-    # default 0 ("set it to what the device has idle"); docs/simulation.md shows 0.25 and 0.75 too.
+    # Half of each donor's KV pool, a stated choice: SwiftConfig lends nothing unless an operator
+    # sets lend_fraction (its default is 0); docs/simulation.md shows 0.25 and 0.75 too.
     lend_fraction: float = 0.5
     watermark: float = SwiftConfig().reclaim_watermark
     drain_s: float = 1800.0  # stop this long after the last arrival (unfinished requests are counted)
@@ -61,20 +64,31 @@ HGX_H200 = Scenario("8xH200", "H200", "Qwen3-32B",
 SCENARIOS = {s.name: s for s in (PAPER, HGX_H100, HGX_H200)}
 
 
+def master_memory_bytes(scn: Scenario, system: str) -> dict[str, float]:
+    """Bytes of the high-demand model's KV cache per tier (device, donor, host) under `system`:
+    exactly what `run_point` gives it (the donor lease is what `Node.lend` grants)."""
+    cfg = SYSTEMS[system]
+    pages = master_tier_pages(scn, cfg["host"], cfg["donor"])
+    return {tier: n * page_bytes(scn.master) for tier, n in pages.items()}
+
+
+def donor_name(scn: Scenario, index: int) -> str:
+    """The server name of donor `index` (0-based) in run results: "donor<index+1>:<model>"."""
+    return f"donor{index + 1}:{scn.donors[index]}"
+
+
 def _server(node, g, name, model_name, scn, mode, host, donor) -> ModelServer:
     m = params.MODELS[model_name]
     hw = params.gpu(scn.gpu)
-    page = int(params.SGLANG["page_size"].value)
-    pages = int(params.kv_pool_bytes(scn.gpu, m) // (page * m.kv_bytes_per_token))
-    host_pages = int(params.SGLANG["hicache_ratio"].value * pages) if host else 0
-    if host == "big":
-        from .capacity import lendable_bytes
-
-        host_pages += int(lendable_bytes(scn, scn.lend_fraction) // (page * m.kv_bytes_per_token))
+    if g == 0:  # the high-demand model
+        pages = master_tier_pages(scn, host, donor)
+        dev, host_pages = pages["device"], pages["host"]
+    else:  # a donor: its own pool, no lower tiers
+        dev, host_pages = device_pages(scn.gpu, model_name), 0
     rl = Roofline(m, hw["bf16_flops"], hw["hbm_bw"], params.EFFICIENCY["compute"].value,
                   params.EFFICIENCY["hbm"].value)
-    cache = TreeCache(pages, host_pages, donor=donor)
-    srv = ModelServer(name, node.gpus[g], rl, cache, page_tokens=page,
+    cache = TreeCache(dev, host_pages, donor=donor)
+    srv = ModelServer(name, node.gpus[g], rl, cache, page_tokens=PAGE_TOKENS,
                       chunk=int(params.SGLANG["chunked_prefill_size"].value),
                       max_running=int(params.SGLANG["max_running_requests"].value), load_mode=mode, node=node)
     node.gpus[g].server = srv
@@ -92,8 +106,8 @@ def _drive(node, srv, sessions, page, stop_at) -> list[SimRequest]:
         t = s.turns[k]
         prompt = ctx + t.new_tokens
         r = SimRequest(rid[0], str(s.sid), k, node.loop.now, prompt, t.output_tokens,
-                       key_prompt=_arr(page_ids(s, prompt - 1, page)),
-                       key_full=_arr(page_ids(s, prompt + t.output_tokens, page)))
+                       key_prompt=array("q", page_ids(s, prompt - 1, page)),
+                       key_full=array("q", page_ids(s, prompt + t.output_tokens, page)))
         rid[0] += 1
         r.on_done = lambda r, s=s, k=k, t=t, prompt=prompt: node.loop.after(
             t.think_s, lambda: submit(s, k + 1, prompt + t.output_tokens))
@@ -103,45 +117,6 @@ def _drive(node, srv, sessions, page, stop_at) -> list[SimRequest]:
     for s in sessions:
         node.loop.at(s.start, lambda s=s: submit(s, 0, 0))
     return reqs
-
-
-def _arr(xs):
-    from array import array
-
-    return array("q", xs)
-
-
-def _pct(xs, q):
-    return float(np.percentile(xs, q)) if len(xs) else None
-
-
-def metrics(reqs: list[SimRequest], end: float) -> dict:
-    done = [r for r in reqs if r.first_token is not None]
-    # requests still without a first token at the end count with their waiting time so far
-    ttft = [r.ttft for r in done] + [end - r.arrival for r in reqs if r.first_token is None and not r.rejected]
-    tpot = [float(np.mean(r.itls)) for r in done if r.itls]
-    prompt = sum(r.prompt_tokens for r in done)
-    hit = {}
-    for r in done:
-        for tier, n in r.hit_tokens.items():
-            hit[tier] = hit.get(tier, 0) + n
-    loads = [r.load_time for r in done if r.load_time is not None]
-    return {
-        "requests": len(reqs), "first_token": len(done), "rejected": sum(r.rejected for r in reqs),
-        "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "ttft_p99": _pct(ttft, 99),
-        "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
-        "hit_rate": {k: v / prompt for k, v in hit.items()} if prompt else {},
-        "load_p99": _pct(loads, 99), "loads": len(loads),
-    }
-
-
-def _stable(queue: list[tuple[float, int]], window: float) -> bool:
-    """Not overloaded: the waiting queue in the last quarter of the arrival window is on average
-    no longer than twice that of the second quarter plus 2 requests (it is not growing)."""
-    def mean(lo, hi):
-        xs = [n for t, n in queue if lo <= t < hi]
-        return sum(xs) / len(xs) if xs else 0.0
-    return mean(0.75 * window, window) <= 2 * mean(0.25 * window, 0.5 * window) + 2
 
 
 @dataclass
@@ -183,46 +158,58 @@ def donor_sessions(scn: Scenario, donor_index: int, rate: float, window: float, 
 
 def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: int = 0,
               with_master: bool = True, with_donors: bool = True, lend: bool | None = None,
-              donor_rate: float | None = None) -> RunResult:
-    """Simulate `window` seconds of arrivals (then drain) for one system at one master rate."""
+              donor_rates: tuple[float, ...] | None = None) -> RunResult:
+    """Simulate `window` seconds of arrivals (then drain) for one system at one master rate.
+
+    Donors serve `donor_rates` chat sessions/s each (default `scn.donor_rates`; () = idle). Every
+    server's metrics carry `stable` (its waiting queue did not grow over the window).
+    """
     cfg = SYSTEMS[system]
     lend = cfg["donor"] if lend is None else lend
+    drates = scn.donor_rates if donor_rates is None else tuple(donor_rates)
+    if drates and len(drates) != len(scn.donors):
+        raise ValueError(f"donor_rates has {len(drates)} rates for {len(scn.donors)} donors; give one per "
+                         f"donor (in Scenario.donors order) or () for idle donors")
     hw = params.gpu(scn.gpu)
     node = Node(hw["nvlink_bw_dir"], hw["pcie_bw_dir"], 1 + len(scn.donors))
-    page = int(params.SGLANG["page_size"].value)
     stop_at = window + scn.drain_s
     master = _server(node, 0, "master", scn.master, scn, cfg["load_mode"], cfg["host"], cfg["donor"])
     donors = []
     if with_donors or lend:
         for i, dm in enumerate(scn.donors):
-            donors.append(_server(node, i + 1, f"donor{i + 1}:{dm}", dm, scn, "none", False, False))
+            donors.append(_server(node, i + 1, donor_name(scn, i), dm, scn, "none", False, False))
     lent = 0
     if lend:
         for d in donors:
             lent += node.lend(d, master, scn.lend_fraction, scn.watermark)
-    m_reqs = _drive(node, master, master_sessions(scn, rate, window, seed), page, stop_at) if with_master else []
+    m_reqs = (_drive(node, master, master_sessions(scn, rate, window, seed), PAGE_TOKENS, stop_at)
+              if with_master else [])
     d_reqs = {}
-    drate = scn.donor_rate if donor_rate is None else donor_rate
     for i, d in enumerate(donors):
-        if drate > 0:
-            d_reqs[d.name] = _drive(node, d, donor_sessions(scn, i, drate, window, seed), page, stop_at)
-    queue: list[tuple[float, int]] = []
+        if drates and drates[i] > 0:
+            d_reqs[d.name] = _drive(node, d, donor_sessions(scn, i, drates[i], window, seed), PAGE_TOKENS, stop_at)
+    watched = ([master] if with_master else []) + [d for d in donors if d.name in d_reqs]
+    queues: dict[str, list[tuple[float, int]]] = {s.name: [] for s in watched}
 
     def sample():
-        queue.append((node.loop.now, len(master.waiting) + len(master.loading)))
+        for s in watched:
+            queues[s.name].append((node.loop.now, len(s.waiting) + len(s.loading)))
         if node.loop.now + window / 40 < window:
             node.loop.after(window / 40, sample)
 
     node.loop.at(0.0, sample)
     node.loop.run(until=stop_at)
     end = node.loop.now
-    mm = metrics(m_reqs, end) if with_master else {}
+    mm = {}
     if with_master:
-        mm["stable"] = _stable(queue, window)
+        mm = metrics(m_reqs, end)
+        mm["stable"] = stable(queues["master"], window)
         mm["load_failures"] = master.load_failures
-    res = RunResult(system, rate, mm,
-                    {k: metrics(v, end) for k, v in d_reqs.items()}, lent,
-                    sum(d.reclaimed_blocks for d in node.donations.values()),
-                    {f"{a}->{b}": v for (a, b), v in node.bytes_by_route.items()},
-                    dict(master.cache.calls), node.loop.events_run)
-    return res
+    dm = {}
+    for name, reqs in d_reqs.items():
+        dm[name] = metrics(reqs, end)
+        dm[name]["stable"] = stable(queues[name], window)
+    return RunResult(system, rate, mm, dm, lent,
+                     sum(d.reclaimed_blocks for d in node.donations.values()),
+                     {f"{a}->{b}": v for (a, b), v in node.bytes_by_route.items()},
+                     dict(master.cache.calls), node.loop.events_run)

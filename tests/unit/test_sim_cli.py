@@ -1,18 +1,39 @@
-"""simulate --quick's contract: tables on disk and a last-line JSON with the three target keys."""
+"""simulate --quick's contract: tables on disk and a last-line JSON whose keys say what they hold."""
 
 import json
+from dataclasses import replace
 
 from sglang_swift.simulator import cli
+from sglang_swift.simulator.scenario import PAPER
 
 
-def test_quick_prints_the_summary_json_last(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "QUICK", dict(rates=(1.0, 2.0), window=60.0))
+def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_path, monkeypatch, capsys):
+    """The last line is JSON labeled simulated; each comparison (paper setup, equal fast memory) has
+    goodput_ratio_vs_hicache and p99_ttft_reduction_at_stable with the memory per tier beside them;
+    equal fast memory means the baseline's host tier holds SwiftCache's donor + host; interference
+    is given per donor load share; the old best-over-all-rates key is gone."""
+    monkeypatch.setattr(cli, "QUICK", dict(rates=(0.5, 1.0, 2.0), window=60.0, refine_steps=2,
+                                           donor_refine_steps=1, shares=(0.25, 0.5), slo_factors=(5.0,)))
+    monkeypatch.setattr(cli, "PAPER", replace(PAPER, drain_s=120.0))
+    monkeypatch.setattr(cli.gp, "donor_goodputs", lambda scn, *a, **k: ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]))
     assert cli.main(["--quick", "--out", str(tmp_path)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    s = json.loads(last)
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert s["simulated"] is True
-    assert 0.0 <= s["p99_ttft_reduction_vs_hicache"] <= 1.0
-    assert 0.0 <= s["donor_interference"] <= 1.0
+    assert "p99_ttft_reduction_vs_hicache" not in json.dumps(s)
+    assert set(s["comparisons"]) == {"paper_setup", "equal_fast_memory"}
+    for c in s["comparisons"].values():
+        g = c["goodput_sessions_per_s"]
+        assert c["goodput_ratio_vs_hicache"] == round(g["swiftcache"] / g[c["baseline"]], 4)
+        assert c["p99_ttft_reduction_at_stable"] is None or c["p99_ttft_reduction_at_stable"] < 1.0
+        assert c["stable_rate_sessions_per_s"] == g[c["baseline"]]
+        assert set(c["memory_gb"]["swiftcache"]) == {"device", "donor", "host"}
+    paper, equal = s["comparisons"]["paper_setup"], s["comparisons"]["equal_fast_memory"]
+    swift = paper["memory_gb"]["swiftcache"]
+    assert paper["memory_gb"]["sglang-hicache"]["host"] == swift["host"] and swift["donor"] > 0
+    big = equal["memory_gb"]["sglang-hicache-bighost"]
+    assert abs(big["host"] - (swift["donor"] + swift["host"])) <= 0.02 and big["donor"] == 0
+    assert set(s["donor_interference_by_load_share"]) == {"0.25", "0.5"}
+    assert s["donor_interference"] == s["donor_interference_by_load_share"]["0.5"] >= 0.0
     assert s["max_context_ratio"] > 1.0
     assert "SIMULATED" in (tmp_path / "tables.md").read_text()
     assert (tmp_path / "p99_ttft_vs_rate_paper-4xH20_chat.png").stat().st_size > 0
