@@ -23,6 +23,7 @@ import torch
 
 from swift_kernels import KVGeometry
 
+from ..common.private_resources import shm_name
 from ..common.process import process_alive
 from .block_size import BLOCK_ALIGN_BYTES, unused_bytes
 
@@ -108,7 +109,7 @@ class SharedArena:
             dtype=torch.uint8,
         )
         if self.device.type == "cpu":
-            name = f"{name_prefix}_{os.getpid()}_{uuid_mod.uuid4().hex[:12]}"
+            name = shm_name(name_prefix)  # per user and pid: swept once this process is gone
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.total_bytes)
             self.region = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.total_bytes)
         elif self.device.type == "cuda":
