@@ -49,9 +49,12 @@ class DonorSide:
         if self.memory is None:
             raise RuntimeError("set_memory() before offering blocks")
         blocks = list(blocks)
-        bad = [b for b in blocks if not 0 <= b < self.memory.num_blocks]
+        layout = self.memory.layout
+        # a donor lending its own pool offers pool page ids; an arena offers its block ids
+        limit = layout.padded_rows // layout.page_size if layout is not None else self.memory.num_blocks
+        bad = [b for b in blocks if not 0 <= b < limit]
         if bad:
-            raise ValueError(f"blocks outside the arena: {bad[:8]}")
+            raise ValueError(f"blocks outside the {'pool' if layout else 'arena'}: {bad[:8]}")
         self._returned(self.ledger.offer(blocks))
 
     def demand(self, n: int) -> None:

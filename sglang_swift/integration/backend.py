@@ -28,6 +28,12 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                            f"evictions itself: use --swiftcache-eviction-policy)")
     if getattr(params, "enable_kv_cache_events", False):
         unsupported.append("KV cache events (not emitted by SwiftCache's tree yet)")
+    tp_size = getattr(ctx, "tp_size", 1) or 1
+    if tp_size > 1 and config.uses_donation:
+        unsupported.append(f"lending or borrowing with --tp {tp_size} (each rank holds a shard of "
+                           f"the KV heads and SwiftCache runs one agent per server: leases and "
+                           f"reclaims would not reach every rank; use --tp 1, or run the server "
+                           f"without --swiftcache-lend-fraction / --swiftcache-max-borrow-blocks)")
     if unsupported:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop those "
                          f"options or run without --enable-swiftcache (SwiftCache has its own tiers: "

@@ -272,7 +272,11 @@ class SwiftRadixCache(RadixCache):
         return self.tree.evictable_size()
 
     def protected_size(self) -> int:
-        return self.tree.protected_size()
+        """Locked tree tokens plus the pages this server lent out of its pool: those are neither
+        free nor evictable, and SGLang's idle check (available + evictable + protected == pool)
+        must see them as in use."""
+        lent = self.runtime.lent_tokens if self.runtime is not None else 0
+        return self.tree.protected_size() + lent
 
     def total_size(self) -> int:
         return self.tree.device_size()

@@ -17,7 +17,9 @@ reports them in `protected_size()` (`lent_tokens`), which keeps the scheduler's 
 Policy, in tokens of the donor's pool of size S:
 - `reserve = (1 - reclaim_watermark) x S` stays free for the donor's own traffic at all times:
   lending never takes the allocator's free room below `reserve`, and when free room plus the
-  tree's evictable part falls below it, the shortfall is demanded back at once;
+  tree's evictable part falls below it (the donor's own load is rising), every lent page is
+  demanded back at once: the donor gets its whole pool for the burst (the reserve serves it
+  meanwhile), rather than chasing a growing shortfall page by page;
 - at most `lend_fraction x S` is lent;
 - after a reclaim, nothing is lent again for `relend_cooldown_s` (no oscillation while the
   donor's own burst lasts).
@@ -79,7 +81,7 @@ class PoolLender:
         short = self.reserve_tokens - (free + evictable_tokens + self.demanded * self.page_size)
         outstanding = len(self.lent) - self.demanded
         if short > 0 and outstanding > 0:
-            n = min(outstanding, -(-short // self.page_size))
+            n = outstanding
             self.agent.demand(n)
             self.demanded += n
             self.stats["demands"] += 1

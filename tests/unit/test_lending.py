@@ -54,19 +54,23 @@ def test_lent_pages_leave_the_allocator_and_come_back_only_when_returned(page_si
     assert alloc.available_size() == 32 and lender.usable_tokens() == 32
     # SGLang's idle invariant with lent pages reported as protected
     assert alloc.available_size() + 0 + lender.lent_tokens == alloc.size
-    # the donor's own traffic takes 20 tokens: free 12 < reserve 16 -> demand 4 tokens back
-    own = alloc.alloc(20 if page_size == 1 else 20)
+    # the donor's own traffic takes 20 tokens: free 12 < reserve 16 -> every lent page back
+    own = alloc.alloc(20)
     assert own is not None
+    lender.step(evictable_tokens=8, borrowers_present=True)  # cached prefixes count as room
+    assert agent.demands == []
     lender.step(evictable_tokens=0, borrowers_present=True)
-    assert sum(agent.demands) * page_size == 4
+    assert sum(agent.demands) * page_size == 32
     assert alloc.available_size() == 12  # nothing freed before the agent returns pages
     lender.step(evictable_tokens=0, borrowers_present=True)
-    assert sum(agent.demands) * page_size == 4  # no second demand while one is outstanding
-    back = agent.offered[: agent.demands[0]]
+    assert sum(agent.demands) * page_size == 32  # no second demand while one is outstanding
+    clock.t = 0.25
+    lender.on_returned(agent.offered[:3])
+    assert lender.lent_tokens == 32 - 3 * page_size and lender.reclaim_latencies == []
     clock.t = 0.5
-    lender.on_returned(back)
-    assert alloc.available_size() == 16 and lender.lent_tokens == 28
-    assert lender.reclaim_latencies == [0.5]
+    lender.on_returned(agent.offered[3:])
+    assert alloc.available_size() == 44 and lender.lent_tokens == 0
+    assert lender.usable_tokens() == 64 and lender.reclaim_latencies == [0.5]
     lender.check_integrity()
 
 

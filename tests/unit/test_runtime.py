@@ -1,9 +1,10 @@
-"""SwiftRuntime without SGLang: two runtimes (a donor and a borrower) in one process, real
-control agents over ipc, a real shared arena, a real radix_ext tree, stand-ins for SGLang's pool.
+"""SwiftRuntime with SGLang's real KV pools and allocators on CPU, two models of different shapes
+in one process (a donor and a borrower), real control agents over ipc, a real radix_ext tree.
 
-Invariants: a demoted prefix is stored into leased donor blocks and loads back bit-identical;
-when the donor's own usage passes its watermark it reclaims, the borrower drops every residency
-on the reclaimed blocks before acknowledging, and only then do the blocks return to the donor.
+Invariants: the donor lends pages of its OWN pool (they leave its allocator); a prefix the
+borrower demotes is stored into those pages and loads back bit-identical; when the donor's own
+traffic eats into its reserve it reclaims, the borrower drops every residency on the reclaimed
+pages before acknowledging, and only then do the pages go back into the donor's allocator.
 """
 
 from __future__ import annotations
@@ -15,41 +16,42 @@ import pytest
 import torch
 
 from radix_ext import DONOR, RadixTree, TreeConfig
-from sglang_swift.integration.swift_config import SwiftConfig
 from sglang_swift.dataplane import make_layer_counter
 from sglang_swift.integration.runtime import SwiftRuntime
+from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig
 
-LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 64
-
-
-class FakePool:
-    """The attributes of SGLang's MHATokenToKVPool the runtime reads."""
-
-    def __init__(self):
-        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = LAYERS, HEADS, DIM, DIM
-        self.store_dtype = torch.float32
-        self.k_buffer = [torch.randn(SLOTS + 1, HEADS, DIM) for _ in range(LAYERS)]
-        self.v_buffer = [torch.randn(SLOTS + 1, HEADS, DIM) for _ in range(LAYERS)]
+SLOTS = 64
+DONOR_SHAPE = dict(layer_num=3, head_num=2, head_dim=8)  # 384 B of KV per token
+BORROWER_SHAPE = dict(layer_num=5, head_num=1, head_dim=16)  # 640 B per token: a bigger model
 
 
-class FakeAllocator:
-    def __init__(self, size: int):
-        self.size = size
-        self.free_slots = list(range(1, size + 1))
+@pytest.fixture(scope="module", autouse=True)
+def loaded_plugins():
+    from sglang.srt.plugins import load_plugins
 
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def free(self, t: torch.Tensor) -> None:
-        self.free_slots.extend(t.tolist())
+    load_plugins()  # the hook that puts a lending server's pool in shared memory
 
 
-def _runtime(tmp_path, name: str, **cfg) -> SwiftRuntime:
+def _pool_and_allocator(shape: dict):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(size=SLOTS, page_size=1, dtype=torch.float32, device="cpu",
+                            enable_memory_saver=False, **shape)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randn_like(buf))
+    return pool, TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", pool, need_sort=False)
+
+
+def _runtime(tmp_path, monkeypatch, name: str, shape: dict, **cfg) -> SwiftRuntime:
     config = SwiftConfig(enabled=True, rendezvous_dir=str(tmp_path / "rv"),
                          heartbeat_interval_s=0.05, heartbeat_timeout_s=2.0, **cfg)
-    tree = RadixTree(TreeConfig(page_size=1, donor=True))
-    return SwiftRuntime(config, model="tiny", kv_pool=FakePool(), allocator=FakeAllocator(SLOTS),
-                        tree=tree, page_size=1, agent_id=name)
+    monkeypatch.setenv(CONFIG_ENV, config.to_json())  # what the scheduler process sees
+    pool, allocator = _pool_and_allocator(shape)
+    monkeypatch.delenv(CONFIG_ENV)
+    tree = RadixTree(config.tree_config(1))
+    return SwiftRuntime(config, model=name, kv_pool=pool, allocator=allocator, tree=tree,
+                        page_size=1, agent_id=name)
 
 
 def _pump_until(runtimes, predicate, timeout_s=20.0):
@@ -64,9 +66,11 @@ def _pump_until(runtimes, predicate, timeout_s=20.0):
 
 
 @pytest.fixture
-def pair(tmp_path):
-    donor = _runtime(tmp_path, "donor", role="donor", lend_fraction=0.5)
-    borrower = _runtime(tmp_path, "borrower", role="borrower", max_borrow_blocks=16)
+def pair(tmp_path, monkeypatch):
+    donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
+                     lend_fraction=0.5)
+    borrower = _runtime(tmp_path, monkeypatch, "borrower", BORROWER_SHAPE, role="borrower",
+                        max_borrow_blocks=16)
     donor.start()
     borrower.start()
     try:
@@ -77,41 +81,51 @@ def pair(tmp_path):
 
 
 def test_store_load_and_reclaim_through_live_agents(pair):
+    """Lending comes out of the donor's own pool and goes back into it after the ack."""
     donor, borrower = pair
     _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+    # 64-token pool, lend fraction 0.5: 32 pages left the donor's allocator, and SGLang's
+    # accounting sees them as in use (available + lent == pool)
+    assert donor.lent_tokens == 32 and donor.allocator.available_size() == 32
+    assert donor.usable_tokens() == 32 and borrower.borrowed_tokens() == 16
 
-    # A 10-token prefix on the device is demoted into donor blocks (a real copy of every layer).
+    # An 8-token prefix (one lease holds 9 of our blocks) on the device is demoted into donor blocks (a real copy of every layer).
     tree, pool = borrower.tree, borrower.kv_pool
-    slots = array("q", range(1, 11))
-    expect_k = [k[1:11].clone() for k in pool.k_buffer]
-    tree.insert(list(range(100, 110)), slots)
-    (ticket,) = tree.evict_device(10).stores
+    slots = array("q", range(1, 9))
+    expect_k = [k[1:9].clone() for k in pool.k_buffer]
+    tree.insert(list(range(100, 108)), slots)
+    (ticket,) = tree.evict_device(8).stores
     assert ticket.dst_tier == DONOR
     assert borrower.store([(ticket.src.indices, ticket.transfer.dst)]) == [True]
     assert list(tree.complete_store(ticket).device_indices_to_free()) == list(slots)
 
     # A hit loads it back into other slots, bit-identical, layer by layer.
-    m = tree.match(list(range(100, 110)))
-    assert m.device_len == 0 and m.load_len == 10
-    new_slots = list(range(30, 40))
+    m = tree.match(list(range(100, 108)))
+    assert m.device_len == 0 and m.load_len == 8
+    new_slots = list(range(30, 38))
     ticket = tree.begin_load_back(m.last_node, new_slots)
-    counter = make_layer_counter(LAYERS)
+    counter = make_layer_counter(BORROWER_SHAPE["layer_num"])
     assert borrower.load([(c.src, c.dst.indices) for c in ticket.copies], counter)
     assert tree.complete_load_back(ticket).ok
-    for layer in range(LAYERS):
-        assert torch.equal(pool.k_buffer[layer][30:40], expect_k[layer])
+    for layer in range(BORROWER_SHAPE["layer_num"]):
+        assert torch.equal(pool.k_buffer[layer][30:38], expect_k[layer])
 
-    # The donor's own demand wins: past its watermark it reclaims; the borrower forgets the
-    # blocks before acknowledging, and only then are they returned to the donor.
-    donor.allocator.free_slots.clear()
-    _pump_until(pair, lambda: donor.withheld and borrower.stats["reclaims"] > 0)
+    # The donor's own demand wins: its traffic takes all its free room, so it reclaims every
+    # lent page; the borrower forgets the blocks before acknowledging, and only then do the
+    # pages go back into the donor's allocator.
+    own = donor.allocator.alloc(donor.allocator.available_size())
+    assert own is not None
+    _pump_until(pair, lambda: donor.lent_tokens == 0)
+    assert borrower.stats["reclaims"] > 0
+    assert donor.allocator.available_size() == 32 and donor.usable_tokens() == SLOTS  # all back
     assert tree.tier_size(DONOR) == 0
-    assert tree.donor.available_tokens() == 0
     tree.check_integrity()
-    assert tree.match(list(range(100, 110))).device_len == 10  # the device copy is untouched
+    assert tree.match(list(range(100, 108))).device_len == 8  # the device copy is untouched
+    donor.lender.check_integrity()
 
 
 def test_copy_refused_after_the_lease_is_gone(pair):
+    """A store into a lease whose donor left is refused, and the tree keeps nothing of it."""
     donor, borrower = pair
     _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
     tree = borrower.tree
@@ -128,7 +142,7 @@ def test_copy_refused_after_the_lease_is_gone(pair):
 def test_copies_are_batched_per_lease_without_reordering_a_reused_block():
     """One transfer per run of same-lease copies; a repeated block starts a new run (order kept)."""
     from radix_ext import DonorResidency
-    from sglang_swift.integration.runtime import _batches
+    from sglang_swift.integration.borrowing import _batches
 
     def res(lease, *blocks):
         return DonorResidency("d", lease, 1, array("q", blocks))
