@@ -57,6 +57,7 @@ class ControlAgent:
         memory: p.MemoryDescriptor | dict | None = None,
     ) -> None:
         self.config, self.model = config, model
+        self.capacity: p.CapacityStatus | None = None
         ensure_private_dir(config.rendezvous_dir)
         self.codec = p.Codec(load_or_create_secret(config.secret_path), config.max_message_bytes)
         self.epoch = discovery.next_epoch(config.rendezvous_dir, config.agent_id)
@@ -131,6 +132,12 @@ class ControlAgent:
         self.stop()
 
     # ---- owner API (thread-safe, non-blocking) ----
+    def set_capacity(self, kv_pool_tokens: int, lent_tokens: int, borrowed_tokens: int,
+                     usable_tokens: int) -> None:
+        """The owner's KV capacity for `status()` (one reference swap: no lock needed)."""
+        self.capacity = p.CapacityStatus(int(kv_pool_tokens), int(lent_tokens),
+                                         int(borrowed_tokens), int(usable_tokens))
+
     def set_memory(self, memory: p.MemoryDescriptor | dict) -> None:
         """The arena this donor lends (the data plane's descriptor dict or struct). Its
         An empty ``owner_uuid`` becomes ``"<agent_id>:<epoch>"`` in every grant."""

@@ -219,6 +219,16 @@ class PeerStatus(msgspec.Struct, frozen=True):
     max_silence_ms: U64 = 0  # the longest gap between two messages from it so far
 
 
+class CapacityStatus(msgspec.Struct, frozen=True):
+    """The owning server's KV capacity in its own tokens (what `ctl status` shows per server):
+    its pool, what it lent out of it, what it borrows, and what it can use itself now."""
+
+    kv_pool_tokens: U64
+    lent_tokens: U64
+    borrowed_tokens: U64
+    usable_tokens: U64
+
+
 class AgentStatus(msgspec.Struct, frozen=True):
     agent_id: Name
     epoch: U64
@@ -233,6 +243,7 @@ class AgentStatus(msgspec.Struct, frozen=True):
     peers: list[PeerStatus]
     leases: list[LeaseStatus]
     counters: dict[str, int]
+    capacity: CapacityStatus | None = None  # None: the owner never reported (a bare agent)
 
 
 class StatusReply(_Msg, tag="status_reply"):

@@ -67,4 +67,5 @@ def agent_status(a: ControlAgent) -> p.AgentStatus:
         peers,
         leases,
         dict(a.counters, send_dropped=a.link.dropped if a.link else 0),
+        a.capacity,
     )

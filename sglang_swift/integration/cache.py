@@ -7,22 +7,22 @@ with radix_ext. Node handles given to the scheduler are radix_ext nodes. Tensors
 boundary here and only here: radix_ext holds `array('q')` slot indices.
 
 `runtime` is None unless the server lends or borrows (`SwiftConfig.uses_donation`); the tree
-then has no lower tier and makes the same decisions as SGLang's own LRU radix tree. With a
-`SwiftRuntime`, the tree's donor tier is fed by leases from other SwiftCache servers on the
-node; an eviction demotes into donor blocks (each a two-phase store: begin, copy, then complete
-or abort; device slots are freed only after), and a match that hits donor blocks is loaded back
-into fresh slots before the scheduler sees it, so SGLang reports and reuses those tokens as an
-ordinary device hit. Admission (match, lock, allocate evicting, re-match, begin load-back) is
-radix_ext's (`radix_ext.admission`), shared with the simulator and `bench_tree`.
+then has no lower tier and makes the same decisions as SGLang's own LRU radix tree. A borrower's
+tree has a donor tier fed by leases of other SwiftCache servers' pool pages, and nothing on the
+scheduler thread waits for a copy into or out of it:
+- a match reports the donor part as a lower-tier hit (`host_hit_length`, as HiCache does);
+  SGLang's `PrefillAdder` calls `init_load_back` only for a request it admits, which allocates
+  the slots and queues the copy; the copy runs layer by layer under the batch's forward
+  (`streaming.py`), and a request whose copy failed is aborted, never answered from bad KV;
+- an eviction starts its demotions as stores beside the scheduler; their device slots are freed
+  when the stores settle, on a later step (`demotion.py`).
+Admission (match, lock, allocate evicting, re-match, begin load-back) is radix_ext's
+(`radix_ext.admission`), shared with the simulator and `bench_tree`.
 
 Control events (leases, reclaims, lost donors) are handled once per scheduler loop iteration
 (`swift_step`, called by the plugin's hook), never inside a match or an eviction. Faults are
 expected events: a copy that cannot run (donor gone, read deadline passed) aborts its ticket,
 so the request recomputes those tokens; nothing reads a block after its lease ended.
-
-Load-back is synchronous in `match_prefix` for now: correct everywhere and layer-wise on the
-copy lane, but not overlapped with the forward pass (the next step moves it to SGLang's
-`init_load_back` at admission, reporting the donor part as `host_hit_length`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -53,6 +54,12 @@ logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
+# A borrower starts demoting its LRU prefixes once free + leaving device slots fall below this
+# share of its pool, so the room an allocation asks for has usually been freed by its stores
+# before it asks (SGLang's allocator cannot wait for a store; `evict` then has to).
+DEMOTE_AHEAD_FRACTION = 0.125
+STREAM_STATS = ("scheduler_wait_s", "evict_waits", "loads_started", "loads_failed",
+                "load_retries", "stores_started")
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:
@@ -76,13 +83,33 @@ def namespace_of(key: RadixKey) -> Any:
     return (key.extra_key, key.cache_salt)
 
 
+def path_key(tree: RadixTree, node: Any) -> Optional[tuple[array, Any]]:
+    """The tokens and namespace of the path from the root to `node`; None once `node` left
+    the tree (dropped, or split away from the path a match reported)."""
+    parts = []
+    x = node
+    while x is not tree.root:
+        parent = x.parent
+        if parent is None or parent.children.get(x.ck) is not x:
+            return None
+        parts.append(x.key)
+        top, x = x, parent
+    if not parts:
+        return None
+    key = array("q")
+    for part in reversed(parts):
+        key.extend(part)
+    return key, top.ck[0]  # a child of the root is keyed (namespace, first page)
+
+
 class KVSlots(DevicePool):
-    """SGLang's KV slot allocator, and the runtime's copies into donor blocks, as radix_ext's
-    admission and eviction see them. Slots go back with `free_segment` (page-aligned runs, as
-    SGLang's own eviction frees them)."""
+    """SGLang's KV slot allocator as radix_ext's admission sees it. Slots go back with
+    `free_segment` (page-aligned runs, as SGLang's own eviction frees them); a borrower's room is
+    made by `AsyncDemotions` (waiting for stores only when `wait_for_room`)."""
 
     def __init__(self, cache: "SwiftRadixCache"):
         self.cache = cache
+        self.wait_for_room = True
 
     def available(self) -> int:
         return self.cache.token_to_kv_pool_allocator.available_size()
@@ -95,23 +122,22 @@ class KVSlots(DevicePool):
         self.cache.token_to_kv_pool_allocator.free_segment(
             indices_to_tensor(indices, self.cache.device), start_pos=0)
 
-    def run_copies(self, copies) -> list[bool]:
-        runtime = self.cache.runtime
-        if runtime is None:
-            return super().run_copies(copies)
-        for c in copies:
-            if (c.src_tier, c.dst_tier) != (DEVICE, DONOR):
-                raise RuntimeError(f"no data path from {c.src_tier} to {c.dst_tier}")
-        return runtime.store([(c.src.indices, c.dst) for c in copies])
+    def make_room(self, tree: Any, num_tokens: int) -> int:
+        if self.cache.demotions is None:
+            return super().make_room(tree, num_tokens)
+        return self.cache.demotions.make_room(num_tokens, wait=self.wait_for_room)
 
 
 class SwiftRadixCache(RadixCache):
     """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size, policies
     and tiers; `config` (a `SwiftConfig`) starts a `SwiftRuntime` when the server lends or
-    borrows; `model`, `agent_id` and `enable_metrics` describe it then."""
+    borrows; `model`, `agent_id` and `enable_metrics` describe it then. A borrower registers its
+    layer counter with the KV pool and `tp_worker`; `load_trace` is a file that gets one JSON
+    line per batch load (`scripts/bench_overlap.py`)."""
 
     def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
-                 model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False):
+                 model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False,
+                 tp_worker: Any = None, load_trace: Optional[str] = None):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
@@ -119,34 +145,61 @@ class SwiftRadixCache(RadixCache):
             raise ValueError("SwiftCache's server has no host data path yet: build the tree "
                              "config with host_capacity=0 (SwiftConfig.tree_config does)")
         self.tree_config = tree_config
-        self.runtime = None
+        self.runtime = self.loads = self.demotions = None
         super().__init__(params)  # calls self.reset()
         self.slots = KVSlots(self)
+        self.metrics = None
+        self._last_step = self._last_report = self._last_metrics = 0.0
+        self._reported: dict = {}
         if config is not None and config.uses_donation:
-            self._start_runtime(config, model, agent_id, enable_metrics)
+            self._start_runtime(config, model, agent_id, enable_metrics, tp_worker, load_trace)
 
     def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
-                       enable_metrics: bool) -> None:
-        from ..dataplane import make_layer_counter
+                       enable_metrics: bool, tp_worker: Any, load_trace: Optional[str]) -> None:
         from .runtime import SwiftRuntime
 
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.runtime = SwiftRuntime(config, model=model, kv_pool=kv_pool,
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
                                     page_size=self.page_size, agent_id=agent_id)
-        self.counter = make_layer_counter(kv_pool.layer_num, self.runtime.device)
-        self.metrics = None
+        self.runtime.stats.update({k: 0 for k in STREAM_STATS})
+        if config.borrows:
+            self._start_streaming(config, kv_pool, tp_worker, load_trace)
         if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics
             from .metrics import SwiftMetrics
 
             self.metrics = SwiftMetrics({"agent": self.runtime.agent_id, "role": config.role})
-        self._last_step = self._last_report = self._last_metrics = 0.0
-        self._reported: dict = {}
         self.runtime.start()
+
+    def _start_streaming(self, config: Any, kv_pool: Any, tp_worker: Any,
+                         load_trace: Optional[str]) -> None:
+        """Loads under the forward and stores beside the scheduler. The counter goes where
+        SGLang's own HiCache puts its: the pool's buffer getters wait on it per layer, and the
+        tp worker hands it each batch's consumer index before the forward."""
+        from ..dataplane import make_layer_counter
+        from .demotion import AsyncDemotions
+        from .layer_fan_in import TimedLayerCounter
+        from .streaming import StreamingLoads
+
+        if tp_worker is None:
+            raise ValueError("a borrowing SwiftCache server needs SGLang's tp worker to register "
+                             "its layer counter; build the cache through the backend factory")
+        copy_timeout_s = config.heartbeat_timeout_s * 4
+        self.counter = TimedLayerCounter(make_layer_counter(
+            kv_pool.layer_num, self.runtime.device, timeout_s=copy_timeout_s))
+        kv_pool.register_layer_transfer_counter(self.counter)
+        tp_worker.register_hicache_layer_transfer_counter(self.counter)
+        self.loads = StreamingLoads(self, self.runtime, self.counter, self.runtime.stats,
+                                    load_trace)
+        self.demotions = AsyncDemotions(self, self.runtime, self.runtime.stats, copy_timeout_s)
+        self.demote_headroom = int(self.token_to_kv_pool_allocator.size * DEMOTE_AHEAD_FRACTION)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def reset(self) -> None:
+        if self.loads is not None:  # the tickets in flight go with the old tree
+            self.loads.reset()
+            self.demotions.reset()
         self.tree = RadixTree(self.tree_config)
         self.root_node = self.tree.root
         self.evictable_size_ = 0
@@ -164,10 +217,15 @@ class SwiftRadixCache(RadixCache):
             self.runtime.attach_tree(self.tree)
 
     def swift_step(self) -> None:
-        """Called once per scheduler loop iteration (plugin hook): handle control events at
-        most every STEP_INTERVAL_S, so an idle server still takes leases and reclaims."""
+        """Called once per scheduler loop iteration (plugin hook): settle finished copies, keep
+        demoting ahead of need, and handle control events at most every STEP_INTERVAL_S, so an
+        idle server still takes leases and reclaims."""
         if self.runtime is None:
             return
+        if self.loads is not None:
+            self.demotions.settle()
+            self.loads.poll()
+            self.demotions.demote_ahead(self.demote_headroom)
         now = time.monotonic()
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
@@ -177,47 +235,92 @@ class SwiftRadixCache(RadixCache):
 
             self._last_metrics = now
             self.metrics.update(self.runtime.stats, gauges_of(self.runtime, self.tree))
+            if self.runtime.lender is not None:
+                self.metrics.observe_reclaims(self.runtime.lender.reclaim_latencies)
         if now - self._last_report >= REPORT_INTERVAL_S and self.runtime.stats != self._reported:
             self._last_report, self._reported = now, dict(self.runtime.stats)
             logger.info("SwiftCache stats: %s; donor tier %d tokens", self._reported,
                         self.tree.tier_size(DONOR) if self.tree.donor is not None else 0)
 
+    def swift_batch_built(self, batch: Any) -> None:
+        """A prefill batch was built (plugin hook): start the loads its requests queued."""
+        if self.loads is not None:
+            self.loads.start(batch)
+
+    def swift_batch_ran(self, scheduler: Any, batch: Any) -> None:
+        """A batch's forward ran (plugin hook): drop the output of requests whose load failed,
+        settle the stores that finished meanwhile."""
+        if self.loads is not None:
+            self.loads.settle(scheduler, batch)
+            self.demotions.settle()
+
     # ---- tree operations ----------------------------------------------------------------------
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """One match of the tree; a donor hit is loaded back first (see the module docstring)."""
+        """One match of the tree. The donor part, up to its first lease not readable now, is a
+        lower-tier hit: nothing is allocated or copied until `init_load_back`."""
         key = params.key
         if self.disable or len(key) == 0:
             return self._empty_match_result
-        tokens, ns = key.raw_token_ids(), namespace_of(key)
-        m = self.tree.match(tokens, ns)
+        m = self.tree.match(key.raw_token_ids(), namespace_of(key))
         length, node = m.device_len, m.last_device_node
-        if m.loads and self.runtime is not None:
-            length, node = self._load_back(tokens, ns, m)
-        if length == 0:
+        hit, best = 0, node
+        if self.loads is not None:
+            for seg in m.loads:
+                src = seg.source
+                if seg.tier != DONOR or self.runtime.lease_engine(src.donor, src.lease) is None:
+                    break
+                hit, best = hit + seg.num_tokens, seg.node
+        if length == 0 and hit == 0:
             return self._empty_match_result
         return MatchResult(device_prefix_len=length, last_device_node=node,
-                           last_host_node=node, best_match_node=node)
+                           last_host_node=best, best_match_node=best, host_hit_length=hit)
 
-    def _load_back(self, tokens: Any, ns: Any, m: Any) -> tuple[int, Any]:
-        """Load the donor part of match `m` into fresh slots (evicting for them if needed);
-        returns the device prefix (length, last node) as it is afterwards, unlocked."""
-        a = admission.admit(self.tree, self.slots, tokens, ns, match=m)
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        """Admit the load of a matched donor part (SGLang calls this for admitted requests):
+        allocate its slots (demoting for them without waiting), begin the tree's ticket and
+        queue the copy for the batch. All or nothing: (host_hit_length, last node) when queued;
+        (0, last node) to recompute; None to retry next round (room is still being demoted)."""
+        req = params.req
+        fallback = (0, req.last_node)
+        if self.loads is None or params.host_hit_length <= 0:
+            return fallback
+        found = path_key(self.tree, params.best_match_node)
+        if found is None:
+            return fallback
+        self.slots.wait_for_room = False
+        try:
+            a = admission.admit(self.tree, self.slots, found[0], found[1])
+        finally:
+            self.slots.wait_for_room = True
         if not a.ok:
-            return m.device_len, m.last_device_node
-        length, node = a.match.device_len, a.anchor
+            if self.demotions.in_flight():
+                self.runtime.stats["load_retries"] += 1
+                return None
+            return fallback
         ticket = a.load
-        if ticket is not None:
-            ok = self.runtime.load([(c.src, c.dst.indices) for c in ticket.copies], self.counter)
-            out = (self.tree.complete_load_back(ticket) if ok
-                   else self.tree.abort_load_back(ticket))
-            if out.ok:
-                length, node = a.match.prefix_len, out.last_node
-                self.tree.unlock(out.last_node)  # the scheduler locks it when it takes the prefix
-            else:
-                self.slots.free(out.device_indices_to_free)
+        if ticket is not None and (a.match.last_device_node is not req.last_node
+                                   or len(ticket.device_indices) != params.host_hit_length):
+            self.slots.free(self.tree.abort_load_back(ticket).device_indices_to_free)
+            ticket = None  # the tree changed since the match: recompute
         self.tree.unlock(a.anchor)
-        return length, node
+        if ticket is None:
+            return fallback
+        self.loads.queue(req, ticket, self.device)
+        return len(ticket.device_indices), req.last_node
+
+    def load_back_is_cache_owned(self) -> bool:
+        """Loaded slots belong to the request until its forward confirmed them (it then inserts
+        them like computed KV); a failed load is freed with the request."""
+        return False
+
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        path = self.path_device_indices(req.last_node)
+        tail = self.loads.private_slots(req.rid) if self.loads is not None else None
+        if tail is not None:
+            path = torch.cat([path, tail])
+        assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
+        return path[: req.prefix_len]
 
     def touch_prefix(self, key: RadixKey) -> None:
         if not self.disable and len(key):
@@ -238,12 +341,13 @@ class SwiftRadixCache(RadixCache):
         return InsertResult(prefix_len=r.duplicate_len, last_device_node=r.last_node)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Evict through the tree; demotions are stored (begin, copy, settle) before any slot is
-        freed."""
+        """Evict through the tree. A borrower's demotions run as stores beside the scheduler;
+        SGLang's allocator needs the room now, so this waits for them only when no other room
+        came free (counted in `stats["evict_waits"]`)."""
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        num_evicted = admission.evict(self.tree, self.slots, params.num_tokens)
+        num_evicted = self.slots.make_room(self.tree, params.num_tokens)
         self.update_eviction_metrics(num_evicted, start)
         return EvictResult(num_tokens_evicted=num_evicted)
 
@@ -276,7 +380,8 @@ class SwiftRadixCache(RadixCache):
         free nor evictable, and SGLang's idle check (available + evictable + protected == pool)
         must see them as in use."""
         lent = self.runtime.lent_tokens if self.runtime is not None else 0
-        return self.tree.protected_size() + lent
+        # device slots of prefixes whose demotion store is in flight: in use until it settles
+        return self.tree.protected_size() + self.tree.leaving_size() + lent
 
     def total_size(self) -> int:
         return self.tree.device_size()

@@ -22,17 +22,20 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "lost_leases": ("swiftcache_lost_leases", "leases lost to a dead or departed donor"),
 }
 GAUGES = {
-    "borrowed_blocks": "donor blocks this server holds now",
-    "lent_blocks": "blocks of this server's arena lent to others now",
-    "donor_tier_tokens": "cached tokens whose KV is in donor blocks now",
+    "kv_pool_tokens": "this server's SGLang KV pool, tokens",
+    "lent_tokens": "tokens of this server's own pool lent to other servers now",
+    "borrowed_tokens": "tokens of this model's KV that borrowed donor memory can hold now",
+    "usable_tokens": "this server's own usable KV capacity now (pool minus lent)",
+    "donor_tier_tokens": "cached tokens whose KV is in donor memory now",
 }
+RECLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class SwiftMetrics:
     """Counters follow `SwiftRuntime.stats` by deltas; gauges are set on each `update`."""
 
     def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter, Gauge, Histogram
 
         names = sorted(labels)
         self._labels = labels
@@ -41,6 +44,16 @@ class SwiftMetrics:
                           for k, (name, help) in COUNTERS.items()}
         self._gauges = {k: Gauge("swiftcache_" + k, help, names, multiprocess_mode="mostrecent")
                         .labels(**labels) for k, help in GAUGES.items()}
+        self._reclaim = Histogram("swiftcache_reclaim_latency_seconds",
+                                  "donor: from asking lent pages back to the last one back in "
+                                  "its own pool", names, buckets=RECLAIM_BUCKETS).labels(**labels)
+        self._reclaims_seen = 0
+
+    def observe_reclaims(self, latencies: list[float]) -> None:
+        """Feed the reclaim latencies recorded since the last call (the list only grows)."""
+        for value in latencies[self._reclaims_seen:]:
+            self._reclaim.observe(value)
+        self._reclaims_seen = len(latencies)
 
     def update(self, stats: dict[str, int], gauges: dict[str, float]) -> None:
         for key, counter in self._counters.items():
@@ -55,6 +68,6 @@ class SwiftMetrics:
 def gauges_of(runtime: Any, tree: Any) -> dict[str, float]:
     from radix_ext import DONOR
 
-    status = runtime.agent.status()
-    return {"borrowed_blocks": status.borrowed, "lent_blocks": status.lent,
+    return {"kv_pool_tokens": runtime.allocator.size, "lent_tokens": runtime.lent_tokens,
+            "borrowed_tokens": runtime.borrowed_tokens(), "usable_tokens": runtime.usable_tokens(),
             "donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0}

@@ -108,6 +108,8 @@ class SwiftRuntime:
             self.lender.step(self.tree.evictable_size(), borrowers_present=peers)
         if self.borrowing is not None:
             self.borrowing.maybe_request(peers)
+        self.agent.set_capacity(self.allocator.size, self.lent_tokens, self.borrowed_tokens(),
+                                self.usable_tokens())
 
     def attach_tree(self, tree: Any) -> None:
         """The cache was reset (a new, empty tree): register the leases still held in it."""
@@ -179,6 +181,14 @@ class SwiftRuntime:
     # ---- copies the tree asks for (see Borrowing) -----------------------------------------
     def lease_engine(self, donor: str, lease_id: int) -> Any:
         return self.borrowing.lease_engine(donor, lease_id) if self.borrowing else None
+
+    def track(self, key: tuple[str, int], handle: Any, blocks: set[int]) -> None:
+        """A copy started on lease `key` (`integration/copies.py`): a reclaim of `blocks` or a
+        lost lease aborts it before the reclaim is acknowledged."""
+        self.borrowing.track(key, handle, blocks)
+
+    def untrack(self, key: tuple[str, int], handle: Any) -> None:
+        self.borrowing.untrack(key, handle)
 
     def store(self, items: Sequence[tuple[Sequence[int], Any]]) -> list[bool]:
         if self.borrowing is None:

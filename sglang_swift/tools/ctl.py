@@ -92,7 +92,7 @@ def status(args) -> int:
     agents, leases = [], {}
     for rec, st in results:
         if isinstance(st, str):
-            agents.append([rec.agent_id, rec.epoch, rec.pid, rec.model, st] + ["-"] * 6)
+            agents.append([rec.agent_id, rec.epoch, rec.pid, rec.model, st] + ["-"] * 10)
             continue
         agents.append(
             [
@@ -106,6 +106,7 @@ def status(args) -> int:
                 st.reserve,
                 st.lent,
                 st.borrowed,
+                *_capacity(st.capacity),
                 _peers(st.peers),
             ]
         )
@@ -126,6 +127,10 @@ def status(args) -> int:
                 "RESERVE",
                 "LENT",
                 "BORROWED",
+                "KV_POOL_TOK",
+                "LENT_TOK",
+                "BORROWED_TOK",
+                "USABLE_TOK",
                 "PEERS",
             ],
         )
@@ -141,6 +146,13 @@ def status(args) -> int:
         )
     )
     return 0
+
+
+def _capacity(c: p.CapacityStatus | None) -> list:
+    """The server's KV capacity in its own tokens; '-' for an agent without a server."""
+    if c is None:
+        return ["-"] * 4
+    return [c.kv_pool_tokens, c.lent_tokens, c.borrowed_tokens, c.usable_tokens]
 
 
 def _peers(peers: list[p.PeerStatus]) -> str:

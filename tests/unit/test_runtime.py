@@ -88,6 +88,10 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     # accounting sees them as in use (available + lent == pool)
     assert donor.lent_tokens == 32 and donor.allocator.available_size() == 32
     assert donor.usable_tokens() == 32 and borrower.borrowed_tokens() == 16
+    # what `ctl status` shows per server (pushed to the agent on each pump)
+    cap = donor.agent.status().capacity
+    assert (cap.kv_pool_tokens, cap.lent_tokens, cap.usable_tokens) == (SLOTS, 32, 32)
+    assert borrower.agent.status().capacity.borrowed_tokens == 16
 
     # An 8-token prefix (one lease holds 9 of our blocks) on the device is demoted into donor blocks (a real copy of every layer).
     tree, pool = borrower.tree, borrower.kv_pool
