@@ -1,4 +1,4 @@
-"""PNG plots (matplotlib, Agg): TTFT CDF, P99 TTFT against request rate, per-turn TTFT."""
+"""PNG plots (matplotlib, Agg): TTFT CDF, a P99 latency against request rate, per-turn TTFT."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def ttft_cdf(series: dict[str, list[float]], path: Path, title: str = "TTFT CDF"
 
 def p99_vs_rate(curves: dict[str, list[tuple[float, float]]], path: Path,
                 title: str = "P99 TTFT vs request rate", xlabel: str = "session arrival rate (1/s)",
-                logy: bool = False) -> Path:
+                logy: bool = False, ylabel: str = "P99 TTFT (ms)") -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, pts in curves.items():
         pts = [(x, y) for x, y in pts if y is not None]
@@ -38,7 +38,7 @@ def p99_vs_rate(curves: dict[str, list[tuple[float, float]]], path: Path,
             xs, ys = zip(*sorted(pts))
             ax.plot(xs, np.asarray(ys) * 1e3, marker="o", label=label)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("P99 TTFT (ms)")
+    ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
     ax.set_title(title)

@@ -6,11 +6,13 @@ its responses (no sleeps used as waits).
 
 import asyncio
 import json
+import os
 
 import pytest
 from aiohttp import web
 
-from sglang_swift.loadgen import runner, stats
+from sglang_swift.loadgen import frontend, runner, stats
+from sglang_swift.workloads.frontend_programs import agent_programs
 from sglang_swift.workloads.specs import AgentWorkload, ChatWorkload
 from sglang_swift.workloads.text_sessions import agent_sessions, chat_sessions
 
@@ -30,11 +32,19 @@ def test_summary_percentiles_and_per_turn_hit_rate():
 
 def _fake_app(log):
     """Streams 3 output events per request; cached_tokens = length of the previous prompt seen."""
-    seen = {"last": 0}
+    seen = {"last": 0, "prompts": []}
 
     async def generate(request):
         body = await request.json()
         log.append(("generate", body))
+        if not body.get("stream"):  # the SGLang frontend's RuntimeEndpoint: one JSON answer
+            prompt = body["text"]
+            cached = max((len(os.path.commonprefix([prompt, p])) for p in seen["prompts"]), default=0)
+            seen["prompts"].append(prompt)
+            n = body["sampling_params"].get("max_new_tokens", 0)
+            text = f" out{len(prompt) % 97}" * min(n, 2)
+            return web.json_response({"text": text, "meta_info": {
+                "prompt_tokens": len(prompt), "cached_tokens": cached, "completion_tokens": n}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         ptoks = len(body["text"].split())
@@ -61,9 +71,12 @@ def _fake_app(log):
     async def flush(request):
         return web.Response(text="ok")
 
+    async def model_info(request):
+        return web.json_response({"model_path": "fake-model"})
+
     app = web.Application()
     app.add_routes([web.post("/generate", generate), web.post("/v1/chat/completions", chat),
-                    web.post("/flush_cache", flush)])
+                    web.post("/flush_cache", flush), web.get("/get_model_info", model_info)])
     return app
 
 
@@ -119,3 +132,68 @@ def test_cli_runs_two_servers_and_writes_json_and_plots(tmp_path):
     assert any(line.startswith("== ratios on/off") for line in lines)
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
     assert (tmp_path / "p99_ttft_vs_rate.png").exists() and (tmp_path / "ttft_per_turn.png").exists()
+
+
+def _run_frontend(programs, fanout_label="fake"):
+    async def go(url):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: frontend.run_programs(url, fanout_label, programs, 1000.0))
+
+    return asyncio.run(_with_server(go))
+
+
+def test_frontend_agent_program_forks_per_tool_call_and_grows_its_transcript():
+    """The sgl.function agent, run through RuntimeEndpoint: one note per parallel tool call (forked
+    from the transcript so far), one decision per step whose prompt holds every tool result so far,
+    and the transcript's cached tokens are read back from meta_info."""
+    w = AgentWorkload(output_min=4, output_max=4, tool_latency_mean_s=0.0, shared_system_prompt=False, seed=0,
+                      system_min=5, system_max=5, steps_min=5, steps_max=5, tool_median=5, tool_min=3, tool_max=9)
+    prog = agent_programs(w, 1, fanout=2)[0]
+    recs, log = _run_frontend([prog])
+    rec = recs[0]
+    assert rec.error is None, rec.error
+    assert set(rec.outputs) == {"plan"} | {f"{v}{k}" for k in range(len(prog.steps)) for v in ("note", "step")}
+    assert [len(rec.outputs[f"note{k}"]) for k in range(len(prog.steps))] == [len(s) for s in prog.steps]
+    prompts = [b["text"] for _, b in log if b["sampling_params"].get("max_new_tokens")]
+    assert len(prompts) == prog.gen_calls
+    prev = prompts[0]  # the plan's prompt: system prompt and task
+    assert prog.task in prev
+    for step in prog.steps:
+        for r in step:  # each call's note: the transcript so far, then its own result only
+            assert any(p.startswith(prev) and r in p and not any(o in p for o in step if o != r) for p in prompts)
+        # the decision: the transcript so far, then every result of the step
+        prev = min((p for p in prompts if p.startswith(prev) and all(r in p for r in step)), key=len)
+    assert all(r in prev for step in prog.steps for r in step)  # the transcript kept every result
+    assert rec.cached_tokens > 0 and frontend.summarize(recs)["cache_hit_rate"] > 0
+
+
+def test_frontend_summary_counts_errors_and_latency_percentiles():
+    """Program summaries: errors counted apart, latency percentiles over the programs that finished."""
+    recs = [frontend.ProgramRecord("a", "s", latency=1.0, gen_calls=3, prompt_tokens=10, cached_tokens=5),
+            frontend.ProgramRecord("b", "s", latency=3.0, gen_calls=3, prompt_tokens=10, cached_tokens=5),
+            frontend.ProgramRecord("c", "s", latency=9.0, error="RuntimeError: x")]
+    s = frontend.summarize(recs)
+    assert (s["ok"], s["errors"], s["gen_calls"]) == (2, 1, 6)
+    assert s["latency_p50"] == pytest.approx(2.0) and s["cache_hit_rate"] == pytest.approx(0.5)
+    assert frontend.summarize([r.to_json() for r in recs]) == s
+
+
+def test_cli_agent_frontend_reports_program_latency_and_identical_outputs(tmp_path):
+    """--workload agent-frontend runs the programs against both servers, prints latency ratios and
+    whether the greedy outputs matched, and plots P99 program latency against rate."""
+    from sglang_swift.loadgen import cli
+
+    async def go(url):
+        a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",
+                                           "--workload", "agent-frontend", "--rates", "1000", "--out", str(tmp_path)])
+        cli._apply_quick(a)
+        a.think_mean = 0.0
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, cli.run, a, {"off": url, "on": url})
+
+    results, _ = asyncio.run(_with_server(go))
+    lines = cli.report(results, tmp_path)
+    assert all(r["summary"]["errors"] == 0 and r["summary"]["ok"] == 4 for r in results["runs"])
+    assert any(line.startswith("== ratios on/off") and line.endswith("identical greedy outputs: True")
+               for line in lines)
+    assert (tmp_path / "p99_program_latency_vs_rate.png").stat().st_size > 0

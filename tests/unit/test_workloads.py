@@ -99,3 +99,22 @@ def test_text_agent_sessions_share_the_system_prompt_only_when_asked():
     own = agent_sessions(LOADGEN_AGENT, 4)
     assert len({s.system for s in shared}) == 1
     assert len({s.system for s in own}) == 4
+
+
+def test_frontend_programs_group_the_text_sessions_tool_results_into_parallel_steps():
+    """Agent programs carry the text session's system prompt, task and every tool result in order,
+    `fanout` per step; each step waits for its slowest call; gen_calls counts plan, notes, decisions."""
+    from sglang_swift.workloads.frontend_programs import agent_programs
+
+    spec = replace(LOADGEN_AGENT, steps_min=6, steps_max=6, seed=2)
+    sess = agent_sessions(spec, 1)[0]
+    prog = agent_programs(spec, 1, fanout=2)[0]
+    assert (prog.system, prog.task, prog.id) == (sess.system, sess.turns[0].user, sess.id)
+    assert [r for step in prog.steps for r in step] == [t.user for t in sess.turns[1:]]
+    assert [len(s) for s in prog.steps] == [2, 2, 1]
+    waits = [t.think_s for t in sess.turns]
+    assert prog.tool_wait_s == (max(waits[0:2]), max(waits[2:4]), waits[4])
+    assert prog.gen_calls == 1 + 5 + 3 and prog.max_tokens == spec.output_max
+    assert prog.as_kwargs()["steps"] == [list(s) for s in prog.steps]
+    with pytest.raises(ValueError, match="fanout must be >= 1"):
+        agent_programs(spec, 1, fanout=0)
