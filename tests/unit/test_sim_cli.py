@@ -14,7 +14,7 @@ def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_p
     is given per donor load share; the old best-over-all-rates key is gone."""
     monkeypatch.setattr(cli, "QUICK", dict(rates=(0.5, 1.0, 2.0), window=60.0, refine_steps=2,
                                            donor_refine_steps=1, shares=(0.25, 0.5), slo_factors=(5.0,)))
-    monkeypatch.setattr(cli, "PAPER", replace(PAPER, drain_s=120.0))
+    monkeypatch.setitem(cli.SCENARIOS, PAPER.name, replace(PAPER, drain_s=120.0))
     monkeypatch.setattr(cli.gp, "donor_goodputs", lambda scn, *a, **k: ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]))
     assert cli.main(["--quick", "--out", str(tmp_path)]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -37,3 +37,15 @@ def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_p
     assert s["max_context_ratio"] > 1.0
     assert "SIMULATED" in (tmp_path / "tables.md").read_text()
     assert (tmp_path / "p99_ttft_vs_rate_paper-4xH20_chat.png").stat().st_size > 0
+
+
+def test_a_full_run_must_start_with_the_headline_scenario():
+    """--scenarios names known scenario/workload keys with the summary's one first; others are refused
+    with the list of choices."""
+    import pytest
+
+    for bad in ("8xH100/chat", "paper-4xH20/agent,paper-4xH20/chat", "paper-4xH20/chat,nowhere/chat"):
+        with pytest.raises(SystemExit, match="give paper-4xH20/chat first"):
+            cli._plan_keys(cli.build_parser().parse_args(["--scenarios", bad]))
+    a = cli.build_parser().parse_args([])
+    assert cli._plan_keys(a) == list(cli.FULL_DEFAULT)
