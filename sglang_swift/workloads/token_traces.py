@@ -1,8 +1,10 @@
 """Token-count traces for the simulator, rendered from a ChatWorkload or AgentWorkload (specs.py).
 
 A session is a start time and a list of turns (new input tokens, output tokens, wait after the
-answer). Start times and the turns are drawn from one stream, the start times first. Sessions end
-before their context passes the model's window (Qwen3: 32,768 tokens natively, model card).
+answer). Start times come from a stream of their own and the turns from the workload's seed, as
+text_sessions draws them: session i has the same turns at every arrival rate (only its start time
+scales with the rate), so a sweep over rates compares like with like. Sessions end before their
+context passes the model's window (Qwen3: 32,768 tokens natively, model card).
 """
 
 from __future__ import annotations
@@ -46,10 +48,15 @@ def _turn(d: DrawnTurn, extra_new_tokens: int = 0) -> TokenTurn:
     return TokenTurn(d.size + extra_new_tokens, d.output_tokens, d.think_s)
 
 
+def _start_times(seed: int, arrivals: Arrivals) -> list[float]:
+    # a stream apart from the turns': at rate r the k-th start is the rate-1 k-th start / r
+    return arrivals.start_times(random.Random(f"session-starts:{seed}"))
+
+
 def chat_traces(w: ChatWorkload, arrivals: Arrivals, sid_base: int = 0) -> list[TokenSession]:
     """One session per arrival, replaying ShareGPT conversations; empty sessions are dropped."""
     rng = random.Random(w.seed)
-    starts = arrivals.start_times(rng)
+    starts = _start_times(w.seed, arrivals)
     out = []
     for i, (st, conv) in enumerate(zip(starts, w.conversations(len(starts)))):
         turns = _fit([_turn(d) for d in w.draw_turns(conv, rng)])
@@ -64,7 +71,7 @@ def agent_traces(w: AgentWorkload, arrivals: Arrivals, sid_base: int = 0) -> lis
     rng = random.Random(w.seed)
     shared = w.draw_system_size(rng) if w.shared_system_prompt else 0
     out = []
-    for i, st in enumerate(arrivals.start_times(rng)):
+    for i, st in enumerate(_start_times(w.seed, arrivals)):
         system = shared if w.shared_system_prompt else w.draw_system_size(rng)
         drawn = w.draw_turns(rng)
         turns = _fit([_turn(d, system if k == 0 else 0) for k, d in enumerate(drawn)])

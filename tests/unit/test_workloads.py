@@ -65,7 +65,8 @@ def test_conversation_offset_skips_that_many_conversations():
 
 
 def test_text_sessions_and_token_traces_replay_the_same_chat():
-    """One ChatWorkload rendered both ways: same conversations, turns, prompt and answer sizes."""
+    """One ChatWorkload rendered both ways: same conversations, turns, prompt and answer sizes,
+    think times."""
     w = ChatWorkload(max_turns=3, min_turns=2, max_chars_per_message=2000, think_mean_s=1.0, seed=2)
     text = chat_sessions(w, 6)
     traces = chat_traces(w, Arrivals(rate=1.0, count=6))
@@ -73,6 +74,20 @@ def test_text_sessions_and_token_traces_replay_the_same_chat():
     for s, tr in zip(text, traces):
         assert [tokens_in(t.user) for t in s.turns] == [t.new_tokens for t in tr.turns]
         assert [t.max_tokens for t in s.turns] == [t.output_tokens for t in tr.turns]
+        assert [t.think_s for t in s.turns] == [t.think_s for t in tr.turns]
+
+
+def test_token_traces_keep_each_sessions_turns_at_every_rate():
+    """Session i has the same turns at every arrival rate; its start time scales as 1 / rate."""
+    w = ChatWorkload(max_turns=4, think_mean_s=10.0, seed=3)
+    slow = chat_traces(w, Arrivals(rate=0.5, window_s=400.0))
+    fast = chat_traces(w, Arrivals(rate=2.0, window_s=400.0))
+    assert len(fast) > len(slow) > 10
+    for a, b in zip(slow, fast):
+        assert a.turns == b.turns and a.sid == b.sid
+        assert b.start == pytest.approx(a.start / 4)
+    agents = [agent_traces(replace(SIM_AGENT, seed=1), Arrivals(rate=r, window_s=300.0)) for r in (0.1, 0.3)]
+    assert [s.turns for s in agents[0]] == [s.turns for s in agents[1][:len(agents[0])]]
 
 
 def test_agent_traces_share_one_system_prompt_and_fit_the_context():
