@@ -72,7 +72,7 @@ class LRUEviction:
     def device_priority(self, node: Any, tree: "RadixTree") -> float:
         return node.last_access
 
-    def tier_priority(self, node: Any, tier: str, tree: "RadixTree") -> float:
+    def tier_priority(self, node: Any, tier: str, tree: "RadixTree", pending: Any = None) -> float:
         return node.last_access
 
 
@@ -103,10 +103,13 @@ class CostAwareEviction:
     def device_priority(self, node: Any, tree: "RadixTree") -> float:
         return reuse_estimate(node, tree) * self._fallback_cost(node, DEVICE, tree)
 
-    def tier_priority(self, node: Any, tier: str, tree: "RadixTree") -> float:
-        if DEVICE in node.res:
+    def tier_priority(self, node: Any, tier: str, tree: "RadixTree", pending: Any = None) -> float:
+        """`pending`: the destination in `tier` of a store in flight for `node` (which is
+        leaving the device), priced as the copy it becomes."""
+        if pending is None and DEVICE in node.res:
             return -1.0  # dropping a lower copy of a device-resident node loses nothing now
-        now = self.cost.residency_cost(tier, node.res[tier], tree)
+        copy = node.res[tier] if pending is None else pending
+        now = self.cost.residency_cost(tier, copy, tree)
         return reuse_estimate(node, tree) * (self._fallback_cost(node, tier, tree) - now)
 
 

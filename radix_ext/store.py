@@ -23,6 +23,9 @@ from radix_ext.residency import DEVICE
 from radix_ext.results import Released, StoreOutcome, StoreTicket, Transfer
 
 
+UNDECIDED = "undecided"  # `_leaving` value of the victim whose fate evict_device is deciding
+
+
 class StoreMixin:
     def complete_store(self, ticket: StoreTicket) -> StoreOutcome:
         """The copy of `ticket` finished: its lower copy is real now (replacing any older copy
@@ -66,13 +69,36 @@ class StoreMixin:
                              transfer=Transfer(DEVICE, dev, tier, dst))
         self._next_ticket += 1
         self._stores[ticket.ticket_id] = ticket
+        self._fresh[x] = ticket  # begun in the running eviction (see `_fresh_candidate`)
         self._leaving[x] = ticket
         x.pins += 1  # the store's pin; the departure holds another
         steps.append(ticket)
 
-    def _depart(self, x: Any) -> None:
-        """Mark the device leaf `x` leaving (it was unlocked and evictable)."""
+    def _cancel_store(self, ticket: StoreTicket, steps: list) -> bool:
+        """Making room drops the destination of a store begun in the running eviction: the copy
+        moves down to another tier with free room (device to there, directly), else the node
+        leaves with the copies it has, or none. Returns whether the node left the tree."""
+        x = ticket.node
+        del self._stores[ticket.ticket_id]
+        del self._fresh[x]
+        x.pins -= 1
         self._leaving[x] = None
+        self.tiers[ticket.dst_tier].free(ticket.dst)
+        if len(x.res) == 1:  # no other copy: one-phase eviction cascaded the fresh copy
+            for target, pref in self.demotion.targets(x, self):
+                if target != ticket.dst_tier and target in self.tiers:
+                    moved = self.tiers[target].alloc(ticket.num_tokens, pref)
+                    if moved is not None:
+                        self._begin_store(x, ticket.src, target, moved, steps)
+                        return False
+        parent = x.parent
+        self._leave(x, steps)
+        return parent.children.get(x.ck) is not x
+
+    def _depart(self, x: Any) -> None:
+        """Mark the device leaf `x` leaving (it was unlocked and evictable); until its fate is
+        decided it is UNDECIDED, so nothing settles it meanwhile."""
+        self._leaving[x] = UNDECIDED
         x.pins += 1
         n = len(x.key)
         self.dev_evictable -= n

@@ -6,7 +6,8 @@ import heapq
 from typing import Any
 
 from radix_ext.residency import DEVICE
-from radix_ext.results import EvictionPlan, MakeRoomResult, Released, Transfer
+from radix_ext.results import EvictionPlan, MakeRoomResult, Released, StoreTicket, Transfer
+from radix_ext.store import UNDECIDED
 
 
 class TieringMixin:
@@ -24,6 +25,7 @@ class TieringMixin:
         children leaves (or is dropped) once they have. Nothing locked or in flight is touched.
         """
         pol = self.eviction
+        self._fresh = {}
         heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
         heapq.heapify(heap)
         steps: list = []
@@ -45,12 +47,16 @@ class TieringMixin:
                 demoted += n  # kept the lower copy it had: no better target took it
             else:
                 dropped += n
-            if self._leaving[x] is None:  # no store: leaves now, or once its children have
+            if self._leaving[x] is UNDECIDED:  # no store: leaves now, or once its children have
+                self._leaving[x] = None
                 self._leave(x, steps)
             self._refresh_leaf(parent)
             if parent in self._dev_leaves:
                 heapq.heappush(heap, (pol.device_priority(parent, self), parent.id, parent))
         self._room_hint = 0
+        self._fresh = {}
+        # stores cancelled to make room in this pass never reach the caller
+        steps = [s for s in steps if type(s) is not StoreTicket or s.ticket_id in self._stores]
         return EvictionPlan(evicted, demoted, dropped, tuple(steps))
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
@@ -135,6 +141,13 @@ class TieringMixin:
             lowest = min(lowest, prio)
             if prio < bar:
                 heap.append((prio, x.id, x))
+        for x in self._fresh:
+            dst = self._fresh_candidate(x, tier, keys, exclude)
+            if dst is not None:
+                prio = pol.tier_priority(x, tier, self, dst)
+                lowest = min(lowest, prio)
+                if prio < bar:
+                    heap.append((prio, x.id, x))
         if not heap:
             self._room_floor[floor_key] = (state, lowest)
             return MakeRoomResult()
@@ -143,24 +156,49 @@ class TieringMixin:
         freed = 0
         while freed < goal and heap:
             _, _, x = heapq.heappop(heap)
-            if x not in members or x.pins or not (len(x.res) > 1 or not x.children):
+            parent = x.parent
+            dst = self._fresh_candidate(x, tier, keys, exclude)
+            if dst is not None:
+                freed += dst.num_tokens(page)
+                gone = self._cancel_store(self._fresh[x], steps)
+            else:
+                if x not in members or x.pins or not (len(x.res) > 1 or not x.children):
+                    continue
+                res = self._pop_res(x, tier)
+                freed += res.num_tokens(page)
+                if not x.res:
+                    self._cascade(x, tier, res, steps)
+                t.free(res)
+                steps.append(Released(tier, res))
+                gone = not x.res
+                if gone:
+                    del parent.children[x.ck]
+                    self._refresh_leaf(parent)
+            if not gone:
                 continue
-            res = self._pop_res(x, tier)
-            freed += res.num_tokens(page)
-            if not x.res:
-                self._cascade(x, tier, res, steps)
-            t.free(res)
-            steps.append(Released(tier, res))
-            if not x.res:
-                parent = x.parent
-                del parent.children[x.ck]
-                self._refresh_leaf(parent)
-                if (parent in members and not parent.pins and not parent.children and (
-                        keys is None or (parent.res[tier].donor, parent.res[tier].lease) in keys)):
-                    prio = pol.tier_priority(parent, tier, self)
-                    if prio < bar:
-                        heapq.heappush(heap, (prio, parent.id, parent))
+            dst = self._fresh_candidate(parent, tier, keys, exclude)
+            if dst is not None or (parent in members and not parent.pins and not parent.children
+                                   and (keys is None or (parent.res[tier].donor,
+                                                         parent.res[tier].lease) in keys)):
+                prio = pol.tier_priority(parent, tier, self, dst)
+                if prio < bar:
+                    heapq.heappush(heap, (prio, parent.id, parent))
         return MakeRoomResult(tuple(steps), freed)
+
+    def _fresh_candidate(self, x: Any, tier: str, keys: Any, exclude: Any) -> Any:
+        """The destination in `tier` of a store begun by the running eviction for `x`, if making
+        room may drop it (else None). Its copy was never handed out: dropping it cancels the
+        store, as a one-phase eviction dropped the fresh copy. The same rule as for copies held:
+        a node keeps a copy that no other copy covers while it has children."""
+        ticket = self._fresh.get(x)
+        if ticket is None or ticket.dst_tier != tier or x is exclude:
+            return None
+        if not (len(x.res) > 1 or not x.children):  # x.res: its device copy and any others
+            return None
+        dst = ticket.dst
+        if keys is not None and (dst.donor, dst.lease) not in keys:
+            return None
+        return dst
 
     def _cascade(self, x: Any, tier: str, res: Any, steps: list) -> None:
         """A copy pushed out of `tier` moves down to the first other tier, in demotion order,

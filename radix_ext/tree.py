@@ -97,6 +97,7 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         self.dev_leaving = 0
         self._dev_leaves: set[Node] = set()
         self._leaving: dict = {}  # leaving node -> its StoreTicket in flight, or None
+        self._fresh: dict = {}  # node -> store begun by the running evict_device (else empty)
         self._in_tier: dict[str, set[Node]] = {name: set() for name in self.tiers}
         self._tickets: dict = {}  # load tickets in flight, by id
         self._stores: dict = {}  # store tickets in flight, by id (ids shared with loads)

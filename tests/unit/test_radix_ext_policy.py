@@ -11,6 +11,14 @@ def tree(**kw) -> RadixTree:
     return RadixTree(TreeConfig(**kw))
 
 
+def evict(t: RadixTree, n: int):
+    """`evict_device`, then every store completes at once (as if each copy ran); the plan."""
+    plan = t.evict_device(n)
+    for ticket in plan.stores:
+        assert t.complete_store(ticket).ok
+    return plan
+
+
 def fill(t: RadixTree, *keys):
     """Insert each key with fresh slots; returns the leaf node of each."""
     nodes, nxt = [], 0
@@ -28,7 +36,7 @@ def test_lru_evicts_least_recently_used_leaf_first():
     t = tree()
     a, b, c = fill(t, [1, 1], [2, 2], [3, 3])
     t.match([1, 1])  # a is now the most recent
-    plan = t.evict_device(2)
+    plan = evict(t, 2)
     assert [r.residency.indices.tolist() for r in plan.released] == [[2, 3]]  # b went
     assert DEVICE in a.res and DEVICE not in b.res and DEVICE in c.res
     t.check_integrity()
@@ -38,10 +46,10 @@ def test_lru_never_evicts_a_locked_path():
     t = tree()
     a, b = fill(t, [1, 1], [2, 2])
     t.lock(a)
-    plan = t.evict_device(10)
+    plan = evict(t, 10)
     assert plan.num_evicted == 2 and DEVICE in a.res
     t.unlock(a)
-    assert t.evict_device(10).num_evicted == 2
+    assert evict(t, 10).num_evicted == 2
     t.check_integrity()
 
 
@@ -49,10 +57,10 @@ def test_tiered_demotes_to_donor_then_host_then_drops():
     t = tree(donor=True, host_capacity=2)
     t.donor.add_lease("d", 0, 1, 2)
     a, b, c = fill(t, [1, 1], [2, 2], [3, 3])
-    plan = t.evict_device(6)
-    where = [s.dst_tier for s in plan.copies]
-    assert where[:2] == [DONOR, HOST], where
-    assert (plan.demoted, plan.dropped) == (4, 2) or len(where) > 2  # third: room made, or dropped
+    where = [[s.dst_tier for s in evict(t, 2).copies] for _ in range(2)]
+    assert where == [[DONOR], [HOST]], where
+    plan = evict(t, 2)  # third: room made (the older copy goes), or dropped
+    assert (plan.demoted, plan.dropped) == (0, 2) or [s.dst_tier for s in plan.copies] == [DONOR]
     t.check_integrity()
 
 
@@ -60,9 +68,10 @@ def test_tiered_makes_room_in_a_full_donor_rather_than_dropping():
     t = tree(donor=True)
     t.donor.add_lease("d", 0, 1, 2)
     fill(t, [1, 1], [2, 2])
-    plan = t.evict_device(4)
-    assert plan.dropped == 0 and [s.dst_tier for s in plan.copies] == [DONOR, DONOR]
-    assert t.match([2, 2]).prefix_len + t.match([1, 1]).prefix_len == 2  # the older copy went
+    plan = evict(t, 4)
+    # the older victim's store is cancelled to make room: its copy is never made, then dropped
+    assert plan.dropped == 0 and [s.dst_tier for s in plan.copies] == [DONOR]
+    assert t.match([2, 2]).prefix_len == 2 and t.match([1, 1]).prefix_len == 0
     t.check_integrity()
 
 
@@ -77,13 +86,13 @@ def test_cost_aware_evicts_a_node_with_a_lower_copy_before_an_older_one_without(
     t = cost_tree()
     t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)  # full once `old` is on it
     old, new = fill(t, [1, 1], [2, 2])
-    t.evict_device(2)  # LRU would take `old` again next; demote it to the donor now
+    evict(t, 2)  # LRU would take `old` again next; demote it to the donor now
     m = t.match([1, 1])
     tk = t.begin_load_back(m.last_node, [10, 11])
     t.unlock(t.complete_load_back(tk).last_node)  # `old` back on device, with a donor copy
     t.match([2, 2])  # `new` is touched after `old`
     t.match([1, 1])  # ... and `old` after that: LRU would now evict `new`
-    plan = t.evict_device(2)
+    plan = evict(t, 2)
     assert not plan.copies, "the victim already had a donor copy: nothing to copy"
     assert DEVICE not in old.res and DEVICE in new.res
     t.check_integrity()
@@ -93,15 +102,15 @@ def test_cost_aware_keeps_prefixes_whose_only_copy_is_on_a_flaky_donor():
     t = cost_tree()
     t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.9)
     flaky, stable = fill(t, [1, 1], [2, 2])
-    t.evict_device(2)  # `flaky` (least recent) goes to the only donor there is
+    evict(t, 2)  # `flaky` (least recent) goes to the only donor there is
     t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
-    t.evict_device(2)  # `stable` goes to the stable donor
+    evict(t, 2)  # `stable` goes to the stable donor
     assert (flaky.res[DONOR].donor, stable.res[DONOR].donor) == ("flaky", "stable")
     for node, slots in ((flaky, [20, 21]), (stable, [30, 31])):
         t.unlock(t.complete_load_back(t.begin_load_back(node, slots)).last_node)
     t.match([1, 1])
     t.match([2, 2])  # the flaky-backed node is now the least recent: LRU would evict it
-    plan = t.evict_device(2)  # cost-aware evicts the stable-backed one, cheap to bring back
+    plan = evict(t, 2)  # cost-aware evicts the stable-backed one, cheap to bring back
     assert DEVICE in flaky.res and DEVICE not in stable.res and not plan.copies
     t.check_integrity()
 
@@ -111,14 +120,14 @@ def test_cost_aware_demotion_prefers_stable_donor_and_host_over_a_flaky_donor():
     t.donor.add_lease("flaky", 0, 1, 8, reclaim_hazard=0.9)
     t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
     fill(t, [1, 1], [2, 2], [3, 3])
-    plan = t.evict_device(2)
+    plan = evict(t, 2)
     assert plan.copies[0].dst.donor == "stable"
-    plan = t.evict_device(2)
+    plan = evict(t, 2)
     # stable is full; making room there would drop a copy worth more than the host's fetch cost
     assert plan.copies[-1].dst_tier in (DONOR, HOST)
     if plan.copies[-1].dst_tier == DONOR:
         assert plan.copies[-1].dst.donor == "stable"
-    plan = t.evict_device(2)
+    plan = evict(t, 2)
     assert all(c.dst_tier != DONOR or c.dst.donor != "flaky" for c in plan.copies)
     t.check_integrity()
 
@@ -127,14 +136,16 @@ def test_cost_aware_moves_a_victims_flaky_copy_to_a_stable_donor_with_room():
     t = cost_tree()
     t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.9)
     (node,) = fill(t, [1, 1])
-    t.evict_device(2)
+    evict(t, 2)
     assert node.res[DONOR].donor == "flaky"
     t.unlock(t.complete_load_back(t.begin_load_back(node, [5, 6])).last_node)
     t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
     plan = t.evict_device(2)
     assert [c.dst.donor for c in plan.copies] == ["stable"]
-    assert [r.residency.donor for r in plan.released if r.tier == DONOR] == ["flaky"]
-    assert t.donor.leases[("flaky", 0)].free_blocks and node.res[DONOR].donor == "stable"
+    assert node.res[DONOR].donor == "flaky", "the flaky copy stays until the new one is real"
+    released = t.complete_store(plan.stores[0]).released
+    assert [r.residency.donor for r in released if r.tier == DONOR] == ["flaky"]
+    assert len(t.donor.leases[("flaky", 0)].free_blocks) == 2 and node.res[DONOR].donor == "stable"
     t.check_integrity()
 
 
@@ -142,19 +153,19 @@ def test_lru_keeps_a_victims_existing_copy_whatever_donor_holds_it():
     t = tree(donor=True)
     t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.9)
     (node,) = fill(t, [1, 1])
-    t.evict_device(2)
+    evict(t, 2)
     t.unlock(t.complete_load_back(t.begin_load_back(node, [5, 6])).last_node)
     t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.0)
-    assert not t.evict_device(2).copies and node.res[DONOR].donor == "flaky"
+    assert not evict(t, 2).copies and node.res[DONOR].donor == "flaky"
 
 
 def test_cost_aware_room_making_drops_flaky_copies_first():
     t = cost_tree()
     t.donor.add_lease("flaky", 0, 1, 2, reclaim_hazard=0.8)
     fill(t, [1, 1], [2, 2])
-    t.evict_device(2)
+    evict(t, 2)
     t.donor.add_lease("stable", 0, 1, 2, reclaim_hazard=0.1)
-    t.evict_device(2)
+    evict(t, 2)
     t.match([1, 1])  # the flaky copy is the more recent one; LRU would drop the stable one
     made = t.make_room(DONOR, 2)
     assert {s.residency.donor for s in made.steps} == {"flaky"}
