@@ -1,0 +1,137 @@
+"""`scripts/bench_node.py`: the node benchmark with capacity-equal baselines.
+
+    python scripts/bench_node.py [--quick] [--out runs/node_bench] [--plot PNG]
+
+Two models on one node, three runs of the same traffic (see plan.py and traffic.py): (a) stock
+SGLang, (b) SwiftCache with the donor lending from its pool, (c) stock SGLang with what (b) lent
+moved into the busy server's own pool. Prints per run and model the cached tokens and TTFT (per
+turn for the busy model), whether every output equals stock's, the donor's reclaim, and last a
+JSON object (keys defined in report.summarize). Exit status 1 when an output differs from stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..tools.tiny_model import ensure_tiny_model
+from .plan import ModelFacts, NodePlan, ideal_run, stock_run, swiftcache_run
+from .report import (compare_outputs, format_run, plot_capacity, reclaim_view, run_tables,
+                     summarize)
+from .runner import run_one
+from .traffic import build_traffic
+
+OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction",
+             "burst_requests", "burst_fraction", "donor_requests", "server_threads")
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer conversations, turns and donor requests (about 5 minutes here)")
+    ap.add_argument("--out", type=Path, default=Path("runs/node_bench"),
+                    help="server logs and node_bench.json (every request) go here")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="the capacity plot (default: OUT/capacity.png)")
+    defaults = NodePlan()
+    for name in OVERRIDES:
+        kind = type(getattr(defaults, name))
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                        help=f"override the plan's {name} (default {getattr(defaults, name)}, "
+                             f"--quick {getattr(NodePlan.quick(), name)})")
+    args = ap.parse_args(argv)
+    plan = NodePlan.quick() if args.quick else NodePlan()
+    try:
+        plan = replace(plan, **{k: getattr(args, k) for k in OVERRIDES
+                                if getattr(args, k) is not None})
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args, plan
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the runs, so their servers are stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, plan = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    started = time.monotonic()
+    busy_model, donor_model = ensure_tiny_model(shape="small"), ensure_tiny_model(shape="tiny")
+    facts = {"busy": ModelFacts.from_dir(busy_model), "donor": ModelFacts.from_dir(donor_model)}
+    for role, f in facts.items():
+        print(f"{role} model  {f.describe()}")
+    traffic = build_traffic(plan, donor_model / "tokenizer.json")
+    max_borrow = plan.lendable_busy_tokens(facts["busy"], facts["donor"])
+    print(f"busy: {len(traffic.busy)} ShareGPT conversations x {plan.turns} turns "
+          f"({traffic.busy_requests} requests), pool {plan.busy_pool} tokens; donor: pool "
+          f"{plan.donor_pool} tokens, lends {plan.lend_fraction:.0%} (= {max_borrow} busy "
+          f"tokens), {plan.donor_requests} light requests, a burst of {plan.burst_requests} x "
+          f"{plan.burst_tokens_each} tokens", flush=True)
+
+    def run(spec):
+        print(f"[{spec.key}] {spec.name}: busy pool {spec.busy_pool}, donor pool "
+              f"{spec.donor_pool} ...", flush=True)
+        result = run_one(spec, plan, busy_model, donor_model, traffic, args.out, max_borrow)
+        print(f"[{spec.key}] done in {result.wall_s:.0f}s (start-up {result.startup_s}, lease "
+              f"wait {result.lease_wait_s:.1f}s, load average {result.loadavg[1][0]:.2f})",
+              flush=True)
+        return result
+
+    runs = {"a": run(stock_run(plan)), "b": run(swiftcache_run(plan))}
+    b = runs["b"]
+    runs["c"] = run(ideal_run(plan,
+                              int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
+                              int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)))
+
+    tables = {k: run_tables(r.records) for k, r in runs.items()}
+    outputs = {k: compare_outputs(runs["a"].records, r.records) for k, r in runs.items()}
+    reclaim = reclaim_view(b.sampler, b.marks.burst_start)
+    latency = round(b.reclaim_latency_sum_s / b.reclaims, 4) if b.reclaims else None
+    summary = summarize(tables, outputs, reclaim, latency)
+    summary.update(
+        reclaims=b.reclaims, donor_full_after_burst_s=reclaim["full_after_s"],
+        pools={k: r.pools for k, r in runs.items()},
+        busy_flops_per_kv_byte=round(facts["busy"].flops_per_kv_byte),
+        donor_flops_per_kv_byte=round(facts["donor"].flops_per_kv_byte),
+        loadavg_1min={k: [round(r.loadavg[0][0], 2), round(r.loadavg[1][0], 2)]
+                      for k, r in runs.items()},
+        wall_s=round(time.monotonic() - started), quick=args.quick,
+        date=datetime.date.today().isoformat(), device=f"CPU only ({os.cpu_count()} cores)")
+
+    print(f"\nTimings on {platform.machine()} CPU; busy model "
+          f"{facts['busy'].flops_per_kv_byte / 1e3:.2f} kFLOP per KV byte, donor "
+          f"{facts['donor'].flops_per_kv_byte / 1e3:.2f} kFLOP per KV byte")
+    for key, r in runs.items():
+        print(format_run(f"({key}) {r.spec.name}: busy pool {r.pools['busy']}, donor pool "
+                         f"{r.pools['donor']}", tables[key]))
+        print(f"outputs equal to (a): {outputs[key]['matched']}/{outputs[key]['compared']}")
+        for role, lines in r.alerts.items():
+            for line in lines:
+                print(f"  log alert ({role}): {line}")
+    print(f"donor reclaim in (b): {b.reclaims} reclaim(s), latency {latency} s (demand to last "
+          f"page back); lent at the burst {reclaim['lent_at_burst']}, usable back to the whole "
+          f"pool {reclaim['full_after_s']} s after the burst began (sampled)")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot = args.plot or args.out / "capacity.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    plot_capacity(plot, runs, facts)
+    detail = {"summary": summary, "plan": plan.__dict__, "reclaim": reclaim, "tables": tables,
+              "outputs": outputs,
+              "capacity": {k: r.sampler.samples for k, r in runs.items()},
+              "marks": {k: r.marks.__dict__ for k, r in runs.items()},
+              "records": {k: {s: [x.to_json() for x in recs] for s, recs in r.records.items()}
+                          for k, r in runs.items()},
+              "ctl_status": b.ctl_status}
+    (args.out / "node_bench.json").write_text(json.dumps(detail, indent=1, default=str))
+    print(f"plot: {plot}; every request: {args.out / 'node_bench.json'}")
+    print(json.dumps(summary))
+    return 0 if summary["identical"] else 1

@@ -1,0 +1,170 @@
+"""What the node benchmark reports: outputs against stock, cached tokens, TTFT, the reclaim, the
+JSON summary (its keys defined in `summarize`) and the capacity plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..loadgen.stats import pct
+from ..tools.demo import per_turn_table
+
+STREAMS = ("busy", "donor", "burst")  # traffic.drive's record streams
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num / den rounded to 3 places; None when either is missing or den is 0."""
+    if num is None or not den:
+        return None
+    return round(num / den, 3)
+
+
+def compare_outputs(base: dict[str, list], other: dict[str, list]) -> dict:
+    """Every request of `base` looked up in `other` by (stream, session, turn), texts compared.
+    A request missing from `other` counts as a mismatch."""
+    theirs = {(s, r.session, r.turn): r.text for s in STREAMS for r in other.get(s, [])}
+    mismatches = [(s, r.session, r.turn) for s in STREAMS for r in base.get(s, [])
+                  if theirs.get((s, r.session, r.turn)) != r.text]
+    compared = sum(len(base.get(s, [])) for s in STREAMS)
+    return {"compared": compared, "matched": compared - len(mismatches),
+            "mismatches": [list(m) for m in mismatches]}
+
+
+def stream_stats(records: list) -> dict:
+    """Requests, prompt and cached tokens, TTFT P50 / P99 in ms (None without requests)."""
+    ttft = [r.ttft * 1e3 for r in records if r.ttft is not None]
+    p50, p99 = pct(ttft, 50), pct(ttft, 99)
+    return {"requests": len(records),
+            "prompt_tokens": sum(r.prompt_tokens or 0 for r in records),
+            "cached_tokens": sum(r.cached_tokens or 0 for r in records),
+            "ttft_p50_ms": None if p50 is None else round(p50, 1),
+            "ttft_p99_ms": None if p99 is None else round(p99, 1)}
+
+
+def run_tables(records: dict[str, list]) -> dict:
+    """Per stream, the donor's two streams together (`donor_all`), and the busy model per turn."""
+    out = {s: stream_stats(records.get(s, [])) for s in STREAMS}
+    out["donor_all"] = stream_stats(records.get("donor", []) + records.get("burst", []))
+    out["busy_per_turn"] = per_turn_table(records.get("busy", []))
+    return out
+
+
+def reclaim_view(sampler: Any, burst_start: float | None) -> dict:
+    """The donor's capacity around the burst, from its sampled gauges: what it had lent when the
+    burst began, whether its usable capacity came back to its whole pool afterwards, and when
+    (sampled: gauges are updated once a second, so this is an upper bound with ~1 s slack)."""
+    pool = sampler.peak("donor", "swiftcache_kv_pool_tokens")
+    lent = sampler.series("donor", "swiftcache_lent_tokens")
+    usable = sampler.series("donor", "swiftcache_usable_tokens")
+    view = {"pool_tokens": pool, "lent_at_burst": None, "full_after_burst": False,
+            "full_after_s": None, "max_lent_tokens": sampler.peak("donor", "swiftcache_lent_tokens")}
+    if pool is None or burst_start is None:
+        return view
+    before = [v for t, v in lent if t <= burst_start]
+    view["lent_at_burst"] = before[-1] if before else None
+    back = [t for t, v in usable if t >= burst_start and v >= pool]
+    if back:
+        view["full_after_burst"] = True
+        view["full_after_s"] = round(back[0] - burst_start, 2)
+    return view
+
+
+def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
+              reclaim_latency_s: float | None) -> dict:
+    """The JSON summary. `tables`, `outputs` are keyed by run ("a" stock, "b" SwiftCache,
+    "c" ideal); `outputs[x]` compares run x to run a. Keys:
+    identical             every busy and donor output of (b) and (c) equals (a)'s, request by request
+    busy_cached_ratio     cached tokens of the busy model, (b) / (a)
+    busy_cached_vs_ideal  the same, (b) / (c)
+    busy_ttft_p99_ratio   TTFT P99 over all busy requests, (b) / (a)
+    busy_ttft_p99_vs_ideal  the same, (b) / (c)
+    donor_ttft_p99_ratio  TTFT P99 over all donor requests (light and burst), (b) / (a)
+    reclaimed             in (b) the donor had pages lent when its burst began, and its usable
+                          capacity was back to its whole pool at a sample after that"""
+    busy = {k: t["busy"] for k, t in tables.items()}
+    donor = {k: t["donor_all"] for k, t in tables.items()}
+    identical = {"b", "c"} <= outputs.keys() and all(
+        o["matched"] == o["compared"] > 0 for k, o in outputs.items() if k != "a")
+
+    def get(stats: dict, run: str, key: str):
+        return stats.get(run, {}).get(key)
+
+    return {
+        "identical": identical,
+        "busy_cached_ratio": ratio(get(busy, "b", "cached_tokens"), get(busy, "a", "cached_tokens")),
+        "busy_cached_vs_ideal": ratio(get(busy, "b", "cached_tokens"),
+                                      get(busy, "c", "cached_tokens")),
+        "busy_ttft_p99_ratio": ratio(get(busy, "b", "ttft_p99_ms"), get(busy, "a", "ttft_p99_ms")),
+        "busy_ttft_p99_vs_ideal": ratio(get(busy, "b", "ttft_p99_ms"),
+                                        get(busy, "c", "ttft_p99_ms")),
+        "donor_ttft_p99_ratio": ratio(get(donor, "b", "ttft_p99_ms"),
+                                      get(donor, "a", "ttft_p99_ms")),
+        "reclaimed": bool(reclaim.get("lent_at_burst")) and reclaim.get("full_after_burst", False),
+        "reclaim_latency_s": reclaim_latency_s,
+        "busy_cached_tokens": {k: v["cached_tokens"] for k, v in busy.items()},
+        "busy_ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in busy.items()},
+        "donor_ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in donor.items()},
+        "outputs_matched": {k: f"{o['matched']}/{o['compared']}" for k, o in outputs.items()},
+    }
+
+
+def format_run(name: str, tables: dict) -> str:
+    head = f"{'stream':<10}{'reqs':>5}{'prompt tok':>11}{'cached tok':>11}{'TTFT p50 ms':>12}" \
+           f"{'TTFT p99 ms':>12}"
+    lines = [f"== {name} ==", head]
+    for stream in ("busy", "donor", "burst", "donor_all"):
+        s = tables[stream]
+        lines.append(f"{stream:<10}{s['requests']:>5}{s['prompt_tokens']:>11}"
+                     f"{s['cached_tokens']:>11}{_num(s['ttft_p50_ms']):>12}"
+                     f"{_num(s['ttft_p99_ms']):>12}")
+    lines.append("busy model per turn:")
+    lines.append(f"{'turn':>6}{'reqs':>5}{'prompt tok':>11}{'cached tok':>11}{'TTFT p50 ms':>12}"
+                 f"{'TTFT p99 ms':>12}")
+    for r in tables["busy_per_turn"]:
+        lines.append(f"{r['turn']:>6}{r['requests']:>5}{r['prompt_tokens']:>11}"
+                     f"{r['cached_tokens']:>11}{_num(r['ttft_p50_ms']):>12}"
+                     f"{_num(r['ttft_p99_ms']):>12}")
+    return "\n".join(lines)
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def plot_capacity(path, runs: dict[str, Any], facts: dict[str, Any]) -> None:
+    """Donor usable / lent tokens over time in (b) against the donor pools of (a) and (c), and the
+    busy server's borrowed and donor-tier tokens (its own tokens); the burst shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = runs["b"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, label in (("swiftcache_usable_tokens", "donor usable (b)"),
+                        ("swiftcache_lent_tokens", "donor lent (b)")):
+        pts = b.sampler.series("donor", name)
+        top.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label)
+    for key, style in (("a", ":"), ("c", "--")):
+        if key in runs:
+            top.axhline(runs[key].pools["donor"], linestyle=style, color="gray",
+                        label=f"donor pool ({key}, stock)")
+    for name, label in (("swiftcache_borrowed_tokens", "busy: borrowed (b)"),
+                        ("swiftcache_donor_tier_tokens", "busy: cached in donor memory (b)")):
+        pts = b.sampler.series("busy", name)
+        bottom.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label)
+    if b.marks.burst_start is not None and b.marks.burst_end is not None:
+        for ax in (top, bottom):
+            ax.axvspan(b.marks.burst_start, b.marks.burst_end, color="orange", alpha=0.2,
+                       label="donor burst")
+    top.set_ylabel(f"donor tokens ({facts['donor'].kv_bytes_per_token} B)")
+    bottom.set_ylabel(f"busy tokens ({facts['busy'].kv_bytes_per_token} B)")
+    bottom.set_xlabel("seconds since the traffic started")
+    top.set_title(f"Donor capacity over time, SwiftCache run (CPU). busy "
+                  f"{facts['busy'].flops_per_kv_byte / 1e3:.1f} kFLOP/KV byte, donor "
+                  f"{facts['donor'].flops_per_kv_byte / 1e3:.1f} kFLOP/KV byte", fontsize=9)
+    for ax in (top, bottom):
+        ax.legend(fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

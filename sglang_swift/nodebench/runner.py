@@ -1,0 +1,146 @@
+"""One run of the node benchmark: start both servers, wait for the lease (SwiftCache), drive the
+traffic while a sampler watches `/metrics`, keep watching `plan.settle_s` more, stop both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..loadgen.client import RequestRecord
+from ..tools.demo import ctl, wait_for_lease
+from ..tools.local_server import LocalServer
+from .observe import CapacitySampler, scrape
+from .plan import NodePlan, RunSpec
+from .traffic import Marks, Traffic, drive
+
+LEASE_TIMEOUT_S = 180.0
+STARTUP_TIMEOUT_S = 600.0  # two servers starting side by side took 85-100 s each at load ~10
+# log lines worth reporting when a server misbehaves (tracebacks, errors, SwiftCache faults)
+ALERT = re.compile(r"Traceback|\bERROR\b|Exception|lost \(|cannot use the lease|never lent|leak")
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    records: dict[str, list[RequestRecord]]
+    marks: Marks
+    sampler: CapacitySampler
+    pools: dict[str, int]  # what each server reports as its KV pool (max_total_num_tokens)
+    startup_s: dict[str, float]
+    lease_wait_s: float
+    wall_s: float
+    loadavg: tuple[tuple[float, float, float], tuple[float, float, float]]  # before, after
+    reclaims: int = 0
+    reclaim_latency_sum_s: float = 0.0
+    ctl_status: list = field(default_factory=list)
+    alerts: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _pool_of(server: LocalServer) -> int:
+    with urllib.request.urlopen(server.base_url + "/server_info", timeout=30) as r:
+        return int(json.loads(r.read())["max_total_num_tokens"])
+
+
+def _start_both(servers: list[LocalServer]) -> None:
+    """Start the servers side by side (each start blocks until healthy); raise the first
+    failure after both attempts ended."""
+    errors: list[BaseException] = []
+
+    def start(server: LocalServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the join
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _wait_borrowed(busy: LocalServer, timeout_s: float) -> None:
+    """Until the busy server's gauge shows its borrowed tokens, and two readings a gauge period
+    apart agree (the lease is complete: a stable operating point to measure from)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        value = (scrape(busy.base_url) or {}).get("swiftcache_borrowed_tokens", 0.0)
+        if value > 0 and value == last:
+            return
+        last = value
+        time.sleep(1.1)  # the gauge is updated once a second
+    raise RuntimeError(f"the busy server's borrowed tokens did not settle within {timeout_s:.0f}s"
+                       f" (last {last}); see {busy.log_path}")
+
+
+def alerts_in(log_text: str, limit: int = 20) -> list[str]:
+    """The log lines a reader must see (errors, tracebacks, refused or lost donor memory)."""
+    return [line for line in log_text.splitlines() if ALERT.search(line)][:limit]
+
+
+def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
+            traffic: Traffic, out_dir: Path, max_borrow_blocks: int) -> RunResult:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rendezvous = tempfile.mkdtemp(prefix=f"nodebench-{spec.key}-")  # private, 0700
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads)}
+    busy = LocalServer(busy_model, swiftcache=spec.swiftcache, max_total_tokens=spec.busy_pool,
+                       extra_args=spec.busy_args(plan, rendezvous, max_borrow_blocks),
+                       log_path=out_dir / f"{spec.name}-busy.log", env=env,
+                       startup_timeout_s=STARTUP_TIMEOUT_S)
+    donor = LocalServer(donor_model, swiftcache=spec.swiftcache,
+                        max_total_tokens=spec.donor_pool,
+                        extra_args=spec.donor_args(plan, rendezvous),
+                        log_path=out_dir / f"{spec.name}-donor.log", env=env,
+                        startup_timeout_s=STARTUP_TIMEOUT_S)
+    t_start = time.monotonic()
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, rendezvous, True)
+        stack.callback(donor.stop)
+        stack.callback(busy.stop)
+        _start_both([busy, donor])
+        t_ready = time.monotonic()
+        if spec.swiftcache:
+            wait_for_lease(rendezvous, timeout_s=LEASE_TIMEOUT_S)
+            _wait_borrowed(busy, LEASE_TIMEOUT_S)
+        lease_wait_s = time.monotonic() - t_ready
+        pools = {"busy": _pool_of(busy), "donor": _pool_of(donor)}
+        load_before = os.getloadavg()
+        marks = Marks(t0=time.perf_counter())
+        with CapacitySampler({"busy": busy.base_url, "donor": donor.base_url},
+                             plan.sample_interval_s, marks.t0) as sampler:
+            records = asyncio.run(drive(busy.base_url, donor.base_url, traffic, plan, marks))
+            time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
+        for server in (busy, donor):
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{server.log_path.name}: the server exited during the run "
+                                   f"(code {server.proc.returncode}):\n{server.log_tail(40)}")
+        final = scrape(donor.base_url) or {}
+        status = []
+        if spec.swiftcache:
+            try:
+                status = json.loads(ctl(rendezvous, json_out=True))
+            except ValueError:
+                status = []
+        result = RunResult(
+            spec=spec, records=records, marks=marks, sampler=sampler, pools=pools,
+            startup_s={"busy": busy.startup_s, "donor": donor.startup_s},
+            lease_wait_s=lease_wait_s, wall_s=time.monotonic() - t_start,
+            loadavg=(load_before, os.getloadavg()),
+            reclaims=int(final.get("swiftcache_reclaim_latency_seconds_count", 0)),
+            reclaim_latency_sum_s=final.get("swiftcache_reclaim_latency_seconds_sum", 0.0),
+            ctl_status=status,
+            alerts={"busy": alerts_in(busy.log_text()), "donor": alerts_in(donor.log_text())})
+    return result

@@ -1,0 +1,167 @@
+"""The node benchmark's traffic: the same requests in every run, sent by one async driver.
+
+- busy model: `plan.conversations` real ShareGPT conversations, interleaved turn by turn (each
+  conversation's history is evicted before its next turn once the histories outgrow the pool),
+  one request at a time, each turn carrying the whole history with the model's own answers;
+- donor, light: `plan.donor_requests` chat turns of its own ShareGPT conversations, one every
+  `plan.donor_interval_s` (or later, if the previous one is still running);
+- donor, burst: `plan.burst_requests` concurrent requests, each one long ShareGPT message cut to
+  `plan.burst_tokens_each` tokens, sent when half of the busy requests are done.
+Every request is greedy (temperature 0) with a fixed output length, so outputs can be compared
+across runs request by request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..loadgen.client import RequestRecord, chat
+from ..workloads.sharegpt import Conversation, load_conversations
+from .plan import NodePlan
+
+BURST_SCAN = 400  # conversations searched, in file order, for messages long enough to burst
+
+
+@dataclass(frozen=True)
+class Traffic:
+    busy: tuple[Conversation, ...]
+    donor: tuple[Conversation, ...]
+    burst: tuple[str, ...]  # one user message per burst request
+
+    @property
+    def busy_requests(self) -> int:
+        return sum(len(c.turns) for c in self.busy)
+
+
+def build_traffic(plan: NodePlan, tokenizer_json: Path) -> Traffic:
+    """Pick the conversations and burst prompts (deterministic: ShareGPT file order)."""
+    from tokenizers import Tokenizer
+
+    busy = load_conversations(plan.conversations, min_turns=plan.turns,
+                              max_chars_per_message=plan.max_chars)
+    busy = [Conversation(c.id, c.turns[:plan.turns]) for c in busy]
+    donor_turns = math.ceil(plan.donor_requests / plan.donor_conversations)
+    taken = {c.id for c in busy}
+    donor = [c for c in load_conversations(plan.conversations + plan.donor_conversations + 50,
+                                           min_turns=donor_turns,
+                                           max_chars_per_message=plan.max_chars)
+             if c.id not in taken][:plan.donor_conversations]
+    if len(donor) < plan.donor_conversations:
+        raise RuntimeError(f"found {len(donor)} ShareGPT conversations with {donor_turns} turns "
+                           f"for the donor, need {plan.donor_conversations}")
+    taken |= {c.id for c in donor}
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    burst = long_messages(load_conversations(BURST_SCAN), taken, tokenizer,
+                          plan.burst_tokens_each, plan.burst_requests)
+    return Traffic(tuple(busy), tuple(donor), tuple(burst))
+
+
+def long_messages(convs: list[Conversation], exclude: set[str], tokenizer, tokens: int,
+                  count: int) -> list[str]:
+    """The first `count` user messages (file order, one per conversation, none from `exclude`)
+    with at least `tokens` tokens, each cut at its `tokens`-th token."""
+    out: list[str] = []
+    for conv in convs:
+        if conv.id in exclude:
+            continue
+        for turn in conv.turns:
+            enc = tokenizer.encode(turn.user)
+            if len(enc.ids) >= tokens:
+                out.append(turn.user[:enc.offsets[tokens - 1][1]])
+                break
+        if len(out) == count:
+            return out
+    raise RuntimeError(f"only {len(out)} of the first {len(convs)} ShareGPT conversations have a "
+                       f"message of {tokens} tokens; lower the burst size (--burst-fraction) or "
+                       f"raise --burst-requests")
+
+
+@dataclass
+class Marks:
+    """Seconds since the run's t0 (the sampler's clock too) of the traffic's phases."""
+
+    t0: float
+    burst_start: float | None = None
+    burst_end: float | None = None
+    traffic_end: float | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+async def _send(http, url: str, messages: list[dict], max_tokens: int, session: str, turn: int,
+                label: str, t0: float) -> RequestRecord:
+    rec = RequestRecord(session=session, turn=turn, server=label, t_send=0.0)
+    await chat(http, url, messages, max_tokens, rec, t0)
+    if rec.error:
+        raise RuntimeError(f"{label} request {session} turn {turn} failed: {rec.error}")
+    return rec
+
+
+async def _busy(http, url, traffic: Traffic, plan: NodePlan, t0: float,
+                half_done: asyncio.Event) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    histories: list[list[dict]] = [[] for _ in traffic.busy]
+    half = max(1, traffic.busy_requests // 2)
+    for i in range(plan.turns):
+        for conv, messages in zip(traffic.busy, histories):
+            if i >= len(conv.turns):
+                continue
+            messages.append({"role": "user", "content": conv.turns[i].user})
+            rec = await _send(http, url, list(messages), plan.max_tokens, conv.id, i + 1,
+                              "busy", t0)
+            messages.append({"role": "assistant", "content": rec.text})
+            records.append(rec)
+            if len(records) == half:
+                half_done.set()
+    return records
+
+
+async def _donor_light(http, url, traffic: Traffic, plan: NodePlan,
+                       t0: float) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    histories: list[list[dict]] = [[] for _ in traffic.donor]
+    start = time.perf_counter()
+    for k in range(plan.donor_requests):
+        # an open schedule: request k goes at start + k x interval, or when k-1 is done
+        await asyncio.sleep(max(0.0, start + k * plan.donor_interval_s - time.perf_counter()))
+        j, turn = k % len(traffic.donor), k // len(traffic.donor)
+        conv, messages = traffic.donor[j], histories[j]
+        messages.append({"role": "user", "content": conv.turns[turn].user})
+        rec = await _send(http, url, list(messages), plan.donor_max_tokens, conv.id, turn + 1,
+                          "donor", t0)
+        messages.append({"role": "assistant", "content": rec.text})
+        records.append(rec)
+    return records
+
+
+async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks,
+                 go: asyncio.Event) -> list[RequestRecord]:
+    await go.wait()
+    marks.burst_start = marks.now()
+    records = await asyncio.gather(*(
+        _send(http, url, [{"role": "user", "content": text}], plan.burst_max_tokens,
+              f"burst-{i}", 1, "burst", marks.t0) for i, text in enumerate(traffic.burst)))
+    marks.burst_end = marks.now()
+    return list(records)
+
+
+async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
+                marks: Marks) -> dict[str, list[RequestRecord]]:
+    """Send the whole traffic; records per stream: `busy`, `donor` (light), `burst`."""
+    import aiohttp
+
+    half_done = asyncio.Event()
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:
+        busy, donor, burst = await asyncio.gather(
+            _busy(http, busy_url, traffic, plan, marks.t0, half_done),
+            _donor_light(http, donor_url, traffic, plan, marks.t0),
+            _burst(http, donor_url, traffic, plan, marks, half_done))
+    marks.traffic_end = marks.now()
+    return {"busy": busy, "donor": donor, "burst": burst}

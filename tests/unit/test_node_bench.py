@@ -1,0 +1,262 @@
+"""The node benchmark's pieces, without SGLang servers: sizes and FLOPs per KV byte, the runs'
+arguments, Prometheus parsing, burst prompts, the traffic driver against a fake streaming server,
+output comparison, the reclaim view and the JSON summary's keys."""
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from sglang_swift.loadgen.client import RequestRecord
+from sglang_swift.nodebench import cli, observe, plan, report, runner, traffic
+from sglang_swift.workloads.sharegpt import Conversation, Turn
+
+SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=2048,
+             dtype="float32")
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=2048, dtype="float32")
+
+
+def test_model_facts_kv_bytes_and_flops_per_kv_byte():
+    """KV bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes; matmul FLOPs per
+    token = 2 x (per-layer q, k, v, o, gate/up/down weights + lm_head), worked out by hand."""
+    small = plan.ModelFacts.from_config("small", SMALL)
+    assert small.kv_bytes_per_token == 8192
+    per_layer = 512 * 256 + 2 * 512 * 128 + 256 * 512 + 3 * 512 * 1408
+    assert small.matmul_flops_per_token == 2 * (8 * per_layer + 512 * 2048)
+    assert small.flops_per_kv_byte == pytest.approx(5250, rel=0.01)
+    tiny = plan.ModelFacts.from_config("tiny", TINY)  # head_dim from hidden / heads
+    assert tiny.kv_bytes_per_token == 2048
+    assert tiny.attn_flops_per_context_token == 4 * 4 * 4 * 32
+    with pytest.raises(ValueError, match="dtype"):
+        plan.ModelFacts.from_config("x", {**TINY, "dtype": "int3"})
+
+
+def test_plan_sizes_and_the_equal_memory_rule():
+    """Both default pools hold the same bytes, and the donor's lendable half is worth 512 busy
+    tokens; nonsense sizes are refused."""
+    p = plan.NodePlan()
+    busy = plan.ModelFacts.from_config("small", SMALL)
+    donor = plan.ModelFacts.from_config("tiny", TINY)
+    assert p.busy_pool * busy.kv_bytes_per_token == p.donor_pool * donor.kv_bytes_per_token
+    assert p.lendable_busy_tokens(busy, donor) == 512
+    assert p.burst_tokens_each * p.burst_requests <= p.donor_pool * p.burst_fraction
+    assert plan.NodePlan.quick().busy_requests < p.busy_requests
+    for bad in (dict(turns=0), dict(lend_fraction=1.0), dict(burst_fraction=0)):
+        with pytest.raises(ValueError):
+            plan.NodePlan(**bad)
+
+
+def test_three_runs_hold_the_same_memory_and_only_b_runs_swiftcache():
+    """(a) has (b)'s pools; (c) moves what (b) lent (donor tokens out, busy tokens in); only (b)
+    passes SwiftCache options, with the borrower and donor roles on the right servers."""
+    p = plan.NodePlan()
+    a, b, c = plan.stock_run(p), plan.swiftcache_run(p), plan.ideal_run(p, 508, 2048)
+    assert (a.busy_pool, a.donor_pool) == (b.busy_pool, b.donor_pool) == (1024, 4096)
+    assert (c.busy_pool, c.donor_pool) == (1024 + 508, 4096 - 2048)
+    for spec in (a, c):
+        args = spec.busy_args(p, "/rv", 512) + spec.donor_args(p, "/rv")
+        assert not [x for x in args if x.startswith("--swiftcache")]
+    busy = b.busy_args(p, "/rv", 512)
+    donor = b.donor_args(p, "/rv")
+    assert busy[busy.index("--swiftcache-role") + 1] == "borrower"
+    assert busy[busy.index("--swiftcache-max-borrow-blocks") + 1] == "512"
+    assert donor[donor.index("--swiftcache-role") + 1] == "donor"
+    assert donor[donor.index("--swiftcache-lend-fraction") + 1] == "0.5"
+    assert "--enable-metrics" in busy and "--enable-metrics" in a.busy_args(p, "/rv", 0)
+    with pytest.raises(ValueError, match="out of range"):
+        plan.ideal_run(p, 10, 4096)
+
+
+def test_parse_metrics_sums_label_sets_and_skips_absent_names():
+    """A metric's samples are summed over labels; comments and other metrics are ignored; a name
+    with no sample is absent (a stock server), not zero."""
+    text = "\n".join([
+        "# HELP swiftcache_usable_tokens usable", "# TYPE swiftcache_usable_tokens gauge",
+        'swiftcache_usable_tokens{agent="d",role="donor"} 2048.0',
+        'swiftcache_lent_tokens{agent="d",role="donor"} 1024.0',
+        'swiftcache_lent_tokens{agent="e",role="donor"} 1024.0',
+        'swiftcache_reclaim_latency_seconds_bucket{le="0.1"} 1.0',
+        'swiftcache_reclaim_latency_seconds_sum{agent="d"} 0.042',
+        'swiftcache_reclaim_latency_seconds_count{agent="d"} 1.0',
+        'sglang:num_running_reqs{model="m"} 3.0'])
+    got = observe.parse_metrics(text)
+    assert got == {"swiftcache_usable_tokens": 2048.0, "swiftcache_lent_tokens": 2048.0,
+                   "swiftcache_reclaim_latency_seconds_sum": 0.042,
+                   "swiftcache_reclaim_latency_seconds_count": 1.0}
+    assert observe.parse_metrics("sglang:x 1\n") == {}
+
+
+class _Tok:
+    """A whitespace tokenizer with the `tokenizers` encode() surface (ids, char offsets)."""
+
+    def encode(self, text):
+        import re
+
+        spans = [m.span() for m in re.finditer(r"\S+", text)]
+
+        class Enc:
+            ids = list(range(len(spans)))
+            offsets = spans
+        return Enc()
+
+
+def test_long_messages_cut_at_the_nth_token_one_per_conversation():
+    """Burst prompts: the first message of >= n tokens per conversation, in order, cut right
+    after its n-th token, skipping excluded conversations; too few is an error naming the fix."""
+    convs = [Conversation("x", (Turn("a b c d e f", "."),)),
+             Conversation("y", (Turn("short", "."), Turn("one two three four", "."),
+                                Turn("p q r s t", "."))),
+             Conversation("z", (Turn("u v w x", "."),))]
+    got = traffic.long_messages(convs, {"x"}, _Tok(), 3, 2)
+    assert got == ["one two three", "u v w"]
+    with pytest.raises(RuntimeError, match="burst"):
+        traffic.long_messages(convs, {"x"}, _Tok(), 5, 2)
+
+
+def _fake_chat_app(arrivals):
+    """Streams two content pieces naming the request's message count; usage reports prompt
+    tokens = characters of all messages and cached = 1."""
+
+    async def chat(request):
+        body = await request.json()
+        arrivals.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = len(body["messages"])
+        for piece in (f"m{n}", "."):
+            ev = {"choices": [{"delta": {"content": piece}}]}
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        chars = sum(len(m["content"]) for m in body["messages"])
+        usage = {"usage": {"prompt_tokens": chars, "completion_tokens": 2,
+                           "prompt_tokens_details": {"cached_tokens": 1}}, "choices": []}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+def test_drive_sends_every_stream_and_bursts_after_half_the_busy_requests():
+    """Busy turns go round-robin with growing histories (the model's answers included); the
+    donor's light turns alternate its conversations; the burst is sent once half the busy
+    requests are done, concurrently, one message each; marks are in order."""
+    busy = tuple(Conversation(f"b{i}", tuple(Turn(f"u{i}{t}", ".") for t in range(3)))
+                 for i in range(2))
+    donor = tuple(Conversation(f"d{i}", tuple(Turn(f"v{i}{t}", ".") for t in range(2)))
+                  for i in range(2))
+    tr = traffic.Traffic(busy, donor, ("long one", "long two"))
+    p = plan.NodePlan(conversations=2, turns=3, donor_conversations=2, donor_requests=3,
+                      donor_interval_s=0.0, burst_requests=2)
+    arrivals_busy, arrivals_donor = [], []
+
+    async def main():
+        runners = []
+        urls = []
+        for log in (arrivals_busy, arrivals_donor):
+            r = web.AppRunner(_fake_chat_app(log))
+            await r.setup()
+            site = web.TCPSite(r, "127.0.0.1", 0)
+            await site.start()
+            runners.append(r)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        import time
+        marks = traffic.Marks(t0=time.perf_counter())
+        try:
+            return await traffic.drive(urls[0], urls[1], tr, p, marks), marks
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    records, marks = asyncio.run(main())
+    assert [(r.session, r.turn) for r in records["busy"]] == [
+        ("b0", 1), ("b1", 1), ("b0", 2), ("b1", 2), ("b0", 3), ("b1", 3)]
+    assert [len(b["messages"]) for b in arrivals_busy] == [1, 1, 3, 3, 5, 5]
+    assert arrivals_busy[2]["messages"][1] == {"role": "assistant", "content": "m1."}
+    assert [(r.session, r.turn) for r in records["donor"]] == [("d0", 1), ("d1", 1), ("d0", 2)]
+    assert sorted(r.session for r in records["burst"]) == ["burst-0", "burst-1"]
+    assert all(r.cached_tokens == 1 and r.ttft is not None for s in records.values() for r in s)
+    third = records["busy"][2]  # half of the six busy requests done: the burst may go
+    assert marks.burst_start >= third.t_send + third.e2e
+    assert all(r.t_send >= marks.burst_start for r in records["burst"])
+    assert marks.burst_start <= marks.burst_end <= marks.traffic_end
+
+
+def _rec(session, turn, text, ttft=0.1, cached=0, prompt=10):
+    return RequestRecord(session=session, turn=turn, server="x", t_send=0.0, ttft=ttft,
+                         cached_tokens=cached, prompt_tokens=prompt, text=text)
+
+
+def test_compare_outputs_counts_changed_and_missing_requests():
+    """A request whose text differs, or which the other run lacks, is a mismatch."""
+    base = {"busy": [_rec("c", 1, "x"), _rec("c", 2, "y")], "donor": [_rec("d", 1, "z")],
+            "burst": []}
+    same = {"busy": [_rec("c", 2, "y"), _rec("c", 1, "x")], "donor": [_rec("d", 1, "z")]}
+    assert report.compare_outputs(base, same)["matched"] == 3
+    other = {"busy": [_rec("c", 1, "x"), _rec("c", 2, "Y")], "donor": []}
+    got = report.compare_outputs(base, other)
+    assert got["matched"] == 1 and got["mismatches"] == [["busy", "c", 2], ["donor", "d", 1]]
+
+
+class _FakeSampler(observe.CapacitySampler):
+    def __init__(self, samples):
+        self.samples = samples
+
+
+def test_reclaim_view_needs_lent_pages_at_the_burst_and_a_full_pool_after():
+    """`reclaimed` is true only when pages were lent when the burst began and a later sample
+    shows the donor's whole pool usable again."""
+    g = lambda lent: {"swiftcache_kv_pool_tokens": 4096.0,  # noqa: E731
+                      "swiftcache_lent_tokens": lent, "swiftcache_usable_tokens": 4096.0 - lent}
+    back = _FakeSampler({"donor": [(0.0, g(2048)), (5.0, g(2048)), (6.0, g(0)), (9.0, g(2048))]})
+    view = report.reclaim_view(back, burst_start=5.5)
+    assert view["lent_at_burst"] == 2048 and view["full_after_burst"] and view["full_after_s"] == 0.5
+    never = _FakeSampler({"donor": [(0.0, g(2048)), (6.0, g(2048))]})
+    assert not report.reclaim_view(never, burst_start=5.5)["full_after_burst"]
+    nothing_lent = _FakeSampler({"donor": [(0.0, g(0)), (6.0, g(0))]})
+    view = report.reclaim_view(nothing_lent, burst_start=5.5)
+    tables = {k: report.run_tables({"busy": [_rec("c", 1, "x")]}) for k in "abc"}
+    outputs = {k: {"matched": 1, "compared": 1} for k in "abc"}
+    assert report.summarize(tables, outputs, view, None)["reclaimed"] is False
+
+
+def test_summary_keys_are_the_stated_ratios():
+    """Each ratio key is exactly (b)/(a) or (b)/(c) of the named figure; `identical` is false as
+    soon as one output of (b) or (c) differs from (a)'s."""
+    def tables(cached, ttft_ms, donor_ms):
+        busy = [_rec("c", 1, "x", ttft=ttft_ms / 1e3, cached=cached)]
+        donor = [_rec("d", 1, "y", ttft=donor_ms / 1e3)]
+        return report.run_tables({"busy": busy, "donor": donor, "burst": []})
+
+    t = {"a": tables(100, 50, 10), "b": tables(300, 40, 11), "c": tables(320, 80, 9)}
+    ok = {k: {"matched": 2, "compared": 2} for k in "abc"}
+    view = {"lent_at_burst": 2048, "full_after_burst": True}
+    s = report.summarize(t, ok, view, 0.01)
+    assert s["identical"] is True and s["reclaimed"] is True
+    assert s["busy_cached_ratio"] == 3.0 and s["busy_cached_vs_ideal"] == pytest.approx(0.938)
+    assert s["busy_ttft_p99_ratio"] == 0.8 and s["busy_ttft_p99_vs_ideal"] == 0.5
+    assert s["donor_ttft_p99_ratio"] == 1.1
+    bad = dict(ok, c={"matched": 1, "compared": 2})
+    assert report.summarize(t, bad, view, 0.01)["identical"] is False
+    assert report.ratio(1.0, 0) is None
+
+
+def test_alerts_pick_errors_not_routine_stats():
+    """Server log lines reported are tracebacks, errors and lost donor memory, not stats lines."""
+    log = "\n".join(["SwiftCache stats: {'refused_loads': 0, 'lost_leases': 0}",
+                     "Traceback (most recent call last):",
+                     "[2026] ERROR something broke",
+                     "SwiftCache: lease k lost (peer timeout); its prefixes will be recomputed"])
+    assert len(runner.alerts_in(log)) == 3
+
+
+def test_cli_quick_and_overrides():
+    """--quick picks the quick plan; an override replaces one field; an invalid one is a usage
+    error that names it."""
+    args, p = cli.parse_args(["--quick", "--turns", "3"])
+    assert args.quick and p.turns == 3 and p.donor_requests == plan.NodePlan.quick().donor_requests
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--lend-fraction", "1.5"])
