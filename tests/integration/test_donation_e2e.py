@@ -1,25 +1,32 @@
-"""Donated memory in live servers: a donor SGLang server lends KV blocks to a borrower server.
+"""Donated memory in live servers, across two different models: a donor SGLang server lends idle
+pages of its OWN KV pool to a borrower serving a bigger model.
 
-Three real SGLang CPU servers on the tiny model: a donor (`--swiftcache-role donor`), a borrower
-with a KV pool too small for the conversations (`--swiftcache-role borrower`), and stock SGLang with
-the same small pool as the reference. Invariants:
-- the two SwiftCache servers find each other and agree on a lease (ctl status shows it);
+Real SGLang CPU servers: a donor on the tiny model (4 layers, 2 KV heads of 32) and a borrower on
+the small model (8 layers, 4 KV heads of 32; a page of it is 4x the donor's) whose pool is too
+small for the conversations, plus stock SGLang on the small model with the same small pool as
+the reference. Invariants:
+- the two SwiftCache servers find each other and agree on a lease; the lent pages come out of
+  the donor's own pool (`ctl status`: lent > 0, usable = pool - lent);
 - the borrower's greedy outputs equal stock SGLang's, turn by turn: donated memory never changes
   a token;
-- prefixes evicted from the borrower's pool come back from the donor: the borrower reports more
-  cached tokens than stock SGLang with the same pool;
+- prefixes evicted from the borrower's pool come back from the donor's pool: the borrower
+  reports more cached tokens than stock SGLang with the same pool;
+- a burst of the donor's own traffic takes its memory back: every lent page returns to its pool
+  (usable = pool) and the borrower, having dropped what it kept there, stays token-identical;
 - after the donor is killed with SIGKILL, the borrower keeps serving, still token-identical.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
 
 from integration.harness import LocalServer, chat
-from sglang_swift.tools.demo import wait_for_lease
+from sglang_swift.tools.demo import ctl, wait_for_lease
+from sglang_swift.tools.tiny_model import ensure_tiny_model
 from sglang_swift.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
@@ -62,29 +69,72 @@ def _wait(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+DONOR_POOL = 4096
+
+
+def _capacity(rendezvous: str, role_model: str) -> dict:
+    """The `capacity` a server reports through `ctl status --json` (its own tokens)."""
+    try:
+        agents = json.loads(ctl(rendezvous, json_out=True))
+    except ValueError:  # ctl could not answer this time
+        return {}
+    for agent in agents:
+        if agent.get("model", "").rstrip("/").endswith(role_model) and agent.get("capacity"):
+            return agent["capacity"]
+    return {}
+
+
+def _donor_burst(donor, n: int = 3) -> None:
+    """The donor's own traffic: a few concurrent long prompts that need most of its free room."""
+    import concurrent.futures as cf
+
+    prompt = " ".join(f"word{i}" for i in range(300))
+    with cf.ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda _: chat(donor, [{"role": "user", "content": prompt}], 48), range(n)))
+
+
 def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_path):
     rendezvous = str(tmp_path / "rv")
+    small_model = ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    with LocalServer(tiny_model, swiftcache=False, max_total_tokens=SMALL_POOL,
+    with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
                      extra_args=["--enable-cache-report", "--dtype", "float32"],
                      log_path=tmp_path / "stock.log") as stock:
         ref_texts, ref_cached = _replay(stock, convs, 3)
         ref_tail, _ = _replay(stock, convs[:2], 4)
 
-    donor = LocalServer(tiny_model, max_total_tokens=4096, log_path=tmp_path / "donor.log",
-                        extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5"))
-    borrower = LocalServer(tiny_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
+    # the donor keeps half its pool free for itself (watermark 0.5), so its own burst reclaims
+    donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
+                        extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
+                                         "--swiftcache-reclaim-watermark", "0.5",
+                                         "--enable-metrics"))
+    borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
                            extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                         "--swiftcache-max-borrow-blocks", "1500"))
     with donor, borrower:
         agents = wait_for_lease(rendezvous, timeout_s=90)  # through `ctl status`
         assert agents[0]["leases"], agents
+        lent = _wait(lambda: _capacity(rendezvous, "tiny-llama").get("lent_tokens"), 30,
+                     "the donor to report lent pages of its own pool")
+        cap = _capacity(rendezvous, "tiny-llama")
+        assert cap["kv_pool_tokens"] == DONOR_POOL and cap["usable_tokens"] == DONOR_POOL - lent
+        assert _capacity(rendezvous, "small-llama")["borrowed_tokens"] > 0
         texts, cached = _replay(borrower, convs, 3)
         assert texts == ref_texts
         assert sum(cached) > sum(ref_cached), (cached, ref_cached)
         loaded = _wait(lambda: _metric(borrower, "swiftcache_loaded_tokens_total"), 30,
                        "swiftcache metrics on the borrower's /metrics")
         assert loaded > 0
+
+        # The donor's own load rises: it takes every lent page back into its own pool.
+        _donor_burst(donor)
+        # a reclaim latency is recorded when the last lent page is back in the donor's pool
+        # (usable == pool at that moment; it may lend again after a cooldown)
+        _wait(lambda: _metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
+              "the donor's usable capacity to return to its whole pool")
+        _wait(lambda: "reclaimed" in borrower.log_text(), 30, "the borrower to see the reclaim")
+        tail, _ = _replay(borrower, convs[:2], 4)
+        assert tail == ref_tail
 
         donor_pid = donor.proc.pid
         os.killpg(donor_pid, 9)  # SIGKILL the donor server, scheduler included
@@ -95,9 +145,10 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         tail, _ = _replay(borrower, convs[:2], 4)  # and again, with the donor tier gone
         assert tail == ref_tail
         assert borrower.proc.poll() is None, borrower.log_tail()
-    leaked = [f for f in os.listdir("/dev/shm") if f.startswith("swift_")
-              and any(f.startswith(f"swift_{pid}_") for pid in _pids_in(tmp_path / "donor.log"))]
-    assert not leaked, f"donor arenas left in /dev/shm: {leaked}"
+    pids = _pids_in(tmp_path / "donor.log")
+    leaked = [f for f in os.listdir("/dev/shm") if f.startswith("swift")
+              and any(f"_p{pid}_" in f for pid in pids)]
+    assert not leaked, f"the killed donor's pool left in /dev/shm: {leaked}"
 
 
 def _metric(server, name: str) -> float:
