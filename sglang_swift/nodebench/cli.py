@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     traffic = build_traffic(plan, donor_model / "tokenizer.json")
     max_borrow = plan.lendable_busy_tokens(facts["busy"], facts["donor"])
     print(f"busy: {len(traffic.busy)} ShareGPT conversations x {plan.turns} turns "
-          f"({traffic.busy_requests} requests), pool {plan.busy_pool} tokens; donor: pool "
+          f"({plan.busy_requests} requests) + 1 turn during the burst, pool {plan.busy_pool} "
+          f"tokens; donor: pool "
           f"{plan.donor_pool} tokens, lends {plan.lend_fraction:.0%} (= {max_borrow} busy "
           f"tokens), {plan.donor_requests} light requests, a burst of {plan.burst_requests} x "
           f"{plan.burst_tokens_each} tokens", flush=True)

@@ -15,7 +15,9 @@ import urllib.request
 GAUGES = ("swiftcache_kv_pool_tokens", "swiftcache_lent_tokens", "swiftcache_borrowed_tokens",
           "swiftcache_usable_tokens", "swiftcache_donor_tier_tokens")
 RECLAIM = "swiftcache_reclaim_latency_seconds"
-WANTED = GAUGES + (RECLAIM + "_sum", RECLAIM + "_count")
+COUNTERS = ("swiftcache_stored_tokens_total", "swiftcache_loaded_tokens_total",
+            "swiftcache_revoked_tokens_total", "swiftcache_refused_loads_total")
+WANTED = GAUGES + COUNTERS + (RECLAIM + "_sum", RECLAIM + "_count")
 
 
 def parse_metrics(text: str, names: tuple[str, ...] = WANTED) -> dict[str, float]:

@@ -80,14 +80,14 @@ class NodePlan:
     lend_fraction: float = 0.5
     reclaim_watermark: float = 0.8  # SwiftCache's default
     conversations: int = 8  # busy model: ShareGPT conversations, interleaved turn by turn
-    turns: int = 6
+    turns: int = 6  # in the steady phase; one more turn each is sent during the donor's burst
     max_tokens: int = 16
     max_chars: int = 600  # per message, so prompts stay within what a CPU serves in seconds
     donor_conversations: int = 2  # donor: light traffic, one request every donor_interval_s
     donor_requests: int = 16
     donor_interval_s: float = 2.0
     donor_max_tokens: int = 8
-    burst_requests: int = 6  # donor: concurrent long requests, sent halfway through the busy run
+    burst_requests: int = 6  # donor: concurrent long requests, after the steady phase
     burst_fraction: float = 0.6  # their prompt tokens together, as a fraction of the donor pool
     burst_max_tokens: int = 16
     # torch threads per server (OMP_NUM_THREADS): two servers share this machine's two cores;
@@ -114,7 +114,7 @@ class NodePlan:
 
     @property
     def busy_requests(self) -> int:
-        """An upper bound (conversations shorter than `turns` send fewer)."""
+        """Busy requests of the steady phase (the reclaim phase adds `conversations` more)."""
         return self.conversations * self.turns
 
     @property

@@ -8,7 +8,7 @@ from typing import Any
 from ..loadgen.stats import pct
 from ..tools.demo import per_turn_table
 
-STREAMS = ("busy", "donor", "burst")  # traffic.drive's record streams
+STREAMS = ("busy", "donor", "burst", "busy_reclaim")  # traffic.drive's record streams
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -41,7 +41,8 @@ def stream_stats(records: list) -> dict:
 
 
 def run_tables(records: dict[str, list]) -> dict:
-    """Per stream, the donor's two streams together (`donor_all`), and the busy model per turn."""
+    """Per stream, the donor's two streams together (`donor_all`), and the busy model per turn
+    (steady phase)."""
     out = {s: stream_stats(records.get(s, [])) for s in STREAMS}
     out["donor_all"] = stream_stats(records.get("donor", []) + records.get("burst", []))
     out["busy_per_turn"] = per_turn_table(records.get("busy", []))
@@ -72,14 +73,16 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
               reclaim_latency_s: float | None) -> dict:
     """The JSON summary. `tables`, `outputs` are keyed by run ("a" stock, "b" SwiftCache,
     "c" ideal); `outputs[x]` compares run x to run a. Keys:
-    identical             every busy and donor output of (b) and (c) equals (a)'s, request by request
-    busy_cached_ratio     cached tokens of the busy model, (b) / (a)
+    identical             every busy and donor output of (b) and (c) equals (a)'s, request by
+                          request, both phases
+    busy_cached_ratio     cached tokens of the busy model in the steady phase, (b) / (a)
     busy_cached_vs_ideal  the same, (b) / (c)
-    busy_ttft_p99_ratio   TTFT P99 over all busy requests, (b) / (a)
+    busy_ttft_p99_ratio   TTFT P99 over the busy model's steady-phase requests, (b) / (a)
     busy_ttft_p99_vs_ideal  the same, (b) / (c)
     donor_ttft_p99_ratio  TTFT P99 over all donor requests (light and burst), (b) / (a)
     reclaimed             in (b) the donor had pages lent when its burst began, and its usable
-                          capacity was back to its whole pool at a sample after that"""
+                          capacity was back to its whole pool at a sample after that
+    The busy model's reclaim-phase figures are beside them (`busy_reclaim_*`), not in them."""
     busy = {k: t["busy"] for k, t in tables.items()}
     donor = {k: t["donor_all"] for k, t in tables.items()}
     identical = {"b", "c"} <= outputs.keys() and all(
@@ -101,6 +104,10 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
         "reclaimed": bool(reclaim.get("lent_at_burst")) and reclaim.get("full_after_burst", False),
         "reclaim_latency_s": reclaim_latency_s,
         "busy_cached_tokens": {k: v["cached_tokens"] for k, v in busy.items()},
+        "busy_reclaim_cached_tokens": {k: t["busy_reclaim"]["cached_tokens"]
+                                       for k, t in tables.items()},
+        "busy_reclaim_ttft_p99_ms": {k: t["busy_reclaim"]["ttft_p99_ms"]
+                                     for k, t in tables.items()},
         "busy_ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in busy.items()},
         "donor_ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in donor.items()},
         "outputs_matched": {k: f"{o['matched']}/{o['compared']}" for k, o in outputs.items()},
@@ -108,15 +115,15 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
 
 
 def format_run(name: str, tables: dict) -> str:
-    head = f"{'stream':<10}{'reqs':>5}{'prompt tok':>11}{'cached tok':>11}{'TTFT p50 ms':>12}" \
+    head = f"{'stream':<13}{'reqs':>5}{'prompt tok':>11}{'cached tok':>11}{'TTFT p50 ms':>12}" \
            f"{'TTFT p99 ms':>12}"
     lines = [f"== {name} ==", head]
-    for stream in ("busy", "donor", "burst", "donor_all"):
+    for stream in ("busy", "busy_reclaim", "donor", "burst", "donor_all"):
         s = tables[stream]
-        lines.append(f"{stream:<10}{s['requests']:>5}{s['prompt_tokens']:>11}"
+        lines.append(f"{stream:<13}{s['requests']:>5}{s['prompt_tokens']:>11}"
                      f"{s['cached_tokens']:>11}{_num(s['ttft_p50_ms']):>12}"
                      f"{_num(s['ttft_p99_ms']):>12}")
-    lines.append("busy model per turn:")
+    lines.append("busy model per turn (steady phase):")
     lines.append(f"{'turn':>6}{'reqs':>5}{'prompt tok':>11}{'cached tok':>11}{'TTFT p50 ms':>12}"
                  f"{'TTFT p99 ms':>12}")
     for r in tables["busy_per_turn"]:

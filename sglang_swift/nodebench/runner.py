@@ -86,9 +86,26 @@ def _wait_borrowed(busy: LocalServer, timeout_s: float) -> None:
                        f" (last {last}); see {busy.log_path}")
 
 
+# stock SGLang with --skip-server-warmup posts /freeze_gc to itself before uvicorn listens and
+# logs this line with a traceback at every start: harmless, and not what a reader looks for
+KNOWN_NOISE = "post-warmup freeze_gc failed"
+
+
 def alerts_in(log_text: str, limit: int = 20) -> list[str]:
-    """The log lines a reader must see (errors, tracebacks, refused or lost donor memory)."""
-    return [line for line in log_text.splitlines() if ALERT.search(line)][:limit]
+    """The log lines a reader must see (errors, tracebacks, lost donor memory), minus the
+    traceback that follows KNOWN_NOISE (up to the next time-stamped line)."""
+    out: list[str] = []
+    skipping = False
+    for line in log_text.splitlines():
+        if KNOWN_NOISE in line:
+            skipping = True
+            continue
+        if skipping and not line.startswith("["):
+            continue
+        skipping = False
+        if ALERT.search(line):
+            out.append(line)
+    return out[:limit]
 
 
 def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,

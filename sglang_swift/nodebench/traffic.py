@@ -1,12 +1,16 @@
 """The node benchmark's traffic: the same requests in every run, sent by one async driver.
 
-- busy model: `plan.conversations` real ShareGPT conversations, interleaved turn by turn (each
-  conversation's history is evicted before its next turn once the histories outgrow the pool),
-  one request at a time, each turn carrying the whole history with the model's own answers;
-- donor, light: `plan.donor_requests` chat turns of its own ShareGPT conversations, one every
-  `plan.donor_interval_s` (or later, if the previous one is still running);
-- donor, burst: `plan.burst_requests` concurrent requests, each one long ShareGPT message cut to
-  `plan.burst_tokens_each` tokens, sent when half of the busy requests are done.
+Two phases:
+1. steady: the busy model gets turns 1..`plan.turns` of `plan.conversations` real ShareGPT
+   conversations, interleaved turn by turn (each conversation's history is evicted before its
+   next turn once the histories outgrow the pool), one request at a time, each turn carrying the
+   whole history with the model's own answers; meanwhile the donor gets light traffic,
+   `plan.donor_requests` turns of its own conversations, one every `plan.donor_interval_s` (or
+   later, if the previous one is still running). The headline figures come from this phase.
+2. reclaim: once both are done, the donor gets a burst of `plan.burst_requests` concurrent
+   requests (one long ShareGPT message each, cut to `plan.burst_tokens_each` tokens) while the
+   busy model sends each conversation's next turn (`busy_reclaim`), so a reclaim meets a borrower
+   that is serving and loading.
 Every request is greedy (temperature 0) with a fixed output length, so outputs can be compared
 across runs request by request.
 """
@@ -28,22 +32,18 @@ BURST_SCAN = 400  # conversations searched, in file order, for messages long eno
 
 @dataclass(frozen=True)
 class Traffic:
-    busy: tuple[Conversation, ...]
+    busy: tuple[Conversation, ...]  # plan.turns steady turns, then one for the reclaim phase
     donor: tuple[Conversation, ...]
     burst: tuple[str, ...]  # one user message per burst request
-
-    @property
-    def busy_requests(self) -> int:
-        return sum(len(c.turns) for c in self.busy)
 
 
 def build_traffic(plan: NodePlan, tokenizer_json: Path) -> Traffic:
     """Pick the conversations and burst prompts (deterministic: ShareGPT file order)."""
     from tokenizers import Tokenizer
 
-    busy = load_conversations(plan.conversations, min_turns=plan.turns,
+    busy = load_conversations(plan.conversations, min_turns=plan.turns + 1,
                               max_chars_per_message=plan.max_chars)
-    busy = [Conversation(c.id, c.turns[:plan.turns]) for c in busy]
+    busy = [Conversation(c.id, c.turns[:plan.turns + 1]) for c in busy]
     donor_turns = math.ceil(plan.donor_requests / plan.donor_conversations)
     taken = {c.id for c in busy}
     donor = [c for c in load_conversations(plan.conversations + plan.donor_conversations + 50,
@@ -102,23 +102,25 @@ async def _send(http, url: str, messages: list[dict], max_tokens: int, session: 
     return rec
 
 
-async def _busy(http, url, traffic: Traffic, plan: NodePlan, t0: float,
-                half_done: asyncio.Event) -> list[RequestRecord]:
-    records: list[RequestRecord] = []
-    histories: list[list[dict]] = [[] for _ in traffic.busy]
-    half = max(1, traffic.busy_requests // 2)
-    for i in range(plan.turns):
-        for conv, messages in zip(traffic.busy, histories):
-            if i >= len(conv.turns):
-                continue
-            messages.append({"role": "user", "content": conv.turns[i].user})
-            rec = await _send(http, url, list(messages), plan.max_tokens, conv.id, i + 1,
-                              "busy", t0)
-            messages.append({"role": "assistant", "content": rec.text})
-            records.append(rec)
-            if len(records) == half:
-                half_done.set()
-    return records
+class BusyReplay:
+    """The busy model's conversations, interleaved turn by turn; histories carry over between
+    calls, so the reclaim phase continues the steady phase's conversations."""
+
+    def __init__(self, http, url: str, traffic: Traffic, plan: NodePlan, t0: float) -> None:
+        self.http, self.url, self.traffic, self.plan, self.t0 = http, url, traffic, plan, t0
+        self.histories: list[list[dict]] = [[] for _ in traffic.busy]
+
+    async def turns(self, first: int, stop: int) -> list[RequestRecord]:
+        """Turns first+1..stop (1-based in the records) of every conversation, round-robin."""
+        records: list[RequestRecord] = []
+        for i in range(first, stop):
+            for conv, messages in zip(self.traffic.busy, self.histories):
+                messages.append({"role": "user", "content": conv.turns[i].user})
+                rec = await _send(self.http, self.url, list(messages), self.plan.max_tokens,
+                                  conv.id, i + 1, "busy", self.t0)
+                messages.append({"role": "assistant", "content": rec.text})
+                records.append(rec)
+        return records
 
 
 async def _donor_light(http, url, traffic: Traffic, plan: NodePlan,
@@ -139,9 +141,7 @@ async def _donor_light(http, url, traffic: Traffic, plan: NodePlan,
     return records
 
 
-async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks,
-                 go: asyncio.Event) -> list[RequestRecord]:
-    await go.wait()
+async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> list[RequestRecord]:
     marks.burst_start = marks.now()
     records = await asyncio.gather(*(
         _send(http, url, [{"role": "user", "content": text}], plan.burst_max_tokens,
@@ -152,16 +152,18 @@ async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks,
 
 async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
                 marks: Marks) -> dict[str, list[RequestRecord]]:
-    """Send the whole traffic; records per stream: `busy`, `donor` (light), `burst`."""
+    """Send the whole traffic; records per stream: `busy` (steady phase), `donor` (light),
+    `burst`, `busy_reclaim` (the busy turns sent during the burst)."""
     import aiohttp
 
-    half_done = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
-        busy, donor, burst = await asyncio.gather(
-            _busy(http, busy_url, traffic, plan, marks.t0, half_done),
-            _donor_light(http, donor_url, traffic, plan, marks.t0),
-            _burst(http, donor_url, traffic, plan, marks, half_done))
+        replay = BusyReplay(http, busy_url, traffic, plan, marks.t0)
+        busy, donor = await asyncio.gather(replay.turns(0, plan.turns),
+                                           _donor_light(http, donor_url, traffic, plan, marks.t0))
+        burst, busy_reclaim = await asyncio.gather(
+            _burst(http, donor_url, traffic, plan, marks),
+            replay.turns(plan.turns, plan.turns + 1))
     marks.traffic_end = marks.now()
-    return {"busy": busy, "donor": donor, "burst": burst}
+    return {"busy": busy, "donor": donor, "burst": burst, "busy_reclaim": busy_reclaim}
