@@ -45,6 +45,13 @@ class DevicePool:
                                f"has no data path; configure the tree without lower tiers")
         return ()
 
+    def make_room(self, tree: Any, num_tokens: int) -> int:
+        """Evict at least `num_tokens` device tokens for an admission (fewer if not enough are
+        evictable); returns the tokens evicted. Default: `evict` (copies run and settle at
+        once). A caller whose stores settle later overrides it; `admit` checks the free slots
+        afterwards, so room that is still on its way out fails the admission."""
+        return evict(tree, self, num_tokens)
+
     def reclaim(self, num_tokens: int) -> None:
         """Called once the device part of an admission is locked, with the slots it needs,
         before free space is checked: where a donor takes back pages it lent. Default: nothing."""
@@ -127,7 +134,7 @@ def admit(tree: Any, pool: DevicePool, key: Sequence[int], namespace: Any = None
         if pool.available() + tree.evictable_size() < need:
             tree.unlock(anchor)
             return Admission(False, m, anchor)
-        evicted = evict(tree, pool, need - pool.available())
+        evicted = pool.make_room(tree, need - pool.available())
         if pool.available() < need:
             tree.unlock(anchor)
             return Admission(False, m, anchor, evicted=evicted)

@@ -25,6 +25,24 @@ def wait_event_on_current_stream(event) -> None:
         torch.cuda.current_stream().wait_event(event)
 
 
+def wait_events(stream, events) -> None:
+    """Make `stream` (the current stream when None) wait for each of `events` (GPU-side)."""
+    target = stream if stream is not None else torch.cuda.current_stream()
+    for event in events:
+        target.wait_event(event)
+
+
+def done_marker(lane):
+    """A marker of everything `lane` has enqueued so far: an event on a CUDA lane, None on a
+    CPU lane (whose jobs are done when their futures are)."""
+    return record_event(lane.stream) if getattr(lane, "stream", None) is not None else None
+
+
+def marker_done(marker) -> bool:
+    """Whether the work before `done_marker` finished (never blocks)."""
+    return marker is None or marker.query()
+
+
 class CpuLane:
     """One worker thread; jobs run in submission order.
 

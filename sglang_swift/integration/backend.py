@@ -9,9 +9,13 @@ here, at start-up, with the fix.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
+# A file a borrower appends one JSON line to per batch load (layer ready / reached times, the
+# scheduler's waits): what scripts/bench_overlap.py plots. Read once, when the cache is built.
+LOAD_TRACE_ENV = "SWIFTCACHE_LOAD_TRACE"
 
 
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
@@ -48,7 +52,9 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         model = getattr(server_args, "served_model_name", None) or server_args.model_path
         agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
         cache = SwiftRadixCache(params, tree_config, config, model=str(model), agent_id=agent_id,
-                                enable_metrics=bool(getattr(server_args, "enable_metrics", False)))
+                                enable_metrics=bool(getattr(server_args, "enable_metrics", False)),
+                                tp_worker=ctx.tp_worker,
+                                load_trace=os.environ.get(LOAD_TRACE_ENV) or None)
     logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, runtime %s)",
                 params.page_size, cache.tree_config.eviction,
                 "on" if cache.runtime is not None else "off")

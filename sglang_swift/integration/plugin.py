@@ -11,8 +11,14 @@ What it does, through official extension points only:
   and selects the `swiftcache` backend; without the flag, leaves ServerArgs exactly as stock;
 - registers the `swiftcache` factory with `register_radix_cache_backend`;
 - BEFORE-hooks `Scheduler.get_next_batch_to_run` so the tree handles control events once per loop;
+- AFTER-hooks `Scheduler.get_new_batch_prefill` (a borrower starts the donor loads its batch
+  queued and sets the batch's layer-counter consumer index) and `Scheduler.run_batch` (after the
+  forward, requests whose load failed are aborted before their output is used): SGLang 0.5.23
+  drives its own layer-wise loads this way only for HiCache and the external linker;
 - AROUND-hooks `MHATokenToKVPool._create_buffers_normal` so a lending server's pool is allocated
-  in shareable memory (`shared_kv_pool.py`); every other server's pool is SGLang's own.
+  in shareable memory (`shared_kv_pool.py`); every other server's pool is SGLang's own;
+- registers the layer stream cache's hooks (`layer_stream/hooks.py`: pool sizing and class, the
+  per-forward stream, the too-long-prompt message), each a no-op unless the server streams layers.
 
 Before any of that it checks the installed sglang version and that every hook target exists. On a
 mismatch it prints a loud message (logging is not configured yet in the launcher) and installs only
@@ -28,6 +34,7 @@ import pkgutil
 import sys
 from typing import Any, Callable, Sequence
 
+from ..layer_stream.hooks import HOOK_TARGETS as LAYER_STREAM_TARGETS
 from .swift_config import CONFIG_ENV, SwiftConfig, cli_options
 
 logger = logging.getLogger(__name__)
@@ -39,9 +46,12 @@ ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 REGISTER_BACKEND = "sglang.srt.mem_cache.registry.register_radix_cache_backend"
 SCHEDULER_STEP = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
+BATCH_BUILT = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+BATCH_RAN = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 KV_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
-HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND, SCHEDULER_STEP, KV_POOL_BUFFERS,
-                "sglang.srt.mem_cache.radix_cache.RadixCache")
+HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND, SCHEDULER_STEP, BATCH_BUILT,
+                BATCH_RAN, KV_POOL_BUFFERS, "sglang.srt.mem_cache.radix_cache.RadixCache",
+                *LAYER_STREAM_TARGETS)
 
 
 class SwiftCacheUnavailable(RuntimeError):
@@ -108,9 +118,14 @@ def add_swiftcache_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("SwiftCache", "donated HBM, elastic arena, layer streaming")
     group.add_argument("--enable-swiftcache", action="store_true",
                        help="enable SwiftCache (selects the 'swiftcache' radix cache backend)")
+    groups = {None: group}  # a field's metadata "group" names its own argument group
     for flag, f in cli_options():
-        group.add_argument(flag, dest="swiftcache_" + f.name, type=_argparse_type(f.metadata["parse"]),
-                           default=None, help=f"{f.metadata['help']} (default: {f.default!r})")
+        title = f.metadata.get("group")
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title, f"SwiftCache: {title}")
+        groups[title].add_argument(flag, dest="swiftcache_" + f.name,
+                                   type=_argparse_type(f.metadata["parse"]), default=None,
+                                   help=f"{f.metadata['help']} (default: {f.default!r})")
 
 
 def config_from_namespace(args: argparse.Namespace) -> SwiftConfig:
@@ -141,6 +156,9 @@ def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *
                          f"it cannot be combined with --radix-cache-backend {chosen}")
     if getattr(server_args, "disable_radix_cache", False):
         raise SystemExit("--enable-swiftcache needs the radix cache; drop --disable-radix-cache")
+    from ..layer_stream.hooks import check_server_args
+
+    check_server_args(server_args, config)
     server_args.radix_cache_backend = BACKEND_NAME
     setattr(server_args, CONFIG_ATTR, config.to_json())
     os.environ[CONFIG_ENV] = config.to_json()  # inherited by spawned scheduler processes
@@ -174,6 +192,24 @@ def _before_scheduler_step(scheduler: Any, *a: Any, **kw: Any) -> None:
     step = getattr(getattr(scheduler, "tree_cache", None), "swift_step", None)
     if step is not None:
         step()
+    return None
+
+
+def _after_batch_built(plan: Any, scheduler: Any, *a: Any, **kw: Any) -> None:
+    """A prefill batch was built (its requests admitted, their rows written): a SwiftCache
+    borrower starts the loads they queued, before the forward runs."""
+    hook = getattr(getattr(scheduler, "tree_cache", None), "swift_batch_built", None)
+    if hook is not None and plan is not None and plan.batch_to_run is not None:
+        hook(plan.batch_to_run)
+    return None
+
+
+def _after_batch_ran(result: Any, scheduler: Any, *a: Any, **kw: Any) -> None:
+    """A batch's forward ran: a SwiftCache borrower aborts the requests whose load failed,
+    before SGLang processes their output."""
+    hook = getattr(getattr(scheduler, "tree_cache", None), "swift_batch_ran", None)
+    if hook is not None:
+        hook(scheduler, a[0] if a else kw["batch"])
     return None
 
 
@@ -211,10 +247,15 @@ def register(*, sglang_version: str | None = None, targets: Sequence[str] = HOOK
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
     HookRegistry.register(SCHEDULER_STEP, _before_scheduler_step, HookType.BEFORE)
+    HookRegistry.register(BATCH_BUILT, _after_batch_built, HookType.AFTER)
+    HookRegistry.register(BATCH_RAN, _after_batch_ran, HookType.AFTER)
     # A lending server's KV pool goes into shareable memory (a no-op for every other server).
     from .shared_kv_pool import create_buffers_in_shared_region
 
     HookRegistry.register(KV_POOL_BUFFERS, create_buffers_in_shared_region, HookType.AROUND)
+    from ..layer_stream.hooks import register_layer_stream_hooks
+
+    register_layer_stream_hooks(HookRegistry, HookType)  # no-ops unless layers are streamed
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, swiftcache_backend_factory)
     return []

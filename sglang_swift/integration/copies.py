@@ -1,0 +1,92 @@
+"""Copies between this server's KV pool and donor pool pages, started without waiting.
+
+`start_copy` asks the runtime for the lease's engine (None: the lease is gone or its donor is not
+readable now), begins the transfer and registers it with the runtime, so that a reclaim of its
+pages or a lost lease aborts it before the reclaim is acknowledged. `InFlightCopy.finished()`
+says, without blocking, when nothing of the copy reads or writes memory any more (CPU: the lane's
+job returned; GPU: the lane's stream passed a marker recorded after it), and `release()`
+unregisters it. Nothing here waits, except `wait` and `abort`, which the callers time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..dataplane import streams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class InFlightCopy:
+    """One engine transfer in flight: lease `key`, lease-local `blocks`, `num_tokens` tokens."""
+
+    key: tuple[str, int]
+    handle: Any
+    blocks: frozenset
+    num_tokens: int
+    marker: Any
+    runtime: Any
+
+    def finished(self) -> bool:
+        """Nothing of this copy touches memory any more (never blocks)."""
+        return self.handle.done() and streams.marker_done(self.marker)
+
+    def ok(self) -> bool:
+        """Whether every layer was copied; call once `finished()`."""
+        result = self.handle.result()
+        return result is not None and result.ok
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the copy is done (the caller counts this as a scheduler wait)."""
+        return self.handle.wait(timeout_s).ok
+
+    def abort(self, reason: str) -> None:
+        """Stop it; returns once nothing of it writes any more."""
+        self.handle.abort(reason)
+
+    def release(self) -> None:
+        self.runtime.untrack(self.key, self.handle)
+
+
+def runs_by_lease(residencies: Sequence[Any]) -> list[tuple[tuple[str, int], list[int]]]:
+    """Split donor residencies (in order) into runs on one lease with no block repeated within a
+    run (an engine transfer writes each block once); each run is (lease key, item indices)."""
+    runs: list[tuple[tuple[str, int], list[int]]] = []
+    seen: set[int] = set()
+    for i, res in enumerate(residencies):
+        key = (res.donor, res.lease)
+        if not runs or runs[-1][0] != key or seen.intersection(res.blocks):
+            runs.append((key, []))
+            seen = set()
+        runs[-1][1].append(i)
+        seen.update(res.blocks)
+    return runs
+
+
+def start_copy(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: Sequence[int],
+               counter: Any = None) -> InFlightCopy | None:
+    """Begin storing device `slots` into lease blocks `blocks` (token i into block
+    `blocks[i // page_size]`), or, with `counter`, loading them back layer by layer. None when
+    the copy cannot start (the caller aborts the ticket: the prefix is recomputed)."""
+    engine = runtime.lease_engine(*key)
+    if engine is None:
+        return None
+    slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
+    try:
+        if counter is None:
+            handle = engine.begin_store(slot_tensor, blocks)
+        else:
+            handle = engine.begin_load(slot_tensor, blocks, counter)
+    except ValueError:  # a transfer the engine refuses is a bug, but not one to stop serving for
+        logger.exception("SwiftCache: the copy engine refused a %s on lease %s",
+                         "store" if counter is None else "load", key)
+        return None
+    copy = InFlightCopy(key, handle, frozenset(blocks), len(slot_tensor),
+                        streams.done_marker(engine.lane), runtime)
+    runtime.track(key, handle, set(blocks))
+    return copy

@@ -1,0 +1,224 @@
+"""Donor hits loaded layer by layer under the forward pass that uses them.
+
+The flow follows SGLang's own external-linker load (`mem_cache/unified_cache/
+unified_cache_linker.py`), driven through the plugin's scheduler hooks:
+
+1. admission: `SwiftRadixCache.init_load_back` (called by SGLang's `PrefillAdder` only for a
+   request it admits, after its memory checks) allocates slots and begins the tree's load
+   ticket, then `queue`s the copy here. The slots are private to the request (as the linker's
+   are): `prefix_device_indices` appends them to its prefix, and the request inserts them into
+   the tree like computed KV once its forward confirmed them;
+2. batch start (`start`, after `Scheduler.get_new_batch_prefill`): the queued copies begin, one
+   engine transfer per lease, fanned in to one slot of the pool's layer counter
+   (`BatchLayerCounter`), whose index becomes the batch's `hicache_consumer_index`; the tp
+   worker hands it to the counter before the forward, and each attention layer waits in the
+   pool's buffer getter for that layer only;
+3. after the forward (`settle`, after `Scheduler.run_batch`): a request whose copy failed (donor
+   gone, read deadline passed, pages reclaimed) is finished with an abort before its output is
+   used and never inserts its KV; the others keep theirs. Tickets close once the copies are
+   finished (`poll`, every step): until then the donor nodes stay pinned, so their pages are
+   neither dropped nor reused by another store.
+
+The scheduler thread never waits for a copy here; `stats["scheduler_wait_s"]` counts the
+exceptions (stopping a copy the forward did not wait for), `TimedLayerCounter.wait_s` the time
+attention waited for a layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import torch
+
+from .copies import InFlightCopy, runs_by_lease, start_copy
+from .layer_fan_in import BatchLayerCounter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class QueuedLoad:
+    """A request's load-back: the tree's `ticket` and the request's private `slots`."""
+
+    req: Any
+    ticket: Any
+    slots: torch.Tensor
+    parts: set = field(default_factory=set)  # fan-in parts (one per lease run) it reads from
+
+
+@dataclass(eq=False)
+class BatchLoad:
+    fan: BatchLayerCounter
+    loads: list
+    copies: list  # (part, InFlightCopy)
+    wait_mark: float  # stats["scheduler_wait_s"] when its first load was queued
+    overhead_s: float = 0.0  # scheduler-thread time spent starting and settling it
+
+
+class StreamingLoads:
+    """Queued and running load-backs of one cache; runs on the scheduler thread."""
+
+    def __init__(self, cache: Any, runtime: Any, counter: Any, stats: dict,
+                 trace_path: str | None = None):
+        self.cache = cache  # its .tree changes on reset
+        self.runtime = runtime
+        self.counter = counter  # TimedLayerCounter, registered with the pool and tp worker
+        self.stats = stats
+        self.trace_path = trace_path
+        self._queued: list[QueuedLoad] = []
+        self._private: dict[str, torch.Tensor] = {}  # rid -> slots, until the batch is built
+        self._wait_mark = 0.0
+        self._running: dict[int, BatchLoad] = {}  # id(batch) -> its load
+        self._closing: list[BatchLoad] = []
+
+    # ---- 1. admission -----------------------------------------------------------------------
+    def queue(self, req: Any, ticket: Any, device: Any) -> None:
+        from .cache import indices_to_tensor
+
+        if not self._queued:
+            self._wait_mark = self.stats["scheduler_wait_s"]
+        slots = indices_to_tensor(ticket.device_indices, device)
+        self._queued.append(QueuedLoad(req, ticket, slots))
+        self._private[req.rid] = slots
+
+    def private_slots(self, rid: str) -> torch.Tensor | None:
+        """The slots a queued load writes for request `rid` (its prefix after the tree path)."""
+        return self._private.get(rid)
+
+    # ---- 2. batch start ---------------------------------------------------------------------
+    def start(self, batch: Any) -> None:
+        """Begin the queued copies for `batch` (the prefill batch just built)."""
+        if not self._queued:
+            return
+        t0 = time.perf_counter()
+        loads, self._queued = self._queued, []
+        self._private.clear()  # prepare_for_extend has written them into the request rows
+        if batch is None:  # cannot happen: an admitted request is in the batch; stay safe
+            for load in loads:
+                self._fail_request(None, load.req, "its batch was not built")
+            self._closing.append(BatchLoad(None, loads, [], self._wait_mark))
+            return
+        try:
+            fan = BatchLayerCounter(self.counter)
+        except RuntimeError as exc:  # every ring slot still loading: a bug, not a reason to die
+            logger.error("SwiftCache: cannot start the batch's loads: %s", exc)
+            for load in loads:
+                self._fail_request(None, load.req, "no free layer counter slot")
+            self._closing.append(BatchLoad(None, loads, [], self._wait_mark))
+            return
+        items = [(load, c) for load in loads for c in load.ticket.copies]
+        copies = []
+        for key, idx in runs_by_lease([c.src for _, c in items]):
+            slots = [s for i in idx for s in items[i][1].dst.indices]
+            blocks = [b for i in idx for b in items[i][1].src.blocks]
+            copy = start_copy(self.runtime, key, slots, blocks, fan)
+            if copy is None:
+                part = fan.fail_part(f"lease {key} is not readable now")
+            else:
+                part = copy.handle.producer_id
+                copies.append((part, copy))
+            for i in idx:
+                items[i][0].parts.add(part)
+        fan.seal()
+        self.counter.watch(fan.pid)
+        batch.hicache_consumer_index = fan.pid
+        entry = BatchLoad(fan, loads, copies, self._wait_mark, time.perf_counter() - t0)
+        self._running[id(batch)] = entry
+        self.stats["loads_started"] += len(loads)
+
+    # ---- 3. after the forward ----------------------------------------------------------------
+    def settle(self, scheduler: Any, batch: Any) -> None:
+        """The forward of `batch` ran: drop the output of requests whose copy failed."""
+        entry = self._running.pop(id(batch), None)
+        if entry is None:
+            return
+        t0 = time.perf_counter()
+        batch.hicache_consumer_index = -1  # this batch object may run on as the decode batch
+        fan = entry.fan
+        late = set(fan.pending_parts())  # the forward went on without them (consumer timeout)
+        for part, copy in entry.copies:
+            if part in late:
+                w0 = time.perf_counter()
+                copy.abort("the forward finished before the copy")
+                self.stats["scheduler_wait_s"] += time.perf_counter() - w0
+        failed = fan.failed_parts()
+        for load in entry.loads:
+            reasons = [failed[p] for p in sorted(load.parts) if p in failed]
+            if reasons:
+                self._fail_request(scheduler, load.req, reasons[0])
+            else:
+                self.stats["loaded_tokens"] += len(load.slots)
+        entry.overhead_s += time.perf_counter() - t0
+        self._trace(entry, failed)
+        self._closing.append(entry)
+        self.poll()
+
+    def poll(self) -> None:
+        """Close the tickets of settled loads whose copies are finished (never blocks)."""
+        still = []
+        for entry in self._closing:
+            if all(c.finished() for _, c in entry.copies):
+                self._close(entry)
+            else:
+                still.append(entry)
+        self._closing = still
+
+    def busy(self) -> bool:
+        return bool(self._queued or self._running or self._closing)
+
+    def reset(self) -> None:
+        """The tree was replaced: stop every copy and forget the loads (their tickets are gone)."""
+        for entry in [*self._running.values(), *self._closing]:
+            for _, copy in entry.copies:
+                copy.abort("the cache was reset")
+                copy.release()
+        self._queued, self._running, self._closing = [], {}, []
+        self._private.clear()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _close(self, entry: BatchLoad) -> None:
+        """Give the tickets back. Their slots stay with the requests, which own them (a failed
+        one frees them when it finishes), so nothing the tree returns is freed here."""
+        for load in entry.loads:
+            self.cache.tree.abort_load_back(load.ticket)
+        for _, copy in entry.copies:
+            copy.release()
+
+    def _fail_request(self, scheduler: Any, req: Any, reason: str) -> None:
+        """Finish `req` with an abort before its output is used, as SGLang does for a failed
+        external-linker load; its KV never reaches the tree."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        self.stats["loads_failed"] += 1
+        req.skip_radix_cache_insert = True
+        req.discard_output_reason = FINISH_ABORT(
+            f"SwiftCache: loading the cached prefix from a donor failed ({reason}); "
+            f"retry the request", HTTPStatus.SERVICE_UNAVAILABLE)
+        if scheduler is not None and scheduler.chunked_req is req:
+            # its next chunk must not run: released like a client abort (SGLang's own path)
+            scheduler._pending_chunked_abort_req = req
+        logger.warning("SwiftCache: request %s aborted: donor load failed (%s)", req.rid, reason)
+
+    def _trace(self, entry: BatchLoad, failed: dict) -> None:
+        """One JSON line per batch load (bench_overlap's timeline): when each layer was ready
+        for attention and when attention first asked for it, from the batch's start."""
+        if self.trace_path is None:
+            return
+        fan = entry.fan
+        base = fan.started_at
+        reached = self.counter.reached(fan.pid)
+        record = {
+            "tokens": sum(len(load.slots) for load in entry.loads),
+            "requests": len(entry.loads), "parts": len(entry.copies), "ok": not failed,
+            "ready_ms": [None if t is None else (t - base) * 1e3 for t in fan.released_at],
+            "reached_ms": [None if t is None else (t - base) * 1e3 for t in reached],
+            "scheduler_wait_ms": (self.stats["scheduler_wait_s"] - entry.wait_mark) * 1e3,
+            "overhead_ms": entry.overhead_s * 1e3,
+        }
+        with open(self.trace_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
