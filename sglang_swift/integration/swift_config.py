@@ -17,6 +17,8 @@ from typing import Any, Callable
 from radix_ext import EVICTION_POLICIES as _TREE_EVICTION_POLICIES
 
 ROLES = ("auto", "donor", "borrower", "both")
+LAYER_STREAM_TIERS = ("off", "host")  # where a streamed pool's layers live ("donor": not yet)
+LAYER_STREAMING = "layer streaming"  # the CLI group of the layer-stream options
 EVICTION_POLICIES = tuple(sorted(_TREE_EVICTION_POLICIES))  # the names radix_ext knows
 CONFIG_ENV = "SWIFTCACHE_CONFIG"
 
@@ -56,8 +58,8 @@ def _path(name: str) -> Callable[[str], str]:
     return parse
 
 
-def _opt(parse: Callable[[Any], Any], help: str) -> dict:
-    return {"parse": parse, "help": help}
+def _opt(parse: Callable[[Any], Any], help: str, group: str | None = None) -> dict:
+    return {"parse": parse, "help": help, **({"group": group} if group else {})}
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,20 @@ class SwiftConfig:
         "(default: /tmp/sglang_swift-$UID/control)"))
     secret_file: str = field(default="", metadata=_opt(_path("secret-file"),
         "node secret (0600) that authenticates control messages (default: <rendezvous-dir>/secret)"))
+    layer_stream: str = field(default="off", metadata=_opt(
+        _choice("layer-stream", LAYER_STREAM_TIERS),
+        "keep only the KV of the layers being computed in the local KV pool and every layer's KV "
+        "in host memory, streamed in layer by layer: --max-total-tokens (or the memory budget, "
+        "then L/depth times the tokens) becomes the context the server can hold; off: stock pool",
+        LAYER_STREAMING))
+    layer_stream_depth: int = field(default=2, metadata=_opt(
+        _number("layer-stream-depth", int, 2, 64),
+        "staging layers kept local: the layer being computed plus depth-1 prefetched; local KV "
+        "memory is depth/L of a stock pool of the same token count", LAYER_STREAMING))
+    layer_stream_host_gb: float = field(default=0.0, metadata=_opt(
+        _number("layer-stream-host-gb", float, 0.0),
+        "host memory (GiB) streamed KV may use; the pool's token count is capped to fit "
+        "(0: half the host memory free at start-up)", LAYER_STREAMING))
 
     def __post_init__(self) -> None:
         """Validate only (a frozen dataclass is never written here): each field must already be
@@ -99,6 +115,11 @@ class SwiftConfig:
             if parse is not None and value != f.default and parse(value) != value:
                 raise ValueError(f"{f.name}={value!r} is not a valid value; "
                                  f"build the config with SwiftConfig.parse(...)")
+        if self.streams_layers and self.uses_donation:
+            raise ValueError(
+                "layer-stream cannot be combined with lending or borrowing yet (a streamed pool's "
+                "KV lives in host memory, not in pages a lease can map); drop "
+                "--swiftcache-layer-stream or the lend/borrow options")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat-timeout-s ({self.heartbeat_timeout_s}) must exceed "
@@ -129,6 +150,11 @@ class SwiftConfig:
     def borrows(self) -> bool:
         """This server keeps evicted prefixes in donor memory (the tree has a donor tier)."""
         return self.role in ("borrower", "both", "auto") and self.max_borrow_blocks > 0
+
+    @property
+    def streams_layers(self) -> bool:
+        """The server's KV pool keeps only a few layers local and streams the others in."""
+        return self.layer_stream != "off"
 
     @property
     def uses_donation(self) -> bool:

@@ -1,0 +1,12 @@
+"""The layer stream cache: a server whose KV pool keeps only the layers being computed in local
+memory and every layer's KV outside it, streamed in layer by layer under the forward pass, so it
+serves contexts L/depth times longer than a stock pool of the same local memory.
+
+- `slots.py`: which pool slots a forward reads (`SlotSet`: runs or one index);
+- `store.py`: where every layer lives (`HostLayerStore`) and the copy lane (CPU / CUDA stream);
+- `pool.py`: `LayerStreamKVPool`, SGLang's MHA pool with its layers aliasing staging buffers;
+- `hooks.py`: the plugin hooks that size the pool, build it, and bracket each forward.
+
+docs/layer_stream.md has the design, the memory accounting and the measured costs. Importing
+this package imports nothing from SGLang; `pool.py` does (it subclasses SGLang's pool).
+"""

@@ -1,0 +1,221 @@
+"""`LayerStreamKVPool`: SGLang's MHA KV pool with only a few layers' KV in local memory.
+
+The pool keeps SGLang's logical shape: `size` slots, `k_buffer[l]` / `v_buffer[l]` of
+`size + page_size` rows for every layer, so the allocator, `req_to_token`, radix tree and every
+attention backend's indexing are unchanged. Physically the L layers' buffers alias `depth`
+staging buffers (layer l uses staging l % depth), and every layer's rows live in a
+`HostLayerStore`. Within one forward pass (opened by `begin_layer_stream`, from an AROUND hook on
+`ModelRunner.forward`, which knows the batch):
+
+- the first access to layer l (its `set_kv_buffer`, or a buffer getter, whichever the backend
+  calls first) loads layer l's rows for the slots the batch reads (`slots.batch_read_slots`)
+  into its staging buffer unless a prefetch already did, waits for that load, and starts the
+  prefetch of layers l+1 .. l+depth-1 into the others (their staging buffers were last read by
+  layers before l, which the compute stream has already been given);
+- `set_kv_buffer` writes the new tokens into staging as SGLang does, then through to the store;
+- the getters return the staging view, after the pool's layer-transfer counter (if another
+  part of SwiftCache registered one) had its say, as for any pool.
+
+Local KV memory is `depth` staging buffers instead of L layer buffers: at equal memory the pool
+holds L/depth times the tokens. Outside a forward (start-up shape queries) the getters return
+the staging views untouched. Host-side readers of the pool (retraction's CPU copy,
+`move_kv_cache`) go to the store, which holds every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from .slots import SlotSet, batch_read_slots
+from .store import CopyLane, HostLayerStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a streamed pool stages layers: `depth` staging buffers (the active layer and
+    depth-1 prefetched), copies as runs while a slot set has at most `max_runs` of them."""
+
+    depth: int = 2
+    max_runs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.depth < 2:
+            raise ValueError(f"layer-stream depth must be at least 2 (the active layer and the "
+                             f"one prefetched); got {self.depth}")
+
+
+class LayerStreamKVPool(MHATokenToKVPool):
+    """See the module docstring. Build with `LayerStreamKVPool.configured(settings)(...)`, with
+    MHATokenToKVPool's own arguments."""
+
+    settings = StreamSettings()
+    _configured: dict = {}
+
+    @classmethod
+    def configured(cls, settings: StreamSettings) -> type:
+        """The pool class with `settings` (one class per settings, so SGLang builds it with its
+        own arguments)."""
+        if settings not in cls._configured:
+            cls._configured[settings] = type(cls.__name__, (cls,), {
+                "settings": settings, "__module__": cls.__module__})
+        return cls._configured[settings]
+
+    # ---- buffers ------------------------------------------------------------------------------
+    def _create_buffers_normal(self) -> None:
+        problem = self._why_not_streamable()
+        if problem is not None:
+            raise ValueError(f"SwiftCache layer streaming cannot stream this KV pool: {problem}. "
+                             f"Run without --swiftcache-layer-stream, or drop the option named.")
+        depth = self.settings.depth
+        (rows, *row_shape), _ = self._kv_buffer_shapes()
+        padded = -(-rows // self.page_size) * self.page_size
+        device = torch.device(self.device)
+        with self.memory_saver_adapter.region("kv_cache"):
+            self._stages = [torch.zeros((2, padded, *row_shape), dtype=self.store_dtype,
+                                        device=device) for _ in range(depth)]
+        self.k_buffer = [self._stages[l % depth][0, :rows] for l in range(self.layer_num)]
+        self.v_buffer = [self._stages[l % depth][1, :rows] for l in range(self.layer_num)]
+        self.layer_store = HostLayerStore(self.layer_num, rows, tuple(row_shape),
+                                          self.store_dtype, device)
+        self._lane = CopyLane(device)
+        self._holds: list[int | None] = [None] * depth  # layer each staging buffer holds now
+        self._ready: list[object] = [None] * depth  # the lane's marker for that load
+        self._read: SlotSet | None = None  # slots the running forward reads; None: no forward
+        self._entered: int | None = None
+        self._saved: set[int] = set()
+        self._written: tuple[int, int, int] | None = None  # memo of the last write loc's slots
+        self._written_slots = SlotSet.empty()
+        self.forwards = 0
+        logger.info("SwiftCache layer streaming: KV pool of %d tokens; local staging %d of %d "
+                    "layers (%.1f MiB), every layer in %s memory (%.1f MiB)", self.size, depth,
+                    self.layer_num, self.local_kv_bytes() / 2**20, self.layer_store.tier,
+                    self.layer_store.nbytes / 2**20)
+
+    def _why_not_streamable(self) -> str | None:
+        if self.kv_cache_layout != "nhd" or self.use_hnd:
+            return f"KV cache layout {self.kv_cache_layout!r} (only NHD is streamed)"
+        k_shape, v_shape = self._kv_buffer_shapes()
+        if k_shape != v_shape:
+            return f"K and V rows differ in shape ({k_shape[1:]} vs {v_shape[1:]})"
+        if self.settings.depth >= self.layer_num:
+            return (f"--swiftcache-layer-stream-depth {self.settings.depth} is not below the "
+                    f"model's {self.layer_num} layers (nothing would be streamed)")
+        return None
+
+    def local_kv_bytes(self) -> int:
+        """Bytes of KV held in the pool's device memory: the staging buffers."""
+        return sum(s.numel() * s.element_size() for s in self._stages)
+
+    def get_kv_size_bytes(self):
+        half = self.local_kv_bytes() // 2
+        return half, half
+
+    def _clear_buffers(self):
+        super()._clear_buffers()
+        self._stages, self.layer_store = [], None
+
+    # ---- one forward --------------------------------------------------------------------------
+    def begin_layer_stream(self, forward_batch, req_to_token: torch.Tensor) -> None:
+        """A forward pass of `forward_batch` starts: what it reads is loaded layer by layer."""
+        self._read = batch_read_slots(forward_batch, req_to_token, self.settings.max_runs)
+        self._holds = [None] * self.settings.depth
+        self._ready = [None] * self.settings.depth
+        self._entered = None  # the layer this forward is in (its first access started it)
+        self._saved = set()  # layers whose new rows this forward wrote through
+        self.forwards += 1
+
+    def end_layer_stream(self) -> None:
+        self._read = None
+        self._written = None
+
+    def _stream_in(self, local_layer: int) -> None:
+        """Make staging hold `local_layer` for this forward; prefetch the layers after it."""
+        if self._read is None:
+            return
+        depth = self.settings.depth
+        if self._entered != local_layer:  # the first access to this layer in this forward
+            self._entered = local_layer
+            for layer in range(local_layer, min(local_layer + depth, self.layer_num)):
+                self._start_load(layer)  # this layer unless prefetched, then the ones after
+        stage = local_layer % depth
+        marker, self._ready[stage] = self._ready[stage], None
+        self._lane.wait(marker)
+
+    def _start_load(self, local_layer: int) -> None:
+        stage = local_layer % self.settings.depth
+        if self._holds[stage] == local_layer:
+            return
+        # A layer loaded again after its write-through (only if a backend went back to it)
+        # needs the rows it wrote as well as the ones it reads.
+        parts = [self._read] + ([self._written_slots] if local_layer in self._saved else [])
+        buf, store = self._stages[stage], self.layer_store
+
+        def load() -> None:
+            for part in parts:
+                store.load(local_layer, part, buf)
+
+        self._ready[stage] = self._lane.run(load)
+        self._holds[stage] = local_layer
+
+    # ---- SGLang's pool interface --------------------------------------------------------------
+    def get_key_buffer(self, layer_id: int):
+        self._stream_in(layer_id - self.start_layer)
+        return super().get_key_buffer(layer_id)
+
+    def get_value_buffer(self, layer_id: int):
+        self._stream_in(layer_id - self.start_layer)
+        return super().get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
+                      layer_id_override=None, dcp_kv_mask=None):
+        if dcp_kv_mask is not None:
+            raise RuntimeError("SwiftCache layer streaming does not support decode context "
+                               "parallelism (dcp); run without one or the other")
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        local = layer_id - self.start_layer
+        self._stream_in(local)
+        super().set_kv_buffer(layer, loc_info, cache_k, cache_v, k_scale, v_scale,
+                              layer_id_override, dcp_kv_mask)
+        loc, _, _ = unwrap_write_loc(loc_info)
+        written, buf, store = self._slots_of(loc), self._stages[local % self.settings.depth], \
+            self.layer_store
+        self._lane.run(lambda: store.save(local, written, buf))
+        self._saved.add(local)
+
+    def _slots_of(self, loc: torch.Tensor) -> SlotSet:
+        """The written slots; every layer of a forward writes the same loc, so once per forward."""
+        key = (loc.data_ptr(), loc.numel(), self.forwards)
+        if self._written != key:
+            self._written = key
+            self._written_slots = SlotSet.of(loc, self.settings.max_runs)
+        return self._written_slots
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
+        self._lane.drain()
+        self.layer_store.move_rows(tgt_loc, src_loc)
+        self._holds = [None] * self.settings.depth  # staging may hold the old rows
+
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        self._lane.drain()
+        return [[list(self.layer_store.read_rows(layer, indices))]
+                for layer in range(self.layer_num)]
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        self._lane.drain()
+        for layer in range(self.layer_num):
+            k, v = kv_cache_cpu[layer][0]
+            self.layer_store.write_rows(layer, indices, k, v)
+        self._holds = [None] * self.settings.depth
+
+    def stream_stats(self) -> dict:
+        """Counters for logs and benchmarks."""
+        store = self.layer_store
+        return {"forwards": self.forwards, "rows_loaded": store.rows_loaded,
+                "rows_saved": store.rows_saved, "copy_issue_s": self._lane.busy_s,
+                "local_kv_bytes": self.local_kv_bytes(), "store_bytes": store.nbytes}

@@ -1,0 +1,168 @@
+"""The layer stream pool reads exactly what SGLang's own pool reads, with depth/L of its local
+memory; the plugin sizes, builds and brackets it only when the server streams layers. Uses
+SGLang's real MHATokenToKVPool on CPU as the reference."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+from sglang_swift.layer_stream.slots import SlotSet, batch_read_slots
+
+LAYERS = 4
+ARGS = dict(size=96, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, layer_num=LAYERS,
+            device="cpu", enable_memory_saver=False)
+
+
+def _streamed(depth: int, max_runs: int = 64):
+    from sglang_swift.layer_stream.pool import LayerStreamKVPool, StreamSettings
+
+    return LayerStreamKVPool.configured(StreamSettings(depth=depth, max_runs=max_runs))(**ARGS)
+
+
+def _batch(mode: str, rows, seq_lens, prefix_lens):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return types.SimpleNamespace(
+        forward_mode=ForwardMode[mode], req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens), seq_lens_cpu=torch.tensor(seq_lens),
+        extend_prefix_lens_cpu=list(prefix_lens) if mode != "DECODE" else None)
+
+
+class Twin:
+    """A stock pool and a streamed one fed the same forwards; every read is compared."""
+
+    def __init__(self, depth: int, max_runs: int, seed: int, shuffle_slots: bool):
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        self.stock = MHATokenToKVPool(**ARGS)
+        self.streamed = _streamed(depth, max_runs)
+        self.req_to_token = torch.zeros((8, 64), dtype=torch.int32)
+        self.free = list(range(1, ARGS["size"] + 1))
+        self.rng = random.Random(seed)
+        if shuffle_slots:  # fragmented slots: the index path instead of runs
+            self.rng.shuffle(self.free)
+        self.lens = {}  # row -> tokens it holds
+
+    def share_prefix(self, row: int, src: int, n: int) -> None:
+        """Row `row` starts with the first n slots of `src` (a radix-cache hit)."""
+        self.req_to_token[row, :n] = self.req_to_token[src, :n]
+        self.lens[row] = n
+
+    def forward(self, news: dict[int, int], order: str) -> None:
+        """One forward: each row in `news` appends that many tokens; attention reads every row."""
+        rows = list(news)
+        prefix = [self.lens.get(r, 0) for r in rows]
+        locs = []
+        for r, p in zip(rows, prefix):
+            slots = [self.free.pop(0) for _ in range(news[r])]
+            self.req_to_token[r, p:p + news[r]] = torch.tensor(slots, dtype=torch.int32)
+            locs += slots
+            self.lens[r] = p + news[r]
+        loc = torch.tensor(locs)
+        mode = "DECODE" if all(n == 1 for n in news.values()) and all(prefix) else "EXTEND"
+        batch = _batch(mode, rows, [self.lens[r] for r in rows], prefix)
+        self.streamed.begin_layer_stream(batch, self.req_to_token)
+        try:
+            for layer_id in range(LAYERS):
+                layer = types.SimpleNamespace(layer_id=layer_id)
+                k = torch.randn(len(locs), 2, 4)
+                v = torch.randn(len(locs), 2, 4)
+                if order == "read-first":  # FlashInfer's ragged prefill reads the prefix first
+                    self._compare(layer_id, rows, prefix)
+                for pool in (self.stock, self.streamed):
+                    pool.set_kv_buffer(layer, loc, k, v)
+                self._compare(layer_id, rows, [self.lens[r] for r in rows])
+        finally:
+            self.streamed.end_layer_stream()
+
+    def _compare(self, layer_id: int, rows, lengths) -> None:
+        ks, vs = self.stock.get_kv_buffer(layer_id)
+        kt, vt = self.streamed.get_kv_buffer(layer_id)
+        for r, n in zip(rows, lengths):
+            idx = self.req_to_token[r, :n].long()
+            assert torch.equal(ks[idx], kt[idx]) and torch.equal(vs[idx], vt[idx]), \
+                f"layer {layer_id}, row {r}: streamed KV differs from the stock pool's"
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("order", ["write-first", "read-first"])
+@pytest.mark.parametrize("shuffle_slots,max_runs", [(False, 64), (True, 4)])
+def test_streamed_pool_reads_what_the_stock_pool_reads(depth, order, shuffle_slots, max_runs):
+    """Through chunked prefill, a shared prefix, mixed batches and decode, attention on every
+    layer reads from the streamed pool exactly the K and V rows it reads from SGLang's pool,
+    whichever of write or read a backend does first, with runs or index copies."""
+    twin = Twin(depth, max_runs, seed=depth, shuffle_slots=shuffle_slots)
+    twin.forward({0: 10}, order)            # prefill
+    twin.forward({0: 7}, order)             # its second chunk (prefix 10)
+    twin.share_prefix(1, 0, 5)              # a radix hit on row 0's first 5 tokens
+    twin.forward({1: 6, 0: 1}, order)       # extend row 1 beside row 0's next token
+    for _ in range(4):
+        twin.forward({0: 1, 1: 1}, order)   # decode
+    twin.forward({2: 9}, order)
+    twin.forward({0: 1, 1: 1, 2: 1}, order)
+    assert twin.streamed.stream_stats()["rows_loaded"] > 0
+
+
+def test_streamed_pool_holds_depth_layers_locally_and_every_layer_in_the_store():
+    """Local KV bytes are depth/L of the stock pool's; the store holds L layers; every layer's
+    buffer is a view of one of `depth` staging buffers."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    stock = sum(MHATokenToKVPool(**ARGS).get_kv_size_bytes())
+    pool = _streamed(2)
+    assert sum(pool.get_kv_size_bytes()) * LAYERS == stock * 2
+    assert pool.layer_store.nbytes == stock
+    ptrs = {pool.k_buffer[l].data_ptr() for l in range(LAYERS)}
+    assert len(ptrs) == 2
+
+
+def test_outside_a_forward_getters_touch_nothing():
+    """Shape queries at start-up (no forward open) return the staging view and copy nothing."""
+    pool = _streamed(2)
+    assert pool.get_key_buffer(3).shape == (97, 2, 4)
+    assert pool.stream_stats()["rows_loaded"] == 0
+
+
+def test_cpu_copy_and_move_go_to_the_store():
+    """Retraction's CPU copy and move_kv_cache see every layer, not the staging buffers."""
+    pool = _streamed(2)
+    pool.layer_store.data.copy_(torch.randn_like(pool.layer_store.data))
+    idx = torch.tensor([5, 9])
+    saved = pool.get_cpu_copy(idx)
+    assert torch.equal(saved[3][0][0], pool.layer_store.data[3, 0, idx])
+    pool.move_kv_cache(torch.tensor([20, 21]), idx)
+    assert torch.equal(pool.layer_store.data[:, :, [20, 21]], pool.layer_store.data[:, :, [5, 9]])
+    pool.load_cpu_copy([[[torch.zeros(2, 2, 4), torch.ones(2, 2, 4)]]] * LAYERS, idx)
+    assert pool.layer_store.data[:, 1, idx].eq(1).all() and pool.layer_store.data[:, 0, idx].eq(0).all()
+
+
+def test_depth_not_below_layers_is_refused_naming_the_option():
+    """A depth that streams nothing fails at pool creation with the option's name."""
+    with pytest.raises(ValueError, match="layer-stream-depth 4"):
+        _streamed(4)
+
+
+def test_slot_sets_are_runs_or_one_index():
+    """Slots become sorted disjoint runs, or one unique sorted index past max_runs; both
+    cover exactly the distinct slots given."""
+    s = SlotSet.of(torch.tensor([7, 3, 4, 5, 8, 4, 20]), max_runs=8)
+    assert s.runs == ((3, 6), (7, 9), (20, 21)) and s.count == 6
+    assert s.as_index().tolist() == [3, 4, 5, 7, 8, 20]
+    f = SlotSet.of(torch.tensor([7, 3, 4, 5, 8, 4, 20]), max_runs=2)
+    assert f.runs is None and f.index.tolist() == [3, 4, 5, 7, 8, 20]
+    assert SlotSet.of(torch.tensor([], dtype=torch.int64), 4).count == 0
+
+
+def test_a_batch_reads_its_prefixes_only():
+    """Extend reads extend_prefix_lens positions of each row, decode all but the new token,
+    idle nothing."""
+    r2t = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    ext = batch_read_slots(_batch("EXTEND", [1, 3], [6, 4], [2, 0]), r2t, 8)
+    assert ext.as_index().tolist() == [10, 11]
+    dec = batch_read_slots(_batch("DECODE", [0, 2], [3, 2], []), r2t, 8)
+    assert dec.as_index().tolist() == [0, 1, 20]
+    assert batch_read_slots(_batch("IDLE", [], [], []), r2t, 8).count == 0
