@@ -1,0 +1,121 @@
+"""The chaos run's pure logic (sglang_swift/tools/chaos_plan.py): plans, and how counters are judged."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_swift.tools.chaos_plan import (BORROWER, Step, StepRecord, build_plan, consistency,
+                                           dead_after_s, fault_counts, lost_while_alive,
+                                           total_requests, validate)
+
+DONORS = ["donor0", "donor1"]
+
+
+def test_quick_plan_injects_every_fault_and_ends_with_every_donor_alive():
+    """One cycle holds each fault kind; every freeze is longer than the heartbeat timeout and
+    shorter than dead_after_s; the killed donor is restarted; traffic runs during the freezes."""
+    plan = build_plan(DONORS, cycles=1, per_slot=3, heartbeat_timeout_s=1.0)
+    kinds = [s.kind for s in plan]
+    assert kinds[0] == "traffic"  # warm-up: histories in donor memory before the first fault
+    for kind in ("freeze", "idle", "burst", "kill", "restart"):
+        assert kind in kinds
+    freezes = [s for s in plan if s.kind == "freeze"]
+    assert {s.target for s in freezes} & set(DONORS) and BORROWER in {s.target for s in freezes}
+    assert all(1.0 < s.seconds < dead_after_s(1.0) and s.requests >= 1 for s in freezes)
+    killed = next(s.target for s in plan if s.kind == "kill")
+    assert kinds.index("restart") > kinds.index("kill")
+    assert next(s.target for s in plan if s.kind == "restart") == killed
+    assert total_requests(plan) == 3 * 7 + 1  # warm-up, a donor freeze, five slots; 1 frozen
+
+
+def test_soak_plan_is_reproducible_from_its_seed_and_draws_targets():
+    """The same seed gives the same plan; cycles draw their targets among all donors."""
+    a = build_plan(DONORS, cycles=12, per_slot=2, heartbeat_timeout_s=1.0, seed=7)
+    assert a == build_plan(DONORS, cycles=12, per_slot=2, heartbeat_timeout_s=1.0, seed=7)
+    assert {s.target for s in a if s.kind == "kill"} == set(DONORS)
+    assert sum(s.kind == "kill" for s in a) == 12
+
+
+@pytest.mark.parametrize("plan, message", [
+    ([Step("freeze", "donor0", 1.0, 1)], "longer than the heartbeat timeout"),
+    ([Step("freeze", "donor0", 19.0, 1)], "at most 15s"),
+    ([Step("idle", seconds=0.5)], "outlast the heartbeat timeout"),
+    ([Step("kill", BORROWER)], "only donors"),
+    ([Step("kill", "donor0"), Step("burst", "donor0")], "not running"),
+    ([Step("restart", "donor0")], "is running"),
+    ([Step("kill", "donor0")], "still dead at the end"),
+    ([Step("burst", "donor9")], "unknown target"),
+    ([Step("panic")], "unknown kind"),
+])
+def test_validate_refuses_steps_that_would_not_test_what_they_claim(plan, message):
+    """A freeze that is no suspicion or already death, an idle within the timeout, faults on dead
+    or unknown servers, and donors left dead are refused with the reason."""
+    with pytest.raises(ValueError, match=message):
+        validate(plan, DONORS, heartbeat_timeout_s=1.0)
+
+
+def test_freeze_bounds_follow_dead_after_for_long_timeouts():
+    """dead_after_s = max(20 s, 10 x timeout): with a 5 s timeout a 40 s freeze is still a pause."""
+    assert dead_after_s(1.0) == 20.0 and dead_after_s(5.0) == 50.0
+    validate([Step("freeze", "donor0", 40.0, 1)], DONORS, heartbeat_timeout_s=5.0)
+
+
+def _rec(kind, target="", before=None, after=None, **kw) -> StepRecord:
+    base = {"revoked_tokens": 0, "lost_leases": 0, "reclaims": 0, "refused_loads": 0,
+            "refused_stores": 0, "leases": 1, "loaded_tokens": 100}
+    return StepRecord(Step(kind, target), {**base, **(before or {})},
+                      {**base, **(before or {}), **(after or {})}, **kw)
+
+
+def test_lost_while_alive_counts_only_losses_outside_kills():
+    """Tokens revoked in a kill step are expected; a lost lease in any other step counts its
+    step's revoked tokens as lost while alive; a reclaim alone loses nothing."""
+    records = [
+        _rec("burst", "donor0", after={"revoked_tokens": 300, "reclaims": 1}),
+        _rec("kill", "donor0", {"revoked_tokens": 300}, {"revoked_tokens": 500, "lost_leases": 1}),
+        _rec("freeze", "donor1", {"revoked_tokens": 500, "lost_leases": 1},
+             {"revoked_tokens": 640, "lost_leases": 2}),
+    ]
+    assert lost_while_alive(records) == (140, 1)
+    assert lost_while_alive(records[:2]) == (0, 0)
+
+
+def test_consistency_accepts_what_the_faults_explain():
+    """A burst on a lending donor: donor reclaim and borrower ack; a kill: a lost lease and
+    refused loads; leases counted >= leases seen; the donor tier used: every check holds."""
+    records = [
+        _rec("traffic"),
+        _rec("burst", "donor0", after={"reclaims": 1, "revoked_tokens": 50},
+             leases_from_target=1, target_reclaims=1),
+        _rec("kill", "donor0", {"reclaims": 1},
+             {"lost_leases": 1, "refused_loads": 2, "leases": 2}, leases_from_target=1),
+    ]
+    assert consistency(records, leases_seen=2) == {
+        "leases": "", "reclaims": "", "lost_leases": "", "refused_copies": "",
+        "donor_tier_used": ""}
+
+
+def test_consistency_names_each_contradiction():
+    """An unacknowledged burst, a reclaim without a burst, a kill without a loss, a refused load
+    while all were alive, fewer leases counted than seen, and an unused donor tier are named."""
+    records = [
+        _rec("burst", "donor0", leases_from_target=1, target_reclaims=1),
+        _rec("idle", after={"reclaims": 1}),
+        _rec("kill", "donor1", leases_from_target=2),
+        _rec("freeze", "donor0", after={"refused_loads": 1, "loaded_tokens": 0}),
+    ]
+    checks = consistency(records, leases_seen=3)
+    assert "borrower acknowledged 0" in checks["reclaims"]
+    assert "reclaims without a burst" in checks["reclaims"]
+    assert "none counted lost" in checks["lost_leases"]
+    assert "1 loads" in checks["refused_copies"]
+    assert "< 3 leases seen" in checks["leases"]
+    assert checks["donor_tier_used"]
+
+
+def test_fault_counts_skip_aborted_steps():
+    """`faults` reports what was injected: a step that could not be carried out is not counted."""
+    records = [_rec("traffic"), _rec("kill", "donor0"), _rec("restart", "donor0"),
+               StepRecord(Step("burst", "donor0"), {}, {}, aborted="HTTPError")]
+    assert fault_counts(records) == {"freeze": 0, "idle": 0, "burst": 0, "kill": 1,
+                                     "restart": 1}
