@@ -39,7 +39,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
-    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -48,18 +47,16 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from radix_ext import DEVICE, DONOR, DevicePool, RadixTree, TreeConfig, admission
+from radix_ext import DEVICE, DONOR, DevicePool, RadixTree, TreeConfig
+
+from .donor_hits import DonorHitsMixin
 
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
-# A borrower starts demoting its LRU prefixes once free + leaving device slots fall below this
-# share of its pool, so the room an allocation asks for has usually been freed by its stores
-# before it asks (SGLang's allocator cannot wait for a store; `evict` then has to).
-DEMOTE_AHEAD_FRACTION = 0.125
-STREAM_STATS = ("scheduler_wait_s", "evict_waits", "loads_started", "loads_failed",
-                "load_retries", "stores_started")
+STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
+                "loads_failed", "load_retries", "stores_started")
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:
@@ -81,25 +78,6 @@ def namespace_of(key: RadixKey) -> Any:
     if key.extra_key is None and key.cache_salt is None:
         return None
     return (key.extra_key, key.cache_salt)
-
-
-def path_key(tree: RadixTree, node: Any) -> Optional[tuple[array, Any]]:
-    """The tokens and namespace of the path from the root to `node`; None once `node` left
-    the tree (dropped, or split away from the path a match reported)."""
-    parts = []
-    x = node
-    while x is not tree.root:
-        parent = x.parent
-        if parent is None or parent.children.get(x.ck) is not x:
-            return None
-        parts.append(x.key)
-        top, x = x, parent
-    if not parts:
-        return None
-    key = array("q")
-    for part in reversed(parts):
-        key.extend(part)
-    return key, top.ck[0]  # a child of the root is keyed (namespace, first page)
 
 
 class KVSlots(DevicePool):
@@ -128,7 +106,7 @@ class KVSlots(DevicePool):
         return self.cache.demotions.make_room(num_tokens, wait=self.wait_for_room)
 
 
-class SwiftRadixCache(RadixCache):
+class SwiftRadixCache(DonorHitsMixin, RadixCache):
     """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size, policies
     and tiers; `config` (a `SwiftConfig`) starts a `SwiftRuntime` when the server lends or
     borrows; `model`, `agent_id` and `enable_metrics` describe it then. A borrower registers its
@@ -171,29 +149,6 @@ class SwiftRadixCache(RadixCache):
             self.metrics = SwiftMetrics({"agent": self.runtime.agent_id, "role": config.role})
         self.runtime.start()
 
-    def _start_streaming(self, config: Any, kv_pool: Any, tp_worker: Any,
-                         load_trace: Optional[str]) -> None:
-        """Loads under the forward and stores beside the scheduler. The counter goes where
-        SGLang's own HiCache puts its: the pool's buffer getters wait on it per layer, and the
-        tp worker hands it each batch's consumer index before the forward."""
-        from ..dataplane import make_layer_counter
-        from .demotion import AsyncDemotions
-        from .layer_fan_in import TimedLayerCounter
-        from .streaming import StreamingLoads
-
-        if tp_worker is None:
-            raise ValueError("a borrowing SwiftCache server needs SGLang's tp worker to register "
-                             "its layer counter; build the cache through the backend factory")
-        copy_timeout_s = config.heartbeat_timeout_s * 4
-        self.counter = TimedLayerCounter(make_layer_counter(
-            kv_pool.layer_num, self.runtime.device, timeout_s=copy_timeout_s))
-        kv_pool.register_layer_transfer_counter(self.counter)
-        tp_worker.register_hicache_layer_transfer_counter(self.counter)
-        self.loads = StreamingLoads(self, self.runtime, self.counter, self.runtime.stats,
-                                    load_trace)
-        self.demotions = AsyncDemotions(self, self.runtime, self.runtime.stats, copy_timeout_s)
-        self.demote_headroom = int(self.token_to_kv_pool_allocator.size * DEMOTE_AHEAD_FRACTION)
-
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def reset(self) -> None:
@@ -226,6 +181,7 @@ class SwiftRadixCache(RadixCache):
             self.demotions.settle()
             self.loads.poll()
             self.demotions.demote_ahead(self.demote_headroom)
+            self.runtime.stats["layer_wait_s"] = self.counter.wait_s
         now = time.monotonic()
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
@@ -242,18 +198,6 @@ class SwiftRadixCache(RadixCache):
             logger.info("SwiftCache stats: %s; donor tier %d tokens", self._reported,
                         self.tree.tier_size(DONOR) if self.tree.donor is not None else 0)
 
-    def swift_batch_built(self, batch: Any) -> None:
-        """A prefill batch was built (plugin hook): start the loads its requests queued."""
-        if self.loads is not None:
-            self.loads.start(batch)
-
-    def swift_batch_ran(self, scheduler: Any, batch: Any) -> None:
-        """A batch's forward ran (plugin hook): drop the output of requests whose load failed,
-        settle the stores that finished meanwhile."""
-        if self.loads is not None:
-            self.loads.settle(scheduler, batch)
-            self.demotions.settle()
-
     # ---- tree operations ----------------------------------------------------------------------
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -264,63 +208,11 @@ class SwiftRadixCache(RadixCache):
             return self._empty_match_result
         m = self.tree.match(key.raw_token_ids(), namespace_of(key))
         length, node = m.device_len, m.last_device_node
-        hit, best = 0, node
-        if self.loads is not None:
-            for seg in m.loads:
-                src = seg.source
-                if seg.tier != DONOR or self.runtime.lease_engine(src.donor, src.lease) is None:
-                    break
-                hit, best = hit + seg.num_tokens, seg.node
+        hit, best = self._donor_hit(m) if self.loads is not None else (0, node)
         if length == 0 and hit == 0:
             return self._empty_match_result
         return MatchResult(device_prefix_len=length, last_device_node=node,
                            last_host_node=best, best_match_node=best, host_hit_length=hit)
-
-    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
-        """Admit the load of a matched donor part (SGLang calls this for admitted requests):
-        allocate its slots (demoting for them without waiting), begin the tree's ticket and
-        queue the copy for the batch. All or nothing: (host_hit_length, last node) when queued;
-        (0, last node) to recompute; None to retry next round (room is still being demoted)."""
-        req = params.req
-        fallback = (0, req.last_node)
-        if self.loads is None or params.host_hit_length <= 0:
-            return fallback
-        found = path_key(self.tree, params.best_match_node)
-        if found is None:
-            return fallback
-        self.slots.wait_for_room = False
-        try:
-            a = admission.admit(self.tree, self.slots, found[0], found[1])
-        finally:
-            self.slots.wait_for_room = True
-        if not a.ok:
-            if self.demotions.in_flight():
-                self.runtime.stats["load_retries"] += 1
-                return None
-            return fallback
-        ticket = a.load
-        if ticket is not None and (a.match.last_device_node is not req.last_node
-                                   or len(ticket.device_indices) != params.host_hit_length):
-            self.slots.free(self.tree.abort_load_back(ticket).device_indices_to_free)
-            ticket = None  # the tree changed since the match: recompute
-        self.tree.unlock(a.anchor)
-        if ticket is None:
-            return fallback
-        self.loads.queue(req, ticket, self.device)
-        return len(ticket.device_indices), req.last_node
-
-    def load_back_is_cache_owned(self) -> bool:
-        """Loaded slots belong to the request until its forward confirmed them (it then inserts
-        them like computed KV); a failed load is freed with the request."""
-        return False
-
-    def prefix_device_indices(self, req: Any) -> torch.Tensor:
-        path = self.path_device_indices(req.last_node)
-        tail = self.loads.private_slots(req.rid) if self.loads is not None else None
-        if tail is not None:
-            path = torch.cat([path, tail])
-        assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
-        return path[: req.prefix_len]
 
     def touch_prefix(self, key: RadixKey) -> None:
         if not self.disable and len(key):

@@ -13,7 +13,7 @@ for stores in flight when what settled and what left at once is not enough. `dem
 that rare: each step, while the free slots plus those already on their way out are below a
 headroom, it starts demoting the least recently used prefixes early, so the room an allocation
 asks for has usually been freed by the time it does. Waits are counted in
-`stats["scheduler_wait_s"]` and `stats["evict_waits"]`.
+`stats["evict_wait_s"]` and `stats["evict_waits"]`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class AsyncDemotions:
         while wait and freed < num_tokens and self._groups:
             start = time.perf_counter()
             self._groups[0].copy.wait(self.copy_timeout_s)
-            self.stats["scheduler_wait_s"] += time.perf_counter() - start
+            self.stats["evict_wait_s"] += time.perf_counter() - start
             self.stats["evict_waits"] += 1
             freed += self.settle()
         return freed

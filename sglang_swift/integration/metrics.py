@@ -20,6 +20,20 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "leases": ("swiftcache_leases", "leases granted to this server"),
     "reclaims": ("swiftcache_reclaims", "reclaims this server acknowledged"),
     "lost_leases": ("swiftcache_lost_leases", "leases lost to a dead or departed donor"),
+    # streaming loads and asynchronous demotion (integration/streaming.py, demotion.py)
+    "loads_started": ("swiftcache_loads_started", "donor loads started under a forward pass"),
+    "loads_failed": ("swiftcache_loads_failed", "donor loads that failed; their requests were "
+                     "aborted before any output"),
+    "load_retries": ("swiftcache_load_retries", "load admissions retried while room was still "
+                     "being demoted"),
+    "stores_started": ("swiftcache_stores_started", "demotions started beside the scheduler"),
+    "load_wait_s": ("swiftcache_load_wait_seconds", "scheduler-thread time spent waiting on a "
+                    "load copy outside the forward (expected 0)"),
+    "evict_wait_s": ("swiftcache_evict_wait_seconds", "scheduler-thread time an eviction waited "
+                     "for demotion stores still in flight"),
+    "evict_waits": ("swiftcache_evict_waits", "evictions that had to wait for a store"),
+    "layer_wait_s": ("swiftcache_layer_wait_seconds", "time attention waited for a layer being "
+                     "loaded (the part of the copies the forward did not hide)"),
 }
 GAUGES = {
     "kv_pool_tokens": "this server's SGLang KV pool, tokens",

@@ -19,9 +19,9 @@ unified_cache_linker.py`), driven through the plugin's scheduler hooks:
    finished (`poll`, every step): until then the donor nodes stay pinned, so their pages are
    neither dropped nor reused by another store.
 
-The scheduler thread never waits for a copy here; `stats["scheduler_wait_s"]` counts the
-exceptions (stopping a copy the forward did not wait for), `TimedLayerCounter.wait_s` the time
-attention waited for a layer.
+The scheduler thread never waits for a copy here; `stats["load_wait_s"]` counts the exceptions
+(stopping a copy the forward went past), `stats["layer_wait_s"]` the time attention waited for
+a layer inside the forward (`TimedLayerCounter`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .copies import InFlightCopy, runs_by_lease, start_copy
+from .copies import runs_by_lease, start_copy
 from .layer_fan_in import BatchLayerCounter
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class BatchLoad:
     fan: BatchLayerCounter
     loads: list
     copies: list  # (part, InFlightCopy)
-    wait_mark: float  # stats["scheduler_wait_s"] when its first load was queued
+    wait_mark: float  # the scheduler's waits on copies (stats) when its first load was queued
     overhead_s: float = 0.0  # scheduler-thread time spent starting and settling it
 
 
@@ -81,7 +81,7 @@ class StreamingLoads:
         from .cache import indices_to_tensor
 
         if not self._queued:
-            self._wait_mark = self.stats["scheduler_wait_s"]
+            self._wait_mark = self._waited()
         slots = indices_to_tensor(ticket.device_indices, device)
         self._queued.append(QueuedLoad(req, ticket, slots))
         self._private[req.rid] = slots
@@ -145,7 +145,7 @@ class StreamingLoads:
             if part in late:
                 w0 = time.perf_counter()
                 copy.abort("the forward finished before the copy")
-                self.stats["scheduler_wait_s"] += time.perf_counter() - w0
+                self.stats["load_wait_s"] += time.perf_counter() - w0
         failed = fan.failed_parts()
         for load in entry.loads:
             reasons = [failed[p] for p in sorted(load.parts) if p in failed]
@@ -204,6 +204,10 @@ class StreamingLoads:
             scheduler._pending_chunked_abort_req = req
         logger.warning("SwiftCache: request %s aborted: donor load failed (%s)", req.rid, reason)
 
+    def _waited(self) -> float:
+        """Seconds the scheduler thread waited on copies so far (loads and stores)."""
+        return self.stats["load_wait_s"] + self.stats["evict_wait_s"]
+
     def _trace(self, entry: BatchLoad, failed: dict) -> None:
         """One JSON line per batch load (bench_overlap's timeline): when each layer was ready
         for attention and when attention first asked for it, from the batch's start."""
@@ -217,7 +221,7 @@ class StreamingLoads:
             "requests": len(entry.loads), "parts": len(entry.copies), "ok": not failed,
             "ready_ms": [None if t is None else (t - base) * 1e3 for t in fan.released_at],
             "reached_ms": [None if t is None else (t - base) * 1e3 for t in reached],
-            "scheduler_wait_ms": (self.stats["scheduler_wait_s"] - entry.wait_mark) * 1e3,
+            "scheduler_wait_ms": (self._waited() - entry.wait_mark) * 1e3,
             "overhead_ms": entry.overhead_s * 1e3,
         }
         with open(self.trace_path, "a", encoding="utf-8") as f:

@@ -1,0 +1,143 @@
+"""The borrower's side of `SwiftRadixCache`: donor hits offered to SGLang's admission and
+streamed under the forward (`streaming.py`), demotions beside the scheduler (`demotion.py`).
+
+A mixin of the cache class (it uses the cache's tree, slots, runtime and device); every method
+here is a no-op or the stock behaviour while the server does not borrow (`self.loads` is None).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+from radix_ext import DONOR, RadixTree, admission
+
+# A borrower starts demoting its LRU prefixes once free + leaving device slots fall below this
+# share of its pool, so the room an allocation asks for has usually been freed by its stores
+# before it asks (SGLang's allocator cannot wait for a store; `evict` then has to).
+DEMOTE_AHEAD_FRACTION = 0.125
+
+
+def path_key(tree: RadixTree, node: Any) -> Optional[tuple[array, Any]]:
+    """The tokens and namespace of the path from the root to `node`; None once `node` left
+    the tree (dropped, or split away from the path a match reported)."""
+    parts = []
+    x = node
+    while x is not tree.root:
+        parent = x.parent
+        if parent is None or parent.children.get(x.ck) is not x:
+            return None
+        parts.append(x.key)
+        top, x = x, parent
+    if not parts:
+        return None
+    key = array("q")
+    for part in reversed(parts):
+        key.extend(part)
+    return key, top.ck[0]  # a child of the root is keyed (namespace, first page)
+
+
+class DonorHitsMixin:
+    """Mixed into `SwiftRadixCache`; see the module docstring."""
+
+    def _start_streaming(self, config: Any, kv_pool: Any, tp_worker: Any,
+                         load_trace: Optional[str]) -> None:
+        """Loads under the forward and stores beside the scheduler. The counter goes where
+        SGLang's own HiCache puts its: the pool's buffer getters wait on it per layer, and the
+        tp worker hands it each batch's consumer index before the forward."""
+        from ..dataplane import make_layer_counter
+        from .demotion import AsyncDemotions
+        from .layer_fan_in import TimedLayerCounter
+        from .streaming import StreamingLoads
+
+        if tp_worker is None:
+            raise ValueError("a borrowing SwiftCache server needs SGLang's tp worker to register "
+                             "its layer counter; build the cache through the backend factory")
+        copy_timeout_s = config.heartbeat_timeout_s * 4
+        self.counter = TimedLayerCounter(make_layer_counter(
+            kv_pool.layer_num, self.runtime.device, timeout_s=copy_timeout_s))
+        kv_pool.register_layer_transfer_counter(self.counter)
+        tp_worker.register_hicache_layer_transfer_counter(self.counter)
+        self.loads = StreamingLoads(self, self.runtime, self.counter, self.runtime.stats,
+                                    load_trace)
+        self.demotions = AsyncDemotions(self, self.runtime, self.runtime.stats, copy_timeout_s)
+        self.demote_headroom = int(self.token_to_kv_pool_allocator.size * DEMOTE_AHEAD_FRACTION)
+
+    def swift_batch_built(self, batch: Any) -> None:
+        """A prefill batch was built (plugin hook): start the loads its requests queued."""
+        if self.loads is not None:
+            self.loads.start(batch)
+
+    def swift_batch_ran(self, scheduler: Any, batch: Any) -> None:
+        """A batch's forward ran (plugin hook): drop the output of requests whose load failed,
+        settle the stores that finished meanwhile."""
+        if self.loads is not None:
+            self.loads.settle(scheduler, batch)
+            self.demotions.settle()
+
+    def _donor_hit(self, m: Any) -> tuple[int, Any]:
+        """The donor part of match `m` SGLang may load: up to its first segment whose lease
+        is not readable now; (tokens, deepest node), or (0, last device node)."""
+        hit, best = 0, m.last_device_node
+        for seg in m.loads:
+            if seg.tier != DONOR or not self._readable(seg.source):
+                break
+            hit, best = hit + seg.num_tokens, seg.node
+        return hit, best
+
+    def _readable(self, res: Any) -> bool:
+        """Whether donor residency `res` can be read now: its lease is held, within its read
+        deadline, and the donor process is there (a donor killed since is a recompute, not a
+        failed load)."""
+        engine = self.runtime.lease_engine(res.donor, res.lease)
+        return engine is not None and engine.liveness()
+
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+        """Admit the load of a matched donor part (SGLang calls this for admitted requests):
+        allocate its slots (demoting for them without waiting), begin the tree's ticket and
+        queue the copy for the batch. All or nothing: (host_hit_length, last node) when queued;
+        (0, last node) to recompute; None to retry next round (room is still being demoted)."""
+        req = params.req
+        fallback = (0, req.last_node)
+        if self.loads is None or params.host_hit_length <= 0:
+            return fallback
+        found = path_key(self.tree, params.best_match_node)
+        if found is None:
+            return fallback
+        self.slots.wait_for_room = False
+        try:
+            a = admission.admit(self.tree, self.slots, found[0], found[1])
+        finally:
+            self.slots.wait_for_room = True
+        if not a.ok:
+            if self.demotions.in_flight():
+                self.runtime.stats["load_retries"] += 1
+                return None
+            return fallback
+        ticket = a.load
+        if ticket is not None and (a.match.last_device_node is not req.last_node
+                                   or len(ticket.device_indices) != params.host_hit_length
+                                   or not all(self._readable(c.src) for c in ticket.copies)):
+            self.slots.free(self.tree.abort_load_back(ticket).device_indices_to_free)
+            ticket = None  # the tree or a donor changed since the match: recompute
+        self.tree.unlock(a.anchor)
+        if ticket is None:
+            return fallback
+        self.loads.queue(req, ticket, self.device)
+        return len(ticket.device_indices), req.last_node
+
+    def load_back_is_cache_owned(self) -> bool:
+        """Loaded slots belong to the request until its forward confirmed them (it then inserts
+        them like computed KV); a failed load is freed with the request."""
+        return False
+
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        path = self.path_device_indices(req.last_node)
+        tail = self.loads.private_slots(req.rid) if self.loads is not None else None
+        if tail is not None:
+            path = torch.cat([path, tail])
+        assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
+        return path[: req.prefix_len]
