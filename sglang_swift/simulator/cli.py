@@ -72,7 +72,9 @@ def evaluate(scn, rates, window, seed, plan, donor_goodput) -> dict:
         comparisons[name]["goodput_ratio_vs_hicache_by_slo_factor"] = {
             str(f): (round(g[ex.OURS].rate / g[base].rate, 4) if g[base].rate > 0 else None)
             for f, g in found.items()}
-    master_rate = found[gp.SLO_FACTOR][ex.OURS].rate
+    # the donors are measured while SwiftCache serves the most it sustains (the lowest swept rate
+    # when it sustains none)
+    master_rate = found[gp.SLO_FACTOR][ex.OURS].rate or min(rates)
     inter = ex.interference_by_share(scn, donor_goodput, plan["shares"], master_rate, window, seed, progress=_say)
     return {"sweep": sweep, "reductions": ex.reductions(sweep),
             "reductions_equal_memory": ex.reductions(sweep, base="sglang-hicache-bighost"),
