@@ -18,6 +18,14 @@ logger = logging.getLogger(__name__)
 LOAD_TRACE_ENV = "SWIFTCACHE_LOAD_TRACE"
 
 
+def model_kind(ctx: Any) -> str:
+    """'model type X (architectures)' of the server's model, for start-up refusals."""
+    hf = getattr(getattr(ctx, "model_config", None), "hf_config", None)
+    kind = getattr(hf, "model_type", None) or "unknown"
+    archs = ", ".join(getattr(hf, "architectures", None) or []) or "unknown architecture"
+    return f"model type {kind!r} ({archs})"
+
+
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's TreeCacheBuildContext."""
     unsupported = [name for name, on in (
@@ -51,10 +59,17 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         server_args = ctx.server_args
         model = getattr(server_args, "served_model_name", None) or server_args.model_path
         agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
-        cache = SwiftRadixCache(params, tree_config, config, model=str(model), agent_id=agent_id,
-                                enable_metrics=bool(getattr(server_args, "enable_metrics", False)),
-                                tp_worker=ctx.tp_worker,
-                                load_trace=os.environ.get(LOAD_TRACE_ENV) or None)
+        from ..dataplane import UnshareablePool
+
+        try:
+            cache = SwiftRadixCache(params, tree_config, config, model=str(model),
+                                    agent_id=agent_id, tp_worker=ctx.tp_worker,
+                                    enable_metrics=bool(getattr(server_args, "enable_metrics",
+                                                                False)),
+                                    load_trace=os.environ.get(LOAD_TRACE_ENV) or None)
+        except UnshareablePool as exc:
+            raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
+                             f"{exc}") from None
     logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, runtime %s)",
                 params.page_size, cache.tree_config.eviction,
                 "on" if cache.runtime is not None else "off")

@@ -94,3 +94,15 @@ def test_no_relend_during_cooldown_and_unknown_returns_are_ignored():
     before = alloc.available_size()
     lender.on_returned([10_000])
     assert alloc.available_size() == before
+
+
+def test_refusals_name_the_model_type():
+    """A pool the data plane cannot share is refused at start-up naming the model type."""
+    from types import SimpleNamespace as NS
+
+    from sglang_swift.integration.backend import model_kind
+
+    ctx = NS(model_config=NS(hf_config=NS(model_type="deepseek_v3",
+                                          architectures=["DeepseekV3ForCausalLM"])))
+    assert model_kind(ctx) == "model type 'deepseek_v3' (DeepseekV3ForCausalLM)"
+    assert model_kind(NS()) == "model type 'unknown' (unknown architecture)"
