@@ -84,8 +84,8 @@ class NodePlan:
     max_tokens: int = 16
     max_chars: int = 600  # per message, so prompts stay within what a CPU serves in seconds
     donor_conversations: int = 2  # donor: light traffic, one request every donor_interval_s
-    donor_requests: int = 16
-    donor_interval_s: float = 2.0
+    donor_requests: int = 32  # enough that its TTFT P99 is not just its slowest request
+    donor_interval_s: float = 1.0
     donor_max_tokens: int = 8
     burst_requests: int = 6  # donor: concurrent long requests, after the steady phase
     burst_fraction: float = 0.6  # their prompt tokens together, as a fraction of the donor pool
@@ -110,7 +110,7 @@ class NodePlan:
 
     @classmethod
     def quick(cls) -> "NodePlan":
-        return replace(cls(), turns=4, donor_requests=8, settle_s=7.0)
+        return replace(cls(), turns=4, donor_requests=16, settle_s=7.0)
 
     @property
     def busy_requests(self) -> int:
