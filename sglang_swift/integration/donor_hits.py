@@ -99,7 +99,10 @@ class DonorHitsMixin:
         """Admit the load of a matched donor part (SGLang calls this for admitted requests):
         allocate its slots (demoting for them without waiting), begin the tree's ticket and
         queue the copy for the batch. All or nothing: (host_hit_length, last node) when queued;
-        (0, last node) to recompute; None to retry next round (room is still being demoted)."""
+        (0, last node) to recompute; None to retry next round (room is still being demoted).
+
+        The room for the request's new tokens is made here too, so that allocating them in
+        `prepare_for_extend` (which cannot wait for a store) finds it free."""
         req = params.req
         fallback = (0, req.last_node)
         if self.loads is None or params.host_hit_length <= 0:
@@ -107,6 +110,13 @@ class DonorHitsMixin:
         found = path_key(self.tree, params.best_match_node)
         if found is None:
             return fallback
+        extend = len(req.full_untruncated_fill_ids) - req.prefix_len - params.host_hit_length
+        need = params.host_hit_length + max(0, extend) + self.page_size
+        if self.slots.available() < need:
+            self.demotions.make_room(need - self.slots.available(), wait=False)
+            if self.slots.available() < need and self.demotions.in_flight():
+                self.runtime.stats["load_retries"] += 1
+                return None
         self.slots.wait_for_room = False
         try:
             a = admission.admit(self.tree, self.slots, found[0], found[1])

@@ -148,6 +148,7 @@ class Rig:
 
         m = self.match(tokens)
         req = SimpleNamespace(rid=rid, last_node=m.last_device_node, prefix_len=m.device_prefix_len,
+                              full_untruncated_fill_ids=list(tokens) + [0],  # one new token
                               skip_radix_cache_insert=False, discard_output_reason=None)
         out = self.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length,
                                                            req=req))
