@@ -33,9 +33,10 @@ OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].strip("`"))
     ap.add_argument("--quick", action="store_true",
-                    help="fewer conversations, turns and donor requests (about 5 minutes here)")
+                    help="4 steady turns, 16 light donor requests (8 minutes at a load of "
+                         "10-17 on 2 cores; start-ups take most of it)")
     ap.add_argument("--out", type=Path, default=Path("runs/node_bench"),
                     help="server logs and node_bench.json (every request) go here")
     ap.add_argument("--plot", type=Path, default=None,

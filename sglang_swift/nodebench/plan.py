@@ -99,8 +99,8 @@ class NodePlan:
 
     def __post_init__(self) -> None:
         for name in ("busy_pool", "donor_pool", "conversations", "turns", "max_tokens",
-                     "max_chars", "donor_conversations", "server_threads", "donor_requests", "donor_max_tokens",
-                     "burst_requests", "burst_max_tokens"):
+                     "max_chars", "donor_conversations", "server_threads", "donor_requests",
+                     "donor_max_tokens", "burst_requests", "burst_max_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.lend_fraction < 1 or not 0 < self.reclaim_watermark <= 1:

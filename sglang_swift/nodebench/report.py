@@ -57,7 +57,8 @@ def reclaim_view(sampler: Any, burst_start: float | None) -> dict:
     lent = sampler.series("donor", "swiftcache_lent_tokens")
     usable = sampler.series("donor", "swiftcache_usable_tokens")
     view = {"pool_tokens": pool, "lent_at_burst": None, "full_after_burst": False,
-            "full_after_s": None, "max_lent_tokens": sampler.peak("donor", "swiftcache_lent_tokens")}
+            "full_after_s": None,
+            "max_lent_tokens": sampler.peak("donor", "swiftcache_lent_tokens")}
     if pool is None or burst_start is None:
         return view
     before = [v for t, v in lent if t <= burst_start]
@@ -93,7 +94,8 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
 
     return {
         "identical": identical,
-        "busy_cached_ratio": ratio(get(busy, "b", "cached_tokens"), get(busy, "a", "cached_tokens")),
+        "busy_cached_ratio": ratio(get(busy, "b", "cached_tokens"),
+                                   get(busy, "a", "cached_tokens")),
         "busy_cached_vs_ideal": ratio(get(busy, "b", "cached_tokens"),
                                       get(busy, "c", "cached_tokens")),
         "busy_ttft_p99_ratio": ratio(get(busy, "b", "ttft_p99_ms"), get(busy, "a", "ttft_p99_ms")),

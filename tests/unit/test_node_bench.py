@@ -215,7 +215,8 @@ def test_reclaim_view_needs_lent_pages_at_the_burst_and_a_full_pool_after():
                       "swiftcache_lent_tokens": lent, "swiftcache_usable_tokens": 4096.0 - lent}
     back = _FakeSampler({"donor": [(0.0, g(2048)), (5.0, g(2048)), (6.0, g(0)), (9.0, g(2048))]})
     view = report.reclaim_view(back, burst_start=5.5)
-    assert view["lent_at_burst"] == 2048 and view["full_after_burst"] and view["full_after_s"] == 0.5
+    assert view["lent_at_burst"] == 2048 and view["full_after_burst"]
+    assert view["full_after_s"] == 0.5
     never = _FakeSampler({"donor": [(0.0, g(2048)), (6.0, g(2048))]})
     assert not report.reclaim_view(never, burst_start=5.5)["full_after_burst"]
     nothing_lent = _FakeSampler({"donor": [(0.0, g(0)), (6.0, g(0))]})
@@ -255,7 +256,7 @@ def test_alerts_pick_errors_not_routine_stats():
                      "[t] Scheduler hit an exception: Traceback (most recent call last):",
                      "  File y",
                      "[t] ERROR something broke",
-                     "[t] SwiftCache: lease k lost (peer timeout); its prefixes will be recomputed"])
+                     "[t] SwiftCache: lease k lost (peer timeout); prefixes will be recomputed"])
     assert len(runner.alerts_in(log)) == 3
 
 
