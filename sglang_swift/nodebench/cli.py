@@ -1,4 +1,4 @@
-"""`scripts/bench_node.py`: the node benchmark with capacity-equal baselines.
+"""The node benchmark with capacity-equal baselines (scripts/bench_node.py).
 
     python scripts/bench_node.py [--quick] [--out runs/node_bench] [--plot PNG]
 
@@ -33,7 +33,7 @@ OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].strip("`"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="4 steady turns, 16 light donor requests (8 minutes at a load of "
                          "10-17 on 2 cores; start-ups take most of it)")
