@@ -80,8 +80,8 @@ def _words(seed: int, n: int) -> str:
     return " ".join(f"item{(seed * 7919 + i * 104729) % 9973}" for i in range(n))
 
 
-PREFIX = "Remember this list: " + _words(1, 110)
-FILLERS = ["Another list: " + _words(s, 110) for s in (2, 3, 4)]
+PREFIX = "Remember this list: " + _words(1, 45)  # about 210 tokens
+FILLERS = ["Another list: " + _words(s, 45) for s in (2, 3, 4)]  # 3 x 200 > the pool
 FIRST, SECOND = PREFIX + " Question one?", PREFIX + " Question two, longer?"
 
 
