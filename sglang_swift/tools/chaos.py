@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
-import urllib.error
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import chaos_plan as plan_mod
 from .chaos_node import ChaosNode, read_metrics, wait_until
-from .chaos_plan import BORROWER, COUNTERS, Step, StepRecord
+from .chaos_plan import BORROWER, COUNTERS, TIER_GAUGE, Step, StepRecord
+from .chaos_replay import Replay, ask, pick_conversations
 from .tiny_model import ensure_tiny_model, model_dir
 
 SETTLE_S = 2.2  # counters reach /metrics once a second from the scheduler loop (cache.py)
@@ -40,10 +39,13 @@ class ChaosOptions:
     donors: int = 2
     cycles: int = 1
     per_slot: int = 3  # requests per traffic slot of the plan
-    conversations: int = 4
+    # groups of 8 conversations of 4 turns in a 384-token pool: a group's first round already
+    # evicts (8 first turns hold ~400 tokens), and every 4-turn history fits the pool
+    conversations: int = 8
+    turns: int = 4
     max_tokens: int = 8
     max_chars: int = 150
-    pool_tokens: int = 600  # the borrower's and stock's KV pool
+    pool_tokens: int = 384  # the borrower's and stock's KV pool
     donor_pool_tokens: int = 4096
     max_borrow_blocks: int = 1500
     heartbeat_timeout_s: float = 1.0
@@ -51,41 +53,6 @@ class ChaosOptions:
     request_timeout_s: float = 120.0
     seed: int = 0
     out: Path = Path("runs/chaos")
-
-
-class Replay:
-    """The requests, in order (conversations round-robin, turn by turn), and stock's answers."""
-
-    def __init__(self, convs, turns: int, max_tokens: int) -> None:
-        self.keys = [(c, t) for t in range(turns) for c in range(len(convs))]
-        self.convs, self.max_tokens = convs, max_tokens
-        self.reference: dict[tuple[int, int], str] = {}
-
-    def messages(self, key: tuple[int, int]) -> list[dict]:
-        conv, turn = key
-        msgs: list[dict] = []
-        for t in range(turn + 1):
-            msgs.append({"role": "user", "content": self.convs[conv].turns[t].user})
-            if t < turn:
-                msgs.append({"role": "assistant", "content": self.reference[(conv, t)]})
-        return msgs
-
-    def payload(self, key: tuple[int, int]) -> dict:
-        return {"model": "chaos", "messages": self.messages(key), "max_tokens": self.max_tokens,
-                "temperature": 0.0}
-
-
-def ask(server, payload: dict, timeout_s: float) -> tuple[str, str]:
-    """("ok", text), ("error", why) or ("hang", why): one greedy chat request, bounded."""
-    try:
-        resp = server.post("/v1/chat/completions", payload, timeout=timeout_s)
-        return "ok", resp["choices"][0]["message"]["content"]
-    except urllib.error.HTTPError as exc:
-        return "error", f"HTTP {exc.code}: {exc.read()[:200]!r}"
-    except (TimeoutError, OSError) as exc:  # URLError is an OSError; a read timeout is too
-        reason = getattr(exc, "reason", exc)
-        kind = "hang" if "timed out" in str(reason) else "error"
-        return kind, f"{type(exc).__name__}: {reason}"
 
 
 class ChaosRun:
@@ -120,7 +87,8 @@ class ChaosRun:
         time.sleep(SETTLE_S)  # let the scheduler loop publish what the last step did
         m = read_metrics(self.node.servers[BORROWER])
         self.note_leases()
-        return {k: m.get(f"swiftcache_{k}_total", 0.0) for k in COUNTERS}
+        return {**{k: m.get(f"swiftcache_{k}_total", 0.0) for k in COUNTERS},
+                TIER_GAUGE: m.get(f"swiftcache_{TIER_GAUGE}", 0.0)}
 
     def note_leases(self) -> None:
         st = self.node.status(BORROWER)
@@ -172,6 +140,8 @@ class ChaosRun:
             if lent:  # it lent pages: the burst must bring every one of them back
                 wait_until(lambda: self.donor_reclaims(t) > reclaims, 60)
             rec.target_reclaims = self.donor_reclaims(t) - reclaims
+            # after its cooldown it lends again: the next faults meet a donor tier in use
+            wait_until(lambda: node.leases_from(t), 30)
         elif step.kind == "kill":
             lost = self.lost_leases()
             node.kill(t)  # its agent id stays the current one until the restart
@@ -195,6 +165,7 @@ class ChaosRun:
             "faults": sum(plan_mod.fault_counts(self.records).values()),
             "faults_by_kind": plan_mod.fault_counts(self.records),
             "aborted_steps": [f"{r.step.label()}: {r.aborted}" for r in self.records if r.aborted],
+            "faults_on_empty_tier": plan_mod.faults_on_empty_tier(self.records),
             "lost_idle_tokens": lost_tokens, "lost_leases_while_alive": lost_leases,
             "borrower_counters": final, "leases_seen": len(self.leases_seen),
             "inconsistent": {k: v for k, v in checks.items() if v},
@@ -214,19 +185,22 @@ def clean(result: dict) -> bool:
 
 def run_chaos(opts: ChaosOptions) -> dict:
     """Start the servers, answer every request on stock, run the plan on the borrower, judge."""
-    from ..workloads.sharegpt import load_conversations
-
     started, load_start = time.monotonic(), tuple(round(x, 2) for x in os.getloadavg())
     donors = [f"donor{i}" for i in range(opts.donors)]
+    # warm-up: a round of every conversation and a slot more, so histories were demoted into
+    # donor memory and some loaded back before the first fault
     plan = plan_mod.build_plan(donors, cycles=opts.cycles, per_slot=opts.per_slot,
+                               warmup=opts.conversations + opts.per_slot,
                                heartbeat_timeout_s=opts.heartbeat_timeout_s, seed=opts.seed)
-    turns = math.ceil(plan_mod.total_requests(plan) / opts.conversations)
-    convs = load_conversations(opts.conversations, min_turns=turns,
-                               max_chars_per_message=opts.max_chars)
-    replay = Replay(convs, turns, opts.max_tokens)
+    small = ensure_tiny_model(model_dir("small"), shape="small")
+    groups = Replay.groups_for(plan_mod.total_requests(plan), opts.conversations, opts.turns)
+    convs = pick_conversations(groups * opts.conversations, opts.turns, opts.max_chars,
+                               opts.pool_tokens, small, opts.max_tokens)
+    replay = Replay(convs, group=opts.conversations, turns=opts.turns,
+                    max_tokens=opts.max_tokens)
+    del replay.keys[plan_mod.total_requests(plan):]  # the last group may be cut short
     opts.out.mkdir(parents=True, exist_ok=True)
-    node = ChaosNode(ensure_tiny_model(model_dir("small"), shape="small"),
-                     ensure_tiny_model(model_dir("tiny"), shape="tiny"), donors=opts.donors,
+    node = ChaosNode(small, ensure_tiny_model(model_dir("tiny"), shape="tiny"), donors=opts.donors,
                      out=opts.out, pool_tokens=opts.pool_tokens,
                      donor_pool_tokens=opts.donor_pool_tokens,
                      max_borrow_blocks=opts.max_borrow_blocks,
@@ -236,17 +210,23 @@ def run_chaos(opts: ChaosOptions) -> dict:
     try:
         print(f"[chaos] starting stock, borrower and {opts.donors} donor(s); plan: "
               f"{len(plan)} steps, {plan_mod.total_requests(plan)} requests", flush=True)
-        node.start()
-        for key in replay.keys:  # stock first: its answers are the reference and the histories
-            kind, value = ask(node.servers["stock"], replay.payload(key), opts.request_timeout_s)
-            if kind != "ok":
-                raise RuntimeError(f"stock SGLang failed request {key}: {value}")
-            replay.reference[key] = value
-        node.stop("stock")
+        with node.starting() as started_all:
+            started_all["stock"].result()
+            for key in replay.keys:  # stock first: its answers are the reference and histories
+                kind, value = ask(node.servers["stock"], replay.payload(key),
+                                  opts.request_timeout_s)
+                if kind != "ok":
+                    raise RuntimeError(f"stock SGLang failed request {key}: {value}")
+                replay.reference[key] = value
+            node.stop("stock")
+        setup_s = time.monotonic() - started
         if not wait_until(lambda: any(node.leases_from(d) for d in donors), 120):
             raise RuntimeError(f"the borrower got no lease within 120 s; see {opts.out}")
+        plan_started = time.monotonic()
         run.run(plan)
         result = run.summary(started, load_start)
+        result["phases_s"] = {"start_and_stock": round(setup_s, 1),
+                              "plan": round(time.monotonic() - plan_started, 1)}
         lost_lines = [line for line in node.servers[BORROWER].log_text().splitlines()
                       if " lost (" in line or "declared dead" in line]
         result["details"]["borrower_lost_lines"] = lost_lines[-20:]
@@ -262,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one fault cycle (the default plan)")
     ap.add_argument("--cycles", type=int, default=None, help="fault cycles (soak: 10 or more)")
-    ap.add_argument("--donors", type=int, default=2)
-    ap.add_argument("--per-slot", type=int, default=3, help="requests per traffic slot")
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=1.0)
-    ap.add_argument("--request-timeout-s", type=float, default=120.0,
+    d = ChaosOptions()
+    ap.add_argument("--donors", type=int, default=d.donors)
+    ap.add_argument("--per-slot", type=int, default=d.per_slot, help="requests per traffic slot")
+    ap.add_argument("--conversations", type=int, default=d.conversations,
+                    help="conversations replayed round-robin (their turns grow with the plan: "
+                         "keep the longest history within the borrower's pool)")
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
+    ap.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
                     help="an answer later than this is a hang")
     ap.add_argument("--seed", type=int, default=0, help="draws the soak's fault targets")
     ap.add_argument("--out", type=Path, default=Path("runs/chaos"))

@@ -10,13 +10,14 @@ started, whatever happened.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..control import discovery
 from ..control import protocol as p
@@ -90,10 +91,14 @@ class ChaosNode:
         return [n for n in self.servers if n.startswith("donor")]
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start every server at once (start-up is mostly waiting on imports)."""
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[dict[str, cf.Future]]:
+        """Start every server at once; the block gets each one's start future (use a server
+        as soon as its own is done) and leaves only when all are up (raising if one failed)."""
         with cf.ThreadPoolExecutor(len(self.servers)) as pool:
-            for future in [pool.submit(s.start) for s in self.servers.values()]:
+            futures = {name: pool.submit(s.start) for name, s in self.servers.items()}
+            yield futures
+            for future in futures.values():
                 future.result()
 
     def stop(self, name: str) -> None:

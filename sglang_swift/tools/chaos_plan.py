@@ -26,7 +26,9 @@ FAULT_KINDS = ("freeze", "idle", "burst", "kill", "restart")
 STEP_KINDS = ("traffic", *FAULT_KINDS)
 BORROWER = "borrower"
 COUNTERS = ("revoked_tokens", "lost_leases", "reclaims", "refused_loads", "refused_stores",
-            "leases", "loaded_tokens", "stored_tokens")
+            "leases", "loaded_tokens", "stored_tokens")  # swiftcache_<name>_total
+TIER_GAUGE = "donor_tier_tokens"  # swiftcache_donor_tier_tokens: the borrower's data at stake
+DATA_FAULTS = ("freeze", "idle", "burst", "kill")  # faults that test what happens to that data
 FREEZE_MARGIN_S = 5.0  # a freeze ends at least this long before a peer could be declared dead
 
 
@@ -75,18 +77,20 @@ def fault_cycle(donors: list[str], rng: random.Random, *, freeze_s: float, idle_
 
 
 def build_plan(donors: list[str], *, cycles: int, per_slot: int, heartbeat_timeout_s: float,
-               seed: int = 0, freeze_s: float | None = None, idle_s: float | None = None,
-               ) -> list[Step]:
-    """A warm-up round of traffic (histories demoted into donor memory), then `cycles` fault
-    cycles. Default freeze: 3 x the heartbeat timeout (at least 3 s); default idle: the same."""
+               warmup: int = 0, seed: int = 0, freeze_s: float | None = None,
+               idle_s: float | None = None) -> list[Step]:
+    """`warmup` requests of traffic (default `per_slot`; give enough that histories are demoted
+    into donor memory and loaded back before the first fault), then `cycles` fault cycles.
+    Default freeze: 3 x the heartbeat timeout (at least 3 s); default idle: the same."""
     if not donors:
         raise ValueError("a chaos plan needs at least one donor")
-    if cycles < 1 or per_slot < 1:
-        raise ValueError(f"cycles and per_slot must be positive; got {cycles}, {per_slot}")
+    if cycles < 1 or per_slot < 1 or warmup < 0:
+        raise ValueError(f"cycles and per_slot must be positive, warmup not negative; got "
+                         f"{cycles}, {per_slot}, {warmup}")
     rng = random.Random(seed)
     freeze = freeze_s if freeze_s is not None else max(3.0, 3.0 * heartbeat_timeout_s)
     idle = idle_s if idle_s is not None else freeze
-    plan = [Step("traffic", requests=per_slot)]
+    plan = [Step("traffic", requests=warmup or per_slot)]
     for _ in range(cycles):
         plan += fault_cycle(donors, rng, freeze_s=freeze, idle_s=idle, per_slot=per_slot)
     validate(plan, donors, heartbeat_timeout_s)
@@ -213,6 +217,13 @@ def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
     checks["donor_tier_used"] = "" if final.get("loaded_tokens", 0) > 0 else \
         "no token was loaded back from donor memory: the run did not exercise the donor tier"
     return checks
+
+
+def faults_on_empty_tier(records: list[StepRecord]) -> list[str]:
+    """Faults that met a borrower with nothing in donor memory: they ran, but put no cached
+    token at risk (a plan whose warm-up is too short for its pool shows up here)."""
+    return [f"step {i} {rec.step.label()}" for i, rec in enumerate(records)
+            if rec.step.kind in DATA_FAULTS and not rec.before.get(TIER_GAUGE, 0)]
 
 
 def fault_counts(records: list[StepRecord]) -> dict[str, int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sglang_swift.tools.chaos_plan import (BORROWER, Step, StepRecord, build_plan, consistency,
-                                           dead_after_s, fault_counts, lost_while_alive,
-                                           total_requests, validate)
+                                           dead_after_s, fault_counts, faults_on_empty_tier,
+                                           lost_while_alive, total_requests, validate)
 
 DONORS = ["donor0", "donor1"]
 
@@ -14,9 +14,9 @@ DONORS = ["donor0", "donor1"]
 def test_quick_plan_injects_every_fault_and_ends_with_every_donor_alive():
     """One cycle holds each fault kind; every freeze is longer than the heartbeat timeout and
     shorter than dead_after_s; the killed donor is restarted; traffic runs during the freezes."""
-    plan = build_plan(DONORS, cycles=1, per_slot=3, heartbeat_timeout_s=1.0)
+    plan = build_plan(DONORS, cycles=1, per_slot=3, warmup=11, heartbeat_timeout_s=1.0)
     kinds = [s.kind for s in plan]
-    assert kinds[0] == "traffic"  # warm-up: histories in donor memory before the first fault
+    assert plan[0] == Step("traffic", requests=11)  # warm-up: histories in donor memory first
     for kind in ("freeze", "idle", "burst", "kill", "restart"):
         assert kind in kinds
     freezes = [s for s in plan if s.kind == "freeze"]
@@ -25,7 +25,7 @@ def test_quick_plan_injects_every_fault_and_ends_with_every_donor_alive():
     killed = next(s.target for s in plan if s.kind == "kill")
     assert kinds.index("restart") > kinds.index("kill")
     assert next(s.target for s in plan if s.kind == "restart") == killed
-    assert total_requests(plan) == 3 * 7 + 1  # warm-up, a donor freeze, five slots; 1 frozen
+    assert total_requests(plan) == 11 + 3 * 6 + 1  # a donor freeze, five slots; 1 frozen
 
 
 def test_soak_plan_is_reproducible_from_its_seed_and_draws_targets():
@@ -119,3 +119,31 @@ def test_fault_counts_skip_aborted_steps():
                StepRecord(Step("burst", "donor0"), {}, {}, aborted="HTTPError")]
     assert fault_counts(records) == {"freeze": 0, "idle": 0, "burst": 0, "kill": 1,
                                      "restart": 1}
+
+
+def test_faults_on_empty_tier_names_faults_that_put_no_data_at_risk():
+    """A freeze, idle, burst or kill that met an empty donor tier is named; traffic and
+    restarts are not faults on data."""
+    tier = "donor_tier_tokens"
+    records = [StepRecord(Step("freeze", "donor0", 3.0, 1), {tier: 0}, {tier: 40}),
+               StepRecord(Step("kill", "donor0"), {tier: 40}, {tier: 0}),
+               StepRecord(Step("restart", "donor0"), {tier: 0}, {tier: 0}),
+               StepRecord(Step("idle", seconds=3.0), {tier: 0}, {tier: 0})]
+    assert faults_on_empty_tier(records) == ["step 0 freeze donor0 3s +1 req", "step 3 idle 3s"]
+
+
+def test_replay_orders_groups_round_robin_and_carries_stock_answers():
+    """Within a group conversations alternate turn by turn, groups follow one another (histories
+    never grow past `turns`), and a request's history holds stock's answers to earlier turns."""
+    from sglang_swift.tools.chaos_replay import Replay
+    from sglang_swift.workloads.sharegpt import Conversation, Turn
+
+    convs = [Conversation(str(i), tuple(Turn(f"c{i}t{t}", "") for t in range(3)))
+             for i in range(3)]
+    replay = Replay(convs, group=2, turns=2, max_tokens=4)
+    assert replay.keys == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    assert Replay.groups_for(7, group=2, turns=2) == 2
+    replay.reference[(0, 0)] = "stock says"
+    assert replay.messages((0, 1)) == [{"role": "user", "content": "c0t0"},
+                                       {"role": "assistant", "content": "stock says"},
+                                       {"role": "user", "content": "c0t1"}]
