@@ -56,7 +56,8 @@ STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
-                "loads_failed", "load_retries", "stores_started")
+                "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
+                "stores_started")
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:

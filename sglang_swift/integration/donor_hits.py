@@ -7,6 +7,7 @@ here is a no-op or the stock behaviour while the server does not borrow (`self.l
 
 from __future__ import annotations
 
+import logging
 from array import array
 from typing import Any, Optional
 
@@ -14,6 +15,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
 from radix_ext import DONOR, RadixTree, admission
+
+logger = logging.getLogger(__name__)
 
 # A borrower starts demoting its LRU prefixes once free + leaving device slots fall below this
 # share of its pool, so the room an allocation asks for has usually been freed by its stores
@@ -84,6 +87,7 @@ class DonorHitsMixin:
         hit, best = 0, m.last_device_node
         for seg in m.loads:
             if seg.tier != DONOR or not self._readable(seg.source):
+                self.runtime.stats["hits_unreadable"] += 1
                 break
             hit, best = hit + seg.num_tokens, seg.node
         return hit, best
@@ -109,7 +113,7 @@ class DonorHitsMixin:
             return fallback
         found = path_key(self.tree, params.best_match_node)
         if found is None:
-            return fallback
+            return self._decline(req, "the matched node left the tree")
         extend = len(req.full_untruncated_fill_ids) - req.prefix_len - params.host_hit_length
         need = params.host_hit_length + max(0, extend) + self.page_size
         if self.slots.available() < need:
@@ -126,7 +130,7 @@ class DonorHitsMixin:
             if self.demotions.in_flight():
                 self.runtime.stats["load_retries"] += 1
                 return None
-            return fallback
+            return self._decline(req, "no room for the load")
         ticket = a.load
         if ticket is not None and (a.match.last_device_node is not req.last_node
                                    or len(ticket.device_indices) != params.host_hit_length
@@ -135,9 +139,15 @@ class DonorHitsMixin:
             ticket = None  # the tree or a donor changed since the match: recompute
         self.tree.unlock(a.anchor)
         if ticket is None:
-            return fallback
+            return self._decline(req, "the match or its donor changed since")
         self.loads.queue(req, ticket, self.device)
         return len(ticket.device_indices), req.last_node
+
+    def _decline(self, req: Any, why: str) -> tuple[int, Any]:
+        """Recompute instead of loading (SGLang re-plans the request without the donor part)."""
+        self.runtime.stats["loads_declined"] += 1
+        logger.info("SwiftCache: request %s recomputes its donor hit: %s", req.rid, why)
+        return 0, req.last_node
 
     def load_back_is_cache_owned(self) -> bool:
         """Loaded slots belong to the request until its forward confirmed them (it then inserts

@@ -26,6 +26,10 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
                      "aborted before any output"),
     "load_retries": ("swiftcache_load_retries", "load admissions retried while room was still "
                      "being demoted"),
+    "loads_declined": ("swiftcache_loads_declined", "donor hits recomputed at admission (the "
+                       "tree or the donor changed since the match, or no room)"),
+    "hits_unreadable": ("swiftcache_hits_unreadable", "matches whose donor part was not offered: "
+                        "its lease was past its read deadline or its donor gone"),
     "stores_started": ("swiftcache_stores_started", "demotions started beside the scheduler"),
     "load_wait_s": ("swiftcache_load_wait_seconds", "scheduler-thread time spent waiting on a "
                     "load copy outside the forward (expected 0)"),
