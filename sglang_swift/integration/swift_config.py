@@ -74,18 +74,21 @@ class SwiftConfig:
         _choice("eviction-policy", EVICTION_POLICIES),
         "order and target of device evictions: lru, or cost_aware (reuse vs. reload cost per tier)"))
     lend_fraction: float = field(default=0.0, metadata=_opt(_number("lend-fraction", float, 0.0, 0.95),
-        "donor: size of the lendable arena, as a fraction of this server's KV pool; it is memory "
-        "beyond the pool, so set it to what the device has idle (0: lend nothing)"))
+        "donor: the most of its own KV pool it may lend to other servers, as a fraction (0: lend "
+        "nothing); only free pages above the reserve are lent"))
     reclaim_watermark: float = field(default=0.8, metadata=_opt(
         _number("reclaim-watermark", float, 0.0, 1.0, lo_open=True),
-        "own KV usage (0-1] above which a donor reclaims lent blocks"))
+        "donor: keeps (1 - watermark) of its pool free for its own traffic; lends only above that "
+        "and takes every lent page back when its free (or evictable) room falls below it"))
     max_borrow_blocks: int = field(default=0, metadata=_opt(_number("max-borrow-blocks", int, 0),
-        "upper bound on donor blocks this server borrows (0: no donor tier)"))
+        "borrower: most blocks (pages of this server's own model) it keeps in donor memory "
+        "(0: no donor tier)"))
     heartbeat_interval_s: float = field(default=0.2, metadata=_opt(
         _number("heartbeat-interval-s", float, 0.0, 60.0, lo_open=True), "control-channel heartbeat period"))
     heartbeat_timeout_s: float = field(default=1.0, metadata=_opt(
         _number("heartbeat-timeout-s", float, 0.0, 600.0, lo_open=True),
-        "a peer silent this long is declared dead and its leases dropped"))
+        "a peer silent this long is suspected and re-validated (declared dead only on evidence: "
+        "process gone, socket closed, or long silence; see docs/liveness.md)"))
     rendezvous_dir: str = field(default="", metadata=_opt(_path("rendezvous-dir"),
         "directory (created 0700) where agents on this node publish their ipc endpoints "
         "(default: /tmp/sglang_swift-$UID/control)"))
