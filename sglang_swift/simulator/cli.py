@@ -140,6 +140,11 @@ def summary(res: dict) -> dict:
     """The last line: headline figures of the paper setup's chat, each labeled by what it measures."""
     ev = res[HEADLINE]
     inter = {str(r["share"]): round(r["worst_change"], 4) for r in ev["interference"]}
+
+    def worst(metric):  # per share: the largest relative increase of that donor P99 over the donors
+        return {str(r["share"]): round(max(d[f"{metric}_change"] for d in r["donors"]), 4)
+                for r in ev["interference"]}
+
     return {
         "simulated": True,
         "scenario": "paper-4xH20 (4x H20, Qwen3-32B + Qwen3-14B/8B/4B donors), ShareGPT multi-turn",
@@ -151,6 +156,8 @@ def summary(res: dict) -> dict:
         "donor_load_share_of_own_goodput": res["donor_load_share"],
         "donor_interference": inter.get(str(res["donor_load_share"])),
         "donor_interference_by_load_share": inter,
+        "donor_p99_ttft_change_by_load_share": worst("ttft"),
+        "donor_p99_tpot_change_by_load_share": worst("tpot"),
         "donor_interference_master_rate": ev["interference"][0]["master_rate"] if ev["interference"] else None,
     }
 

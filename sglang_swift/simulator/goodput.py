@@ -5,7 +5,7 @@ request's unloaded TTFT is the roofline time to prefill its new tokens on an idl
 history already cached (what the hardware needs for that request with no queue and no miss; the
 shared system prompt of agent sessions counts as cached). Why a multiple of the unloaded tail and
 not a fixed number of seconds: the same bar then means the same thing on an H20 and an H200 and for
-a 4B donor and a 32B master (Qwen3-32B on an H20 needs ~1.4 s for the P99 ShareGPT turn alone, a
+a 4B donor and a 32B master (Qwen3-32B on an H20 needs ~1.6 s for the P99 ShareGPT turn alone, a
 Qwen3-4B ~0.2 s); a factor of 5 lets queueing and cache misses add up to 4x the tail's own work
 before a load counts as too high. SLOs written as a multiple of unloaded latency, swept to show
 how tight they are, are how serving papers state them (DistServe, arXiv 2401.09670, "SLO scale");

@@ -34,6 +34,9 @@ def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_p
     assert abs(big["host"] - (swift["donor"] + swift["host"])) <= 0.02 and big["donor"] == 0
     assert set(s["donor_interference_by_load_share"]) == {"0.25", "0.5"}
     assert s["donor_interference"] == s["donor_interference_by_load_share"]["0.5"] >= 0.0
+    for share, worst in s["donor_interference_by_load_share"].items():  # the worse of the two P99s
+        assert worst == max(0.0, s["donor_p99_ttft_change_by_load_share"][share],
+                            s["donor_p99_tpot_change_by_load_share"][share])
     assert s["max_context_ratio"] > 1.0
     assert "SIMULATED" in (tmp_path / "tables.md").read_text()
     assert (tmp_path / "p99_ttft_vs_rate_paper-4xH20_chat.png").stat().st_size > 0
