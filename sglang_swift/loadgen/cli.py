@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
                    help="server to test; give two to print ratios (second / first)")
     p.add_argument("--launch", action="store_true",
-                   help="start the CPU demo servers (SwiftCache off and on) via tests/integration/harness.py")
+                   help="start the CPU demo servers (the tiny model, SwiftCache off then on; tools/local_server.py)")
     p.add_argument("--workload", choices=["chat", "agent", "agent-frontend"], default="chat")
     p.add_argument("--fanout", type=int, default=2,
                    help="agent-frontend: parallel tool calls per step (one fork each)")
