@@ -11,15 +11,18 @@ SwiftConfig streams layers (`--swiftcache-layer-stream host`), read at call time
 - AROUND `KVCacheConfigurator._build_mha_kv_pool`: SGLang builds `LayerStreamKVPool` (its own
   MHA pool, subclassed) where it would build `MHATokenToKVPool`;
 - AROUND `ModelRunner.forward`: opens and closes the pool's per-forward stream (which slots the
-  batch reads is known here);
+  batch reads is known here); with SWIFTCACHE_FORWARD_TRACE set (benchmarks), it also appends
+  each forward's mode, size, wall and thread CPU time to that file, streamed or not;
 - AFTER `managers.utils.validate_input_length`: a prompt longer than the streamed pool is
   refused by SGLang (HTTP 400) with a message that also names the streaming limits.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,12 @@ HOOK_TARGETS = (CONFIG_FROM_BUDGET, BUILD_MHA_POOL, MODEL_FORWARD, VALIDATE_INPU
 DIRECT_READ_BACKENDS = ("trtllm_mha", "aiter", "wave", "ascend")
 GIB = 1 << 30
 
+# A file that gets one JSON line per forward pass of this server (streamed or not), for
+# benchmarks: thread CPU time is what the forward cost, whatever else shares the cores.
+FORWARD_TRACE_ENV = "SWIFTCACHE_FORWARD_TRACE"
+
 _limits: dict[str, int] = {}  # this process's streamed pool: tokens, depth, layers
+_forward_trace: str | None = None  # set at registration from FORWARD_TRACE_ENV
 
 
 def stream_config() -> Any:
@@ -158,13 +166,30 @@ def around_build_mha_kv_pool(orig, configurator, *args, **kwargs):
 def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
     pool = getattr(runner, "token_to_kv_pool", None)
     begin = getattr(pool, "begin_layer_stream", None)
-    if begin is None:
+    if begin is None and _forward_trace is None:
         return orig(runner, forward_batch, *args, **kwargs)
-    begin(forward_batch, runner.req_to_token_pool.req_to_token)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    if begin is not None:
+        begin(forward_batch, runner.req_to_token_pool.req_to_token)
     try:
         return orig(runner, forward_batch, *args, **kwargs)
     finally:
-        pool.end_layer_stream()
+        if begin is not None:
+            pool.end_layer_stream()
+        if _forward_trace is not None:
+            _trace_forward(forward_batch, begin is not None, time.perf_counter() - wall,
+                           time.thread_time() - cpu)
+
+
+def _trace_forward(forward_batch, streamed: bool, wall_s: float, cpu_s: float) -> None:
+    """One JSON line per forward (benchmarks): its mode, tokens, wall and thread CPU time."""
+    seq = forward_batch.seq_lens_cpu
+    record = {"mode": forward_batch.forward_mode.name, "bs": int(forward_batch.batch_size),
+              "new_tokens": int(forward_batch.out_cache_loc.numel()),
+              "seq_tokens": int(seq.sum()) if seq is not None else None, "streamed": streamed,
+              "wall_ms": wall_s * 1e3, "cpu_ms": cpu_s * 1e3}
+    with open(_forward_trace, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def after_validate_input_length(result, req, max_req_input_len, *args, **kwargs):
@@ -178,7 +203,10 @@ def after_validate_input_length(result, req, max_req_input_len, *args, **kwargs)
 
 
 def register_layer_stream_hooks(registry: Any, hook_type: Any) -> None:
-    """Register the hooks (each does nothing unless this server streams layers)."""
+    """Register the hooks (each does nothing unless this server streams layers, or, for the
+    forward hook, a forward trace was asked for)."""
+    global _forward_trace
+    _forward_trace = os.environ.get(FORWARD_TRACE_ENV) or None
     registry.register(CONFIG_FROM_BUDGET, around_config_from_budget, hook_type.AROUND)
     registry.register(BUILD_MHA_POOL, around_build_mha_kv_pool, hook_type.AROUND)
     registry.register(MODEL_FORWARD, around_model_forward, hook_type.AROUND)

@@ -1,0 +1,14 @@
+#!/usr/bin/env python3
+"""Longest context served at equal local KV memory (stock SGLang vs SwiftCache layer streaming)
+and the cost of streaming per decode step and prefill token; see
+sglang_swift/layer_stream/context_bench.py. The last line printed is a JSON object."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_swift.layer_stream.context_bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

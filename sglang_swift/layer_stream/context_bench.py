@@ -1,0 +1,322 @@
+"""bench_context: how long a context a live server serves at equal local KV memory, and what
+streaming costs (scripts/bench_context.py runs `main`).
+
+Three real SGLang CPU servers on the small model (L = 8 layers, fp32 KV):
+- stock SGLang with a KV pool of P tokens: local KV = L * (P + 1) rows of one layer;
+- SwiftCache with --swiftcache-layer-stream host, depth D, and a pool of N = L*(P+1)/D - 1
+  tokens: local KV = D * (N + 1) rows, the same bytes (the other layers live in host memory);
+- stock SGLang with a pool large enough for everything: the reference outputs, and the
+  "resident" twin of a streamed request in the cost measurements.
+A context c is served when a prompt of c - OUT tokens returns OUT greedy tokens equal to the
+reference's; the longest served c of each server is found by a binary search. Costs: a prompt
+near the streamed server's limit, 1 + K new tokens, on the streamed server and on the resident
+one (a new salt each time, so nothing is a cache hit). Both servers trace every forward pass
+(SWIFTCACHE_FORWARD_TRACE) and run one compute thread, so a forward's thread CPU time is its
+cost even on a shared machine: prefill per token = the prompt's extend forwards / its tokens,
+decode step = the median decode forward; medians over repeats taken alternately.
+The GPU estimate beside them is `cost_model.expected_costs` (bandwidths with sources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+import urllib.error
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from . import cost_model
+from .hooks import FORWARD_TRACE_ENV
+
+VOCAB_LO, VOCAB_HI = 50, 1950  # token ids used in prompts (clear of the special tokens)
+
+
+@dataclass(frozen=True)
+class Setup:
+    pool: int  # P: the stock server's pool, and the streamed server's local memory in tokens
+    layers: int
+    depth: int
+    out_tokens: int
+    chunk: int
+    decode_steps: int
+    repeats: int
+
+    @property
+    def streamed_pool(self) -> int:
+        return self.layers * (self.pool + 1) // self.depth - 1
+
+    @property
+    def reference_pool(self) -> int:
+        return max(4096, 2 * self.streamed_pool)
+
+
+def prompt_ids(n: int, salt: int) -> list[int]:
+    """A deterministic prompt of n tokens; different salts differ from the first token."""
+    span = VOCAB_HI - VOCAB_LO
+    return [VOCAB_LO + (i * 37 + salt * 101 + 11) % span for i in range(n)]
+
+
+def generate(server, ids: list[int], new: int) -> list[int] | None:
+    """Greedy output ids, or None when the server refuses the request (HTTP 4xx/5xx)."""
+    try:
+        out = server.post("/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}, timeout=900)
+    except urllib.error.HTTPError:
+        return None
+    return out["output_ids"]
+
+
+class ContextProbe:
+    """served(c) for one server against the reference; remembers every verdict."""
+
+    def __init__(self, server, reference_outputs: Callable[[int], list[int]], out_tokens: int):
+        self.server = server
+        self.reference_outputs = reference_outputs
+        self.out_tokens = out_tokens
+        self.verdicts: dict[int, str] = {}
+
+    def __call__(self, context: int) -> bool:
+        got = generate(self.server, prompt_ids(context - self.out_tokens, context),
+                       self.out_tokens)
+        if got is None:
+            verdict = "refused"
+        elif len(got) < self.out_tokens:
+            verdict = "truncated"  # the pool had no room for the whole output
+        elif got != self.reference_outputs(context):
+            verdict = "differs"
+        else:
+            verdict = "served"
+        self.verdicts[context] = verdict
+        return verdict == "served"
+
+    @property
+    def identical(self) -> bool:
+        """No full-length output ever differed from the reference's."""
+        return "differs" not in self.verdicts.values()
+
+
+def longest_served(served: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest c in [lo, hi] with served(c), assuming served is true up to some point and
+    false after it; lo - 1 when even lo is not served."""
+    if not served(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if served(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def read_trace(path: str, offset: int) -> tuple[list[dict], int]:
+    """Forward records appended to `path` since `offset`, and the new offset."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            f.seek(offset)
+            text = f.read()
+    except FileNotFoundError:
+        return [], offset
+    return [json.loads(line) for line in text.splitlines() if line.strip()], offset + len(text)
+
+
+def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) -> dict:
+    """Prefill per token and decode step of one request on the "streamed" and "resident"
+    servers, from their forward traces (thread CPU time: what the forward cost, whatever else
+    ran on the machine) and from the client's clock; medians over repeats taken alternately."""
+    keys = ("prefill_cpu", "step_cpu", "prefill_wall", "step_wall")
+    samples = {name: {k: [] for k in keys} for name in servers}
+    offsets = {name: read_trace(traces[name], 0)[1] for name in servers}
+    salt = 10_000
+    for _ in range(setup.repeats):
+        for name, server in servers.items():
+            salt += 1
+            generate(server, prompt_ids(prompt_len, salt), 1 + setup.decode_steps)
+            records, offsets[name] = read_trace(traces[name], offsets[name])
+            prefill = [r for r in records if r["mode"] in ("EXTEND", "MIXED")]
+            decode = [r for r in records if r["mode"] == "DECODE" and r["bs"] == 1]
+            if not prefill or not decode:
+                raise RuntimeError(f"no forward trace from the {name} server in {traces[name]}")
+            for unit, key in (("cpu", "cpu_ms"), ("wall", "wall_ms")):
+                samples[name][f"prefill_{unit}"].append(sum(r[key] for r in prefill) / prompt_len)
+                samples[name][f"step_{unit}"].append(statistics.median(r[key] for r in decode))
+    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    st, re_ = med["streamed"], med["resident"]
+    return {"prompt_tokens": prompt_len, "decode_steps": setup.decode_steps,
+            "repeats": setup.repeats, "clock": "thread CPU time of the forward (wall beside it)",
+            "decode_step_ms_streamed": st["step_cpu"], "decode_step_ms_resident": re_["step_cpu"],
+            "decode_step_ratio": st["step_cpu"] / re_["step_cpu"],
+            "prefill_ms_per_token_streamed": st["prefill_cpu"],
+            "prefill_ms_per_token_resident": re_["prefill_cpu"],
+            "prefill_token_ratio": st["prefill_cpu"] / re_["prefill_cpu"],
+            "wall": {"decode_step_ms_streamed": st["step_wall"],
+                     "decode_step_ms_resident": re_["step_wall"],
+                     "prefill_ms_per_token_streamed": st["prefill_wall"],
+                     "prefill_ms_per_token_resident": re_["prefill_wall"]}}
+
+
+def model_shape(model_dir) -> dict:
+    with open(f"{model_dir}/config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    heads = cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"layers": cfg["num_hidden_layers"], "row_bytes": 2 * heads * head_dim * 4}  # fp32
+
+
+def streamed_pool_log(log: str) -> dict:
+    """What the streamed server says about its own pool."""
+    m = re.search(r"KV pool of (\d+) tokens; local staging (\d+) of (\d+) layers \(([\d.]+) "
+                  r"MiB\), every layer in (\w+) memory \(([\d.]+) MiB\)", log)
+    if not m:
+        raise RuntimeError("the streamed server did not log its pool; is layer streaming on?")
+    return {"tokens": int(m[1]), "depth": int(m[2]), "layers": int(m[3]),
+            "local_mib": float(m[4]), "store": m[5], "store_mib": float(m[6])}
+
+
+def start_all(servers) -> None:
+    """Start the servers side by side (start-up is mostly imports, on every core)."""
+    errors = []
+
+    def start(s):
+        try:
+            s.start()
+        except Exception as exc:  # re-raised below, after every thread ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def run(setup: Setup, model_dir) -> dict:
+    from ..tools.local_server import LocalServer
+
+    common = ["--dtype", "float32", "--chunked-prefill-size", str(setup.chunk)]
+    traces = {name: f"{tempfile.gettempdir()}/bench-context-{os.getpid()}-{name}.jsonl"
+              for name in ("streamed", "resident")}
+    for path in traces.values():
+        open(path, "w").close()
+
+    def env(trace: str | None) -> dict:
+        # one compute thread per server: the forward's thread CPU time is then all its work
+        extra = {"OMP_NUM_THREADS": "1", **({FORWARD_TRACE_ENV: trace} if trace else {})}
+        return {**os.environ, **extra}
+
+    stock = LocalServer(model_dir, swiftcache=False, max_total_tokens=setup.pool,
+                        extra_args=common, log_path="/tmp/bench-context-stock.log", env=env(None))
+    streamed = LocalServer(model_dir, swiftcache=True, max_total_tokens=setup.streamed_pool,
+                           extra_args=[*common, "--swiftcache-layer-stream", "host",
+                                       "--swiftcache-layer-stream-depth", str(setup.depth)],
+                           log_path="/tmp/bench-context-streamed.log",
+                           env=env(traces["streamed"]))
+    reference = LocalServer(model_dir, swiftcache=False, max_total_tokens=setup.reference_pool,
+                            extra_args=common, log_path="/tmp/bench-context-reference.log",
+                            env=env(traces["resident"]))
+    t0 = time.perf_counter()
+    try:
+        start_all([stock, streamed, reference])
+        started_s = time.perf_counter() - t0
+        cache: dict[int, list[int]] = {}
+
+        def reference_outputs(context: int) -> list[int]:
+            if context not in cache:
+                cache[context] = generate(reference, prompt_ids(context - setup.out_tokens,
+                                                                context), setup.out_tokens)
+            return cache[context]
+
+        lo = setup.out_tokens + 1
+        stock_probe = ContextProbe(stock, reference_outputs, setup.out_tokens)
+        stock_max = longest_served(stock_probe, lo, setup.pool + setup.out_tokens)
+        streamed_probe = ContextProbe(streamed, reference_outputs, setup.out_tokens)
+        streamed_max = longest_served(streamed_probe, lo, setup.streamed_pool + setup.out_tokens)
+        sweep_s = time.perf_counter() - t0 - started_s
+        prompt_len = streamed_max - setup.decode_steps - 1
+        costs = measure_costs({"streamed": streamed, "resident": reference}, traces,
+                              prompt_len, setup)
+        pool_log = streamed_pool_log(streamed.log_text())
+    finally:
+        for s in (stock, streamed, reference):
+            s.stop()
+    row = model_shape(model_dir)["row_bytes"]
+    return {
+        "setup": asdict(setup), "streamed_pool": setup.streamed_pool,
+        "reference_pool": setup.reference_pool,
+        "local_kv_bytes_stock": setup.layers * (setup.pool + 1) * row,
+        "local_kv_bytes_swiftcache": setup.depth * (setup.streamed_pool + 1) * row,
+        "streamed_server_log": pool_log,
+        "max_context_stock": stock_max, "max_context_swiftcache": streamed_max,
+        "max_context_ratio": streamed_max / max(stock_max, 1),
+        "identical": stock_probe.identical and streamed_probe.identical,
+        "probes": {"stock": stock_probe.verdicts, "swiftcache": streamed_probe.verdicts},
+        "costs_cpu": costs, "expected_gpu": cost_model.expected_costs(),
+        "gpu_sources": cost_model.sources(),
+        "backing": "host memory (donor-backed streaming is not implemented yet)",
+        "startup_s": round(started_s, 1), "sweep_s": round(sweep_s, 1),
+    }
+
+
+def report(result: dict) -> str:
+    c = result["costs_cpu"]
+    lines = [
+        f"local KV memory: stock {result['local_kv_bytes_stock'] / 2**20:.2f} MiB "
+        f"(pool {result['setup']['pool']} x {result['setup']['layers']} layers), SwiftCache "
+        f"{result['local_kv_bytes_swiftcache'] / 2**20:.2f} MiB (pool {result['streamed_pool']} x "
+        f"{result['setup']['depth']} staging layers; its log: "
+        f"{result['streamed_server_log']['local_mib']} MiB local, "
+        f"{result['streamed_server_log']['store_mib']} MiB in host memory)",
+        f"longest context served identically: stock {result['max_context_stock']}, SwiftCache "
+        f"{result['max_context_swiftcache']} -> ratio {result['max_context_ratio']:.3f}; "
+        f"identical={result['identical']}",
+        f"CPU costs at a {c['prompt_tokens']}-token prompt: decode step "
+        f"{c['decode_step_ms_streamed']:.1f} ms streamed vs {c['decode_step_ms_resident']:.1f} ms "
+        f"resident (x{c['decode_step_ratio']:.2f}); prefill {c['prefill_ms_per_token_streamed']:.3f}"
+        f" vs {c['prefill_ms_per_token_resident']:.3f} ms/token (x{c['prefill_token_ratio']:.2f})",
+        "expected on GPUs (Qwen3-32B, 32k context; formula in layer_stream/cost_model.py):",
+    ]
+    for r in result["expected_gpu"]:
+        lines.append(f"  {r['gpu']:5s} {r['link']:24s} {r['link_GBps']:6.1f} GB/s: decode step "
+                     f"{r['decode_streamed_ms']:.1f} vs {r['decode_resident_ms']:.1f} ms "
+                     f"(x{r['decode_step_ratio']:.2f}), prefill token x{r['prefill_token_ratio']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small pool, fewer repeats (~5 min)")
+    ap.add_argument("--pool", type=int, help="P, the stock pool in tokens (default 128; 512 full)")
+    ap.add_argument("--depth", type=int, default=2, help="staging layers of the streamed server")
+    ap.add_argument("--json", help="also write the result object to this file")
+    args = ap.parse_args(argv)
+    from ..tools.tiny_model import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(shape="small")
+    shape = model_shape(model_dir)
+    setup = Setup(pool=args.pool or (128 if args.quick else 512), layers=shape["layers"],
+                  depth=args.depth, out_tokens=8, chunk=256 if args.quick else 512,
+                  decode_steps=16 if args.quick else 32, repeats=3 if args.quick else 5)
+    result = run(setup, model_dir)
+    print(report(result), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    summary = {k: result[k] for k in ("max_context_stock", "max_context_swiftcache",
+                                      "max_context_ratio", "identical")}
+    summary.update({k: round(result["costs_cpu"][k], 4) for k in (
+        "decode_step_ratio", "prefill_token_ratio", "decode_step_ms_streamed",
+        "decode_step_ms_resident", "prefill_ms_per_token_streamed",
+        "prefill_ms_per_token_resident")})
+    summary.update(local_kv_bytes_stock=result["local_kv_bytes_stock"],
+                   local_kv_bytes_swiftcache=result["local_kv_bytes_swiftcache"],
+                   backing="host", quick=args.quick)
+    print(json.dumps(summary), flush=True)
+    return 0 if result["identical"] else 1
