@@ -198,12 +198,14 @@ def main(argv=None) -> int:
     common = ["--dtype", "float32", "--swiftcache-rendezvous-dir", rv,
               "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
     env = dict(os.environ, SWIFTCACHE_LOAD_TRACE=str(trace))
-    donor = LocalServer(tiny, max_total_tokens=65536, log_path=work / "donor.log",
+    # the donor lends enough pages for every prefix of the run (16384 borrower blocks): nothing
+    # is dropped from the donor tier, so each donor hit is one
+    donor = LocalServer(tiny, max_total_tokens=131072, log_path=work / "donor.log",
                         extra_args=[*common, "--swiftcache-role", "donor",
                                     "--swiftcache-lend-fraction", "0.5"])
     borrower = LocalServer(small, max_total_tokens=pool, log_path=work / "borrower.log", env=env,
                            extra_args=[*common, "--swiftcache-role", "borrower", "--enable-metrics",
-                                       "--swiftcache-max-borrow-blocks", "8192"])
+                                       "--swiftcache-max-borrow-blocks", "16384"])
     t0 = time.monotonic()
     with donor, borrower:
         wait_for_lease(rv, timeout_s=120)
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
     result = {
         "model": "small-llama (22.6 M, fp32)", "flop_per_kv_byte": round(flop_per_kv_byte(shape)),
         "prefix_tokens": args.prefix_tokens, "borrower_pool_tokens": pool,
-        "loads": len(loads), "stall_ms_p50": round(pct(stalls, 50), 3),
+        "loads": len(loads), "itl_donor_phase_loads": sum(r["requests"] for r in itl_loads),
+        "stall_ms_p50": round(pct(stalls, 50), 3),
         "stall_ms_p99": round(pct(stalls, 99), 3),
         "attention_wait_ms_p50": round(pct(layer_waits, 50), 2),
         "attention_wait_ms_p99": round(pct(layer_waits, 99), 2),
