@@ -213,6 +213,9 @@ def run_chaos(opts: ChaosOptions) -> dict:
         with node.starting() as started_all:
             started_all["stock"].result()
             for key in replay.keys:  # stock first: its answers are the reference and histories
+                for future in started_all.values():  # a server that failed to start: stop now
+                    if future.done() and future.exception() is not None:
+                        raise future.exception()
                 kind, value = ask(node.servers["stock"], replay.payload(key),
                                   opts.request_timeout_s)
                 if kind != "ok":

@@ -12,7 +12,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
@@ -58,7 +60,8 @@ class ChaosNode:
                  pool_tokens: int, donor_pool_tokens: int, max_borrow_blocks: int,
                  heartbeat_timeout_s: float, heartbeat_interval_s: float) -> None:
         self.out = out
-        self.rendezvous = str((out / "rendezvous").resolve())
+        # a short private dir: an ipc socket path must fit 107 bytes, and `out` may be deep
+        self.rendezvous = tempfile.mkdtemp(prefix="swift-chaos-")
         self.donor_model = donor_model
         self.donor_pool_tokens = donor_pool_tokens
         self.common = [*SERVER_ARGS, "--swiftcache-rendezvous-dir", self.rendezvous,
@@ -79,11 +82,13 @@ class ChaosNode:
         self._codec: p.Codec | None = None
 
     def _donor(self, name: str, log_path: Path) -> LocalServer:
-        # watermark 0.5: the donor keeps half its pool free for itself, so its own burst reclaims
+        # Watermark 0.5: the donor keeps half its pool free for itself, so a burst of its own
+        # reclaims. It lends 0.4, not 0.5: lending right down to the reserve would make its first
+        # own token (SGLang's /health probe is a 1-token prefill) reclaim everything at start-up.
         return LocalServer(self.donor_model, max_total_tokens=self.donor_pool_tokens,
                            log_path=log_path, extra_args=[
                                *self.common, "--swiftcache-role", "donor",
-                               "--swiftcache-lend-fraction", "0.5",
+                               "--swiftcache-lend-fraction", "0.4",
                                "--swiftcache-reclaim-watermark", "0.5"])
 
     @property
@@ -97,7 +102,12 @@ class ChaosNode:
         as soon as its own is done) and leaves only when all are up (raising if one failed)."""
         with cf.ThreadPoolExecutor(len(self.servers)) as pool:
             futures = {name: pool.submit(s.start) for name, s in self.servers.items()}
-            yield futures
+            try:
+                yield futures
+            except BaseException:
+                for name in self.servers:  # do not wait for the others to come up
+                    threading.Thread(target=self.servers[name].stop, daemon=True).start()
+                raise
             for future in futures.values():
                 future.result()
 
@@ -109,6 +119,7 @@ class ChaosNode:
             self.thaw(name)
         for server in [*self.servers.values(), *self.retired]:
             server.stop()
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
 
     # ---- faults ---------------------------------------------------------------------------
     def _signal(self, name: str, sig: int) -> None:
