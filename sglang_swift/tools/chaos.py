@@ -62,7 +62,8 @@ class ChaosRun:
         self.answers: dict[tuple[int, int], str] = {}
         self.hangs: list[str] = []
         self.errors: list[str] = []
-        self.latencies: list[float] = []
+        self.latencies: list[tuple[float, str]] = []  # (seconds, which request, sent when)
+        self.step_label = "warm-up"
         self.records: list[StepRecord] = []
         self.leases_seen: set[tuple] = set()
 
@@ -73,10 +74,11 @@ class ChaosRun:
                 return
             key = self.replay.keys[self.next]
             self.next += 1
-            t0 = time.monotonic()
+            t0, sent = time.monotonic(), time.strftime("%H:%M:%S")
             kind, value = ask(self.node.servers[BORROWER], self.replay.payload(key),
                               self.opts.request_timeout_s)
-            self.latencies.append(time.monotonic() - t0)
+            self.latencies.append((time.monotonic() - t0,
+                                   f"{key} in step '{self.step_label}', sent {sent}"))
             if kind == "ok":
                 self.answers[key] = value
             else:
@@ -107,6 +109,7 @@ class ChaosRun:
         before = self.counters()
         for i, step in enumerate(plan):
             print(f"[chaos] step {i + 1}/{len(plan)}: {step.label()}", flush=True)
+            self.step_label = f"{i} {step.label()}"
             rec = StepRecord(step, before, before)
             try:
                 self.execute(step, rec)
@@ -169,10 +172,12 @@ class ChaosRun:
             "lost_idle_tokens": lost_tokens, "lost_leases_while_alive": lost_leases,
             "borrower_counters": final, "leases_seen": len(self.leases_seen),
             "inconsistent": {k: v for k, v in checks.items() if v},
-            "max_answer_s": round(max(self.latencies, default=0.0), 2),
+            "max_answer_s": round(max(self.latencies, default=(0.0, ""))[0], 2),
             "seconds": round(time.monotonic() - started, 1),
             "load_avg": [list(load_start), [round(x, 2) for x in os.getloadavg()]],
-            "details": {"wrong": wrong, "hangs": self.hangs, "errors": self.errors},
+            "details": {"wrong": wrong, "hangs": self.hangs, "errors": self.errors,
+                        "slowest_answers": [f"{s:.1f}s: {what}" for s, what in
+                                            sorted(self.latencies, reverse=True)[:3]]},
         }
 
 
