@@ -130,7 +130,7 @@ def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) ->
     """Prefill per token and decode step of one request on the "streamed" and "resident"
     servers, from their forward traces (thread CPU time: what the forward cost, whatever else
     ran on the machine) and from the client's clock; medians over repeats taken alternately."""
-    keys = ("prefill_cpu", "step_cpu", "prefill_wall", "step_wall")
+    keys = ("prefill_cpu", "step_cpu", "prefill_wall", "step_wall", "prefill_copy", "step_copy")
     samples = {name: {k: [] for k in keys} for name in servers}
     offsets = {name: read_trace(traces[name], 0)[1] for name in servers}
     salt = 10_000
@@ -143,7 +143,7 @@ def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) ->
             decode = [r for r in records if r["mode"] == "DECODE" and r["bs"] == 1]
             if not prefill or not decode:
                 raise RuntimeError(f"no forward trace from the {name} server in {traces[name]}")
-            for unit, key in (("cpu", "cpu_ms"), ("wall", "wall_ms")):
+            for unit, key in (("cpu", "cpu_ms"), ("wall", "wall_ms"), ("copy", "copy_ms")):
                 samples[name][f"prefill_{unit}"].append(sum(r[key] for r in prefill) / prompt_len)
                 samples[name][f"step_{unit}"].append(statistics.median(r[key] for r in decode))
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
@@ -155,6 +155,8 @@ def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) ->
             "prefill_ms_per_token_streamed": st["prefill_cpu"],
             "prefill_ms_per_token_resident": re_["prefill_cpu"],
             "prefill_token_ratio": st["prefill_cpu"] / re_["prefill_cpu"],
+            "copy_ms_per_decode_step": st["step_copy"],
+            "copy_ms_per_prefill_token": st["prefill_copy"],
             "wall": {"decode_step_ms_streamed": st["step_wall"],
                      "decode_step_ms_resident": re_["step_wall"],
                      "prefill_ms_per_token_streamed": st["prefill_wall"],
@@ -280,7 +282,9 @@ def report(result: dict) -> str:
         f"CPU costs at a {c['prompt_tokens']}-token prompt: decode step "
         f"{c['decode_step_ms_streamed']:.1f} ms streamed vs {c['decode_step_ms_resident']:.1f} ms "
         f"resident (x{c['decode_step_ratio']:.2f}); prefill {c['prefill_ms_per_token_streamed']:.3f}"
-        f" vs {c['prefill_ms_per_token_resident']:.3f} ms/token (x{c['prefill_token_ratio']:.2f})",
+        f" vs {c['prefill_ms_per_token_resident']:.3f} ms/token (x{c['prefill_token_ratio']:.2f}); "
+        f"of which layer copies {c['copy_ms_per_decode_step']:.2f} ms per step, "
+        f"{c['copy_ms_per_prefill_token']:.4f} ms per prefill token",
         "expected on GPUs (Qwen3-32B, 32k context; formula in layer_stream/cost_model.py):",
     ]
     for r in result["expected_gpu"]:
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.update({k: round(result["costs_cpu"][k], 4) for k in (
         "decode_step_ratio", "prefill_token_ratio", "decode_step_ms_streamed",
         "decode_step_ms_resident", "prefill_ms_per_token_streamed",
-        "prefill_ms_per_token_resident")})
+        "prefill_ms_per_token_resident", "copy_ms_per_decode_step", "copy_ms_per_prefill_token")})
     summary.update(local_kv_bytes_stock=result["local_kv_bytes_stock"],
                    local_kv_bytes_swiftcache=result["local_kv_bytes_swiftcache"],
                    backing="host", quick=args.quick)

@@ -217,5 +217,5 @@ class LayerStreamKVPool(MHATokenToKVPool):
         """Counters for logs and benchmarks."""
         store = self.layer_store
         return {"forwards": self.forwards, "rows_loaded": store.rows_loaded,
-                "rows_saved": store.rows_saved, "copy_issue_s": self._lane.busy_s,
+                "rows_saved": store.rows_saved, "copy_s": self._lane.busy_s,
                 "local_kv_bytes": self.local_kv_bytes(), "store_bytes": store.nbytes}

@@ -6,6 +6,7 @@ fix."""
 from __future__ import annotations
 
 import argparse
+import json
 import types
 
 import pytest
@@ -156,3 +157,29 @@ def test_each_forward_is_bracketed_even_when_it_fails():
     assert events == [("begin", "fb"), ("run", "fb"), ("end",)]
     plain = types.SimpleNamespace(token_to_kv_pool=object())
     assert hooks.around_model_forward(lambda r, fb: "ok", plain, "fb") == "ok"
+
+
+def test_forward_trace_records_every_forward_streamed_or_not(tmp_path, monkeypatch):
+    """With a trace file set, each forward appends one JSON line with its mode, size, times and
+    (for a streamed pool) the copy time spent inside it; a stock server's forward is traced too."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(hooks, "_forward_trace", str(path))
+    stats = {"copy_s": 1.0}
+    pool = types.SimpleNamespace(begin_layer_stream=lambda fb, r2t: None,
+                                 end_layer_stream=lambda: stats.update(copy_s=1.25),
+                                 stream_stats=lambda: stats)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2,
+                                  out_cache_loc=torch.tensor([3, 4]),
+                                  seq_lens_cpu=torch.tensor([10, 20]))
+    r2t = types.SimpleNamespace(req_to_token=None)
+    streamed = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=r2t)
+    stock = types.SimpleNamespace(token_to_kv_pool=object(), req_to_token_pool=r2t)
+    for runner in (streamed, stock):
+        assert hooks.around_model_forward(lambda r, fb: "out", runner, batch) == "out"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["mode"], r["bs"], r["new_tokens"], r["seq_tokens"], r["streamed"]) for r in lines] \
+        == [("DECODE", 2, 2, 30, True), ("DECODE", 2, 2, 30, False)]
+    assert lines[0]["copy_ms"] == pytest.approx(250.0) and lines[1]["copy_ms"] == 0.0
+    assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in lines)
