@@ -43,6 +43,12 @@ from sglang_swift.tools.local_server import LocalServer  # noqa: E402
 from sglang_swift.tools.tiny_model import MODEL_SHAPES, ensure_tiny_model  # noqa: E402
 
 
+SHAPE = MODEL_SHAPES["small"]
+# fp32 K and V of every layer: 2 x layers x KV heads x head dim x 4 bytes (8 KiB)
+KV_BYTES_PER_TOKEN = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * \
+    SHAPE["head_dim"] * 4
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a few minutes)")
@@ -173,8 +179,9 @@ def plot_timeline(record: dict, out: Path) -> None:
     ax.plot(layers, record["reached_ms"], "s--", label="attention asks for the layer")
     ax.set_xlabel("layer")
     ax.set_ylabel("ms since the batch's loads started")
+    mib = record["tokens"] * KV_BYTES_PER_TOKEN / 2**20
     ax.set_title(f"One donor load under its forward: {record['tokens']} tokens, "
-                 f"{record['tokens'] * 8 // 1024} KiB/layer-pair x 8 layers")
+                 f"{mib:.1f} MiB of KV in {len(record['ready_ms'])} layers", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -192,7 +199,7 @@ def main(argv=None) -> int:
     trace = work / "loads.jsonl"
     trace.unlink(missing_ok=True)
     small, tiny = ensure_tiny_model(shape="small"), ensure_tiny_model(shape="tiny")
-    shape = MODEL_SHAPES["small"]
+    shape = SHAPE
     pool = 2 * (args.prefix_tokens + args.suffix_tokens) + 1024  # two prefixes and a margin
     rv = str(work / "rv")
     common = ["--dtype", "float32", "--swiftcache-rendezvous-dir", rv,
