@@ -16,6 +16,10 @@
    the pool-lease engine (one-pass Triton row copy), checks the bytes, the packing rule, the
    two copy paths against each other and, where two GPUs exist, the cross-device path (skipped
    with a message on one GPU); the donor checks its own buffers hold the borrower's stream.
+5. Layer-streamed load (scripts/gpu_stream_check.py): a prefix loaded from donor pool pages
+   layer by layer on the engine's side stream while attention runs per layer, waiting on the
+   CUDA layer counter only for its layer, timed against the same attention with everything
+   resident (target: at most 1.10x), and checked bit-identical.
 
 Exit status: 0 when every check passed (bandwidth below target is reported, not failed),
 1 when a check failed, 2 when there is no CUDA device (nothing run).
@@ -400,6 +404,14 @@ def donor(args) -> int:
     t0 = time.monotonic()
     checks = check_kernels(device)
     print(f"kernels vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
+    from gpu_stream_check import run_stream_check
+
+    stream = run_stream_check(args, device, _cuda_time)
+    checks["stream_load_bit_identical"] = stream["ok"]
+    print(f"layer-streamed load under attention ({stream['backend']}): {stream['tokens']} tokens "
+          f"({stream['kv_mib_per_layer']} MiB of KV per layer), {stream['new_tokens']} new "
+          f"tokens: resident {stream['resident_ms']} ms, streamed {stream['streamed_ms']} ms, "
+          f"ratio {stream['ratio']} (target <= {stream['target']})")
     geoms = [
         KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
         for ps in args.page_sizes
@@ -490,13 +502,15 @@ def donor(args) -> int:
     )
     print(format_table(rows, args.target))
     summary = summarize(rows, checks, args.target)
+    summary["stream"] = {k: stream[k] for k in ("ratio", "target", "resident_ms", "streamed_ms",
+                                                 "tokens")}
     if pool_row is not None:
         summary["pool"] = {"store_ratio": round(pool_row["store_gbps"] / pool_row["copy_gbps"], 3),
                            "load_ratio": round(pool_row["load_gbps"] / pool_row["copy_gbps"], 3),
                            "backend": pool_row["backend"]}
     line = json.dumps(
         {k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio", "target", "checks",
-                                 "pool") if k in summary}
+                                 "pool", "stream") if k in summary}
     )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=1))

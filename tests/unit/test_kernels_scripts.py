@@ -58,7 +58,8 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     export to a second process (shm standing in for CUDA IPC), layer-wise round trip through the
     engine and counter, the donor seeing the borrower's bytes, the table and the JSON line; and
     the pool-lease part: a live pool region of another shape lent to the second process, round
-    trip, packing rule, both copy paths, the cross-device path with both devices "cpu"."""
+    trip, packing rule, both copy paths, the cross-device path with both devices "cpu"; and the
+    layer-streamed load under per-layer attention, bit-identical, with its timing ratio."""
     rc = gpu_check.main(
         [
             "--dry-run-cpu",
@@ -85,6 +86,7 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
                  "pool_cross_device", "pool_donor_sees_bytes"):
         assert checks[name] is True, name
     assert summary["pool"]["backend"] == "triton"
+    assert checks["stream_load_bit_identical"] is True and summary["stream"]["ratio"] > 0
     assert any(line.startswith("pool lease:") and "cross-device: borrower pool on cpu" in line
                for line in out)
     assert any(line.strip().startswith("8 ") for line in out)
