@@ -217,12 +217,15 @@ def run_chaos(opts: ChaosOptions) -> dict:
               f"{len(plan)} steps, {plan_mod.total_requests(plan)} requests", flush=True)
         with node.starting() as started_all:
             started_all["stock"].result()
+            stock_s = 0.0  # its slowest answer: what this machine's load alone costs
             for key in replay.keys:  # stock first: its answers are the reference and histories
                 for future in started_all.values():  # a server that failed to start: stop now
                     if future.done() and future.exception() is not None:
                         raise future.exception()
+                t0 = time.monotonic()
                 kind, value = ask(node.servers["stock"], replay.payload(key),
                                   opts.request_timeout_s)
+                stock_s = max(stock_s, time.monotonic() - t0)
                 if kind != "ok":
                     raise RuntimeError(f"stock SGLang failed request {key}: {value}")
                 replay.reference[key] = value
@@ -233,6 +236,7 @@ def run_chaos(opts: ChaosOptions) -> dict:
         plan_started = time.monotonic()
         run.run(plan)
         result = run.summary(started, load_start)
+        result["stock_max_answer_s"] = round(stock_s, 2)
         result["phases_s"] = {"start_and_stock": round(setup_s, 1),
                               "plan": round(time.monotonic() - plan_started, 1)}
         lost_lines = [line for line in node.servers[BORROWER].log_text().splitlines()

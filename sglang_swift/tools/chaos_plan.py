@@ -115,8 +115,9 @@ def validate(plan: list[Step], donors: list[str], heartbeat_timeout_s: float) ->
                              "borrower's answers are what the run checks")
         if step.kind == "freeze" and not heartbeat_timeout_s < step.seconds <= \
                 dead_after - FREEZE_MARGIN_S:
+            longest = dead_after - FREEZE_MARGIN_S
             raise ValueError(f"{where}: a freeze must last longer than the heartbeat timeout "
-                             f"({heartbeat_timeout_s:g}s) and at most {dead_after - FREEZE_MARGIN_S:g}s "
+                             f"({heartbeat_timeout_s:g}s) and at most {longest:g}s "
                              f"(dead_after_s {dead_after:g}s minus {FREEZE_MARGIN_S:g}s)")
         if step.kind == "idle" and step.seconds <= heartbeat_timeout_s:
             raise ValueError(f"{where}: an idle phase must outlast the heartbeat timeout "
@@ -183,7 +184,8 @@ def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
     - leases: the borrower counted at least every distinct lease `ctl status` showed it holding;
     - reclaims: each burst of a donor that lent to the borrower completed a reclaim on the donor
       and was acknowledged by the borrower; nothing else caused a reclaim;
-    - lost leases: each kill of a donor the borrower borrowed from cost it a lease; nothing else did;
+    - lost leases: each kill of a donor the borrower borrowed from cost it a lease; nothing else
+      did;
     - refused copies: loads and stores are refused only in a burst or kill step;
     - donor tier used: the borrower loaded tokens back from donor memory at all."""
     checks: dict[str, str] = {}

@@ -37,7 +37,7 @@ def _tp2_server(model, log_path, *extra: str) -> LocalServer:
 
 
 def test_tp_with_borrowing_is_refused_at_startup(tiny_model, tmp_path):
-    """--tp 2 with a borrow limit: start-up fails (the process exits) with the reason and the fix."""
+    """--tp 2 with a borrow limit: start-up fails (the process exits) with the reason and fix."""
     server = _tp2_server(tiny_model, tmp_path / "refused.log",
                          "--swiftcache-role", "borrower", "--swiftcache-max-borrow-blocks", "8",
                          "--swiftcache-rendezvous-dir", str(tmp_path / "rv"))

@@ -1,4 +1,5 @@
-"""The chaos run's pure logic (sglang_swift/tools/chaos_plan.py): plans, and how counters are judged."""
+"""The chaos run's pure logic (tools/chaos_plan.py, chaos_replay.Replay): plans, traffic order,
+and how counters are judged."""
 
 from __future__ import annotations
 
