@@ -81,17 +81,25 @@ def build_plan(donors: list[str], *, cycles: int, per_slot: int, heartbeat_timeo
                idle_s: float | None = None) -> list[Step]:
     """`warmup` requests of traffic (default `per_slot`; give enough that histories are demoted
     into donor memory and loaded back before the first fault), then `cycles` fault cycles.
-    Default freeze: 3 x the heartbeat timeout (at least 3 s); default idle: the same."""
+    First cycle: freeze 3 x the heartbeat timeout (at least 3 s), idle the same (or the given
+    lengths); later cycles draw freezes up to `dead_after_s - FREEZE_MARGIN_S` and idles up to
+    1.5 x dead_after_s from `seed`."""
     if not donors:
         raise ValueError("a chaos plan needs at least one donor")
     if cycles < 1 or per_slot < 1 or warmup < 0:
         raise ValueError(f"cycles and per_slot must be positive, warmup not negative; got "
                          f"{cycles}, {per_slot}, {warmup}")
     rng = random.Random(seed)
-    freeze = freeze_s if freeze_s is not None else max(3.0, 3.0 * heartbeat_timeout_s)
-    idle = idle_s if idle_s is not None else freeze
+    base_freeze = freeze_s if freeze_s is not None else max(3.0, 3.0 * heartbeat_timeout_s)
+    base_idle = idle_s if idle_s is not None else base_freeze
+    longest_freeze = dead_after_s(heartbeat_timeout_s) - FREEZE_MARGIN_S
     plan = [Step("traffic", requests=warmup or per_slot)]
-    for _ in range(cycles):
+    for cycle in range(cycles):
+        freeze, idle = base_freeze, base_idle
+        if cycle:  # a soak's later cycles draw their lengths: freezes up to just short of
+            # death, idles past dead_after_s (an idle borrower must keep its leases forever)
+            freeze = round(rng.uniform(base_freeze, max(base_freeze, longest_freeze)), 1)
+            idle = round(rng.uniform(base_idle, 1.5 * dead_after_s(heartbeat_timeout_s)), 1)
         plan += fault_cycle(donors, rng, freeze_s=freeze, idle_s=idle, per_slot=per_slot)
     validate(plan, donors, heartbeat_timeout_s)
     return plan

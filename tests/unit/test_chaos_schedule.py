@@ -30,11 +30,18 @@ def test_quick_plan_injects_every_fault_and_ends_with_every_donor_alive():
 
 
 def test_soak_plan_is_reproducible_from_its_seed_and_draws_targets():
-    """The same seed gives the same plan; cycles draw their targets among all donors."""
+    """The same seed gives the same plan; cycles draw their targets among all donors, and
+    later cycles freeze up to just short of dead_after_s and idle past it."""
     a = build_plan(DONORS, cycles=12, per_slot=2, heartbeat_timeout_s=1.0, seed=7)
     assert a == build_plan(DONORS, cycles=12, per_slot=2, heartbeat_timeout_s=1.0, seed=7)
     assert {s.target for s in a if s.kind == "kill"} == set(DONORS)
     assert sum(s.kind == "kill" for s in a) == 12
+    # later cycles draw longer pauses: freezes still short of death, idles past dead_after_s
+    freezes = [s.seconds for s in a if s.kind == "freeze"]
+    idles = [s.seconds for s in a if s.kind == "idle"]
+    assert freezes[:2] == [3.0, 3.0] and idles[0] == 3.0
+    assert max(freezes) <= dead_after_s(1.0) - 5.0 and len(set(freezes)) > 2
+    assert max(idles) > dead_after_s(1.0)
 
 
 @pytest.mark.parametrize("plan, message", [
