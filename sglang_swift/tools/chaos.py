@@ -36,6 +36,8 @@ MAX_HANGS = 2  # after this many, the borrower is stuck: stop sending
 
 @dataclass
 class ChaosOptions:
+    """What a chaos run starts and sends; the defaults are `--quick`'s."""
+
     donors: int = 2
     cycles: int = 1
     per_slot: int = 3  # requests per traffic slot of the plan
@@ -56,6 +58,9 @@ class ChaosOptions:
 
 
 class ChaosRun:
+    """Executes a plan on a started node: sends the borrower its requests, injects the faults,
+    samples the borrower's counters after every step (`StepRecord`), and sums it all up."""
+
     def __init__(self, node: ChaosNode, replay: Replay, opts: ChaosOptions) -> None:
         self.node, self.replay, self.opts = node, replay, opts
         self.next = 0
