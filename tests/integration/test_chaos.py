@@ -12,7 +12,8 @@ Invariants:
 - the borrower's swiftcache_* counters agree with what the run did: leases counted, the burst's
   reclaim completed on the donor and acknowledged by the borrower, the kill cost a lease, no copy
   refused outside a burst or a kill, tokens loaded back from donor memory;
-- the freezes and the idle phase met a borrower with data in donor memory (they tested something).
+- the freezes and the idle phase met a borrower with data in donor memory, and the burst and the
+  kill a donor it borrowed from (each fault tested something).
 """
 
 from __future__ import annotations
@@ -39,3 +40,7 @@ def test_short_chaos_run_is_token_identical_to_stock_and_loses_nothing_while_ali
     assert result["inconsistent"] == {}, result["inconsistent"]
     untested = [f for f in result["faults_on_empty_tier"] if "freeze" in f or "idle" in f]
     assert not untested, f"faults that met an empty donor tier: {untested}"
+    # the burst and the kill hit a donor the borrower borrowed from, so their checks applied
+    for rec in result["records"]:
+        if rec["step"].startswith(("burst", "kill")):
+            assert rec["leases_from_target"] >= 1, rec
