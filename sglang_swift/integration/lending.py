@@ -16,7 +16,8 @@ reports them in `protected_size()` (`lent_tokens`), which keeps the scheduler's 
 
 Policy, in tokens of the donor's pool of size S:
 - `reserve = (1 - reclaim_watermark) x S` stays free for the donor's own traffic at all times:
-  lending never takes the allocator's free room below `reserve`, and when free room plus the
+  lending never takes the allocator's free room below `reserve` plus a headroom of 1/16 of the
+  pool (so a little own traffic does not reclaim everything), and when free room plus the
   tree's evictable part falls below it (the donor's own load is rising), every lent page is
   demanded back at once: the donor gets its whole pool for the burst (the reserve serves it
   meanwhile), rather than chasing a growing shortfall page by page;
@@ -55,6 +56,9 @@ class PoolLender:
         self.agent = agent
         self.max_pages = int(allocator.size * lend_fraction) // page_size
         self.reserve_tokens = int(allocator.size * (1.0 - reclaim_watermark))
+        # lending stops this far above the reserve, so a little own traffic (SGLang's 1-token
+        # /health probe at start-up) does not trigger a reclaim of everything
+        self.headroom_tokens = max(page_size, allocator.size // 16)
         self.clock = clock
         self.relend_cooldown_s = relend_cooldown_s
         self.lent: set[int] = set()  # pool pages out of the allocator (offered or granted)
@@ -92,7 +96,7 @@ class PoolLender:
             return
         if not borrowers_present or self.demanded or self.clock() < self._quiet_until:
             return
-        room = (free - self.reserve_tokens) // self.page_size
+        room = (free - self.reserve_tokens - self.headroom_tokens) // self.page_size
         want = min(room, self.max_pages - len(self.lent))
         if want >= MIN_OFFER_PAGES:
             self._lend(want)

@@ -74,6 +74,19 @@ def test_lent_pages_leave_the_allocator_and_come_back_only_when_returned(page_si
     lender.check_integrity()
 
 
+def test_a_little_own_traffic_right_after_lending_does_not_reclaim():
+    """Lending stops a headroom above the reserve: one own token (SGLang's /health probe) must
+    not make a donor that may lend down to its reserve take everything back."""
+    alloc, agent, clock = _allocator(1), FakeAgent(), Clock()
+    lender = PoolLender(alloc, 1, lend_fraction=0.5, reclaim_watermark=0.5, agent=agent,
+                        clock=clock)
+    lender.step(0, True)
+    assert 0 < lender.lent_tokens < 32
+    assert alloc.alloc(1) is not None
+    lender.step(0, True)
+    assert agent.demands == []
+
+
 def test_no_relend_during_cooldown_and_unknown_returns_are_ignored():
     """After a reclaim the lender waits before lending again; pages it never lent are not freed."""
     alloc, agent, clock = _allocator(1), FakeAgent(), Clock()
