@@ -49,6 +49,12 @@ def why_pool_unshareable(pool: Any) -> str | None:
                 f"pool; MLA and other pools cannot be shared)")
     if getattr(pool, "k_scale_buffer", None) is not None:
         return f"{type(pool).__name__} keeps KV scales beside its buffers (quantized KV)"
+    return why_layout_unshareable(pool)
+
+
+def why_layout_unshareable(pool: Any) -> str | None:
+    """The checks that need no buffers (the pool's layout, VMM backing, dtype): what the
+    lending hook can ask before SGLang allocates them. None when they pass."""
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd" or getattr(pool, "use_hnd", False):
         return f"KV cache layout {layout!r} (SwiftCache shares only the NHD layout)"

@@ -19,6 +19,7 @@ import os
 from typing import Any, Callable
 
 from ..dataplane.pool_layout import KVGeometry, PoolLayout, dtype_name
+from ..dataplane.pool_lease import why_layout_unshareable
 from .swift_config import CONFIG_ENV, SwiftConfig
 
 logger = logging.getLogger(__name__)
@@ -37,20 +38,6 @@ def lending_config() -> SwiftConfig | None:
     return config if config.enabled and config.lends else None
 
 
-def why_not_shareable(pool: Any) -> str | None:
-    """None when the pool can be laid out in a shared region; else the reason it cannot."""
-    layout = getattr(pool, "kv_cache_layout", "nhd")
-    if layout != "nhd" or getattr(pool, "use_hnd", False):
-        return f"KV cache layout {layout!r} (SwiftCache lends only the NHD layout)"
-    if getattr(pool, "post_capture_active", False):
-        return "post-capture KV backing (CUDA VMM) is on"
-    try:
-        dtype_name(pool.store_dtype)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def layout_of(pool: Any, data_offset: int) -> PoolLayout:
     rows = pool.size + pool.page_size
     padded = -(-rows // pool.page_size) * pool.page_size
@@ -63,7 +50,7 @@ def create_buffers_in_shared_region(orig: Callable[[Any], None], pool: Any) -> N
     """AROUND hook body: SGLang's own buffer creation, or the same buffers in a shared region."""
     if lending_config() is None:
         return orig(pool)
-    reason = why_not_shareable(pool)
+    reason = why_layout_unshareable(pool)
     if reason is not None:
         logger.warning("SwiftCache: this server's KV pool cannot be shared (%s); it lends nothing",
                        reason)

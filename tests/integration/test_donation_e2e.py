@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
-from integration.harness import LocalServer, chat
+from integration.harness import LocalServer, chat, metric, wait_for
 from sglang_swift.tools.demo import ctl, wait_for_lease
 from sglang_swift.tools.tiny_model import ensure_tiny_model
 from sglang_swift.workloads.sharegpt import load_conversations
@@ -59,14 +58,6 @@ def _replay(server, convs, turns) -> tuple[list[str], list[int]]:
     return texts, cached
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)  # polling an external process's state, not a synchronisation
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 DONOR_POOL = 4096
@@ -114,7 +105,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
     with donor, borrower:
         agents = wait_for_lease(rendezvous, timeout_s=90)  # through `ctl status`
         assert agents[0]["leases"], agents
-        lent = _wait(lambda: _capacity(rendezvous, "tiny-llama").get("lent_tokens"), 30,
+        lent = wait_for(lambda: _capacity(rendezvous, "tiny-llama").get("lent_tokens"), 30,
                      "the donor to report lent pages of its own pool")
         cap = _capacity(rendezvous, "tiny-llama")
         assert cap["kv_pool_tokens"] == DONOR_POOL and cap["usable_tokens"] == DONOR_POOL - lent
@@ -122,7 +113,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         texts, cached = _replay(borrower, convs, 3)
         assert texts == ref_texts
         assert sum(cached) > sum(ref_cached), (cached, ref_cached)
-        loaded = _wait(lambda: _metric(borrower, "swiftcache_loaded_tokens_total"), 30,
+        loaded = wait_for(lambda: metric(borrower, "swiftcache_loaded_tokens_total"), 30,
                        "swiftcache metrics on the borrower's /metrics")
         assert loaded > 0
 
@@ -130,9 +121,9 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         _donor_burst(donor)
         # a reclaim latency is recorded when the last lent page is back in the donor's pool
         # (usable == pool at that moment; it may lend again after a cooldown)
-        _wait(lambda: _metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
+        wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
               "the donor's usable capacity to return to its whole pool")
-        _wait(lambda: "reclaimed" in borrower.log_text(), 30, "the borrower to see the reclaim")
+        wait_for(lambda: "reclaimed" in borrower.log_text(), 30, "the borrower to see the reclaim")
         tail, _ = _replay(borrower, convs[:2], 4)
         assert tail == ref_tail
 
@@ -141,7 +132,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         donor.proc.wait(30)
         tail, _ = _replay(borrower, convs[:2], 4)
         assert tail == ref_tail
-        _wait(lambda: "lost (" in borrower.log_text(), 30, "the borrower to detect the lost donor")
+        wait_for(lambda: "lost (" in borrower.log_text(), 30, "the borrower to detect the lost donor")
         tail, _ = _replay(borrower, convs[:2], 4)  # and again, with the donor tier gone
         assert tail == ref_tail
         assert borrower.proc.poll() is None, borrower.log_tail()
@@ -151,14 +142,6 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
     assert not leaked, f"the killed donor's pool left in /dev/shm: {leaked}"
 
 
-def _metric(server, name: str) -> float:
-    """Sum of a metric's samples on the server's Prometheus endpoint (0 when absent)."""
-    import urllib.request
-
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def _pids_in(log_path) -> set[int]:

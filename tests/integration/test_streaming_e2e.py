@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import LocalServer
+from integration.harness import LocalServer, metric, wait_for
 from sglang_swift.tools.demo import wait_for_lease
 
 pytestmark = pytest.mark.integration
@@ -90,24 +90,8 @@ def _generate(server, text: str) -> dict:
         "max_new_tokens": MAX_TOKENS, "temperature": 0.0}})
 
 
-def _metric(server, name: str) -> float:
-    """Sum of a metric's samples on the server's Prometheus endpoint (0 when absent)."""
-    import urllib.request
-
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)  # polling an external process's state, not a synchronisation
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _args(rendezvous: str, role: str, *extra: str) -> list[str]:
@@ -162,18 +146,18 @@ def test_donor_hit_is_token_identical_and_the_scheduler_never_waited_on_the_copy
     """Invariant: see the module docstring (first point)."""
     _, borrower, _ = pair
     _demote_prefix(borrower)
-    started = _wait(lambda: _metric(borrower, "swiftcache_stores_started_total"), 30,
+    started = wait_for(lambda: metric(borrower, "swiftcache_stores_started_total"), 30,
                     "demotion stores on the borrower's /metrics")
     assert started > 0
-    loads_before = _metric(borrower, "swiftcache_loads_started_total")
+    loads_before = metric(borrower, "swiftcache_loads_started_total")
     out = _generate(borrower, SECOND)
     assert out["text"] == reference
-    loads = _wait(lambda: _metric(borrower, "swiftcache_loads_started_total") - loads_before, 30,
+    loads = wait_for(lambda: metric(borrower, "swiftcache_loads_started_total") - loads_before, 30,
                   "a streamed load on the borrower's /metrics")
     assert loads >= 1 and out["meta_info"]["cached_tokens"] > 0, out["meta_info"]
-    assert _metric(borrower, "swiftcache_loaded_tokens_total") > 0
-    assert _metric(borrower, "swiftcache_loads_failed_total") == 0
-    assert _metric(borrower, "swiftcache_load_wait_seconds_total") == 0
+    assert metric(borrower, "swiftcache_loaded_tokens_total") > 0
+    assert metric(borrower, "swiftcache_loads_failed_total") == 0
+    assert metric(borrower, "swiftcache_load_wait_seconds_total") == 0
 
 
 def test_donor_killed_between_match_and_forward_never_yields_wrong_tokens(pair, reference):
@@ -191,7 +175,7 @@ def test_donor_killed_between_match_and_forward_never_yields_wrong_tokens(pair, 
 
     sender = threading.Thread(target=send)
     sender.start()
-    _wait(lambda: (hold_dir / "queued").exists(), 60, "the borrower to queue the donor load")
+    wait_for(lambda: (hold_dir / "queued").exists(), 60, "the borrower to queue the donor load")
     os.killpg(donor.proc.pid, 9)  # SIGKILL the donor server, scheduler included
     donor.proc.wait(30)
     (hold_dir / "go").touch()
@@ -206,5 +190,5 @@ def test_donor_killed_between_match_and_forward_never_yields_wrong_tokens(pair, 
         assert code >= 400 and "donor" in body, body
     assert _generate(borrower, SECOND)["text"] == reference  # recomputed from now on
     assert borrower.proc.poll() is None, borrower.log_tail()
-    failed = _metric(borrower, "swiftcache_loads_failed_total")
+    failed = metric(borrower, "swiftcache_loads_failed_total")
     print(json.dumps({"outcome": "aborted" if failed else "answered", "loads_failed": failed}))
