@@ -4,11 +4,9 @@ stale and forged input, timeouts, and the `ctl status` view."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -28,18 +26,9 @@ from sglang_swift.control import (
 from sglang_swift.common.process import host_identity, host_tag
 from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
+from unit.control_helpers import MEM, next_event, short_rendezvous
 from sglang_swift.control.auth import load_or_create_secret
 
-MEM = dict(
-    kind="shm",
-    handle=b"arena",
-    device="cpu",
-    total_bytes=256 * 32,
-    block_bytes=256,
-    num_blocks=32,
-    owner_pid=os.getpid(),
-    owner_uuid="",
-)
 
 
 def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:
@@ -53,21 +42,13 @@ def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:
     )
 
 
-def _next(agent: ControlAgent, kind, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        e = agent.next_event(left)
-        if isinstance(e, kind):
-            return e
-    raise AssertionError(f"no {kind.__name__} within {timeout}s")
 
 
 @pytest.fixture
 def rdv():
     """A short rendezvous path (ipc socket paths are limited to 107 bytes), removed after."""
-    root = tempfile.mkdtemp(prefix="swcu")
-    yield os.path.join(root, "r")
-    shutil.rmtree(root, ignore_errors=True)
+    with short_rendezvous("swcu") as path:
+        yield path
 
 
 @pytest.fixture
@@ -87,15 +68,15 @@ def test_grant_reclaim_ack_cycle(pair):
     """Reclaimed blocks come back to the donor's owner only after the borrower's ack."""
     _, donor, borrower = pair
     borrower.request(32)
-    grant = _next(borrower, LeaseGranted)
+    grant = next_event(borrower, LeaseGranted)
     assert len(grant.blocks) == 32 and grant.memory.owner_uuid == f"donor:{donor.epoch}"
     donor.demand(5)
-    rec = _next(borrower, ReclaimRequested)
+    rec = next_event(borrower, ReclaimRequested)
     assert len(rec.blocks) == 5 and rec.deadline > time.monotonic() - 1
     assert not [e for e in donor.poll_events() if isinstance(e, BlocksReturned)]
     assert donor.status().leases[0].reclaiming == 5
     borrower.ack_reclaim(rec)
-    back = _next(donor, BlocksReturned)
+    back = next_event(donor, BlocksReturned)
     assert sorted(back.blocks) == sorted(rec.blocks)
     borrower.release(grant.key)
     assert donor.wait_until(lambda a: a.status().lent == 0, 5)
@@ -115,7 +96,7 @@ def test_owner_mistakes_fail_loudly_or_are_refused(pair):
     assert donor.wait_until(lambda a: a.counters.get("commands_refused", 0) == 2, 5)
     assert donor.is_alive()
     borrower.request(2)
-    assert len(_next(borrower, LeaseGranted).blocks) == 2
+    assert len(next_event(borrower, LeaseGranted).blocks) == 2
 
 
 def test_read_deadline_follows_heartbeats(pair):
@@ -124,7 +105,7 @@ def test_read_deadline_follows_heartbeats(pair):
     _, donor, borrower = pair
     assert borrower.read_deadline("donor") == 0.0
     borrower.request(1)
-    grant = _next(borrower, LeaseGranted)
+    grant = next_event(borrower, LeaseGranted)
     validity = borrower.config.read_validity_s
     first = borrower.read_deadline("donor")
     assert time.monotonic() < first <= time.monotonic() + validity
@@ -146,10 +127,10 @@ def test_stale_epochs_are_harmless(pair):
     """A grant from an older donor epoch and acks for an old epoch change nothing."""
     rdv, donor, borrower = pair
     borrower.request(4)
-    grant = _next(borrower, LeaseGranted)
+    grant = next_event(borrower, LeaseGranted)
     donor.demand(28 + 2)
-    assert len(_next(donor, BlocksReturned).blocks) == 28  # the free ones, at once
-    rec = _next(borrower, ReclaimRequested)
+    assert len(next_event(donor, BlocksReturned).blocks) == 28  # the free ones, at once
+    rec = next_event(borrower, ReclaimRequested)
     socks = [
         _forge(
             rdv,
@@ -194,7 +175,7 @@ def test_stale_epochs_are_harmless(pair):
         for s in socks:
             s.close()
     borrower.ack_reclaim(rec)
-    assert len(_next(donor, BlocksReturned).blocks) == 2
+    assert len(next_event(donor, BlocksReturned).blocks) == 2
 
 
 def test_unknown_sender_gets_an_error_and_no_state(pair):
@@ -234,12 +215,12 @@ def test_requests_to_a_silent_donor_time_out(rdv):
         )
         assert borrower.wait_until(lambda a: "mute" in a.peers, 5)
         rid = borrower.request(2, donor="mute")
-        failed = _next(borrower, RequestFailed)
+        failed = next_event(borrower, RequestFailed)
         assert (failed.request_id, failed.reason) == (rid, "timeout")
         assert borrower.wait_until(lambda a: "mute" not in a.peers, 5)
-        lost = _next(borrower, PeerChanged)
+        lost = next_event(borrower, PeerChanged)
         while lost.joined:
-            lost = _next(borrower, PeerChanged)
+            lost = next_event(borrower, PeerChanged)
         assert lost.reason == "unresponsive"
         dealer.close()
     finally:
@@ -251,7 +232,7 @@ def test_ctl_status_lists_agents_and_leases(pair, capsys):
     """`ctl status` shows both agents and the lease between them."""
     rdv, donor, borrower = pair
     borrower.request(3)
-    _next(borrower, LeaseGranted)
+    next_event(borrower, LeaseGranted)
     assert ctl.main(["status", "--rendezvous-dir", rdv]) == 0
     out = capsys.readouterr().out
     assert "donor" in out and "borrower" in out and "1 lease(s)" in out
@@ -306,7 +287,7 @@ def test_static_peer_list_over_tcp_on_loopback(tmp_path):
                 lambda a: "donor" in a.peers and a.peers["donor"].lendable == 8, 5
             )
             borrower.request(8)
-            assert len(_next(borrower, LeaseGranted).blocks) == 8
+            assert len(next_event(borrower, LeaseGranted).blocks) == 8
         finally:
             borrower.stop()
     finally:
@@ -326,13 +307,13 @@ def test_low_watermark_triggers_reclaim_and_reserve_is_kept(rdv):
             lambda a: "donor" in a.peers and a.peers["donor"].lendable == 28, 5
         )
         borrower.request(32)
-        assert len(_next(borrower, LeaseGranted).blocks) == 28  # the reserve stays home
+        assert len(next_event(borrower, LeaseGranted).blocks) == 28  # the reserve stays home
         donor.report_free(4)  # the owner has 4 free blocks, wants 10: needs 6 back
-        assert len(_next(donor, BlocksReturned).blocks) == 4
-        rec = _next(borrower, ReclaimRequested)
+        assert len(next_event(donor, BlocksReturned).blocks) == 4
+        rec = next_event(borrower, ReclaimRequested)
         assert len(rec.blocks) == 2
         borrower.ack_reclaim(rec)
-        assert len(_next(donor, BlocksReturned).blocks) == 2
+        assert len(next_event(donor, BlocksReturned).blocks) == 2
         donor.check_integrity()
     finally:
         borrower.stop()
@@ -388,7 +369,7 @@ def test_grant_arriving_after_the_request_timed_out_is_given_back(rdv):
         assert borrower.wait_until(lambda a: "donor" in a.peers and a.peers["donor"].lendable, 5)
         with donor._lock:  # stall the donor's I/O thread until the borrower gives up
             rid = borrower.request(4)
-            failed = _next(borrower, RequestFailed)
+            failed = next_event(borrower, RequestFailed)
             assert (failed.request_id, failed.reason) == (rid, "timeout")
         assert borrower.wait_until(lambda a: a.counters.get("grants_refused", 0) == 1, 5)
         assert donor.wait_until(lambda a: a.status().lent == 0, 5)

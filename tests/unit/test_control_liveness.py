@@ -6,10 +6,8 @@ background threads); an agent's I/O thread is frozen by holding its lock."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -26,20 +24,11 @@ from sglang_swift.control import (
     PeerChanged,
 )
 from sglang_swift.control import protocol as p
+from unit.control_helpers import MEM, next_event, short_rendezvous
 from sglang_swift.control.auth import load_or_create_secret
 from sglang_swift.control.liveness import Liveness
 from sglang_swift.control.peers import Peer
 
-MEM = dict(
-    kind="shm",
-    handle=b"arena",
-    device="cpu",
-    total_bytes=256 * 32,
-    block_bytes=256,
-    num_blocks=32,
-    owner_pid=os.getpid(),
-    owner_uuid="",
-)
 
 
 def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:
@@ -47,20 +36,12 @@ def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:
     return ControlConfig(agent_id, rendezvous_dir=rdv, **{**base, **kw})
 
 
-def _next(agent: ControlAgent, kind, timeout: float = 5.0, **match):
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        e = agent.next_event(left)
-        if isinstance(e, kind) and all(getattr(e, k) == v for k, v in match.items()):
-            return e
-    raise AssertionError(f"no {kind.__name__} {match} within {timeout}s")
 
 
 @pytest.fixture
 def rdv():
-    root = tempfile.mkdtemp(prefix="swcl")
-    yield os.path.join(root, "r")
-    shutil.rmtree(root, ignore_errors=True)
+    with short_rendezvous("swcl") as path:
+        yield path
 
 
 def _pair(rdv: str, **kw) -> tuple[ControlAgent, ControlAgent]:
@@ -78,7 +59,7 @@ def test_a_frozen_borrower_past_its_read_deadline_revalidates_and_keeps_its_leas
     donor, borrower = _pair(rdv, unresponsive_timeout_s=3.0, lease_margin_s=2.0)  # validity 1 s
     try:
         borrower.request(6)
-        grant = _next(borrower, LeaseGranted)
+        grant = next_event(borrower, LeaseGranted)
         with borrower._lock:  # the borrower's I/O thread stops at its next message
             time.sleep(1.6)  # the pause under test: > validity (1 s) and > timeout (0.3 s)
             assert borrower.borrower.read_deadline("donor") < time.monotonic()
@@ -108,18 +89,18 @@ def test_a_borrower_frozen_past_the_unresponsive_timeout_stops_reading_first(rdv
     donor, borrower = _pair(rdv, unresponsive_timeout_s=1.2, lease_margin_s=0.4)
     try:
         borrower.request(6)
-        grant = _next(borrower, LeaseGranted)
+        grant = next_event(borrower, LeaseGranted)
         with borrower._lock:
             deadline = borrower.read_deadline("donor")
-            gone = _next(donor, PeerChanged, joined=False)
+            gone = next_event(donor, PeerChanged, joined=False)
         assert gone.reason == "unresponsive"
         assert deadline < gone.at, "the donor could reuse blocks the borrower may still read"
-        lost = _next(borrower, LeaseLost)
+        lost = next_event(borrower, LeaseLost)
         assert lost.key == grant.key and lost.reason in ("dropped by the donor", "donor forgot us")
         assert borrower.wait_until(lambda a: "donor" in a.peers and a.peers["donor"].lendable, 5)
         assert donor.wait_until(lambda a: "borrower" in a.peers, 5)
         borrower.request(32)
-        assert len(_next(borrower, LeaseGranted).blocks) == 32
+        assert len(next_event(borrower, LeaseGranted).blocks) == 32
     finally:
         borrower.stop()
         donor.stop()
@@ -131,7 +112,7 @@ def test_a_frozen_donor_does_not_cost_the_borrower_its_lease(rdv):
     donor, borrower = _pair(rdv)
     try:
         borrower.request(4)
-        grant = _next(borrower, LeaseGranted)
+        grant = next_event(borrower, LeaseGranted)
         with donor._lock:
             time.sleep(1.2)
             assert borrower.status().peers[0].suspect
@@ -167,7 +148,7 @@ def test_a_peer_whose_socket_closed_is_declared_dead_within_the_timeout(rdv):
         assert router.poll(5000)  # the borrower connected and talks to it
         router.close()
         closed_at = time.monotonic()
-        gone = _next(borrower, PeerChanged, joined=False)
+        gone = next_event(borrower, PeerChanged, joined=False)
         assert gone.reason == "connection closed"
         assert gone.at - closed_at < 0.3 * 2 + 0.5 < borrower.config.dead_after_s
     finally:
