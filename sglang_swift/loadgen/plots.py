@@ -11,6 +11,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+
+def _finish(fig, ax, path: Path, title: str) -> Path:
+    """Title, grid and legend; write the figure to `path` and close it."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def ttft_cdf(series: dict[str, list[float]], path: Path, title: str = "TTFT CDF") -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, vals in series.items():
@@ -19,13 +30,7 @@ def ttft_cdf(series: dict[str, list[float]], path: Path, title: str = "TTFT CDF"
             ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title)
 
 
 def p99_vs_rate(curves: dict[str, list[tuple[float, float]]], path: Path,
@@ -41,13 +46,7 @@ def p99_vs_rate(curves: dict[str, list[tuple[float, float]]], path: Path,
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title)
 
 
 def per_turn_ttft(per_turn: dict[str, dict[int, dict]], path: Path,
@@ -60,10 +59,4 @@ def per_turn_ttft(per_turn: dict[str, dict[int, dict]], path: Path,
         ax.plot(ts, ys, marker="o", label=f"{label} P50")
     ax.set_xlabel("turn index")
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, title)
