@@ -25,7 +25,6 @@ import os
 import re
 import statistics
 import tempfile
-import threading
 import time
 import urllib.error
 from dataclasses import asdict, dataclass
@@ -181,27 +180,8 @@ def streamed_pool_log(log: str) -> dict:
             "local_mib": float(m[4]), "store": m[5], "store_mib": float(m[6])}
 
 
-def start_all(servers) -> None:
-    """Start the servers side by side (start-up is mostly imports, on every core)."""
-    errors = []
-
-    def start(s):
-        try:
-            s.start()
-        except Exception as exc:  # re-raised below, after every thread ended
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def run(setup: Setup, model_dir) -> dict:
-    from ..tools.local_server import LocalServer
+    from ..tools.local_server import LocalServer, start_all
 
     common = ["--dtype", "float32", "--chunked-prefill-size", str(setup.chunk)]
     traces = {name: f"{tempfile.gettempdir()}/bench-context-{os.getpid()}-{name}.jsonl"

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 import urllib.request
 from contextlib import ExitStack
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
-from ..tools.local_server import LocalServer
+from ..tools.local_server import LocalServer, start_all
 from .observe import CapacitySampler, scrape
 from .plan import NodePlan, RunSpec
 from .traffic import Marks, Traffic, drive
@@ -49,26 +48,6 @@ class RunResult:
 def _pool_of(server: LocalServer) -> int:
     with urllib.request.urlopen(server.base_url + "/server_info", timeout=30) as r:
         return int(json.loads(r.read())["max_total_num_tokens"])
-
-
-def _start_both(servers: list[LocalServer]) -> None:
-    """Start the servers side by side (each start blocks until healthy); raise the first
-    failure after both attempts ended."""
-    errors: list[BaseException] = []
-
-    def start(server: LocalServer) -> None:
-        try:
-            server.start()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the join
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _wait_borrowed(busy: LocalServer, timeout_s: float) -> None:
@@ -127,7 +106,7 @@ def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
         stack.callback(shutil.rmtree, rendezvous, True)
         stack.callback(donor.stop)
         stack.callback(busy.stop)
-        _start_both([busy, donor])
+        start_all([busy, donor])
         t_ready = time.monotonic()
         if spec.swiftcache:
             wait_for_lease(rendezvous, timeout_s=LEASE_TIMEOUT_S)

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -139,3 +140,23 @@ class LocalServer:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
+
+
+def start_all(servers) -> None:
+    """Start the servers side by side (each start blocks until healthy; start-up is mostly
+    imports, on every core); raise the first failure after every attempt ended."""
+    errors: list[BaseException] = []
+
+    def start(server: LocalServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the join
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
