@@ -203,6 +203,11 @@ class ControlAgent:
         with self._lock:
             return agent_status(self)
 
+    def peer_count(self) -> int:
+        """Known live peers: what the owner's step needs, without building a whole status."""
+        with self._lock:
+            return len(self.peers)
+
     def check_integrity(self) -> None:
         with self._lock:
             self.donor.ledger.check_integrity()

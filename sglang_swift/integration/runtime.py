@@ -103,7 +103,7 @@ class SwiftRuntime:
             handler = self._handlers.get(type(event))
             if handler is not None:
                 handler(self, event)
-        peers = len(self.agent.status().peers) > 0
+        peers = self.agent.peer_count() > 0  # every pump: no full status
         if self.lender is not None:
             self.lender.step(self.tree.evictable_size(), borrowers_present=peers)
         if self.borrowing is not None:
