@@ -1,0 +1,180 @@
+"""P99 TTFT against request rate for the busy model of the node benchmark (scripts/bench_rate.py).
+
+    python scripts/bench_rate.py [--quick] [--systems stock,swiftcache,ideal] [--rates 0.1,0.2]
+                                 [--out runs/rate_curves] [--plot PNG]
+
+Per system (stock SGLang, SwiftCache, the capacity-equal ideal; `hicache` tries SGLang's
+HiCache), the node benchmark's two servers start once and serve every rate in turn, the busy
+server's cache flushed between rates. Each rate replays multi-turn ShareGPT sessions arriving as
+a Poisson process (rates.py says how a point is judged). Prints a table per point, writes the
+plot and every request to OUT, and prints last a JSON object: per system, per rate, p50 and p99
+TTFT (ms), completed requests, stable and drained, and the highest rate that stayed stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..tools.local_server import ServerStartError
+from ..tools.tiny_model import ensure_tiny_model
+from .plan import ModelFacts, NodePlan
+from .rate_driver import node_servers, run_point
+from .rates import PointResult, RatePlan, build_sessions, summary_json
+
+ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception)\b.*")
+STYLE = {"stock": "tab:gray", "swiftcache": "tab:blue", "ideal": "tab:green",
+         "hicache": "tab:orange"}
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RatePlan]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"rates {RatePlan.quick().rates}, {RatePlan.quick().window_s:.0f} s "
+                         f"windows, {RatePlan.quick().turns} turns, stock and swiftcache only")
+    ap.add_argument("--rates", type=_floats, default=None, help="sessions/s, comma-separated")
+    ap.add_argument("--systems", type=lambda s: tuple(s.split(",")), default=None,
+                    help="comma-separated, of stock, swiftcache, ideal, hicache")
+    for name in ("window_s", "drain_s", "think_mean_s"):
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=None,
+                        help=f"default {getattr(RatePlan(), name)}, --quick "
+                             f"{getattr(RatePlan.quick(), name)}")
+    ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path("runs/rate_curves"),
+                    help="server logs and rate_curves.json (every request) go here")
+    ap.add_argument("--plot", type=Path, default=None, help="default: OUT/rate_curves.png")
+    args = ap.parse_args(argv)
+    plan = RatePlan.quick() if args.quick else RatePlan()
+    overrides = {k: getattr(args, k) for k in ("rates", "systems", "window_s", "drain_s",
+                                               "think_mean_s", "turns", "seed")
+                 if getattr(args, k) is not None}
+    try:
+        plan = replace(plan, **overrides)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args, plan
+
+
+def last_error_line(log_text: str) -> str:
+    """The last `SomethingError: ...` line of a server log (what stopped it), or its last line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ERROR_LINE.match(ln)]
+    return errors[-1] if errors else (lines[-1] if lines else "(empty log)")
+
+
+def format_point(p: PointResult) -> str:
+    hit = f"{p.cached_tokens / p.prompt_tokens:.0%}" if p.prompt_tokens else "-"
+    num = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    return (f"{p.system:<11}{p.rate:>6.2f}{p.sessions:>5}{p.sent:>6}{p.completed:>6}"
+            f"{p.unanswered:>5}{p.errors:>5}{num(p.ttft_p50_ms):>9}{num(p.ttft_p99_ms):>9}"
+            f"{hit:>6}{p.queue_q2:>6.1f}{p.queue_q4:>6.1f}{str(p.stable):>7}{str(p.drained):>8}"
+            f"{p.extra.get('loadavg_1min', [0, 0])[1]:>6.1f}")
+
+
+HEADER = (f"{'system':<11}{'rate':>6}{'sess':>5}{'sent':>6}{'done':>6}{'cut':>5}{'err':>5}"
+          f"{'p50 ms':>9}{'p99 ms':>9}{'hit':>6}{'q2':>6}{'q4':>6}{'stable':>7}{'drained':>8}"
+          f"{'load':>6}")
+
+
+def plot_curves(path: Path, points: list[PointResult], title: str) -> None:
+    """P99 (solid) and P50 (dashed) TTFT against the session rate per system; a point that was
+    not stable or not drained is drawn hollow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in dict.fromkeys(p.system for p in points):
+        pts = sorted((p for p in points if p.system == system and p.ttft_p99_ms is not None),
+                     key=lambda p: p.rate)
+        color = STYLE.get(system)
+        for key, style, label in (("ttft_p99_ms", "-", "P99"), ("ttft_p50_ms", "--", "P50")):
+            xs, ys = [p.rate for p in pts], [getattr(p, key) for p in pts]
+            ax.plot(xs, ys, style, color=color, label=f"{system} {label}")
+            for p, y in zip(pts, ys):
+                solid = p.stable and p.drained
+                ax.plot([p.rate], [y], "o", color=color,
+                        markerfacecolor=color if solid else "white")
+    ax.set_yscale("log")
+    ax.set_xlabel("session arrival rate (sessions/s)")
+    ax.set_ylabel("TTFT (ms), client-measured")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the context managers, so the servers are stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, plan = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    started, load_start = time.monotonic(), os.getloadavg()
+    node = NodePlan()
+    busy_model, donor_model = ensure_tiny_model(shape="small"), ensure_tiny_model(shape="tiny")
+    facts = {"busy": ModelFacts.from_dir(busy_model), "donor": ModelFacts.from_dir(donor_model)}
+    sessions = build_sessions(plan, node, plan.max_sessions())
+    print(f"busy: {facts['busy'].describe()}; pool {node.busy_pool} tokens; donor: pool "
+          f"{node.donor_pool} tokens, lends {node.lend_fraction:.0%} (= "
+          f"{node.lendable_busy_tokens(facts['busy'], facts['donor'])} busy tokens), idle")
+    print(f"sessions: ShareGPT, {plan.turns} turns, think Exp({plan.think_mean_s} s), "
+          f"{node.max_tokens} output tokens; rates {plan.rates} sessions/s over "
+          f"{plan.window_s:.0f} s windows (+{plan.drain_s:.0f} s drain); systems {plan.systems}",
+          flush=True)
+    points: list[PointResult] = []
+    failures: dict[str, str] = {}
+    servers: dict[str, dict] = {}
+    for system in plan.systems:
+        print(f"[{system}] starting the busy and donor servers ...", flush=True)
+        try:
+            with node_servers(system, node, busy_model, donor_model, facts, args.out) as n:
+                servers[system] = {"pools": n.pools, "startup_s": n.startup_s,
+                                   "lease_wait_s": round(n.lease_wait_s, 1)}
+                print(f"[{system}] pools {n.pools}, start-up {n.startup_s}", flush=True)
+                print(HEADER, flush=True)
+                for rate in plan.rates:
+                    point = run_point(n, plan, node, rate, sessions)
+                    points.append(point)
+                    print(format_point(point), flush=True)
+                servers[system]["alerts"] = n.alerts()
+        except ServerStartError:
+            failures[system] = last_error_line((args.out / f"{system}-busy.log").read_text(
+                errors="replace"))
+            print(f"[{system}] did not start: {failures[system]} (log: "
+                  f"{args.out / f'{system}-busy.log'})", flush=True)
+
+    plot = args.plot or args.out / "rate_curves.png"
+    if points:
+        plot_curves(plot, points, f"Busy model ({facts['busy'].name}), P99 and P50 TTFT vs "
+                                  f"session rate, CPU, {datetime.date.today().isoformat()} "
+                                  f"(hollow: not stable)")
+    summary = summary_json(points, failures)
+    summary.update(date=datetime.date.today().isoformat(), quick=args.quick,
+                   wall_s=round(time.monotonic() - started),
+                   loadavg_1min=[round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+                   device=f"CPU only ({os.cpu_count()} cores)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    detail = {"summary": summary, "plan": plan.__dict__, "servers": servers,
+              "points": [p.to_json() for p in points]}
+    (args.out / "rate_curves.json").write_text(json.dumps(detail, indent=1, default=str))
+    print(f"plot: {plot if points else '(none)'}; details: {args.out / 'rate_curves.json'}")
+    print(json.dumps(summary))
+    return 0 if points else 1
