@@ -14,8 +14,9 @@ scheduler thread waits for a copy into or out of it:
   SGLang's `PrefillAdder` calls `init_load_back` only for a request it admits, which allocates
   the slots and queues the copy; the copy runs layer by layer under the batch's forward
   (`streaming.py`), and a request whose copy failed is aborted, never answered from bad KV;
-- an eviction starts its demotions as stores beside the scheduler; their device slots are freed
-  when the stores settle, on a later step (`demotion.py`).
+- an eviction's demotions are stored before it returns, so their slots are free at once: on CPU
+  the scheduler thread copies the victims (bytes over memory bandwidth), on a GPU it enqueues
+  the copies and the compute stream waits for them (`demotion.py`).
 Admission (match, lock, allocate evicting, re-match, begin load-back) is radix_ext's
 (`radix_ext.admission`), shared with the simulator and `bench_tree`.
 
@@ -84,11 +85,10 @@ def namespace_of(key: RadixKey) -> Any:
 class KVSlots(DevicePool):
     """SGLang's KV slot allocator as radix_ext's admission sees it. Slots go back with
     `free_segment` (page-aligned runs, as SGLang's own eviction frees them); a borrower's room is
-    made by `AsyncDemotions` (waiting for stores only when `wait_for_room`)."""
+    made by `Demotions` (its stores copied or enqueued before it returns)."""
 
     def __init__(self, cache: "SwiftRadixCache"):
         self.cache = cache
-        self.wait_for_room = True
 
     def available(self) -> int:
         return self.cache.token_to_kv_pool_allocator.available_size()
@@ -104,7 +104,7 @@ class KVSlots(DevicePool):
     def make_room(self, tree: Any, num_tokens: int) -> int:
         if self.cache.demotions is None:
             return super().make_room(tree, num_tokens)
-        return self.cache.demotions.make_room(num_tokens, wait=self.wait_for_room)
+        return self.cache.demotions.make_room(num_tokens)
 
 
 class SwiftRadixCache(DonorHitsMixin, RadixCache):
@@ -173,15 +173,14 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self.runtime.attach_tree(self.tree)
 
     def swift_step(self) -> None:
-        """Called once per scheduler loop iteration (plugin hook): settle finished copies, keep
-        demoting ahead of need, and handle control events at most every STEP_INTERVAL_S, so an
-        idle server still takes leases and reclaims."""
+        """Called once per scheduler loop iteration (plugin hook): close finished copies and
+        handle control events at most every STEP_INTERVAL_S, so an idle server still takes
+        leases and reclaims."""
         if self.runtime is None:
             return
         if self.loads is not None:
-            self.demotions.settle()
+            self.demotions.poll()
             self.loads.poll()
-            self.demotions.demote_ahead(self.demote_headroom)
             self.runtime.stats["layer_wait_s"] = self.counter.wait_s
         now = time.monotonic()
         if now - self._last_step >= STEP_INTERVAL_S:
@@ -234,9 +233,9 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         return InsertResult(prefix_len=r.duplicate_len, last_device_node=r.last_node)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Evict through the tree. A borrower's demotions run as stores beside the scheduler;
-        SGLang's allocator needs the room now, so this waits for them only when no other room
-        came free (counted in `stats["evict_waits"]`)."""
+        """Evict through the tree. SGLang's allocator needs the room when this returns: a
+        borrower's demotions are copied (CPU) or enqueued (GPU) before it does (their time is
+        `stats["evict_wait_s"]`)."""
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
@@ -273,7 +272,8 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         free nor evictable, and SGLang's idle check (available + evictable + protected == pool)
         must see them as in use."""
         lent = self.runtime.lent_tokens if self.runtime is not None else 0
-        # device slots of prefixes whose demotion store is in flight: in use until it settles
+        # device slots of prefixes leaving the device (0 between evictions: stores settle in
+        # the eviction that began them)
         return self.tree.protected_size() + self.tree.leaving_size() + lent
 
     def total_size(self) -> int:

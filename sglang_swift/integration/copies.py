@@ -5,12 +5,21 @@ readable now), begins the transfer and registers it with the runtime, so that a 
 pages or a lost lease aborts it before the reclaim is acknowledged. `InFlightCopy.finished()`
 says, without blocking, when nothing of the copy reads or writes memory any more (CPU: the lane's
 job returned; GPU: the lane's stream passed a marker recorded after it), and `release()`
-unregisters it. Nothing here waits, except `wait` and `abort`, which the callers time.
+unregisters it. Nothing here waits, except `abort`, which returns once the layer being copied
+is done (one layer's bytes: see docs/streaming.md "What the scheduler thread waits for").
+
+`store_now` is the other kind: a demotion store after which the caller frees the device slots
+at once. CPU: it runs on the caller's thread (the scheduler thread is the device there), so it
+is finished when it returns; it takes the victim's bytes over memory bandwidth and waits for
+nothing else (not the copy thread, not a peer). GPU: it is enqueued on the lease's side stream
+and the compute stream is made to wait for it, so the host waits for the enqueue only.
 """
 
 from __future__ import annotations
 
+import copy as _copy
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -40,10 +49,6 @@ class InFlightCopy:
         """Whether every layer was copied; call once `finished()`."""
         result = self.handle.result()
         return result is not None and result.ok
-
-    def wait(self, timeout_s: float) -> bool:
-        """Block until the copy is done (the caller counts this as a scheduler wait)."""
-        return self.handle.wait(timeout_s).ok
 
     def abort(self, reason: str) -> None:
         """Stop it; returns once nothing of it writes any more."""
@@ -90,3 +95,53 @@ def start_copy(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks:
                         streams.done_marker(engine.lane), runtime)
     runtime.track(key, handle, set(blocks))
     return copy
+
+
+_inline = threading.local()  # per thread: the staging buffer of the copies it runs inline
+
+
+def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
+              blocks: Sequence[int]) -> tuple[bool, InFlightCopy | None]:
+    """Store device `slots` into lease blocks `blocks` (token i into block
+    `blocks[i // page_size]`) such that the slots may be freed and rewritten when this returns.
+
+    Returns (ok, enqueued): `ok` is whether every layer was copied (GPU: enqueued); False when
+    the copy could not start or stopped (lease gone, donor lost, read deadline passed), and the
+    caller then aborts the ticket. `enqueued` is a GPU copy still running on its side stream,
+    registered with the runtime so a reclaim stops it before the ack; the caller `release()`s it
+    once `finished()`. On CPU it is None: the copy ran here and is done."""
+    engine = runtime.lease_engine(*key)
+    if engine is None:
+        return False, None
+    slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
+    on_gpu = engine.lane.stream is not None
+    runner = engine if on_gpu else _inline_view(engine)
+    try:
+        handle = runner.begin_store(slot_tensor, blocks)
+    except ValueError:  # a transfer the engine refuses is a bug, but not one to stop serving for
+        logger.exception("SwiftCache: the copy engine refused a store on lease %s", key)
+        return False, None
+    result = handle.result()  # done: the inline job returned, or the GPU job enqueued
+    ok = result is not None and result.ok
+    if not on_gpu:
+        return ok, None
+    marker = streams.done_marker(engine.lane)
+    streams.wait_event_on_current_stream(marker)  # later forwards rewrite the slots after it
+    runtime.track(key, handle, set(blocks))
+    return ok, InFlightCopy(key, handle, frozenset(blocks), len(slot_tensor), marker, runtime)
+
+
+def _inline_view(engine: Any) -> Any:
+    """The lease's CPU engine, running its jobs on the caller's thread with that thread's own
+    staging buffer: the copy thread may be running a load of the same engine meanwhile, and the
+    two must share neither the queue nor the buffer. Made per call, so whatever the engine holds
+    when the store begins (its lease state) is what the store sees."""
+    view = _copy.copy(engine)
+    view.lane = streams.InlineLane()
+    view._own_lane = False
+    if engine._staging is not None:
+        staging = getattr(_inline, "staging", None)
+        if staging is None or staging.numel() < engine._staging.numel():
+            staging = _inline.staging = torch.empty_like(engine._staging)
+        view._staging = staging
+    return view

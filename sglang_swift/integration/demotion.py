@@ -1,84 +1,55 @@
-"""Demotions that do not block: device KV goes to donor pages by stores that run beside the
-scheduler.
+"""Demotions whose room is there when the eviction returns, without waiting for anything else.
 
 An eviction plans in the tree (`evict_device`): a victim that needs no copy leaves at once, and
-a demotion is a `StoreTicket` whose copy begins here and runs on the copy lane while the
-scheduler goes on. The victim keeps its device slots, pinned and still a device hit, until its
-store settles: `settle()` (every scheduler step, and before each eviction) completes the
-finished stores, aborts the failed ones (their donor pages go back to the lease, never holding a
-residency over bytes that were not written) and frees the device slots the tree returns.
+a demotion is a `StoreTicket`. SGLang's allocator (`alloc_token_slots`,
+`alloc_paged_token_slots_extend`) evicts and allocates in one call and expects the room when
+`evict` returns, so each store is made safe to free right away (`copies.store_now`), settled
+and its victim's slots freed in the same call:
+- CPU: the store runs on the scheduler thread, which is the device there: it costs the
+  victims' bytes over memory bandwidth and waits for nothing else (not the copy thread, which
+  may be busy with loads, not a peer);
+- GPU: the store is enqueued on the lease's side stream and the compute stream waits for its
+  event before anything later (a forward rewriting the freed slots) runs; the host waits for
+  the enqueue only. The copy stays registered with the runtime until it finished (`poll`), so
+  a reclaim of its pages stops it before the reclaim is acknowledged.
+A store that cannot run or stops (lease gone, donor lost, read deadline passed) aborts its
+ticket: the victim leaves the device without a donor copy (that prefix is recomputed when asked
+again), and no residency ever claims donor blocks that were not written.
 
-SGLang's allocator expects the room an `evict` asked for when it returns, so `make_room` waits
-for stores in flight when what settled and what left at once is not enough. `demote_ahead` keeps
-that rare: each step, while the free slots plus those already on their way out are below a
-headroom, it starts demoting the least recently used prefixes early, so the room an allocation
-asks for has usually been freed by the time it does. Waits are counted in
-`stats["evict_wait_s"]` and `stats["evict_waits"]`.
+There are therefore no stores in flight between scheduler steps, nothing to settle later and no
+headroom to keep free ahead of need: the device keeps every prefix it has room for.
+Scheduler-thread time spent in stores is `stats["evict_wait_s"]` over `stats["evict_waits"]`
+evictions that stored something; the longest single one is `stats["evict_store_max_s"]`.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 from radix_ext import admission
 from radix_ext.results import Released, StoreTicket, Transfer
 
-from .copies import InFlightCopy, runs_by_lease, start_copy
+from .copies import InFlightCopy, runs_by_lease, store_now
 
 
-@dataclass(eq=False)
-class StoreGroup:
-    """Stores on one lease copied by one engine transfer."""
+class Demotions:
+    """The demotions of one borrower's cache; runs on the scheduler thread."""
 
-    tickets: list
-    copy: InFlightCopy
-
-
-class AsyncDemotions:
-    """The stores in flight of one cache; runs on the scheduler thread."""
-
-    def __init__(self, cache: Any, runtime: Any, stats: dict, copy_timeout_s: float):
+    def __init__(self, cache: Any, runtime: Any, stats: dict):
         self.cache = cache  # .tree (replaced on reset) and .slots (the device pool)
         self.runtime = runtime
         self.stats = stats
-        self.copy_timeout_s = copy_timeout_s
-        self._groups: list[StoreGroup] = []
+        self.stats.setdefault("evict_store_max_s", 0.0)
+        self._enqueued: list[InFlightCopy] = []  # GPU stores still on their side streams
 
-    def in_flight(self) -> int:
-        return len(self._groups)
-
-    # ---- eviction --------------------------------------------------------------------------
-    def make_room(self, num_tokens: int, wait: bool = True) -> int:
-        """Free at least `num_tokens` device slots if the tree can; returns the slots freed.
-        With `wait`, waits for stores in flight when nothing else gives the room now (SGLang's
-        allocator needs it); without, the room of the stores it started comes when they settle
-        (a load-back admission retries then)."""
-        freed = self.settle()
-        if freed < num_tokens:
-            freed += self.begin(self.cache.tree.evict_device(num_tokens - freed))
-        while wait and freed < num_tokens and self._groups:
-            start = time.perf_counter()
-            self._groups[0].copy.wait(self.copy_timeout_s)
-            self.stats["evict_wait_s"] += time.perf_counter() - start
-            self.stats["evict_waits"] += 1
-            freed += self.settle()
-        return freed
-
-    def demote_ahead(self, headroom: int) -> None:
-        """Start demoting LRU prefixes while free + leaving device slots are below `headroom`,
-        only into donor capacity (with no lease it would drop them for nothing)."""
-        tree = self.cache.tree
-        if tree.donor is None or tree.donor.capacity_tokens() == 0:
-            return
-        short = headroom - self.cache.slots.available() - tree.leaving_size()
-        if short > 0 and tree.evictable_size() > 0:
-            self.begin(tree.evict_device(short))
-
-    def begin(self, plan: Any) -> int:
-        """Start the plan's stores; free what it released at once; returns those slots."""
+    def make_room(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` device slots if the tree can (fewer if not enough are
+        evictable); returns the slots freed, all of them free when this returns. Waits for
+        nothing but its own stores' copies (CPU) or enqueues (GPU)."""
+        self.poll()
+        plan = self.cache.tree.evict_device(num_tokens)
         to_free = array("q")
         stores = []
         for step in plan.steps:
@@ -89,48 +60,50 @@ class AsyncDemotions:
                                    f"SwiftCache's server runs the tree without a host tier")
             elif type(step) is Released and step.tier == "device":
                 to_free.extend(step.residency.indices)
+        if stores:
+            to_free.extend(self._store(stores))
+        if len(to_free):
+            self.cache.slots.free(to_free)
+        return len(to_free)
+
+    def _store(self, stores: list) -> array:
+        """Copy each ticket's victim into its donor blocks, one engine transfer per lease run,
+        and settle the tickets; returns the device slots the tree gave back."""
+        start = time.perf_counter()
+        to_free = array("q")
         for key, idx in runs_by_lease([t.dst for t in stores]):
             tickets = [stores[i] for i in idx]
             slots = [s for t in tickets for s in t.src.indices]
             blocks = [b for t in tickets for b in t.dst.blocks]
-            copy = start_copy(self.runtime, key, slots, blocks)
-            if copy is None:  # the donor is not writable now: the eviction drops them instead
-                self.stats["refused_stores"] += 1
-                to_free.extend(admission.settle(self.cache.tree, tickets, [False] * len(tickets)))
-            else:
-                self._groups.append(StoreGroup(tickets, copy))
-                self.stats["stores_started"] += len(tickets)
-        if len(to_free):
-            self.cache.slots.free(to_free)
-        return len(to_free)
-
-    # ---- settling --------------------------------------------------------------------------
-    def settle(self) -> int:
-        """Settle every store whose copy is finished (never blocks); returns the device slots
-        freed."""
-        to_free = array("q")
-        still = []
-        for group in self._groups:
-            if not group.copy.finished():
-                still.append(group)
-                continue
-            ok = group.copy.ok()
-            group.copy.release()
-            to_free.extend(admission.settle(self.cache.tree, group.tickets,
-                                            [ok] * len(group.tickets)))
+            ok, enqueued = store_now(self.runtime, key, slots, blocks)
+            if enqueued is not None:
+                self._enqueued.append(enqueued)
+            self.stats["stores_started"] += len(tickets)
             if ok:
-                self.stats["stored_tokens"] += group.copy.num_tokens
-            else:
+                self.stats["stored_tokens"] += len(slots)
+            else:  # the donor is not writable now: the eviction drops them instead
                 self.stats["refused_stores"] += 1
-        self._groups = still
-        if len(to_free):
-            self.cache.slots.free(to_free)
-        return len(to_free)
+            to_free.extend(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
+        took = time.perf_counter() - start
+        self.stats["evict_wait_s"] += took
+        self.stats["evict_waits"] += 1
+        self.stats["evict_store_max_s"] = max(self.stats["evict_store_max_s"], took)
+        return to_free
+
+    def poll(self) -> None:
+        """Unregister the GPU stores whose copies finished (never blocks; nothing on CPU)."""
+        still = []
+        for copy in self._enqueued:
+            if copy.finished():
+                copy.release()
+            else:
+                still.append(copy)
+        self._enqueued = still
 
     def reset(self) -> None:
-        """The tree was replaced (its tickets with it): stop the copies and forget them; the
-        allocator is cleared with the tree, so no slot is freed here."""
-        for group in self._groups:
-            group.copy.abort("the cache was reset")
-            group.copy.release()
-        self._groups = []
+        """The tree was replaced: its tickets were all settled already; stop the GPU copies
+        still running (their pages may go back to a lease) and forget them."""
+        for copy in self._enqueued:
+            copy.abort("the cache was reset")
+            copy.release()
+        self._enqueued = []

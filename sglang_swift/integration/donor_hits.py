@@ -18,10 +18,14 @@ from radix_ext import DONOR, RadixTree, admission
 
 logger = logging.getLogger(__name__)
 
-# A borrower starts demoting its LRU prefixes once free + leaving device slots fall below this
-# share of its pool, so the room an allocation asks for has usually been freed by its stores
-# before it asks (SGLang's allocator cannot wait for a store; `evict` then has to).
-DEMOTE_AHEAD_FRACTION = 0.125
+# A forward waits for its batch's donor loads at most this long after the batch started, plus
+# the loaded bytes at LOAD_MIN_BYTES_PER_S; then the loads still running fail and their requests
+# are aborted (never answered from incomplete KV). A copy is memory bandwidth on this host (5.8
+# GB/s measured on the 2-core CI machine, docs/streaming.md), so only a copy thread starved far
+# beyond that, or a broken engine, ever reaches it: it bounds the scheduler thread's wait
+# whatever a donor does.
+LOAD_WAIT_FLOOR_S = 2.0
+LOAD_MIN_BYTES_PER_S = 256 << 20
 
 
 def path_key(tree: RadixTree, node: Any) -> Optional[tuple[array, Any]]:
@@ -52,22 +56,23 @@ class DonorHitsMixin:
         SGLang's own HiCache puts its: the pool's buffer getters wait on it per layer, and the
         tp worker hands it each batch's consumer index before the forward."""
         from ..dataplane import make_layer_counter
-        from .demotion import AsyncDemotions
+        from .demotion import Demotions
         from .layer_fan_in import TimedLayerCounter
         from .streaming import StreamingLoads
 
         if tp_worker is None:
             raise ValueError("a borrowing SwiftCache server needs SGLang's tp worker to register "
                              "its layer counter; build the cache through the backend factory")
-        copy_timeout_s = config.heartbeat_timeout_s * 4
         self.counter = TimedLayerCounter(make_layer_counter(
-            kv_pool.layer_num, self.runtime.device, timeout_s=copy_timeout_s))
+            kv_pool.layer_num, self.runtime.device, timeout_s=LOAD_WAIT_FLOOR_S))
         kv_pool.register_layer_transfer_counter(self.counter)
         tp_worker.register_hicache_layer_transfer_counter(self.counter)
+        token_bytes = sum(buf[0].numel() * buf.element_size()
+                          for buf in (*kv_pool.k_buffer, *kv_pool.v_buffer))
         self.loads = StreamingLoads(self, self.runtime, self.counter, self.runtime.stats,
-                                    load_trace)
-        self.demotions = AsyncDemotions(self, self.runtime, self.runtime.stats, copy_timeout_s)
-        self.demote_headroom = int(self.token_to_kv_pool_allocator.size * DEMOTE_AHEAD_FRACTION)
+                                    load_trace, wait_budget=lambda tokens: LOAD_WAIT_FLOOR_S + (
+                                        tokens * token_bytes / LOAD_MIN_BYTES_PER_S))
+        self.demotions = Demotions(self, self.runtime, self.runtime.stats)
 
     def swift_batch_built(self, batch: Any) -> None:
         """A prefill batch was built (plugin hook): start the loads its requests queued."""
@@ -75,11 +80,9 @@ class DonorHitsMixin:
             self.loads.start(batch)
 
     def swift_batch_ran(self, scheduler: Any, batch: Any) -> None:
-        """A batch's forward ran (plugin hook): drop the output of requests whose load failed,
-        settle the stores that finished meanwhile."""
+        """A batch's forward ran (plugin hook): drop the output of requests whose load failed."""
         if self.loads is not None:
             self.loads.settle(scheduler, batch)
-            self.demotions.settle()
 
     def _donor_hit(self, m: Any) -> tuple[int, Any]:
         """The donor part of match `m` SGLang may load: up to its first segment whose lease
@@ -101,9 +104,9 @@ class DonorHitsMixin:
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admit the load of a matched donor part (SGLang calls this for admitted requests):
-        allocate its slots (demoting for them without waiting), begin the tree's ticket and
-        queue the copy for the batch. All or nothing: (host_hit_length, last node) when queued;
-        (0, last node) to recompute; None to retry next round (room is still being demoted).
+        allocate its slots (demoting for them: `Demotions.make_room`), begin the tree's ticket
+        and queue the copy for the batch. All or nothing: (host_hit_length, last node) when
+        queued; (0, last node) to recompute.
 
         The room for the request's new tokens is made here too, so that allocating them in
         `prepare_for_extend` (which cannot wait for a store) finds it free."""
@@ -117,19 +120,9 @@ class DonorHitsMixin:
         extend = len(req.full_untruncated_fill_ids) - req.prefix_len - params.host_hit_length
         need = params.host_hit_length + max(0, extend) + self.page_size
         if self.slots.available() < need:
-            self.demotions.make_room(need - self.slots.available(), wait=False)
-            if self.slots.available() < need and self.demotions.in_flight():
-                self.runtime.stats["load_retries"] += 1
-                return None
-        self.slots.wait_for_room = False
-        try:
-            a = admission.admit(self.tree, self.slots, found[0], found[1])
-        finally:
-            self.slots.wait_for_room = True
+            self.demotions.make_room(need - self.slots.available())
+        a = admission.admit(self.tree, self.slots, found[0], found[1])
         if not a.ok:
-            if self.demotions.in_flight():
-                self.runtime.stats["load_retries"] += 1
-                return None
             return self._decline(req, "no room for the load")
         ticket = a.load
         if ticket is not None and (a.match.last_device_node is not req.last_node

@@ -12,8 +12,8 @@ only from healthy parts read complete KV; `failed_parts()` says which parts fail
 requests that used them are dropped.
 
 `TimedLayerCounter` is what the plugin registers with the KV pool and the tp worker: it
-delegates to the real counter (`dataplane.make_layer_counter`) and adds up how long attention
-waited for a layer (the part of a load the forward did not hide), and when it first reached each
+delegates to the real counter (`dataplane.make_layer_counter`), ends attention's waits for a
+load at its batch's deadline (`watch`), and adds up how long attention waited for a layer (the part of a load the forward did not hide), and when it first reached each
 layer of a load (the timeline in docs/streaming.md).
 """
 
@@ -153,6 +153,7 @@ class TimedLayerCounter:
         self.clock = clock
         self.wait_s = 0.0
         self._reached: dict[int, list[float | None]] = {}
+        self._deadline: dict[int, float] = {}  # ring slot -> when the forward stops waiting
 
     def __getattr__(self, name: str) -> Any:  # update_producer, complete, fail, reset, ...
         return getattr(self.inner, name)
@@ -172,13 +173,22 @@ class TimedLayerCounter:
         reached = self._reached.get(index)
         if reached is not None and reached[layer] is None:
             reached[layer] = start
-        ok = self.inner.wait_until(layer)
+        deadline = self._deadline.get(index)
+        if deadline is None:
+            ok = self.inner.wait_until(layer)
+        else:  # past the batch's deadline the layer fails at once (the slot's pending layers too)
+            ok = self.inner.wait(layer, timeout_s=max(0.0, deadline - start)).ok
         self.wait_s += self.clock() - start
         return ok
 
-    def watch(self, index: int) -> None:
-        """Record when attention first reaches each layer of the load in ring slot `index`."""
+    def watch(self, index: int, deadline: float | None = None) -> None:
+        """Record when attention first reaches each layer of the load in ring slot `index`;
+        attention waits for its layers until `deadline` (on `clock`) at the latest."""
         self._reached[index] = [None] * self.inner.num_layers
+        if deadline is None:
+            self._deadline.pop(index, None)
+        else:
+            self._deadline[index] = deadline
 
     def reached(self, index: int) -> list[float | None]:
         """When attention first asked for each layer of slot `index` (None: never); forgets it."""

@@ -20,8 +20,11 @@ unified_cache_linker.py`), driven through the plugin's scheduler hooks:
    neither dropped nor reused by another store.
 
 The scheduler thread never waits for a copy here; `stats["load_wait_s"]` counts the exceptions
-(stopping a copy the forward went past), `stats["layer_wait_s"]` the time attention waited for
-a layer inside the forward (`TimedLayerCounter`).
+(stopping a copy the forward went past: at most the layer being copied), `stats["layer_wait_s"]`
+the time attention waited for a layer inside the forward (`TimedLayerCounter`). That wait ends
+at the batch's deadline, `wait_budget(tokens)` after the batch started: the copies still running
+then fail and their requests are aborted, so a copy that never finishes costs its requests, not
+the server.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ class StreamingLoads:
     """Queued and running load-backs of one cache; runs on the scheduler thread."""
 
     def __init__(self, cache: Any, runtime: Any, counter: Any, stats: dict,
-                 trace_path: str | None = None):
+                 trace_path: str | None = None, wait_budget: Any = None):
         self.cache = cache  # its .tree changes on reset
         self.runtime = runtime
         self.counter = counter  # TimedLayerCounter, registered with the pool and tp worker
         self.stats = stats
         self.trace_path = trace_path
+        # tokens -> seconds a forward may wait for a batch's loads after the batch started
+        self.wait_budget = wait_budget or (lambda tokens: counter.timeout_s)
         self._queued: list[QueuedLoad] = []
         self._private: dict[str, torch.Tensor] = {}  # rid -> slots, until the batch is built
         self._wait_mark = 0.0
@@ -125,7 +130,8 @@ class StreamingLoads:
             for i in idx:
                 items[i][0].parts.add(part)
         fan.seal()
-        self.counter.watch(fan.pid)
+        tokens = sum(len(load.slots) for load in loads)
+        self.counter.watch(fan.pid, fan.started_at + self.wait_budget(tokens))
         batch.hicache_consumer_index = fan.pid
         entry = BatchLoad(fan, loads, copies, self._wait_mark, time.perf_counter() - t0)
         self._running[id(batch)] = entry

@@ -1,5 +1,6 @@
-"""Donor hits loaded under the forward, and demotions that do not block (integration/streaming.py,
-demotion.py, layer_fan_in.py, and the cache paths that drive them).
+"""Donor hits loaded under the forward, and demotions (integration/streaming.py, demotion.py,
+layer_fan_in.py, and the cache paths that drive them); the bounds on the scheduler thread's waits
+are in test_scheduler_waits.py.
 
 A real `SwiftRadixCache` with a donor tier, real `PoolTransferEngine`s over a donor pool region
 laid out by `PoolLayout` (another model shape), and a borrower pool of per-layer K / V tensors;
@@ -173,7 +174,7 @@ class Rig:
                    for layer in range(G.num_layers))
 
     def demote_all(self):
-        """Evict everything on the device into the donor tier (stores settle at once here)."""
+        """Evict everything on the device into the donor tier (stores settle in the eviction)."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
@@ -319,61 +320,6 @@ def gate_lane(rig):
     rig.gates.append(gate)
     rig.lane.submit(gate.wait)
     return gate
-
-
-def test_demotion_runs_beside_the_scheduler_and_frees_slots_only_once_stored(rig):
-    """Invariant: demoting ahead starts stores and returns at once; the victims stay device hits
-    with their slots held (reported protected, never free) until the store is settled on a later
-    step; then the slots are free and the prefix is a donor hit with the right bytes."""
-    tokens = list(range(1, 17))
-    slots = rig.prefix(tokens)
-    gate = gate_lane(rig)
-    free0 = rig.alloc.available_size()
-    rig.cache.demotions.demote_ahead(free0 + 16)
-    assert rig.cache.tree.leaving_size() == 16 and rig.alloc.available_size() == free0
-    assert rig.cache.protected_size() == 16 and rig.cache.evictable_size() == 0
-    assert rig.match(tokens).device_prefix_len == 16, "a leaving prefix is still a device hit"
-    rig.cache.swift_step()
-    assert rig.alloc.available_size() == free0, "slots freed before their store finished"
-    gate.set()
-    rig.lane.submit(lambda: None).result()
-    rig.cache.swift_step()
-    assert rig.alloc.available_size() == free0 + 16 and set(slots.tolist()) <= set(
-        rig.alloc.free_slots)
-    m = rig.match(tokens)
-    assert (m.device_prefix_len, m.host_hit_length) == (0, 16)
-    assert rig.runtime.stats["stored_tokens"] == 16
-    assert (rig.runtime.stats["evict_wait_s"], rig.runtime.stats["evict_waits"]) == (0, 0)
-    rig.poison()
-    req, _, out = rig.admit(tokens, "r")
-    req.slots = rig.cache.prefix_device_indices(req)
-    batch = SimpleNamespace(hicache_consumer_index=-1, reqs=[req])
-    rig.cache.swift_batch_built(batch)
-    assert all(rig.forward(batch, [tokens])) and rig.kv_of(req, tokens)
-    rig.cache.swift_batch_ran(SimpleNamespace(chunked_req=None), batch)
-    rig.cache.check_integrity()
-
-
-def test_a_load_that_needs_room_still_being_demoted_retries_instead_of_waiting(rig):
-    """Invariant: when a donor hit's slots can only come from stores still in flight,
-    init_load_back returns None (SGLang retries the request next round) without waiting; once
-    the stores settled, the same admission succeeds."""
-    tokens = list(range(1, 9))
-    rig.prefix(tokens)
-    rig.demote_all()
-    rig.prefix(list(range(200, 200 + ROWS)))  # fills the pool
-    assert rig.alloc.available_size() == 0
-    gate = gate_lane(rig)
-    waited = rig.runtime.stats["evict_wait_s"]
-    req, _, out = rig.admit(tokens, "r")
-    assert out is None and rig.runtime.stats["load_retries"] == 1
-    assert rig.runtime.stats["evict_wait_s"] == waited and rig.cache.tree.leaving_size() >= 8
-    gate.set()
-    rig.lane.submit(lambda: None).result()
-    rig.cache.swift_step()
-    req, _, out = rig.admit(tokens, "r")
-    assert out == (8, rig.cache.root_node)
-    rig.cache.loads.reset()
 
 
 def test_a_refused_store_is_aborted_not_revoked(rig):
