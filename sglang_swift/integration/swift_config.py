@@ -17,7 +17,7 @@ from typing import Any, Callable
 from radix_ext import EVICTION_POLICIES as _TREE_EVICTION_POLICIES
 
 ROLES = ("auto", "donor", "borrower", "both")
-LAYER_STREAM_TIERS = ("off", "host")  # where a streamed pool's layers live ("donor": not yet)
+LAYER_STREAM_TIERS = ("off", "host", "donor")  # where a streamed pool's layers live
 LAYER_STREAMING = "layer streaming"  # the CLI group of the layer-stream options
 EVICTION_POLICIES = tuple(sorted(_TREE_EVICTION_POLICIES))  # the names radix_ext knows
 CONFIG_ENV = "SWIFTCACHE_CONFIG"
@@ -97,7 +97,8 @@ class SwiftConfig:
     layer_stream: str = field(default="off", metadata=_opt(
         _choice("layer-stream", LAYER_STREAM_TIERS),
         "keep only the KV of the layers being computed in the local KV pool and every layer's KV "
-        "in host memory, streamed in layer by layer: --max-total-tokens (or the memory budget, "
+        "in host memory (host) or in donor pool pages under leases, written through to host "
+        "memory (donor), streamed in layer by layer: --max-total-tokens (or the memory budget, "
         "then L/depth times the tokens) becomes the context the server can hold; off: stock pool",
         LAYER_STREAMING))
     layer_stream_depth: int = field(default=2, metadata=_opt(
@@ -118,11 +119,12 @@ class SwiftConfig:
             if parse is not None and value != f.default and parse(value) != value:
                 raise ValueError(f"{f.name}={value!r} is not a valid value; "
                                  f"build the config with SwiftConfig.parse(...)")
-        if self.streams_layers and self.uses_donation:
+        if self.streams_layers and (self.lends or self.borrows):
             raise ValueError(
-                "layer-stream cannot be combined with lending or borrowing yet (a streamed pool's "
-                "KV lives in host memory, not in pages a lease can map); drop "
-                "--swiftcache-layer-stream or the lend/borrow options")
+                "layer-stream cannot be combined with lending or with the tree's donor tier (a "
+                "streamed pool's pages are staging, not pages a lease can map); to stream from "
+                "donor memory use --swiftcache-layer-stream donor without "
+                "--swiftcache-lend-fraction / --swiftcache-max-borrow-blocks")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat-timeout-s ({self.heartbeat_timeout_s}) must exceed "
@@ -160,9 +162,15 @@ class SwiftConfig:
         return self.layer_stream != "off"
 
     @property
+    def streams_from_donor(self) -> bool:
+        """The streamed pool's store borrows donor pool pages (leases) for its rows, backed by
+        host memory; the tree has no donor tier then."""
+        return self.layer_stream == "donor"
+
+    @property
     def uses_donation(self) -> bool:
         """The server runs a SwiftRuntime (control agent, arenas, copies)."""
-        return self.lends or self.borrows
+        return self.lends or self.borrows or self.streams_from_donor
 
     def tree_config(self, page_size: int) -> Any:
         """The radix_ext `TreeConfig` of this server's tree. The donor tier exists when the

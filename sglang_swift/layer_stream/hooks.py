@@ -150,7 +150,7 @@ def around_build_mha_kv_pool(orig, configurator, *args, **kwargs):
                          + "; ".join(problems) + ". Drop --swiftcache-layer-stream or those "
                          "options.")
     kwargs["mha_pool_class"] = LayerStreamKVPool.configured(
-        StreamSettings(depth=config.layer_stream_depth))
+        StreamSettings(depth=config.layer_stream_depth, tier=config.layer_stream))
     pool = orig(configurator, *args, **kwargs)
     limit = host_limit_bytes(config)
     if pool.layer_store.nbytes > limit:
@@ -159,7 +159,8 @@ def around_build_mha_kv_pool(orig, configurator, *args, **kwargs):
             f"layers needs {pool.layer_store.nbytes / GIB:.2f} GiB of host memory, more than the "
             f"{limit / GIB:.2f} GiB allowed; lower --max-total-tokens or raise "
             f"--swiftcache-layer-stream-host-gb")
-    _limits.update(tokens=pool.size, depth=pool.settings.depth, layers=pool.layer_num)
+    _limits.update(tokens=pool.size, depth=pool.settings.depth, layers=pool.layer_num,
+                   where=pool.layer_store.where)
     return pool
 
 
@@ -204,7 +205,7 @@ def after_validate_input_length(result, req, max_req_input_len, *args, **kwargs)
         return None
     return (f"{result} SwiftCache layer streaming holds at most {_limits['tokens']} tokens of "
             f"context per server here (the KV of {_limits['depth']} of {_limits['layers']} "
-            f"layers local, every layer in host memory); a longer context needs a larger "
+            f"layers local, every layer in {_limits['where']}); a longer context needs a larger "
             f"--max-total-tokens and --swiftcache-layer-stream-host-gb.")
 
 

@@ -3,8 +3,9 @@
 The pool keeps SGLang's logical shape: `size` slots, `k_buffer[l]` / `v_buffer[l]` of
 `size + page_size` rows for every layer, so the allocator, `req_to_token`, radix tree and every
 attention backend's indexing are unchanged. Physically the L layers' buffers alias `depth`
-staging buffers (layer l uses staging l % depth), and every layer's rows live in a
-`HostLayerStore`. Within one forward pass (opened by `begin_layer_stream`, from an AROUND hook on
+staging buffers (layer l uses staging l % depth), and every layer's rows live in a store: a
+`HostLayerStore`, or a `DonorLayerStore` (donor pool pages under leases, backed by host memory;
+same interface). Within one forward pass (opened by `begin_layer_stream`, from an AROUND hook on
 `ModelRunner.forward`, which knows the batch):
 
 - the first access to layer l (its `set_kv_buffer`, or a buffer getter, whichever the backend
@@ -31,6 +32,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .slots import SlotSet, batch_read_slots
+from .donor_store import DonorLayerStore
 from .store import CopyLane, HostLayerStore
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,11 @@ class StreamSettings:
 
     depth: int = 2
     max_runs: int = 64
+    tier: str = "host"  # where every layer lives: "host", or "donor" (leases, host-backed)
 
     def __post_init__(self) -> None:
+        if self.tier not in ("host", "donor"):
+            raise ValueError(f"layer-stream tier must be host or donor; got {self.tier!r}")
         if self.depth < 2:
             raise ValueError(f"layer-stream depth must be at least 2 (the active layer and the "
                              f"one prefetched); got {self.depth}")
@@ -81,9 +86,10 @@ class LayerStreamKVPool(MHATokenToKVPool):
                                         device=device) for _ in range(depth)]
         self.k_buffer = [self._stages[l % depth][0, :rows] for l in range(self.layer_num)]
         self.v_buffer = [self._stages[l % depth][1, :rows] for l in range(self.layer_num)]
-        self.layer_store = HostLayerStore(self.layer_num, rows, tuple(row_shape),
-                                          self.store_dtype, device)
         self._lane = CopyLane(device)
+        host = HostLayerStore(self.layer_num, rows, tuple(row_shape), self.store_dtype, device)
+        self.layer_store = host if self.settings.tier == "host" else DonorLayerStore(
+            host, self.page_size, self._lane, self.settings.max_runs)
         self._holds: list[int | None] = [None] * depth  # layer each staging buffer holds now
         self._ready: list[object] = [None] * depth  # the lane's marker for that load
         self._read: SlotSet | None = None  # slots the running forward reads; None: no forward
@@ -93,8 +99,8 @@ class LayerStreamKVPool(MHATokenToKVPool):
         self._written_slots = SlotSet.empty()
         self.forwards = 0
         logger.info("SwiftCache layer streaming: KV pool of %d tokens; local staging %d of %d "
-                    "layers (%.1f MiB), every layer in %s memory (%.1f MiB)", self.size, depth,
-                    self.layer_num, self.local_kv_bytes() / 2**20, self.layer_store.tier,
+                    "layers (%.1f MiB), every layer in %s (%.1f MiB)", self.size, depth,
+                    self.layer_num, self.local_kv_bytes() / 2**20, self.layer_store.where,
                     self.layer_store.nbytes / 2**20)
 
     def _why_not_streamable(self) -> str | None:
@@ -218,4 +224,6 @@ class LayerStreamKVPool(MHATokenToKVPool):
         store = self.layer_store
         return {"forwards": self.forwards, "rows_loaded": store.rows_loaded,
                 "rows_saved": store.rows_saved, "copy_s": self._lane.busy_s,
-                "local_kv_bytes": self.local_kv_bytes(), "store_bytes": store.nbytes}
+                "local_kv_bytes": self.local_kv_bytes(), "store_bytes": store.nbytes,
+                "rows_from_donor": getattr(store, "rows_from_donor", 0),
+                "pages_on_donor": getattr(store, "pages_on_donor", 0)}

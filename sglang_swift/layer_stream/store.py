@@ -61,6 +61,7 @@ class HostLayerStore:
     """Every layer's KV rows of a streamed pool, in host memory."""
 
     tier = "host"
+    where = "host memory"
 
     def __init__(self, num_layers: int, rows: int, row_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device):

@@ -17,10 +17,11 @@ ARGS = dict(size=96, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, l
             device="cpu", enable_memory_saver=False)
 
 
-def _streamed(depth: int, max_runs: int = 64):
+def _streamed(depth: int, max_runs: int = 64, tier: str = "host"):
     from sglang_swift.layer_stream.pool import LayerStreamKVPool, StreamSettings
 
-    return LayerStreamKVPool.configured(StreamSettings(depth=depth, max_runs=max_runs))(**ARGS)
+    settings = StreamSettings(depth=depth, max_runs=max_runs, tier=tier)
+    return LayerStreamKVPool.configured(settings)(**ARGS)
 
 
 def _batch(mode: str, rows, seq_lens, prefix_lens):
@@ -35,11 +36,12 @@ def _batch(mode: str, rows, seq_lens, prefix_lens):
 class Twin:
     """A stock pool and a streamed one fed the same forwards; every read is compared."""
 
-    def __init__(self, depth: int, max_runs: int, seed: int, shuffle_slots: bool):
+    def __init__(self, depth: int, max_runs: int, seed: int, shuffle_slots: bool,
+                 tier: str = "host"):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         self.stock = MHATokenToKVPool(**ARGS)
-        self.streamed = _streamed(depth, max_runs)
+        self.streamed = _streamed(depth, max_runs, tier)
         self.req_to_token = torch.zeros((8, 64), dtype=torch.int32)
         self.free = list(range(1, ARGS["size"] + 1))
         self.rng = random.Random(seed)
@@ -52,8 +54,9 @@ class Twin:
         self.req_to_token[row, :n] = self.req_to_token[src, :n]
         self.lens[row] = n
 
-    def forward(self, news: dict[int, int], order: str) -> None:
-        """One forward: each row in `news` appends that many tokens; attention reads every row."""
+    def forward(self, news: dict[int, int], order: str, between_layers=None) -> None:
+        """One forward: each row in `news` appends that many tokens; attention reads every row.
+        `between_layers(layer_id)` runs after each layer (faults injected mid-forward)."""
         rows = list(news)
         prefix = [self.lens.get(r, 0) for r in rows]
         locs = []
@@ -76,6 +79,8 @@ class Twin:
                 for pool in (self.stock, self.streamed):
                     pool.set_kv_buffer(layer, loc, k, v)
                 self._compare(layer_id, rows, [self.lens[r] for r in rows])
+                if between_layers is not None:
+                    between_layers(layer_id)
         finally:
             self.streamed.end_layer_stream()
 

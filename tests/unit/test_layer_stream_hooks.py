@@ -53,11 +53,23 @@ def test_options_sit_in_the_layer_streaming_group_with_working_defaults():
 
 
 def test_streaming_with_lending_or_borrowing_is_refused():
-    """A streamed pool's KV is in host memory, not in lendable pages: the config says so."""
-    with pytest.raises(ValueError, match="layer-stream cannot be combined"):
-        SwiftConfig(enabled=True, layer_stream="host", lend_fraction=0.5)
-    with pytest.raises(ValueError, match="layer-stream cannot be combined"):
-        SwiftConfig(enabled=True, layer_stream="host", max_borrow_blocks=4)
+    """A streamed pool's pages are staging, not lendable pages, and its tree has no donor tier:
+    the config refuses lending and tree borrowing with either tier, naming the donor mode."""
+    for tier in ("host", "donor"):
+        with pytest.raises(ValueError, match="layer-stream cannot be combined.*stream donor"):
+            SwiftConfig(enabled=True, layer_stream=tier, lend_fraction=0.5)
+        with pytest.raises(ValueError, match="layer-stream cannot be combined"):
+            SwiftConfig(enabled=True, layer_stream=tier, max_borrow_blocks=4)
+
+
+def test_streaming_from_donors_runs_the_runtime_without_a_donor_tier():
+    """`--swiftcache-layer-stream donor` borrows for the store: the server runs a runtime
+    (uses_donation) while its tree has no donor tier; host mode runs none."""
+    donor = SwiftConfig.parse(enabled=True, layer_stream="donor")
+    assert donor.streams_from_donor and donor.uses_donation and not donor.borrows
+    assert not donor.tree_config(1).donor
+    host = SwiftConfig.parse(enabled=True, layer_stream="host")
+    assert not host.streams_from_donor and not host.uses_donation
 
 
 def test_server_args_that_cannot_stream_are_refused_and_graphs_turned_off():

@@ -1,0 +1,178 @@
+"""The donor store: a streamed pool whose rows live in pages of another model's KV pool (in shared
+memory, mapped as a borrower maps it), written through to host memory. Whatever happens to the
+donor (pages reclaimed mid-forward, the donor found dead, a new lease later), attention reads
+exactly what SGLang's own pool reads, and reads of placed pages come from the donor's memory.
+Uses SGLang's real MHATokenToKVPool on CPU as the reference (`Twin` of test_layer_stream)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sglang_swift.dataplane import KVGeometry, SharedArena
+from sglang_swift.dataplane.packing import LeasePacking
+from sglang_swift.dataplane.pool_lease import map_pool
+from swift_kernels import K, V
+from tests.unit.test_layer_stream import LAYERS, Twin, _streamed
+from tests.unit.test_packing import pool_of
+from tests.unit.test_pool_transfer import POISON, stream_of
+
+DONOR_PAGE = KVGeometry(3, 1, 8, 8, "float32", 1)  # another model: 192 B per page, ours is 256
+
+
+class Donor:
+    """A donor's pool region in shared memory (poisoned), mapped from its descriptor."""
+
+    def __init__(self, pages: int = 160):
+        self.layout = pool_of(DONOR_PAGE, pages)
+        self.arena = SharedArena(1, -(-self.layout.data_bytes // 512) * 512)
+        self.arena.memory.view(-1).fill_(POISON)
+        self.mapped = map_pool({**self.arena.export(), "layout": self.layout.to_dict()})
+        self.up = True  # False: the donor is dead (or past its read deadline)
+        self.leases = 0
+
+    def lend(self, store, pages):
+        self.leases += 1
+        packing = LeasePacking(store.geometry, self.layout, list(pages))
+        return store.add_lease(("donor", self.leases), packing, self.mapped.region,
+                               lambda: self.up and self.mapped.alive())
+
+    def close(self) -> None:
+        self.mapped.close()
+        self.arena.close()
+
+
+@pytest.fixture
+def donor():
+    d = Donor()
+    yield d
+    d.close()
+
+
+def _run(twin: Twin, order: str, at_layer=None) -> None:
+    """The forwards of test_layer_stream's twin test; `at_layer` (a callable) runs between
+    layers of the decode forward in the middle."""
+    twin.forward({0: 10}, order)
+    twin.forward({0: 7}, order)
+    twin.share_prefix(1, 0, 5)
+    twin.forward({1: 6, 0: 1}, order)
+    twin.forward({0: 1, 1: 1}, order, between_layers=at_layer)
+    twin.forward({0: 1, 1: 1}, order)
+    twin.forward({2: 9}, order)
+    twin.forward({0: 1, 1: 1, 2: 1}, order)
+
+
+@pytest.mark.parametrize("order", ["write-first", "read-first"])
+@pytest.mark.parametrize("shuffle_slots,max_runs", [(False, 64), (True, 4)])
+def test_reclaim_and_dead_donor_mid_forward_leave_every_read_unchanged(donor, order,
+                                                                        shuffle_slots, max_runs):
+    """Pages of two leases stream from the donor; a reclaim between two layers of a decode
+    forward, then the donor found dead in another, flip their pages to host: every read of every
+    layer still equals SGLang's pool, reads came from the donor while it held pages, and a
+    lease of a donor that reads again is placed again (copied in) and read from once more."""
+    twin = Twin(2, max_runs, seed=5, shuffle_slots=shuffle_slots, tier="donor")
+    store = twin.streamed.layer_store
+    first = donor.lend(store, range(0, 60))  # 45 of the store's 97 pages
+    second = donor.lend(store, range(60, 100))  # 30 more; the rest stay host-only
+    assert store.place() == 75 and store.pages_on_donor == 75
+
+    def reclaim(layer_id):
+        if layer_id == 1:
+            assert store.fence(first, range(0, 30)) > 0  # half of the first lease's pages
+
+    _run(twin, order, at_layer=reclaim)
+    from_donor = store.rows_from_donor
+    assert from_donor > 0 and store.pages_on_donor < 75
+    assert int((first.pages == -2).sum()) == 23  # blocks touching 30 of 60 pages of 192 B
+
+    def dies(layer_id):
+        if layer_id == 2:
+            donor.up = False
+
+    twin.forward({0: 1, 1: 1, 2: 1}, order, between_layers=dies)
+    twin.forward({0: 1, 1: 1, 2: 1}, order)
+    assert store.pages_on_donor == 0 and store.place() == 0  # dead: nothing placed
+    donor.up = True  # it answered again: its blocks that were not reclaimed are refilled
+    assert store.place() == first.held + second.held
+    before = store.rows_from_donor
+    twin.forward({0: 1, 1: 1, 2: 1}, order)
+    assert store.rows_from_donor > before
+
+
+def test_placed_pages_sit_in_donor_memory_as_the_packing_rule_says(donor):
+    """After writes through a forward, each placed page's rows of every layer are in the lease's
+    byte stream where LeasePacking puts its block (an oracle built from the rule's words), and
+    no byte outside the lent pages changed."""
+    twin = Twin(2, 64, seed=1, shuffle_slots=False, tier="donor")
+    store = twin.streamed.layer_store
+    pages = [7, 3, 50, 11, 2, 40, 9, 30, 31, 1, 100, 12]
+    lease = donor.lend(store, pages)
+    store.place()
+    twin.forward({0: 10}, "write-first")
+    twin.forward({0: 1}, "write-first")
+    g, stream = store.geometry, stream_of(donor.mapped.region, donor.layout, pages)
+    placed = [(b, int(p)) for b, p in enumerate(lease.pages.tolist()) if p >= 0]
+    assert len(placed) == lease.packing.num_blocks == 9
+    for block, page in placed:
+        for layer in range(LAYERS):
+            for h in (K, V):
+                at, size = g.span(layer, h)
+                at += block * g.page_bytes
+                want = store.data[layer, h, page].reshape(-1).view(torch.uint8)
+                assert torch.equal(stream[at: at + size], want), (block, layer, h)
+    lent = torch.zeros(donor.mapped.region.numel(), dtype=torch.bool)
+    for p in pages:
+        for layer in range(DONOR_PAGE.num_layers):
+            for h in (K, V):
+                off = donor.layout.chunk_offset(p, layer, h)
+                lent[off: off + donor.layout.chunk_bytes(h)] = True
+    assert bool((donor.mapped.region[~lent] == POISON).all())
+
+
+def test_a_fence_returns_only_after_the_copy_reading_its_pages(donor):
+    """The reclaim may be acknowledged when `fence` returns: a copy reading the lease's pages
+    when the fence starts finishes first, and every copy after it reads from host."""
+    pool = _streamed(2, tier="donor")
+    store = pool.layer_store
+    in_copy, release = threading.Event(), threading.Event()
+    calls = []
+
+    def readable():
+        calls.append(1)
+        if len(calls) == 2:  # the copy below, inside the store's lock
+            in_copy.set()
+            release.wait(10)
+        return True
+
+    lease = store.add_lease(("d", 1), LeasePacking(store.geometry, donor.layout, range(40)),
+                            donor.mapped.region, readable)
+    assert store.place() == 30
+    from sglang_swift.layer_stream.slots import SlotSet
+
+    slots = SlotSet.of(torch.arange(1, 20), 64)
+    stage = pool._stages[0]
+    reader = threading.Thread(target=store.load, args=(0, slots, stage))
+    reader.start()
+    assert in_copy.wait(10)
+    fenced = threading.Event()
+    fencer = threading.Thread(target=lambda: (store.fence(lease, range(40)), fenced.set()))
+    fencer.start()
+    assert not fenced.wait(0.3), "the fence returned while a copy still read the pages"
+    release.set()
+    reader.join(10)
+    assert fenced.wait(10)
+    before = store.rows_from_donor
+    store.load(0, slots, stage)
+    assert store.rows_from_donor == before and store.pages_on_donor == 0
+    fencer.join(10)
+
+
+def test_a_lease_packed_for_another_shape_is_refused(donor):
+    """A lease laid out for another model's pages cannot hold this store's."""
+    store = _streamed(2, tier="donor").layer_store
+    other = KVGeometry(LAYERS, 1, 4, 4, "float32", 1)
+    with pytest.raises(ValueError, match="cannot hold this store's pages"):
+        store.add_lease(("d", 1), LeasePacking(other, donor.layout, range(4)),
+                        donor.mapped.region, lambda: True)
