@@ -66,6 +66,11 @@ class SwiftRuntime:
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
                                        stats=self.stats,
                                        copy_timeout_s=config.heartbeat_timeout_s * 4)
+        elif config.streams_from_donor:  # leases for the streamed pool's store, not the tree
+            from ..layer_stream.store_leases import StoreLeases
+
+            self.borrowing = StoreLeases.for_pool(kv_pool, agent=self.agent, stats=self.stats,
+                                                  copy_timeout_s=config.heartbeat_timeout_s * 4)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> "SwiftRuntime":
