@@ -1,21 +1,13 @@
-"""KV memory per tier, and the maximum context one request of the high-demand model can have
-(SIMULATED model).
+"""KV memory per tier (SIMULATED model).
 
-Memory: every size here is the one the event runs use (`scenario._server` and `Node.lend` call
-these functions), so a table printed beside a result states exactly what that run had.
-
-Maximum context: Radix, HiCache and vLLM offload need the whole context's KV in local HBM while it
-runs (their lower tiers only hold cached prefixes), so the bound is the local KV pool. SwiftCache's
-layer stream cache keeps only some layers resident and streams the others from donor HBM each
-step, so the bound is local pool + leased donor memory (at least two layers' worth must fit
-locally: the active layer and the one being prefetched). Streaming is not free: every decode step
-pulls the streamed layers over NVLink, so TPOT at that length is reported too.
+Every size here is the one the event runs use (`scenario._server` and `Node.lend` call these
+functions), so a table printed beside a result states exactly what that run had. The maximum
+context of one request comes from the stepwise layer stream model (long_context.py).
 """
 
 from __future__ import annotations
 
 from . import params
-from .roofline import Roofline
 
 PAGE_TOKENS = int(params.SGLANG["page_size"].value)
 
@@ -57,29 +49,3 @@ def master_tier_pages(scn, host: bool | str, donor: bool) -> dict[str, int]:
     if host == "big":
         host_pages += lent
     return {"device": dev, "donor": lent if donor else 0, "host": host_pages}
-
-
-def max_context(scn, lend_fraction: float | None = None) -> dict:
-    lend_fraction = scn.lend_fraction if lend_fraction is None else lend_fraction
-    m = params.MODELS[scn.master]
-    hw = params.gpu(scn.gpu)
-    local = params.kv_pool_bytes(scn.gpu, m)
-    lent = lendable_bytes(scn, lend_fraction)
-    per_tok = m.kv_bytes_per_token
-    per_layer_tok = per_tok / m.layers
-    base = int(local // per_tok)
-    swift = int(min(local + lent, local * m.layers / 2) // per_tok)
-    # layers that stay resident at that length; the rest stream every step
-    resident = min(m.layers, int(local // (swift * per_layer_tok)))
-    streamed_bytes = (m.layers - resident) * swift * per_layer_tok
-    rl = Roofline(m, hw["bf16_flops"], hw["hbm_bw"], params.EFFICIENCY["compute"].value,
-                  params.EFFICIENCY["hbm"].value)
-    tpot_stream = max(rl.step_time([(1, swift)]), streamed_bytes / hw["nvlink_bw_dir"])
-    tpot_local_base = rl.step_time([(1, base)])
-    return {
-        "local_kv_gb": local / 1e9, "lent_gb": lent / 1e9, "lend_fraction": lend_fraction,
-        "max_tokens": {"sglang-radix": base, "sglang-hicache": base, "vllm-offload": base, "swiftcache": swift},
-        "ratio": swift / base,
-        "swiftcache_resident_layers": resident,
-        "tpot_at_max_s": {"baseline": tpot_local_base, "swiftcache": tpot_stream},
-    }

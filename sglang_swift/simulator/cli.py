@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"full run: comma-separated scenario/workload keys, {HEADLINE} first "
                         f"(choices: {', '.join(FULL_RATES)}; the 8-GPU ones take hours)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--validate", action="store_true",
+                   help="simulate this CPU node (bench_node's servers, models and traffic) with the "
+                        "parameters of scripts/calibrate_cpu.py and print it beside bench_node's live "
+                        "records; last line a JSON object with ttft_p50_error and cached_tokens_error")
+    p.add_argument("--calibration", type=Path, default=Path("runs/calibration/cpu.json"),
+                   help="--validate: the JSON scripts/calibrate_cpu.py wrote")
+    p.add_argument("--live", type=Path, default=Path("runs/node_bench/node_bench.json"),
+                   help="--validate: bench_node's saved records (its --out directory's node_bench.json)")
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
     return p
 
@@ -162,10 +170,25 @@ def summary(res: dict) -> dict:
     }
 
 
+def _validate(a: argparse.Namespace) -> int:
+    from . import validate as val
+
+    res = val.validate(a.calibration, a.live)
+    out = Path(a.out or "runs/sim-validate")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))
+    print(val.format_tables(res))
+    print(f"every request side by side: {out / 'validate.json'}")
+    print(json.dumps(val.summary_line(res)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     global _T0
     _T0 = time.monotonic()
     a = build_parser().parse_args(argv)
+    if a.validate:
+        return _validate(a)
     out = Path(a.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from . import goodput as gp
-from .capacity import max_context
+from .long_context import LongContext, max_context
 from .scenario import SYSTEMS, RunResult, Scenario, donor_name, master_memory_bytes, run_point
 
 OURS = "swiftcache"
@@ -128,4 +128,10 @@ def reductions(sweep: list[dict], base: str = "sglang-hicache", ours: str = OURS
 
 
 def capacity_table(scn: Scenario, fractions=(0.25, 0.5, 0.75)) -> dict:
-    return {"default": max_context(scn), "sensitivity": [max_context(scn, f) for f in fractions]}
+    """The high-demand model's maximum context (the stepwise streaming sweep, long_context.py) at
+    the scenario's lend fraction and at each of `fractions`."""
+    def at(f):
+        res = max_context(LongContext(scn.name, scn.gpu, scn.master, scn.donors, f))
+        res.pop("probes")
+        return res
+    return {"default": at(scn.lend_fraction), "sensitivity": [at(f) for f in fractions]}

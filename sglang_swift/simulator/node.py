@@ -44,8 +44,19 @@ class Donation:
     reclaimed_blocks: int = 0
 
 
+class _Delayed:
+    """A copy that starts after a fixed latency (`Node.copy_latency_s`); `end` as a Transfer's."""
+
+    def __init__(self) -> None:
+        self.end: float | None = None
+
+
 class Node:
-    def __init__(self, nvlink_bw: float, pcie_bw: float, num_gpus: int) -> None:
+    def __init__(self, nvlink_bw: float, pcie_bw: float, num_gpus: int,
+                 copy_latency_s: dict[tuple[str, str], float] | None = None) -> None:
+        """`copy_latency_s`: a fixed time per copy by (source tier, destination tier) before its
+        bytes move (a measured engine's per-transfer cost; none on the GPU node's links)."""
+        self.copy_latency_s = dict(copy_latency_s or {})
         self.loop = EventLoop()
         self.net = Network(self.loop)
         self.gpus = []
@@ -85,7 +96,17 @@ class Node:
         nbytes = pages * server.page_bytes
         key = (cp.src_tier, cp.dst_tier)
         self.bytes_by_route[key] = self.bytes_by_route.get(key, 0.0) + nbytes
-        return self.net.start(path, nbytes, on_done, tag=f"{cp.src_tier}->{cp.dst_tier}")
+        latency = self.copy_latency_s.get(key, 0.0)
+        if latency <= 0:
+            return self.net.start(path, nbytes, on_done, tag=f"{cp.src_tier}->{cp.dst_tier}")
+        handle = _Delayed()
+
+        def finished(t):
+            handle.end = self.loop.now
+            on_done(t)
+
+        self.loop.after(latency, lambda: self.net.start(path, nbytes, finished, tag=f"{key[0]}->{key[1]}"))
+        return handle
 
     # -- donation --------------------------------------------------------------------------------
     def lend(self, donor, borrower, lend_fraction: float, watermark: float) -> int:

@@ -109,7 +109,23 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("Qwen3-8B", 36, 32, 8, 128, 8.2e9, 6.95e9, _qwen("Qwen3-8B")),
     ModelSpec("Qwen3-4B", 36, 32, 8, 128, 4.0e9, 3.6e9, _qwen("Qwen3-4B")),
     ModelSpec("Qwen3-1.7B", 28, 16, 8, 128, 1.7e9, 1.4e9, _qwen("Qwen3-1.7B")),
+    # the paper's long-context model: Llama-2-7B architecture, KV in fp16 (its torch_dtype);
+    # parameters from the config (32 x (4 x 4096^2 + 3 x 4096 x 11008) + 2 x 32000 x 4096)
+    ModelSpec("LWM-Text-1M", 32, 32, 32, 128, 6.74e9, 6.48e9,
+              "LWM-Text-1M config.json (LlamaForCausalLM: 32 layers, 32 heads, 32 KV heads, hidden "
+              "4096, intermediate 11008, vocab 32000, max_position_embeddings 1048576, float16; "
+              "huggingface.co/LargeWorldModel/LWM-Text-1M, params 13.5 GB in LWM-Text-1M-Jax)"),
 )}
+
+# -- the long-context setup (layer streaming) ------------------------------------------------------
+LONG_CONTEXT: dict[str, P] = {
+    "node_host_bytes": P(128 * GB, "B", f"{_PAPER}: 64-core CPU, 128 GB host memory"),
+    "host_share": P(0.5, "-", "SwiftConfig layer_stream_host_gb = 0 (the default): half the free host "
+                    "memory at start-up (docs/layer_stream.md); free memory taken as the whole 128 GB"),
+    "depth": P(2, "layers", "SwiftConfig layer_stream_depth default 2: the active layer and one prefetched "
+               "(docs/layer_stream.md)"),
+    "window_tokens": P(1048576, "tokens", "LWM-Text-1M config.json max_position_embeddings"),
+}
 
 CHARS_PER_TOKEN = P(float(workload_specs.CHARS_PER_TOKEN), "chars/token",
                     "OpenAI tokenizer guidance: ~4 characters per English token")
@@ -140,7 +156,7 @@ def assumptions_table() -> list[tuple[str, str, str, str]]:
     for g, d in GPUS.items():
         for k, p in d.items():
             rows.append((f"{g}.{k}", f"{p.value:.4g}", p.unit, p.source))
-    for group in (EFFICIENCY, SGLANG):
+    for group in (EFFICIENCY, SGLANG, LONG_CONTEXT):
         for k, p in group.items():
             rows.append((k, f"{p.value:.4g}", p.unit, p.source))
     for m in MODELS.values():

@@ -94,11 +94,14 @@ def capacity_md(cap: dict) -> str:
     lines = ["| system | max context (tokens) |", "|---|---|"]
     for k, v in d["max_tokens"].items():
         lines.append(f"| {k} | {v:,} |")
-    lines.append(f"\nratio {d['ratio']:.2f}x (local KV {d['local_kv_gb']:.1f} GB, leased {d['lent_gb']:.1f} GB at "
-                 f"lend fraction {d['lend_fraction']}); at that length SwiftCache keeps "
-                 f"{d['swiftcache_resident_layers']} layers resident and its decode TPOT is "
-                 f"{d['tpot_at_max_s']['swiftcache'] * 1e3:.0f} ms (NVLink-bound) vs "
-                 f"{d['tpot_at_max_s']['baseline'] * 1e3:.0f} ms for a baseline at its own maximum.")
+    m = d["at_max"]
+    lines.append(f"\nratio {d['ratio']:.2f}x (stepwise streaming sweep, depth {d['depth']}: local KV "
+                 f"{d['local_kv_gb']:.1f} GB, leased {d['lent_gb']:.1f} GB at lend fraction "
+                 f"{d['lend_fraction']}, host {d['host_gb']:.1f} GB).")
+    if m:
+        lines.append(f"At {m['context']:,} tokens a streamed decode step takes {m['decode_step_s'] * 1e3:.0f} ms "
+                     f"against {m['decode_step_resident_s'] * 1e3:.0f} ms resident (x{m['decode_slowdown']:.1f}); "
+                     f"TTFT x{m['prefill_slowdown']:.3f}.")
     lines.append("\n| lend fraction | leased GB | max context ratio |\n|---|---|---|")
     for s in cap["sensitivity"]:
         lines.append(f"| {s['lend_fraction']} | {s['lent_gb']:.1f} | {s['ratio']:.2f}x |")

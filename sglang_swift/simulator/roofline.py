@@ -45,3 +45,7 @@ class Roofline:
         bw = max(self.hbm_bw * self.eff_hbm - hbm_bw_taken, 0.05 * self.hbm_bw * self.eff_hbm)
         t_m = self.step_bytes(items) / bw
         return max(t_c, t_m)
+
+    def decode_step_time(self, items, hbm_bw_taken: float = 0.0) -> float:
+        """One decode step: the roofline makes no difference between prefill and decode items."""
+        return self.step_time(items, hbm_bw_taken)

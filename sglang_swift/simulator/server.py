@@ -106,7 +106,10 @@ class Barrier:
 
 class ModelServer:
     def __init__(self, name: str, gpu: "object", roofline: Roofline, cache: TreeCache, *,
-                 page_tokens: int, chunk: int, max_running: int, load_mode: str, node: "object"):
+                 page_tokens: int, chunk: int, max_running: int, load_mode: str, node: "object",
+                 demote_headroom: int = 0):
+        """`demote_headroom`: pages the server keeps free by demoting LRU prefixes ahead of need,
+        beside its steps (the live borrower's `demote_ahead`, 1/8 of its pool); 0: none."""
         if load_mode not in ("layerwise", "before", "none"):
             raise ValueError(f"unknown load_mode {load_mode!r}")
         self.name, self.gpu, self.rl, self.cache = name, gpu, roofline, cache
@@ -125,6 +128,7 @@ class ModelServer:
         self.watermark = 1.0
         self.load_failures = 0
         self.rejected: list[SimRequest] = []
+        self.demote_headroom = demote_headroom
         self._barrier = Barrier()
 
     # -- entry points ------------------------------------------------------------------------------
@@ -225,6 +229,9 @@ class ModelServer:
 
     # -- the step loop ---------------------------------------------------------------------------
     def _step(self) -> None:
+        free = self.cache.free_pages()
+        if self.demote_headroom and free < self.demote_headroom:
+            self.evict(self.demote_headroom - free)  # its copies count on the old barrier: no step waits
         self._barrier = Barrier()
         batch, parts, pending = self._form_prefill()
         now = self.node.loop.now
@@ -235,7 +242,7 @@ class ModelServer:
             self._close_when_ready(now, t_c, batch, parts, pending)
         elif self.running:
             items = [(1, r.prompt_tokens + r.generated) for r in self.running]
-            t_c = self.rl.step_time(items, hbm)
+            t_c = self.rl.decode_step_time(items, hbm)
             self.busy_time += t_c
             self.node.loop.after(t_c, self._decode_done)
         else:

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Measure this CPU node for the simulator's validation (`scripts/simulate.py --validate`).
+
+    .venv/bin/python scripts/calibrate_cpu.py [--out runs/calibration/cpu.json] [--plan quick|full]
+
+Starts one stock SGLang server per bench_node model (busy `small`, donor `tiny`; the same flags
+and one torch thread each, as bench_node starts them), side by side, and measures:
+- prefill: client-side TTFT of streamed chat requests of synthetic prompts (seeded random words,
+  not bench_node's traffic), cold and after a cached prefix; fitted as a + b new + c new ctx;
+- decode: (end of stream - first token) / steps at three contexts; fitted as d0 + d1 ctx;
+- the workload's tokens: bench_node's traffic (nodebench/traffic.py, same conversations and turn
+  order) replayed greedily with `return_token_ids`, so the simulator knows every prompt's and
+  answer's token ids (the workload, not a result: no timing or cache figure of it is kept);
+then, with the servers stopped, the donor-tier copy bandwidth of `PoolTransferEngine` between the
+two models' pool geometries (scripts/bench_transfer.py's pool-lease path).
+Writes one JSON (sglang_swift/simulator/cpu_calibration.py reads it). About 2-3 minutes here,
+most of it server start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from sglang_swift.loadgen.client import RequestRecord, chat  # noqa: E402
+from sglang_swift.nodebench.plan import COMMON_ARGS, ModelFacts, NodePlan  # noqa: E402
+from sglang_swift.nodebench.traffic import build_traffic  # noqa: E402
+from sglang_swift.simulator.cpu_calibration import SCHEMA, fit_decode, fit_prefill  # noqa: E402
+from sglang_swift.tools.local_server import LocalServer, start_all  # noqa: E402
+from sglang_swift.tools.tiny_model import ensure_tiny_model  # noqa: E402
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+         "week case point number group problem fact river stone light paper music garden "
+         "system window question answer market energy silver forest engine letter").split()
+PREFILL_TARGETS = (16, 48, 96, 192, 320, 480)  # prompt tokens: bench_node's range (22-419)
+HIT_BASES = (96, 256, 448)  # cached prefix before a 48-token follow-up
+DECODE_PROMPTS = (24, 200, 400)
+DECODE_TOKENS = 32
+
+
+def synthetic(tokenizer, tokens: int, seed: int) -> str:
+    """Seeded random words, grown until they tokenize to at least `tokens` tokens."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words)).ids) < tokens:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)
+
+
+async def _streamed(http, url, messages, max_tokens) -> RequestRecord:
+    rec = RequestRecord(session="calibration", turn=0, server=url, t_send=0.0)
+    await chat(http, url, messages, max_tokens, rec, time.perf_counter())
+    if rec.error or rec.ttft is None:
+        raise RuntimeError(f"calibration request to {url} failed: {rec.error}")
+    return rec
+
+
+async def timing(http, url: str, tokenizer, repeats: int) -> dict:
+    """Prefill points (cold and after a prefix) and decode points of one server."""
+    prefill, decode = [], []
+
+    def point(rec):
+        prefill.append({"new": rec.prompt_tokens - (rec.cached_tokens or 0),
+                        "cached": rec.cached_tokens or 0, "ttft_s": rec.ttft})
+
+    for rep in range(repeats):
+        for i, n in enumerate(PREFILL_TARGETS):
+            point(await _streamed(http, url, [{"role": "user", "content":
+                                               synthetic(tokenizer, n, 1000 * rep + i)}], 1))
+        for i, n in enumerate(HIT_BASES):
+            first = [{"role": "user", "content": synthetic(tokenizer, n, 5000 + 1000 * rep + i)}]
+            point(await _streamed(http, url, first, 1))
+            follow = first + [{"role": "assistant", "content": "ok"},
+                              {"role": "user", "content": synthetic(tokenizer, 48, 9000 + 1000 * rep + i)}]
+            point(await _streamed(http, url, follow, 1))
+    for i, n in enumerate(DECODE_PROMPTS):
+        rec = await _streamed(http, url, [{"role": "user", "content":
+                                           synthetic(tokenizer, n, 20000 + i)}], DECODE_TOKENS)
+        # from the stream's end, not its gaps: a server streams several fast tokens per chunk
+        steps = (rec.completion_tokens or DECODE_TOKENS) - 1
+        decode.append({"context": rec.prompt_tokens + steps // 2,
+                       "step_s": (rec.e2e - rec.ttft) / steps, "steps": steps})
+    return {"prefill_points": prefill, "decode_points": decode,
+            "prefill_fit": fit_prefill(prefill), "decode_fit": fit_decode(decode)}
+
+
+async def _ids(http, url: str, messages: list[dict], max_tokens: int) -> tuple[list, list, str]:
+    """Greedy answer with its token ids: (prompt ids, answer ids, answer text)."""
+    payload = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+               "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    async with http.post(url + "/v1/chat/completions", json=payload) as resp:
+        body = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"trace request to {url} failed: HTTP {resp.status} {body}")
+    ch = body["choices"][0]
+    return ch["prompt_token_ids"], ch["response_token_ids"], ch["message"]["content"] or ""
+
+
+async def conversation_trace(http, url, convs, turns: int, max_tokens: int) -> list[dict]:
+    """Turns 1..`turns` of each conversation, history carrying the model's own answers (as
+    BusyReplay does); one record per (session, turn)."""
+    out = []
+    for conv in convs:
+        messages: list[dict] = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": conv.turns[t].user})
+            prompt, answer, text = await _ids(http, url, list(messages), max_tokens)
+            messages.append({"role": "assistant", "content": text})
+            out.append({"session": conv.id, "turn": t + 1, "prompt_ids": prompt, "output_ids": answer})
+    return out
+
+
+def copy_bandwidth(busy: ModelFacts, donor: ModelFacts, busy_cfg: dict, donor_cfg: dict) -> dict:
+    """Load and store time of PoolTransferEngine (CPU pool lease) at three sizes, fitted as latency + bytes / bandwidth."""
+    import torch
+    from bench_transfer import Pool, bench_page_size
+    from sglang_swift.dataplane import KVGeometry
+
+    def geom(cfg, layers):
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return KVGeometry(layers, cfg["num_key_value_heads"], hd, hd, torch.float32, 1)
+
+    g, dg = geom(busy_cfg, busy.layers), geom(donor_cfg, donor.layers)
+    out = []
+    for tokens in (64, 256, 1024):  # bench_node's loads: tens to a few hundred tokens
+        pool = Pool(g, 4 * tokens, tokens * busy.kv_bytes_per_token)
+        r = bench_page_size(g, tokens, 5, 1, pool, time.monotonic() + 10.0, donor=dg)
+        out.append({"tokens": tokens, "bytes": r["bytes"], "load_s": r["bytes"] / (r["load_gbps"] * 1e9),
+                    "store_s": r["bytes"] / (r["store_gbps"] * 1e9), "verified": r["verified"]})
+    if not all(p["verified"] for p in out):
+        raise RuntimeError("PoolTransferEngine round trip did not verify; the copy figures are void")
+    fits = {}
+    for kind in ("load", "store"):  # t = latency + bytes / bandwidth
+        f = fit_decode([{"context": p["bytes"], "step_s": p[f"{kind}_s"]} for p in out])
+        fits[kind] = {"latency_s": f["d0_s"],
+                      "bytes_per_s": 1.0 / f["d1_s_per_token"] if f["d1_s_per_token"] > 0 else float("inf")}
+    return {"engine": "PoolTransferEngine (CPU pool lease, 1 thread), busy pages packed in donor pages",
+            "points": out, "load": fits["load"], "store": fits["store"]}
+
+
+async def drive(busy: LocalServer, donor: LocalServer, traffic, plan: NodePlan, tokenizer,
+                repeats: int) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+        async def donor_side():
+            t = await timing(http, donor.base_url, tokenizer, repeats)
+            turns = -(-plan.donor_requests // plan.donor_conversations)
+            light = await conversation_trace(http, donor.base_url, traffic.donor, turns,
+                                             plan.donor_max_tokens)
+            burst = []
+            for i, text in enumerate(traffic.burst):
+                p, a, _ = await _ids(http, donor.base_url, [{"role": "user", "content": text}],
+                                     plan.burst_max_tokens)
+                burst.append({"session": f"burst-{i}", "turn": 1, "prompt_ids": p, "output_ids": a})
+            return t, light, burst
+
+        busy_timing, (donor_timing, light, burst) = await asyncio.gather(
+            timing(http, busy.base_url, tokenizer, repeats), donor_side())
+        busy_trace = await conversation_trace(http, busy.base_url, traffic.busy, plan.turns + 1,
+                                              plan.max_tokens)
+    return {"timing": {"busy": busy_timing, "donor": donor_timing},
+            "trace": {"busy": busy_trace, "donor": light, "burst": burst}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/calibration/cpu.json"))
+    ap.add_argument("--plan", choices=("quick", "full"), default="quick",
+                    help="which bench_node plan's traffic to trace (its --quick or default run)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the prefill prompts")
+    a = ap.parse_args(argv)
+    started = time.monotonic()
+    plan = NodePlan.quick() if a.plan == "quick" else NodePlan()
+    paths = {"busy": ensure_tiny_model(shape="small"), "donor": ensure_tiny_model(shape="tiny")}
+    facts = {r: ModelFacts.from_dir(p) for r, p in paths.items()}
+    cfgs = {r: json.loads((p / "config.json").read_text()) for r, p in paths.items()}
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(paths["donor"] / "tokenizer.json"))
+    traffic = build_traffic(plan, paths["donor"] / "tokenizer.json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads)}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    servers = {r: LocalServer(paths[r], swiftcache=False, max_total_tokens=8192,
+                              extra_args=list(COMMON_ARGS), env=env, startup_timeout_s=600,
+                              log_path=a.out.parent / f"calibrate-{r}.log") for r in paths}
+    load_before = os.getloadavg()
+    try:
+        start_all(list(servers.values()))
+        t_ready = time.monotonic()
+        measured = asyncio.run(drive(servers["busy"], servers["donor"], traffic, plan, tokenizer,
+                                     a.repeats))
+        measure_s = time.monotonic() - t_ready
+    finally:
+        for s in servers.values():
+            s.stop()
+    copy = copy_bandwidth(facts["busy"], facts["donor"], cfgs["busy"], cfgs["donor"])
+    models = {}
+    for role in ("busy", "donor"):
+        f = facts[role]
+        models[role] = {"name": f.name, "layers": f.layers, "kv_bytes_per_token": f.kv_bytes_per_token,
+                        **measured["timing"][role]}
+    out = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "scripts/calibrate_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "plan": plan.__dict__, "plan_name": a.plan, "models": models, "copy": copy,
+           "trace": measured["trace"], "server_threads": plan.server_threads,
+           "startup_s": {r: s.startup_s for r, s in servers.items()}, "measure_s": round(measure_s, 1),
+           "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+           "wall_s": round(time.monotonic() - started, 1), "cpu_count": os.cpu_count()}
+    a.out.write_text(json.dumps(out, indent=1))
+    for role, m in models.items():
+        p, d = m["prefill_fit"], m["decode_fit"]
+        print(f"{role:<6}{m['name']:<12} prefill {p['a_s'] * 1e3:.1f} ms + {p['b_s_per_token'] * 1e3:.3f} "
+              f"ms/token + {p['c_s_per_token_ctx'] * 1e6:.4f} us/token/ctx; decode {d['d0_s'] * 1e3:.1f} ms "
+              f"+ {d['d1_s_per_token'] * 1e6:.2f} us/ctx token")
+    for kind in ("load", "store"):
+        print(f"copy  {kind} {copy[kind]['latency_s'] * 1e3:.2f} ms + bytes / {copy[kind]['bytes_per_s'] / 1e9:.2f} GB/s")
+    print(f"trace {len(out['trace']['busy'])} busy, {len(out['trace']['donor'])} donor, "
+          f"{len(out['trace']['burst'])} burst requests; wall {out['wall_s']} s, load {out['loadavg_1min']}")
+    print(f"wrote {a.out}")
+    print(json.dumps({k: out[k] for k in ("date", "wall_s", "loadavg_1min")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

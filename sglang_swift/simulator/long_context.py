@@ -1,0 +1,152 @@
+"""Maximum context and the cost of streaming it (SIMULATED), from the stepwise layer stream model.
+
+A sweep over context lengths admits a request the way a server would and runs the admitted ones
+through `layer_stream.run_request` (chunked prefill, then decode steps, per layer on the links):
+- stock SGLang and vLLM keep a running request's whole KV in the local pool, so they admit a
+  context only if its KV fits the pool (and the model's window);
+- a streaming SwiftCache server admits it if its KV fits the streamable memory (the donor lease,
+  then host memory) while the D staging layers of it fit the local pool (and the window).
+The largest admitted context is the maximum; the simulated events give TTFT and the decode step
+at each swept length, against the same request resident (a GPU whose pool would hold it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import params
+from .capacity import device_pages, lend_blocks, page_bytes
+from .layer_stream import StreamSetup, run_request
+from .roofline import Roofline
+
+DECODE_STEPS = 2  # decode steps simulated per swept length (the step time is their mean)
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """One long-context node: `model` on `gpu`, `donors` lending `lend_fraction` of their pools."""
+
+    name: str
+    gpu: str
+    model: str
+    donors: tuple[str, ...]
+    lend_fraction: float = 0.5
+    depth: int = int(params.LONG_CONTEXT["depth"].value)
+    host_bytes: float = params.LONG_CONTEXT["node_host_bytes"].value * params.LONG_CONTEXT["host_share"].value
+    window: int = 0  # tokens; 0: no window limit
+
+    def roofline(self) -> Roofline:
+        hw = params.gpu(self.gpu)
+        return Roofline(params.MODELS[self.model], hw["bf16_flops"], hw["hbm_bw"],
+                        params.EFFICIENCY["compute"].value, params.EFFICIENCY["hbm"].value)
+
+    def local_bytes(self) -> float:
+        """The local KV pool (HBM - SGLang's reserve - weights): the same for stock and streaming."""
+        return params.kv_pool_bytes(self.gpu, params.MODELS[self.model])
+
+    def donor_bytes(self) -> tuple[float, ...]:
+        """Each donor's lease in bytes: whole pages of this model (what `Node.lend` grants)."""
+        mpage = page_bytes(self.model)
+        return tuple(lend_blocks(self.lend_fraction, device_pages(self.gpu, d) * page_bytes(d), mpage) * mpage
+                     for d in self.donors)
+
+    def stream_setup(self, *, nvlink_bw: float | None = None, pcie_bw: float | None = None,
+                     depth: int | None = None) -> StreamSetup:
+        hw = params.gpu(self.gpu)
+        return StreamSetup(self.roofline(), depth or self.depth, self.donor_bytes(), self.host_bytes,
+                           nvlink_bw or hw["nvlink_bw_dir"], pcie_bw or hw["pcie_bw_dir"],
+                           int(params.SGLANG["chunked_prefill_size"].value))
+
+
+LWM_H20 = LongContext("paper-4xH20/LWM", "H20", "LWM-Text-1M", ("Qwen3-14B", "Qwen3-8B", "Qwen3-4B"),
+                      window=int(params.LONG_CONTEXT["window_tokens"].value))
+
+
+def admits_resident(lc: LongContext, n: int) -> bool:
+    kv = n * params.MODELS[lc.model].kv_bytes_per_token
+    return (lc.window == 0 or n <= lc.window) and kv <= lc.local_bytes()
+
+
+def admits_streamed(lc: LongContext, ss: StreamSetup, n: int) -> bool:
+    """Its KV (and that of the decode steps) fits the streamable memory, and D layers of it fit
+    the local pool."""
+    need = n + DECODE_STEPS
+    return ((lc.window == 0 or need <= lc.window)
+            and need * ss.roofline.model.kv_bytes_per_token <= ss.streamable_bytes
+            and ss.depth * need * ss.layer_token_bytes <= lc.local_bytes())
+
+
+def sweep(admits, probe, start: int = 4096, resolution: int = 64) -> tuple[int, list[dict]]:
+    """Double the context from `start` while `admits(n)`, then bisect to `resolution` tokens;
+    `probe(n)` simulates each admitted length. Returns (largest admitted, probes in order)."""
+    probes: list[dict] = []
+    if not admits(start):
+        return 0, probes
+    lo, hi = start, None
+    probes.append(probe(lo))
+    while hi is None:
+        n = lo * 2
+        if admits(n):
+            lo = n
+            probes.append(probe(n))
+        else:
+            hi = n
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2 // resolution * resolution
+        if mid <= lo:
+            break
+        if admits(mid):
+            lo = mid
+            probes.append(probe(mid))
+        else:
+            hi = mid
+    return lo, probes
+
+
+def probe(ss: StreamSetup, n: int) -> dict:
+    """One length, streamed and resident: TTFT, decode step and their ratios."""
+    s = run_request(ss, n, DECODE_STEPS, streamed=True)
+    r = run_request(ss, n, DECODE_STEPS, streamed=False)
+    return {"context": n, "ttft_s": s["ttft_s"], "ttft_resident_s": r["ttft_s"],
+            "decode_step_s": s["decode_step_s"], "decode_step_resident_s": r["decode_step_s"],
+            "prefill_slowdown": s["ttft_s"] / r["ttft_s"],
+            "decode_slowdown": s["decode_step_s"] / r["decode_step_s"],
+            "load_bytes": s["load_bytes"], "write_bytes": s["write_bytes"]}
+
+
+def max_context(lc: LongContext, **links) -> dict:
+    """Stock SGLang / vLLM against SwiftCache's streaming, each from its admission sweep, with the
+    simulated costs at the lengths that matter (the baseline's maximum and SwiftCache's)."""
+    ss = lc.stream_setup(**links)
+    base, _ = sweep(lambda n: admits_resident(lc, n), lambda n: {"context": n})
+    swift, probes = sweep(lambda n: admits_streamed(lc, ss, n), lambda n: probe(ss, n))
+    at_max = probes[-1] if probes and probes[-1]["context"] == swift else (probe(ss, swift) if swift else None)
+    at_base = probe(ss, base) if base and admits_streamed(lc, ss, base) else None
+    kv = params.MODELS[lc.model].kv_bytes_per_token
+    return {
+        "setup": lc.name, "gpu": lc.gpu, "model": lc.model, "depth": ss.depth,
+        "local_kv_gb": lc.local_bytes() / 1e9, "lent_gb": sum(ss.donor_bytes) / 1e9,
+        "host_gb": ss.host_bytes / 1e9, "lend_fraction": lc.lend_fraction,
+        "nvlink_bw": ss.nvlink_bw, "pcie_bw": ss.pcie_bw,
+        "memory_bound_tokens": {
+            "streamable": int(ss.streamable_bytes // kv) - DECODE_STEPS,
+            "staging": int(lc.local_bytes() // (ss.depth * ss.layer_token_bytes)) - DECODE_STEPS,
+            "window": lc.window or None},
+        "max_tokens": {"sglang": base, "vllm": base, "swiftcache": swift},
+        "ratio": swift / base if base else None,
+        "at_max": at_max, "at_baseline_max": at_base, "probes": probes,
+    }
+
+
+def depth_and_links(lc: LongContext, context: int, depths=(1, 2, 3, 4)) -> list[dict]:
+    """The decode step at one length for several staging depths, and all-donor / all-host
+    placements (what each link alone costs)."""
+    rows = []
+    for d in depths:
+        rows.append({"case": f"depth {d}", **probe(lc.stream_setup(depth=d), context)})
+    n_bytes = (context + DECODE_STEPS) * params.MODELS[lc.model].kv_bytes_per_token
+    donor_only = replace(lc.stream_setup(), donor_bytes=(n_bytes,), host_bytes=0.0)
+    host_only = replace(lc.stream_setup(), donor_bytes=(), host_bytes=n_bytes)
+    rows.append({"case": "all in donor HBM (NVLink)", **probe(donor_only, context)})
+    rows.append({"case": "all in host memory (PCIe)", **probe(host_only, context)})
+    return rows
