@@ -16,6 +16,14 @@ A borrower's read deadline ends ``lease_margin_s`` before the last of these can 
 donor may reuse a dead borrower's blocks at once. Our own pauses do not count as a peer's
 silence: after a tick gap longer than the heartbeat timeout, every peer's silence is shifted
 by the gap (declaring death later is always safe).
+
+When a dead peer is found: the agent checks at every tick (twice per heartbeat interval), so a
+peer whose process is gone is declared dead within ``heartbeat_timeout_s`` of its last message
+plus one tick, or one tick after the process went if it was already silent that long (stopped
+before it was killed). Later only by this agent's own pauses: a thread that does not run finds
+nothing, and the silence it slept through is not counted against the peer, so a pause of ``g``
+(counters ``own_pauses``, ``max_own_pause_ms``) can delay the verdict by up to ``g`` plus
+``heartbeat_timeout_s``. ``PeerChanged.at`` is the instant of the verdict.
 """
 
 from __future__ import annotations

@@ -116,11 +116,17 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
     on_gpu = engine.lane.stream is not None
     runner = engine if on_gpu else _inline_view(engine)
+    threads = torch.get_num_threads()
     try:
-        handle = runner.begin_store(slot_tensor, blocks)
+        if not on_gpu:  # as the copy thread does (streams.CpuLane): on a busy machine an OpenMP
+            torch.set_num_threads(getattr(engine.lane, "threads", 1))  # team per index op
+        handle = runner.begin_store(slot_tensor, blocks)  # stalls on its barriers (20x here)
     except ValueError:  # a transfer the engine refuses is a bug, but not one to stop serving for
         logger.exception("SwiftCache: the copy engine refused a store on lease %s", key)
         return False, None
+    finally:
+        if not on_gpu:
+            torch.set_num_threads(threads)
     result = handle.result()  # done: the inline job returned, or the GPU job enqueued
     ok = result is not None and result.ok
     if not on_gpu:
