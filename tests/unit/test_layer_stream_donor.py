@@ -176,3 +176,52 @@ def test_a_lease_packed_for_another_shape_is_refused(donor):
     with pytest.raises(ValueError, match="cannot hold this store's pages"):
         store.add_lease(("d", 1), LeasePacking(other, donor.layout, range(4)),
                         donor.mapped.region, lambda: True)
+
+
+def test_a_streaming_runtime_borrows_for_its_store_and_gives_pages_back_on_reclaim(tmp_path,
+                                                                                   monkeypatch):
+    """With live control agents and a donor lending pages of its own SGLang pool: the streaming
+    server's runtime borrows them for its store (its tree has no donor tier), reads stream from
+    them, identical to SGLang's pool; the donor's own traffic reclaims every page, the store
+    flips them to host before the acknowledgement, they return to the donor's allocator, and
+    reads stay identical."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from radix_ext import RadixTree
+    from sglang_swift.integration.runtime import SwiftRuntime
+    from sglang_swift.integration.swift_config import SwiftConfig
+    from sglang.srt.plugins import load_plugins
+
+    from tests.unit.test_runtime import DONOR_SHAPE, _pump_until, _runtime
+
+    load_plugins()  # the hook that puts a lending server's pool in shared memory
+    donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
+                     lend_fraction=0.5)
+    twin = Twin(2, 64, seed=3, shuffle_slots=False, tier="donor")
+    config = SwiftConfig(enabled=True, rendezvous_dir=str(tmp_path / "rv"),
+                         heartbeat_interval_s=0.05, heartbeat_timeout_s=2.0, layer_stream="donor")
+    allocator = TokenToKVPoolAllocator(twin.streamed.size, torch.float32, "cpu", twin.streamed,
+                                       need_sort=False)
+    streamer = SwiftRuntime(config, model="streamer", kv_pool=twin.streamed, allocator=allocator,
+                            tree=RadixTree(config.tree_config(1)), page_size=1,
+                            agent_id="streamer")
+    store = twin.streamed.layer_store
+    donor.start()
+    streamer.start()
+    try:
+        # 32 lent pages of 384 B hold 48 of the store's 256-B pages; the rest stays on host
+        _pump_until([donor, streamer], lambda: store.pages_on_donor == 48)
+        assert donor.lent_tokens == 32 and streamer.borrowed_tokens() == 48
+        assert streamer.tree.donor is None
+        _run(twin, "read-first")
+        assert store.rows_from_donor > 0
+        own = donor.allocator.alloc(donor.allocator.available_size())  # the donor's own burst
+        assert own is not None
+        _pump_until([donor, streamer], lambda: donor.lent_tokens == 0)
+        assert store.pages_on_donor == 0 and streamer.stats["stream_pages_flipped"] == 48
+        before = store.rows_from_donor
+        twin.forward({0: 1, 1: 1, 2: 1}, "read-first")
+        assert store.rows_from_donor == before  # every read from host now, still identical
+    finally:
+        streamer.stop()
+        donor.stop()
