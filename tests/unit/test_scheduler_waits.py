@@ -19,9 +19,20 @@ import pytest
 from tests.unit.test_streaming import ROWS, G, Rig, gate_lane
 
 # An eviction here stores at most ROWS tokens of G (4 layers, 2 heads of 8, fp32: 512 bytes a
-# token, 32 KiB in all): microseconds of copying. The bound asserted is far above that and far
-# below anything a wait for another copy would take (the gates below never open in time).
+# token, 32 KiB in all): a few milliseconds of copying. The bound asserted is far above that and
+# far below STUCK_S, how long the "stuck" copy thread is held when a test does not open it
+# itself: code that waits for it fails the bound instead of hanging the test.
 EVICT_BOUND_S = 0.5
+STUCK_S = 3.0
+
+
+def stuck_lane(rig):
+    """The copy thread held (a copy that does not finish) for STUCK_S at most."""
+    gate = gate_lane(rig)
+    timer = threading.Timer(STUCK_S, gate.set)
+    timer.daemon = True
+    timer.start()
+    return gate
 
 
 @pytest.fixture
@@ -58,7 +69,7 @@ def test_an_eviction_frees_its_room_before_returning_while_the_copy_thread_is_st
     tokens = list(range(1, 33))
     slots = rig.prefix(tokens)
     rig.prefix(list(range(300, 300 + ROWS - 32)))  # the pool is full
-    gate = gate_lane(rig)
+    gate = stuck_lane(rig)
     evicted, took = _evict(rig, ROWS)
     assert evicted == ROWS and took < EVICT_BOUND_S, took
     assert rig.alloc.available_size() == ROWS and set(slots.tolist()) <= set(rig.alloc.free_slots)
@@ -127,7 +138,7 @@ def test_a_load_whose_copy_never_starts_ends_the_forward_wait_at_the_batch_deadl
     rig.demote_all()
     budget = 0.3
     rig.cache.loads.wait_budget = lambda n: budget
-    gate = gate_lane(rig)
+    gate = stuck_lane(rig)
     req, _, out = rig.admit(tokens, "r")
     assert out[0] == 16
     req.slots = rig.cache.prefix_device_indices(req)
@@ -152,7 +163,7 @@ def test_a_load_whose_copy_never_starts_ends_the_forward_wait_at_the_batch_deadl
     rig.cache.check_integrity()
 
 
-def test_a_load_slower_than_nothing_but_within_its_deadline_is_waited_for(rig):
+def test_a_late_load_within_its_deadline_is_waited_for_and_read_complete(rig):
     """Invariant: the deadline does not cut a copy that is merely late: a load that starts
     100 ms into its batch, with a 2 s budget, is read complete and the request keeps its KV."""
     tokens = list(range(1, 17))
@@ -169,3 +180,53 @@ def test_a_load_slower_than_nothing_but_within_its_deadline_is_waited_for(rig):
     assert all(rig.forward(batch, [tokens])) and rig.kv_of(req, tokens)
     rig.cache.swift_batch_ran(SimpleNamespace(chunked_req=None), batch)
     assert req.discard_output_reason is None and rig.runtime.stats["loaded_tokens"] == 16
+
+
+class FakeGpuLane:
+    """A copy lane shaped like `streams.CudaLane` (it has a stream; `submit` runs the job at
+    once, as enqueueing does) for the GPU branch of `copies.store_now` on a CPU machine."""
+
+    kind = "cuda-stream"
+
+    def __init__(self):
+        self.stream = object()
+        self.synced = 0
+
+    def submit(self, fn, *args):
+        from sglang_swift.dataplane.streams import InlineLane
+
+        return InlineLane().submit(fn, *args)
+
+    def synchronize(self):
+        self.synced += 1
+
+
+def test_a_gpu_store_frees_slots_at_enqueue_orders_the_compute_stream_and_stays_tracked(
+        rig, monkeypatch):
+    """Invariant (GPU branch, with a fake stream): the eviction returns with the victims' slots
+    free once the store is enqueued; before it returns, the compute stream was made to wait on a
+    marker recorded after the store (so a forward rewrites the slots only after the copy); the
+    copy stays registered with the runtime (a reclaim stops it) until that marker is done, and
+    the next scheduler step after that unregisters it."""
+    from sglang_swift.dataplane import streams
+
+    marker = SimpleNamespace(done=False)
+    ordered = []
+    monkeypatch.setattr(streams, "done_marker", lambda lane: marker)
+    monkeypatch.setattr(streams, "marker_done", lambda m: m.done)
+    monkeypatch.setattr(streams, "wait_event_on_current_stream", ordered.append)
+    rig.runtime.engines[("d", 0)].lane = FakeGpuLane()
+    tokens = list(range(1, 9))
+    slots = rig.prefix(tokens)
+    evicted, took = _evict(rig, 8)
+    assert evicted == 8 and took < EVICT_BOUND_S
+    assert set(slots.tolist()) <= set(rig.alloc.free_slots)
+    assert ordered == [marker], "the compute stream does not wait for the store"
+    assert len(rig.runtime.tracked) == 1, "a store still on the GPU is not registered"
+    assert rig.match(tokens).host_hit_length == 8
+    rig.cache.swift_step()
+    assert len(rig.runtime.tracked) == 1, "released before its marker completed"
+    marker.done = True
+    rig.cache.swift_step()
+    assert not rig.runtime.tracked
+    rig.cache.check_integrity()
