@@ -25,17 +25,17 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "loads_failed": ("swiftcache_loads_failed", "donor loads that failed; their requests were "
                      "aborted before any output"),
     "load_retries": ("swiftcache_load_retries", "load admissions retried while room was still "
-                     "being demoted"),
+                     "being demoted (0: stores settle in the eviction)"),
     "loads_declined": ("swiftcache_loads_declined", "donor hits recomputed at admission (the "
                        "tree or the donor changed since the match, or no room)"),
     "hits_unreadable": ("swiftcache_hits_unreadable", "matches whose donor part was not offered: "
                         "its lease was past its read deadline or its donor gone"),
-    "stores_started": ("swiftcache_stores_started", "demotions started beside the scheduler"),
+    "stores_started": ("swiftcache_stores_started", "demotions stored by evictions"),
     "load_wait_s": ("swiftcache_load_wait_seconds", "scheduler-thread time spent waiting on a "
                     "load copy outside the forward (expected 0)"),
-    "evict_wait_s": ("swiftcache_evict_wait_seconds", "scheduler-thread time an eviction waited "
-                     "for demotion stores still in flight"),
-    "evict_waits": ("swiftcache_evict_waits", "evictions that had to wait for a store"),
+    "evict_wait_s": ("swiftcache_evict_wait_seconds", "scheduler-thread time evictions spent "
+                     "storing their victims (CPU: copying; GPU: enqueueing)"),
+    "evict_waits": ("swiftcache_evict_waits", "evictions that stored a victim"),
     "layer_wait_s": ("swiftcache_layer_wait_seconds", "time attention waited for a layer being "
                      "loaded (the part of the copies the forward did not hide)"),
 }
