@@ -4,8 +4,8 @@
                                  [--out runs/rate_curves] [--plot PNG]
 
 Per system (stock SGLang, SwiftCache, the capacity-equal ideal; `hicache` tries SGLang's
-HiCache), the node benchmark's two servers start once and serve every rate in turn, the busy
-server's cache flushed between rates. Each rate replays multi-turn ShareGPT sessions arriving as
+HiCache), the node benchmark's two servers; all start once, side by side, and the systems take
+turns at each rate (rate_driver.running_nodes), the busy server's cache flushed before each point. Each rate replays multi-turn ShareGPT sessions arriving as
 a Poisson process (rates.py says how a point is judged). Prints a table per point, writes the
 plot and every request to OUT, and prints last a JSON object: per system, per rate, p50 and p99
 TTFT (ms), completed requests, stable and drained, and the highest rate that stayed stable.
@@ -23,10 +23,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..tools.local_server import ServerStartError
 from ..tools.tiny_model import ensure_tiny_model
 from .plan import ModelFacts, NodePlan
-from .rate_driver import node_servers, run_point
+from .rate_driver import build_node, run_point, running_nodes
 from .rates import PointResult, RatePlan, build_sessions, summary_json
 
 ERROR_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception)\b.*")
@@ -140,26 +139,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.window_s:.0f} s windows (+{plan.drain_s:.0f} s drain); systems {plan.systems}",
           flush=True)
     points: list[PointResult] = []
-    failures: dict[str, str] = {}
-    servers: dict[str, dict] = {}
-    for system in plan.systems:
-        print(f"[{system}] starting the busy and donor servers ...", flush=True)
-        try:
-            with node_servers(system, node, busy_model, donor_model, facts, args.out) as n:
-                servers[system] = {"pools": n.pools, "startup_s": n.startup_s,
-                                   "lease_wait_s": round(n.lease_wait_s, 1)}
-                print(f"[{system}] pools {n.pools}, start-up {n.startup_s}", flush=True)
-                print(HEADER, flush=True)
-                for rate in plan.rates:
-                    point = run_point(n, plan, node, rate, sessions)
-                    points.append(point)
-                    print(format_point(point), flush=True)
-                servers[system]["alerts"] = n.alerts()
-        except ServerStartError:
-            failures[system] = last_error_line((args.out / f"{system}-busy.log").read_text(
-                errors="replace"))
-            print(f"[{system}] did not start: {failures[system]} (log: "
-                  f"{args.out / f'{system}-busy.log'})", flush=True)
+    nodes = [build_node(system, node, busy_model, donor_model, facts, args.out)
+             for system in plan.systems]
+    print(f"starting {len(nodes) * 2} servers side by side ...", flush=True)
+    with running_nodes(nodes) as up:
+        for n in up:
+            print(f"[{n.system}] pools {n.pools}, start-up {n.startup_s()}, lease wait "
+                  f"{n.lease_wait_s:.1f}s", flush=True)
+        print(HEADER, flush=True)
+        for i, rate in enumerate(plan.rates):
+            # the systems take turns at each rate, in alternating order, so neither always
+            # runs right after the other's overload
+            for n in (up if i % 2 == 0 else up[::-1]):
+                point = run_point(n, plan, node, rate, sessions)
+                points.append(point)
+                print(format_point(point), flush=True)
+        servers = {n.system: {"pools": n.pools, "startup_s": n.startup_s(),
+                              "lease_wait_s": round(n.lease_wait_s, 1), "alerts": n.alerts()}
+                   for n in up}
+    failures = {n.system: last_error_line(n.busy.log_text()) for n in nodes if n.error}
+    for system, line in failures.items():
+        print(f"[{system}] did not start: {line} (log: {args.out / f'{system}-busy.log'})")
 
     plot = args.plot or args.out / "rate_curves.png"
     if points:

@@ -1,5 +1,5 @@
-"""The live side of the rate sweep: one system's two servers, started once and reused across
-rates, and one rate point driven against the busy server.
+"""The live side of the rate sweep: each system's two servers, all started once and reused across
+rates (the systems take turns at each rate), and one rate point driven against a busy server.
 
 Servers: the node benchmark's (plan.py) runs `stock_run`, `swiftcache_run`, `ideal_run` (with
 the capacity the donor's lendable share is worth, known from the plan: the pages pack exactly,
@@ -18,6 +18,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from ..loadgen import client
 from ..loadgen.client import RequestRecord
 from ..loadgen.runner import warmup
 from ..tools.demo import wait_for_lease
-from ..tools.local_server import LocalServer, start_all
+from ..tools.local_server import LocalServer, ServerStartError, start_all
 from .observe import scrape
 from .plan import ModelFacts, NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
 from .rates import PointResult, RatePlan, Session, judge_point, start_times
@@ -56,25 +57,51 @@ def run_spec(system: str, node: NodePlan, busy: ModelFacts, donor: ModelFacts) -
 
 @dataclass
 class Node:
-    """One system's two running servers."""
+    """One system's two servers (started by `start_nodes`, stopped by `stop`)."""
 
     system: str
     spec: RunSpec
     busy: LocalServer
     donor: LocalServer
-    pools: dict[str, int]
-    startup_s: dict[str, float]
-    lease_wait_s: float
+    rendezvous: str
+    error: str | None = None  # why it did not start (ServerStartError's message)
+    pools: dict | None = None
+    lease_wait_s: float = 0.0
+
+    def start(self) -> None:
+        """Both servers side by side (start_all); a failure is kept in `error`, not raised."""
+        try:
+            start_all([self.busy, self.donor])
+        except ServerStartError as exc:
+            self.error = str(exc)
+            self.stop()
+
+    def ready(self) -> None:
+        """SwiftCache: wait until the busy server's borrowed capacity settled; then one untimed
+        warm-up request (a fresh server's one-off costs) and the pools as the servers report."""
+        t0 = time.monotonic()
+        if self.spec.swiftcache:
+            wait_for_lease(self.rendezvous, timeout_s=LEASE_TIMEOUT_S)
+            _wait_borrowed(self.busy, LEASE_TIMEOUT_S)
+        self.lease_wait_s = time.monotonic() - t0
+        asyncio.run(warmup(self.busy.base_url, "chat"))
+        self.pools = {"busy": _pool_of(self.busy), "donor": _pool_of(self.donor)}
+
+    def stop(self) -> None:
+        self.busy.stop()
+        self.donor.stop()
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
 
     def alerts(self) -> dict[str, list[str]]:
         return {"busy": alerts_in(self.busy.log_text()), "donor": alerts_in(self.donor.log_text())}
 
+    def startup_s(self) -> dict[str, float | None]:
+        return {"busy": self.busy.startup_s, "donor": self.donor.startup_s}
 
-@contextmanager
-def node_servers(system: str, node: NodePlan, busy_model: Path, donor_model: Path,
-                 facts: dict[str, ModelFacts], out_dir: Path) -> Iterator[Node]:
-    """Start `system`'s busy and donor servers side by side (SwiftCache: until the busy server's
-    borrowed capacity has settled); both are stopped on exit, whatever happened."""
+
+def build_node(system: str, node: NodePlan, busy_model: Path, donor_model: Path,
+               facts: dict[str, ModelFacts], out_dir: Path) -> Node:
+    """`system`'s two servers, not started: the node benchmark's arguments and pools."""
     spec = run_spec(system, node, facts["busy"], facts["donor"])
     max_borrow = node.lendable_busy_tokens(facts["busy"], facts["donor"])
     rendezvous = tempfile.mkdtemp(prefix=f"ratebench-{system}-")  # private, 0700
@@ -90,20 +117,28 @@ def node_servers(system: str, node: NodePlan, busy_model: Path, donor_model: Pat
                         extra_args=spec.donor_args(node, rendezvous),
                         log_path=out_dir / f"{system}-donor.log", env=env,
                         startup_timeout_s=STARTUP_TIMEOUT_S)
+    return Node(system, spec, busy, donor, rendezvous)
+
+
+@contextmanager
+def running_nodes(nodes: list[Node]) -> Iterator[list[Node]]:
+    """Start every system's servers at once and yield the ones that started and are ready.
+    All systems stay up for the whole sweep and take turns at each rate, so a load change on a
+    shared machine falls on every system alike; a server with no request sleeps
+    (`--sleep-on-idle`), and each system has the node's memory. Every server is stopped on exit."""
     try:
-        start_all([busy, donor])
-        t_ready = time.monotonic()
-        if spec.swiftcache:
-            wait_for_lease(rendezvous, timeout_s=LEASE_TIMEOUT_S)
-            _wait_borrowed(busy, LEASE_TIMEOUT_S)
-        lease_wait_s = time.monotonic() - t_ready
-        asyncio.run(warmup(busy.base_url, "chat"))  # one-off costs of a fresh server, untimed
-        yield Node(system, spec, busy, donor, {"busy": _pool_of(busy), "donor": _pool_of(donor)},
-                   {"busy": busy.startup_s, "donor": donor.startup_s}, lease_wait_s)
+        threads = [threading.Thread(target=n.start) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        up = [n for n in nodes if n.error is None]
+        for n in up:
+            n.ready()
+        yield up
     finally:
-        busy.stop()
-        donor.stop()
-        shutil.rmtree(rendezvous, ignore_errors=True)
+        for n in nodes:
+            n.stop()
 
 
 async def _flush_when_idle(http: aiohttp.ClientSession, url: str) -> float:

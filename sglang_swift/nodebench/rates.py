@@ -44,11 +44,15 @@ GROWTH_FACTOR, GROWTH_SLACK = 1.5, 1.0  # growing: last quarter > 1.5 x second q
 class RatePlan:
     """One sweep: the rates, the window each rate's sessions arrive in, the sessions' shape."""
 
-    rates: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6)  # sessions per second
+    # sessions per second; on this CPU stock SGLang's queue held at 1/s and grew at 2/s
+    # (3-turn sessions, 2026-11-30), so the sweep brackets that knee
+    rates: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
     window_s: float = 120.0  # sessions arrive during this window at each rate
     drain_s: float = 90.0  # after the window, unanswered requests get this long, then are cut
-    turns: int = 4  # per session
-    think_mean_s: float = 1.0  # Exp(mean) wait after an answer before the next turn (0: none)
+    turns: int = 3  # per session
+    # Exp(mean) wait after an answer before the next turn (0: none); 2 s lets a few sessions'
+    # histories overlap in the busy pool, as users' turns do, without stretching the sweep
+    think_mean_s: float = 2.0
     seed: int = 0
     systems: tuple[str, ...] = ("stock", "swiftcache", "ideal")
 
@@ -66,7 +70,7 @@ class RatePlan:
 
     @classmethod
     def quick(cls) -> "RatePlan":
-        return cls(rates=(0.1, 0.25, 0.5), window_s=30.0, drain_s=30.0, turns=3,
+        return cls(rates=(0.5, 1.0, 1.5), window_s=25.0, drain_s=25.0, turns=3,
                    systems=("stock", "swiftcache"))
 
     def max_sessions(self) -> int:

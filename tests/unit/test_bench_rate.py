@@ -219,3 +219,27 @@ def test_the_sweep_systems_map_to_the_node_benchmark_runs():
     assert (ideal.busy_pool, ideal.donor_pool, ideal.swiftcache) == (1536, 2048, False)
     assert rate_driver.run_spec("swiftcache", node, busy, donor).swiftcache
     assert rate_driver.run_spec("hicache", node, busy, donor).busy_pool == 1024
+
+
+class _FakeServer:
+    def __init__(self, fail=False):
+        self.fail, self.started, self.stopped = fail, False, False
+
+    def start(self):
+        if self.fail:
+            from sglang_swift.tools.local_server import ServerStartError
+            raise ServerStartError("server exited with code 1:\nAssertionError: no CUDA")
+        self.started = True
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_a_system_that_cannot_start_is_recorded_and_its_servers_stopped(tmp_path):
+    """Node.start keeps a start-up failure as the node's error (the sweep goes on with the other
+    systems) and stops both of its servers, including the one that did start."""
+    busy, donor = _FakeServer(fail=True), _FakeServer()
+    node = rate_driver.Node("hicache", None, busy, donor, str(tmp_path / "rdv"))
+    node.start()
+    assert "AssertionError: no CUDA" in node.error
+    assert donor.started and donor.stopped and busy.stopped
