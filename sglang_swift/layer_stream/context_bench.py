@@ -5,6 +5,9 @@ Three real SGLang CPU servers on the small model (L = 8 layers, fp32 KV):
 - stock SGLang with a KV pool of P tokens: local KV = L * (P + 1) rows of one layer;
 - SwiftCache with --swiftcache-layer-stream host, depth D, and a pool of N = L*(P+1)/D - 1
   tokens: local KV = D * (N + 1) rows, the same bytes (the other layers live in host memory);
+  with `--backing donor`, --swiftcache-layer-stream donor and a fourth server, a donor on the
+  tiny model lending pages of its own pool for the whole store (the sweep starts once every
+  store page is on the donor; writes still go through to host memory);
 - stock SGLang with a pool large enough for everything: the reference outputs, and the
   "resident" twin of a streamed request in the cost measurements.
 A context c is served when a prompt of c - OUT tokens returns OUT greedy tokens equal to the
@@ -45,6 +48,7 @@ class Setup:
     chunk: int
     decode_steps: int
     repeats: int
+    backing: str = "host"  # where the streamed server's layers live: host, or donor
 
     @property
     def streamed_pool(self) -> int:
@@ -53,6 +57,12 @@ class Setup:
     @property
     def reference_pool(self) -> int:
         return max(4096, 2 * self.streamed_pool)
+
+    def donor_pool(self, page_bytes: int, donor_page_bytes: int) -> int:
+        """A donor pool that lends the whole store: at watermark 0.5 a donor of S tokens lends
+        down to S/2 + S/16 free, i.e. 7S/16 (lending.py)."""
+        need = -(-(self.streamed_pool + 1) * page_bytes // donor_page_bytes)
+        return -(-need * 16 // 7) + 64
 
 
 def prompt_ids(n: int, salt: int) -> list[int]:
@@ -173,11 +183,47 @@ def model_shape(model_dir) -> dict:
 def streamed_pool_log(log: str) -> dict:
     """What the streamed server says about its own pool."""
     m = re.search(r"KV pool of (\d+) tokens; local staging (\d+) of (\d+) layers \(([\d.]+) "
-                  r"MiB\), every layer in (\w+) memory \(([\d.]+) MiB\)", log)
+                  r"MiB\), every layer in (.+?) \(([\d.]+) MiB\)", log)
     if not m:
         raise RuntimeError("the streamed server did not log its pool; is layer streaming on?")
     return {"tokens": int(m[1]), "depth": int(m[2]), "layers": int(m[3]),
             "local_mib": float(m[4]), "store": m[5], "store_mib": float(m[6])}
+
+
+def donor_server(setup: Setup, model_dir, env: dict):
+    """(the donor server, the control options its borrower needs): the tiny model lending half
+    of a pool sized for the whole store of `setup`'s streamed server."""
+    from ..tools.local_server import LocalServer
+    from ..tools.tiny_model import ensure_tiny_model
+
+    tiny = ensure_tiny_model()
+    page = lambda shape: shape["layers"] * shape["row_bytes"]  # noqa: E731 - bytes per token
+    pool = setup.donor_pool(page(model_shape(model_dir)), page(model_shape(tiny)))
+    control = ["--swiftcache-rendezvous-dir", tempfile.mkdtemp(prefix="bench-context-rv-"),
+               "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
+    donor = LocalServer(tiny, swiftcache=True, max_total_tokens=pool,
+                        extra_args=["--dtype", "float32", "--swiftcache-role", "donor",
+                                    "--swiftcache-lend-fraction", "0.5",
+                                    "--swiftcache-reclaim-watermark", "0.5", *control],
+                        log_path="/tmp/bench-context-donor.log", env=env)
+    return donor, control
+
+
+def wait_store_on_donor(server, timeout_s: float = 300.0) -> dict:
+    """Block until the streamed server logs every store page placed on donor memory."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        placed = re.findall(r"stream from donor memory \((\d+) of (\d+)\)", server.log_text())
+        if placed and placed[-1][0] == placed[-1][1]:
+            return {"store_pages_on_donor": int(placed[-1][0])}
+        time.sleep(1.0)  # polling another process's log
+    raise RuntimeError(f"the streamed server did not place its store on the donor within "
+                       f"{timeout_s:.0f} s; see {server.log_path}")
+
+
+def donor_reads(log: str) -> int:
+    """Store rows the streamed server read from donor memory (its latest stats line)."""
+    return max([int(n) for n in re.findall(r"'stream_rows_from_donor': (\d+)", log)] or [0])
 
 
 def run(setup: Setup, model_dir) -> dict:
@@ -196,17 +242,24 @@ def run(setup: Setup, model_dir) -> dict:
 
     stock = LocalServer(model_dir, swiftcache=False, max_total_tokens=setup.pool,
                         extra_args=common, log_path="/tmp/bench-context-stock.log", env=env(None))
+    donor, control = donor_server(setup, model_dir, env(None)) if setup.backing == "donor" \
+        else (None, [])
     streamed = LocalServer(model_dir, swiftcache=True, max_total_tokens=setup.streamed_pool,
-                           extra_args=[*common, "--swiftcache-layer-stream", "host",
-                                       "--swiftcache-layer-stream-depth", str(setup.depth)],
+                           extra_args=[*common, "--swiftcache-layer-stream", setup.backing,
+                                       "--swiftcache-layer-stream-depth", str(setup.depth),
+                                       *control],
                            log_path="/tmp/bench-context-streamed.log",
                            env=env(traces["streamed"]))
     reference = LocalServer(model_dir, swiftcache=False, max_total_tokens=setup.reference_pool,
                             extra_args=common, log_path="/tmp/bench-context-reference.log",
                             env=env(traces["resident"]))
+    servers = [stock, streamed, reference] + ([donor] if donor is not None else [])
     t0 = time.perf_counter()
+    placed: dict = {}
     try:
-        start_all([stock, streamed, reference])
+        start_all(servers)
+        if donor is not None:
+            placed = wait_store_on_donor(streamed)
         started_s = time.perf_counter() - t0
         cache: dict[int, list[int]] = {}
 
@@ -226,8 +279,12 @@ def run(setup: Setup, model_dir) -> dict:
         costs = measure_costs({"streamed": streamed, "resident": reference}, traces,
                               prompt_len, setup)
         pool_log = streamed_pool_log(streamed.log_text())
+        if donor is not None:
+            time.sleep(6.0)  # the runtime logs its stats every 5 s
+            placed.update(rows_read_from_donor=donor_reads(streamed.log_text()),
+                          donor_pool=donor.args[donor.args.index("--max-total-tokens") + 1])
     finally:
-        for s in (stock, streamed, reference):
+        for s in servers:
             s.stop()
     row = model_shape(model_dir)["row_bytes"]
     return {
@@ -242,7 +299,7 @@ def run(setup: Setup, model_dir) -> dict:
         "probes": {"stock": stock_probe.verdicts, "swiftcache": streamed_probe.verdicts},
         "costs_cpu": costs, "expected_gpu": cost_model.expected_costs(),
         "gpu_sources": cost_model.sources(),
-        "backing": "host memory (donor-backed streaming is not implemented yet)",
+        "backing": setup.backing, "donor": placed,
         "startup_s": round(started_s, 1), "sweep_s": round(sweep_s, 1),
     }
 
@@ -255,7 +312,8 @@ def report(result: dict) -> str:
         f"{result['local_kv_bytes_swiftcache'] / 2**20:.2f} MiB (pool {result['streamed_pool']} x "
         f"{result['setup']['depth']} staging layers; its log: "
         f"{result['streamed_server_log']['local_mib']} MiB local, "
-        f"{result['streamed_server_log']['store_mib']} MiB in host memory)",
+        f"{result['streamed_server_log']['store_mib']} MiB in "
+        f"{result['streamed_server_log']['store']})",
         f"longest context served identically: stock {result['max_context_stock']}, SwiftCache "
         f"{result['max_context_swiftcache']} -> ratio {result['max_context_ratio']:.3f}; "
         f"identical={result['identical']}",
@@ -279,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small pool, fewer repeats (~5 min)")
     ap.add_argument("--pool", type=int, help="P, the stock pool in tokens (default 128; 512 full)")
     ap.add_argument("--depth", type=int, default=2, help="staging layers of the streamed server")
+    ap.add_argument("--backing", choices=("host", "donor"), default="host",
+                    help="where the streamed server's layers live: host memory, or pages of a "
+                         "donor server's pool (a fourth server, the tiny model) under a lease")
     ap.add_argument("--json", help="also write the result object to this file")
     args = ap.parse_args(argv)
     from ..tools.tiny_model import ensure_tiny_model
@@ -287,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape(model_dir)
     setup = Setup(pool=args.pool or (128 if args.quick else 512), layers=shape["layers"],
                   depth=args.depth, out_tokens=8, chunk=256 if args.quick else 512,
-                  decode_steps=16 if args.quick else 32, repeats=3 if args.quick else 5)
+                  decode_steps=16 if args.quick else 32, repeats=3 if args.quick else 5,
+                  backing=args.backing)
     result = run(setup, model_dir)
     print(report(result), flush=True)
     if args.json:
@@ -301,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_ms_per_token_resident", "copy_ms_per_decode_step", "copy_ms_per_prefill_token")})
     summary.update(local_kv_bytes_stock=result["local_kv_bytes_stock"],
                    local_kv_bytes_swiftcache=result["local_kv_bytes_swiftcache"],
-                   backing="host", quick=args.quick)
+                   backing=args.backing, quick=args.quick)
+    if result["donor"]:
+        summary.update(result["donor"])
     print(json.dumps(summary), flush=True)
     return 0 if result["identical"] else 1

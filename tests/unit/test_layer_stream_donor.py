@@ -225,3 +225,19 @@ def test_a_streaming_runtime_borrows_for_its_store_and_gives_pages_back_on_recla
     finally:
         streamer.stop()
         donor.stop()
+
+
+def test_bench_context_sizes_the_donor_for_the_store_and_reads_either_pool_line():
+    """bench_context's donor lends the whole store (7/16 of its pool lendable at watermark 0.5)
+    and the streamed server's pool line is read for both tiers, naming where layers live."""
+    from sglang_swift.layer_stream import context_bench as cb
+
+    setup = cb.Setup(pool=128, layers=8, depth=2, out_tokens=8, chunk=256, decode_steps=16,
+                     repeats=3, backing="donor")
+    donor_pool = setup.donor_pool(8 * 1024, 2 * 1024)  # small: 8 KiB per token, tiny: 2 KiB
+    assert donor_pool * 7 // 16 >= (setup.streamed_pool + 1) * 4
+    for where in ("host memory", "donor memory under a lease, written through to host memory"):
+        line = (f"SwiftCache layer streaming: KV pool of 515 tokens; local staging 2 of 8 layers "
+                f"(1.0 MiB), every layer in {where} (4.0 MiB)")
+        parsed = cb.streamed_pool_log(line)
+        assert parsed["store"] == where and parsed["store_mib"] == 4.0
