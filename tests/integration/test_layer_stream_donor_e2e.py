@@ -1,0 +1,86 @@
+"""The layer stream cache streaming from a donor: a context 4x the local KV pool, its KV in another
+server's KV pool under a lease, token-identical, through a reclaim.
+
+Real SGLang CPU servers: stock SGLang on the small model with a pool large enough for everything
+(the reference); a donor on the tiny model (4 layers, another shape) lending half of its pool; and
+SwiftCache on the small model with --swiftcache-layer-stream donor, whose local KV memory is that
+of a stock pool of LOCAL_POOL tokens (as in test_layer_stream_e2e). Invariants:
+- the streaming server borrows the donor's pages for its whole store (its borrowed tokens reach
+  the store's size) and the donor's own metrics show them lent;
+- a request whose context is 4x LOCAL_POOL, and a radix hit on it, are served with greedy outputs
+  identical to the reference, and the streamed reads came from the donor's memory;
+- a burst of the donor's own traffic while the streaming server serves another long request
+  reclaims the lent pages: the streaming server flips them to host memory and its output is still
+  identical (nothing is aborted or recomputed: every row was written through to host memory).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from integration.harness import LocalServer, metric, wait_for
+from integration.test_donation_e2e import _donor_burst
+from integration.test_layer_stream_e2e import COMMON, DEPTH, LOCAL_POOL, NEW_TOKENS, \
+    STREAMED_POOL, _generate, _prompt
+from sglang_swift.tools.tiny_model import ensure_tiny_model
+
+pytestmark = pytest.mark.integration
+DONOR_POOL = 8192  # tiny pages of 2 KiB: lends 3584, the store needs 804 x 8 KiB / 2 KiB = 3216
+
+
+def _control(rendezvous: str) -> list[str]:
+    return ["--swiftcache-rendezvous-dir", rendezvous, "--enable-metrics",
+            # a loaded 2-core CI machine can starve the agent thread for a second or more
+            "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
+
+
+def _donor_rows(log: str) -> int:
+    """The largest count of store rows read from donor memory the server's stats line shows."""
+    return max([int(n) for n in re.findall(r"'stream_rows_from_donor': (\d+)", log)] or [0])
+
+
+def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_reclaim(
+        tiny_model, tmp_path):
+    model = ensure_tiny_model(shape="small")
+    long_prompt = _prompt(4 * LOCAL_POOL - NEW_TOKENS)  # context = 4 x LOCAL_POOL
+    hit_prompt = long_prompt[:500] + _prompt(150, salt=1)
+    during_reclaim = _prompt(4 * LOCAL_POOL - NEW_TOKENS, salt=5)
+    with LocalServer(model, swiftcache=False, max_total_tokens=4096, extra_args=COMMON,
+                     log_path=tmp_path / "stock.log") as stock:
+        want = [_generate(stock, p) for p in (long_prompt, hit_prompt, during_reclaim)]
+
+    rendezvous = str(tmp_path / "rv")
+    donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
+                        extra_args=["--dtype", "float32", "--swiftcache-role", "donor",
+                                    "--swiftcache-lend-fraction", "0.5",
+                                    "--swiftcache-reclaim-watermark", "0.5", *_control(rendezvous)])
+    streamer = LocalServer(model, max_total_tokens=STREAMED_POOL, log_path=tmp_path / "s.log",
+                           extra_args=[*COMMON, "--swiftcache-layer-stream", "donor",
+                                       "--swiftcache-layer-stream-depth", str(DEPTH),
+                                       *_control(rendezvous)])
+    with donor, streamer:
+        wait_for(lambda: metric(streamer, "swiftcache_borrowed_tokens") >= STREAMED_POOL, 180,
+                 "the streaming server to borrow donor pages for its whole store")
+        lent = metric(donor, "swiftcache_lent_tokens")
+        assert lent > 0, "the donor's metrics do not show the lease"
+        got = [_generate(streamer, long_prompt), _generate(streamer, hit_prompt)]
+        assert got == want[:2], "streamed-from-donor output differs from stock SGLang's"
+        assert len(long_prompt) + len(got[0]) >= 4 * LOCAL_POOL
+        wait_for(lambda: _donor_rows(streamer.log_text()) > 0, 30,
+                 "the streaming server's stats to show reads from donor memory")
+
+        result: list = []
+        request = threading.Thread(target=lambda: result.append(
+            _generate(streamer, during_reclaim)))
+        request.start()
+        _donor_burst(donor)  # the donor's own traffic takes its pages back
+        request.join(600)
+        wait_for(lambda: "now stream from host memory" in streamer.log_text(), 60,
+                 "the streaming server to flip reclaimed pages to host memory")
+        log = streamer.log_text()
+    assert result == [want[2]], "output during the donor's reclaim differs from stock SGLang's"
+    assert re.search(r"local staging 2 of 8 layers .* every layer in donor memory under a lease",
+                     log)
