@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"full run: comma-separated scenario/workload keys, {HEADLINE} first "
                         f"(choices: {', '.join(FULL_RATES)}; the 8-GPU ones take hours)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-context", action="store_true",
+                   help="the paper's long-context scenario (LWM-Text-1M on an H20 with three donors): "
+                        "maximum context and per-token slowdown from the stepwise streaming model (seconds)")
     p.add_argument("--validate", action="store_true",
                    help="simulate this CPU node (bench_node's servers, models and traffic) with the "
                         "parameters of scripts/calibrate_cpu.py and print it beside bench_node's live "
@@ -58,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--validate: the JSON scripts/calibrate_cpu.py wrote")
     p.add_argument("--live", type=Path, default=Path("runs/node_bench/node_bench.json"),
                    help="--validate: bench_node's saved records (its --out directory's node_bench.json)")
+    p.add_argument("--demote-ahead", type=float, default=0.0,
+                   help="--validate: the pool fraction the live borrower kept free by demoting ahead "
+                        "(0 since commit 0be01c3, 0.125 before it): which code the live run ran")
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
     return p
 
@@ -170,10 +176,29 @@ def summary(res: dict) -> dict:
     }
 
 
+def _long_context(a: argparse.Namespace) -> int:
+    from . import long_context as lc
+
+    rep = lc.scenario_report()
+    out = Path(a.out or "runs/sim-long-context")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "long_context.json").write_text(json.dumps(rep, indent=1, default=str))
+    print("All numbers below are SIMULATED.\n")
+    print(lc.report_md(rep))
+    m = rep["main"]
+    print(json.dumps({"simulated": True, "scenario": m["setup"], "model": m["model"], "gpu": m["gpu"],
+                      "max_context_tokens": m["max_tokens"], "max_context_ratio": round(m["ratio"], 3),
+                      "decode_slowdown_at_max": round(m["at_max"]["decode_slowdown"], 2),
+                      "prefill_slowdown_at_max": round(m["at_max"]["prefill_slowdown"], 4),
+                      "decode_slowdown_at_baseline_max": round(m["at_baseline_max"]["decode_slowdown"], 2),
+                      "depth": m["depth"]}))
+    return 0
+
+
 def _validate(a: argparse.Namespace) -> int:
     from . import validate as val
 
-    res = val.validate(a.calibration, a.live)
+    res = val.validate(a.calibration, a.live, a.demote_ahead)
     out = Path(a.out or "runs/sim-validate")
     out.mkdir(parents=True, exist_ok=True)
     (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))
@@ -189,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.validate:
         return _validate(a)
+    if a.long_context:
+        return _long_context(a)
     out = Path(a.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -5,16 +5,19 @@ traffic, with the parameters scripts/calibrate_cpu.py measured (SIMULATED figure
 The three runs of bench_node (nodebench/plan.py):
   stock       busy `small` pool `busy_pool`, donor `tiny` pool `donor_pool`, SGLang radix caches
   swiftcache  the same pools; the donor lends `lend_fraction` of its pool (Node.lend, the ledger),
-              the busy server's radix_ext tree gets a donor tier, demotes LRU prefixes into it
-              ahead of need (1/8 of its pool kept free, as the live borrower) and loads hits back
-              layer by layer; copies cost the measured PoolTransferEngine time
+              the busy server's radix_ext tree gets a donor tier; an eviction that needs room
+              stores its victims there before the step computes (the live borrower since commit
+              0be01c3; before it, stores ran beside the scheduler and the borrower demoted ahead
+              to keep 1/8 of its pool free: `demote_ahead=0.125`); hits load back layer by layer;
+              copies cost the measured PoolTransferEngine time
   ideal       stock, the busy pool grown by what the simulated (b) borrowed, the donor's shrunk by
               what it lent
 Traffic (nodebench/traffic.py, steady phase): the busy model's conversations interleaved turn by
 turn, one request at a time, each sent when the previous one's stream ended; the donor's light
 requests one every `donor_interval_s` or when the previous ended. Keys are the traced token ids:
-a finished request caches its prompt and all but its last output token, as SGLang does, page
-size 1 (SGLang's CPU default). The reclaim phase (the donor's burst) is not simulated.
+a request's prompt enters the tree when its prefill ends, and a finished request's prompt and
+all but its last output token, as SGLang does (checkpoint, then release), page size 1 (SGLang's
+CPU default). The reclaim phase (the donor's burst) is not simulated.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from .server import ModelServer, SimRequest
 
 CHUNKED_PREFILL = 4096  # SGLang's chunked_prefill_size on this CPU (the servers' logged args)
 MAX_RUNNING = 512  # SGLang's max_running_requests there
-DEMOTE_AHEAD_FRACTION = 0.125  # integration/donor_hits.py: the borrower keeps 1/8 of its pool free
 UNLIMITED = 1e15  # B/s: a copy whose time is all latency (the measured engine did not slow with size)
 
 
@@ -60,11 +62,12 @@ def _node(cal: dict) -> Node:
     return node
 
 
-def _server(node: Node, g: int, name: str, compute, pool: int, donor_tier: bool) -> ModelServer:
+def _server(node: Node, g: int, name: str, compute, pool: int, donor_tier: bool,
+            demote_ahead: float = 0.0) -> ModelServer:
     srv = ModelServer(name, node.gpus[g], compute, TreeCache(pool, 0, donor=donor_tier), page_tokens=1,
                       chunk=CHUNKED_PREFILL, max_running=MAX_RUNNING,
                       load_mode="layerwise" if donor_tier else "none", node=node,
-                      demote_headroom=int(pool * DEMOTE_AHEAD_FRACTION) if donor_tier else 0)
+                      demote_headroom=int(pool * demote_ahead) if donor_tier else 0, checkpoint_prompt=True)
     node.gpus[g].server = srv
     node.by_name[name] = srv
     return srv
@@ -104,10 +107,11 @@ def donor_order(trace: list[dict], requests: int) -> list[dict]:
     return [by[(sessions[k % len(sessions)], k // len(sessions) + 1)] for k in range(requests)]
 
 
-def simulate_run(cal: dict, run: RunPlan, plan: dict) -> dict:
-    """One run's steady phase; returns records per stream (RequestRecords) and what was lent."""
+def simulate_run(cal: dict, run: RunPlan, plan: dict, demote_ahead: float = 0.0) -> dict:
+    """One run's steady phase; returns records per stream (RequestRecords) and what was lent.
+    `demote_ahead`: the fraction of its pool a borrower keeps free by demoting ahead of need."""
     node = _node(cal)
-    busy = _server(node, 0, "busy", compute_for(cal, "busy"), run.busy_pool, run.swiftcache)
+    busy = _server(node, 0, "busy", compute_for(cal, "busy"), run.busy_pool, run.swiftcache, demote_ahead)
     donor = _server(node, 1, "donor", compute_for(cal, "donor"), run.donor_pool, False)
     lent_blocks = node.lend(donor, busy, plan["lend_fraction"], plan["reclaim_watermark"]) if run.swiftcache else 0
     busy_items = steady_order(cal["trace"]["busy"], plan["turns"])
@@ -147,10 +151,11 @@ def simulate_run(cal: dict, run: RunPlan, plan: dict) -> dict:
             "copied_bytes": {f"{a}->{b}": v for (a, b), v in node.bytes_by_route.items()}}
 
 
-def simulate_node(cal: dict, plan: dict) -> dict:
+def simulate_node(cal: dict, plan: dict, demote_ahead: float = 0.0) -> dict:
     """The three runs; (c)'s pools come from what (b) moved, as bench_node derives them."""
     runs = {"a": simulate_run(cal, RunPlan("stock", plan["busy_pool"], plan["donor_pool"], False), plan),
-            "b": simulate_run(cal, RunPlan("swiftcache", plan["busy_pool"], plan["donor_pool"], True), plan)}
+            "b": simulate_run(cal, RunPlan("swiftcache", plan["busy_pool"], plan["donor_pool"], True), plan,
+                              demote_ahead)}
     b = runs["b"]
     runs["c"] = simulate_run(cal, RunPlan("ideal", plan["busy_pool"] + b["lent_blocks"],
                                           plan["donor_pool"] - b["lent_donor_tokens"], False), plan)

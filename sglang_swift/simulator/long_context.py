@@ -150,3 +150,42 @@ def depth_and_links(lc: LongContext, context: int, depths=(1, 2, 3, 4)) -> list[
     rows.append({"case": "all in donor HBM (NVLink)", **probe(donor_only, context)})
     rows.append({"case": "all in host memory (PCIe)", **probe(host_only, context)})
     return rows
+
+
+def scenario_report(lc: LongContext = LWM_H20, fractions=(0.25, 0.5, 0.75)) -> dict:
+    """The long-context scenario: the maximum context sweep, its sensitivity to the lend
+    fraction, and the per-token cost by depth and by link at the baseline's maximum and ours."""
+    main = max_context(lc)
+    return {"main": main,
+            "by_lend_fraction": [{k: v for k, v in max_context(replace(lc, lend_fraction=f)).items()
+                                  if k != "probes"} for f in fractions],
+            "by_depth_and_link": {str(n): depth_and_links(lc, n)
+                                  for n in (main["max_tokens"]["sglang"], main["max_tokens"]["swiftcache"]) if n}}
+
+
+def report_md(rep: dict) -> str:
+    """Markdown tables of `scenario_report` (every figure SIMULATED)."""
+    m = rep["main"]
+    lines = [f"{m['model']} on {m['gpu']} (SIMULATED, stepwise streaming, depth {m['depth']}): local KV pool "
+             f"{m['local_kv_gb']:.1f} GB, donor lease {m['lent_gb']:.1f} GB (lend fraction {m['lend_fraction']}), "
+             f"host {m['host_gb']:.1f} GB; bounds in tokens: streamable {m['memory_bound_tokens']['streamable']:,}, "
+             f"staging {m['memory_bound_tokens']['staging']:,}, window {m['memory_bound_tokens']['window'] or '-'}",
+             "", "| system | max context (tokens) | vs SGLang |", "|---|---|---|"]
+    for k, v in m["max_tokens"].items():
+        lines.append(f"| {k} | {v:,} | {v / m['max_tokens']['sglang']:.2f}x |")
+    lines += ["", "| context (tokens) | TTFT streamed / resident (s) | prefill slowdown | decode step streamed / "
+              "resident (ms) | per-token slowdown |", "|---|---|---|---|---|"]
+    for p in m["probes"]:
+        lines.append(f"| {p['context']:,} | {p['ttft_s']:.2f} / {p['ttft_resident_s']:.2f} | x{p['prefill_slowdown']:.3f} "
+                     f"| {p['decode_step_s'] * 1e3:.1f} / {p['decode_step_resident_s'] * 1e3:.1f} | "
+                     f"x{p['decode_slowdown']:.2f} |")
+    lines += ["", "| lend fraction | donor lease GB | SwiftCache max context | vs SGLang |", "|---|---|---|---|"]
+    for r in rep["by_lend_fraction"]:
+        lines.append(f"| {r['lend_fraction']} | {r['lent_gb']:.1f} | {r['max_tokens']['swiftcache']:,} | {r['ratio']:.2f}x |")
+    for n, rows in rep["by_depth_and_link"].items():
+        lines += ["", f"At {int(n):,} tokens:", "", "| case | decode step streamed / resident (ms) | per-token slowdown "
+                  "| TTFT slowdown |", "|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['case']} | {r['decode_step_s'] * 1e3:.1f} / {r['decode_step_resident_s'] * 1e3:.1f} | "
+                         f"x{r['decode_slowdown']:.2f} | x{r['prefill_slowdown']:.3f} |")
+    return "\n".join(lines)

@@ -107,9 +107,12 @@ class Barrier:
 class ModelServer:
     def __init__(self, name: str, gpu: "object", roofline: Roofline, cache: TreeCache, *,
                  page_tokens: int, chunk: int, max_running: int, load_mode: str, node: "object",
-                 demote_headroom: int = 0):
+                 demote_headroom: int = 0, checkpoint_prompt: bool = False):
         """`demote_headroom`: pages the server keeps free by demoting LRU prefixes ahead of need,
-        beside its steps (the live borrower's `demote_ahead`, 1/8 of its pool); 0: none."""
+        beside its steps (the live borrower's old `demote_ahead`, 1/8 of its pool); 0: none.
+        `checkpoint_prompt`: publish a request's prompt in the tree when its prefill ends, as
+        SGLang 0.5.23 does (`checkpoint_kv_cache`), so nodes split at prompt boundaries and evict
+        as SGLang's do; the GPU sweeps of docs/simulation.md ran without it."""
         if load_mode not in ("layerwise", "before", "none"):
             raise ValueError(f"unknown load_mode {load_mode!r}")
         self.name, self.gpu, self.rl, self.cache = name, gpu, roofline, cache
@@ -129,6 +132,7 @@ class ModelServer:
         self.load_failures = 0
         self.rejected: list[SimRequest] = []
         self.demote_headroom = demote_headroom
+        self.checkpoint_prompt = checkpoint_prompt
         self._barrier = Barrier()
 
     # -- entry points ------------------------------------------------------------------------------
@@ -309,8 +313,28 @@ class ModelServer:
                 if r.generated >= r.output_tokens:
                     self._finish(r)
                 else:
+                    if self.checkpoint_prompt:
+                        self._checkpoint(r)
                     self.running.append(r)
         self._step()
+
+    def _checkpoint(self, r: SimRequest) -> None:
+        """Insert the prompt's full pages, take the tree's path as the request's prefix and
+        move its lock there (SGLang's `checkpoint`); its own slots past the prompt stay its own."""
+        c = self.cache
+        n = r.prompt_tokens // self.P
+        if n <= r.prefix_pages:
+            return
+        mine = n - r.prefix_pages
+        idx = array("q", c.path_indices(r.lock_node))
+        idx.extend(r.own[:mine])
+        res = c.insert(r.key_full[:n], idx)
+        c.free(r.own[:max(0, res.duplicate_len - r.prefix_pages)])
+        c.lock(res.last_node)
+        c.unlock(r.lock_node)
+        r.lock_node = res.last_node
+        r.own = r.own[mine:]
+        r.prefix_pages = n
 
     def _decode_done(self) -> None:
         now = self.node.loop.now

@@ -71,11 +71,13 @@ def per_request(sim_records: list, live_records: list) -> list[dict]:
     return rows
 
 
-def validate(cal_path: Path, live_path: Path) -> dict:
+def validate(cal_path: Path, live_path: Path, demote_ahead: float = 0.0) -> dict:
+    """`demote_ahead`: the borrower's demote-ahead headroom in the live run's code (0 since commit
+    0be01c3; 0.125 before it)."""
     cal = cpu_calibration.load(cal_path)
     live = load_live(live_path)
     check_same_plan(cal, live)
-    sim = simulate_node(cal, live["plan"])
+    sim = simulate_node(cal, live["plan"], demote_ahead)
     runs, errors = {}, {}
     for key, name in RUN_NAMES.items():
         lt, st = live["tables"][key], sim[key]["tables"]
@@ -94,6 +96,9 @@ def validate(cal_path: Path, live_path: Path) -> dict:
 
     return {"simulated_vs_live": True, "calibration": str(cal_path), "live": str(live_path),
             "calibration_date": cal["date"], "live_date": live["summary"].get("date"),
+            "demote_ahead": demote_ahead,
+            "copied_tokens_sim": {RUN_NAMES[k]: {route: round(b / cal["models"]["busy"]["kv_bytes_per_token"])
+                                                for route, b in sim[k]["copied_bytes"].items()} for k in sim},
             "loadavg_1min": {"calibration": cal["loadavg_1min"], "live": live["summary"].get("loadavg_1min")},
             "trace": trace_matches(cal, live), "runs": runs, "errors": errors,
             "ttft_p50_error": overall("ttft_p50_error"), "ttft_p99_error": overall("ttft_p99_error"),
@@ -130,10 +135,21 @@ def format_tables(res: dict) -> str:
         ld, sd = r["live"]["donor"], r["sim"]["donor"]
         lines.append(f"| {name} | {_n(ld['ttft_p50_ms'])} / {_n(ld['ttft_p99_ms'])} | "
                      f"{_n(sd['ttft_p50_ms'])} / {_n(sd['ttft_p99_ms'])} |")
+    lines.append("\nPer request, live TTFT / simulated TTFT (median; the run's first request): " + ", ".join(
+        f"{name} {_ratio_median(r['requests']):.2f} ({r['requests'][0]['ttft_live_ms'] / r['requests'][0]['ttft_sim_ms']:.2f})"
+        for name, r in res["runs"].items()))
+    lines.append("Simulated copies (busy tokens): " + ", ".join(
+        f"{name} {v}" for name, v in res["copied_tokens_sim"].items() if v))
     tr = res["trace"]
     lines.append(f"\ntraced workload = live workload: {tr['compared'] - len(tr['mismatched'])}/{tr['compared']} "
                  f"busy prompts of equal length")
     return "\n".join(lines)
+
+
+def _ratio_median(rows: list[dict]) -> float:
+    import statistics
+
+    return statistics.median(r["ttft_live_ms"] / r["ttft_sim_ms"] for r in rows if r["ttft_sim_ms"])
 
 
 def summary_line(res: dict) -> dict:
