@@ -13,7 +13,10 @@ on the network. The owner (the scheduler) talks to it through commands and drain
   ``read_deadline(donor, lease_id)``); a deadline that passes while the donor lives moves
   again once the donor re-validates the lease (the lease, its blocks and their content stay).
   ``release(key)`` gives blocks back early. Events come from ``poll_events()`` or
-  ``next_event(timeout)``.
+  ``next_event(timeout)``. An owner whose own loop may not drain events for a while (a
+  scheduler in a long forward) registers ``on_reclaim(handler)``: each ReclaimRequested is
+  then handed to ``handler`` on the I/O thread at once, and an ``ack_reclaim`` it makes leaves
+  in the same I/O step (the event is still queued for the owner afterwards).
 
 With tensor parallelism only one rank (rank 0) creates the agent; it speaks for the server,
 and the data plane forwards grants and reclaims to the other ranks. ``agent_id`` must be
@@ -25,12 +28,14 @@ counted (``commands_refused``), never raised there. Events queue up until draine
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from sglang_swift.common.private_resources import sweep_shm
 from sglang_swift.control import discovery
@@ -72,6 +77,8 @@ class ControlAgent:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._reclaim_handler: Callable[[ReclaimRequested], None] | None = None
+        self._reclaims: collections.deque = collections.deque()  # for the handler (I/O thread)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._seq = itertools.count(1)
@@ -168,7 +175,18 @@ class ControlAgent:
         return rid
 
     def ack_reclaim(self, event: ReclaimRequested) -> None:
+        """Tell the donor the reclaimed blocks are no longer read or written here (a second
+        ack of the same reclaim, or one for a lease lost meanwhile, is ignored)."""
         self._command(self.borrower.ack, event.key, event.reclaim_id)
+
+    def on_reclaim(self, handler: Callable[[ReclaimRequested], None] | None) -> None:
+        """Deliver each ReclaimRequested to ``handler`` on the I/O thread as soon as it arrives,
+        outside the agent's lock (so it may wait on threads that call this agent), before the
+        event is queued for ``poll_events``. The handler stops using the blocks and may call
+        ``ack_reclaim``; it delays this agent's I/O while it runs, so it must be short (stop
+        copies, not wait for a scheduler). An exception in it is logged and counted
+        (``reclaim_handler_errors``); the owner still gets the event. None unregisters."""
+        self._reclaim_handler = handler
 
     def release(self, key: LeaseKey, blocks=None) -> None:
         self._command(self.borrower.release, key, None if blocks is None else list(blocks))
@@ -218,7 +236,10 @@ class ControlAgent:
         return time.monotonic()
 
     def emit(self, event: Event) -> None:
-        self._events.put(event)
+        if type(event) is ReclaimRequested and self._reclaim_handler is not None:
+            self._reclaims.append(event)  # to the handler first, outside the lock (_step)
+        else:
+            self._events.put(event)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -283,7 +304,8 @@ class ControlAgent:
                 except Exception:  # a bug must not take the channel down with it
                     log.exception("handling a message from %s failed; dropped", source)
                     self.count("handler_errors")
-        self._drain_commands()
+        self._deliver_reclaims()
+        self._drain_commands()  # sends the acks the handler made, in this same step
         with self._lock:
             self._changed.notify_all()  # wake wait_until() callers to re-check
         now = time.monotonic()
@@ -298,6 +320,21 @@ class ControlAgent:
                     log.exception("control agent periodic work failed")
                     self.count("tick_errors")
             self._next_tick = now + self.config.heartbeat_interval_s / 2
+
+    def _deliver_reclaims(self) -> None:
+        """Run the owner's reclaim handler on each new reclaim (not under the lock: it waits for
+        copies, whose threads may ask this agent for read deadlines), then queue the event."""
+        while self._reclaims:
+            event = self._reclaims.popleft()
+            handler = self._reclaim_handler
+            if handler is not None:
+                try:
+                    handler(event)
+                except Exception:  # the owner's bug: its scheduler path still gets the event
+                    log.exception("reclaim handler failed on %s", event.key)
+                    with self._lock:
+                        self.count("reclaim_handler_errors")
+            self._events.put(event)
 
     def _drain_commands(self) -> None:
         while True:

@@ -39,7 +39,8 @@ class RequestFailed:
 @dataclass(frozen=True)
 class ReclaimRequested:
     """Borrower: stop reading ``blocks``, then call ``agent.ack_reclaim(event)``. ``deadline`` is
-    CLOCK_MONOTONIC seconds; the donor waits past it, but its owner is then short of memory."""
+    CLOCK_MONOTONIC seconds; the donor waits past it, but its owner is then short of memory.
+    With ``agent.on_reclaim(handler)`` it reaches the handler on the agent's thread first."""
 
     key: LeaseKey
     reclaim_id: int

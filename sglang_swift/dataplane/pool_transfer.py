@@ -17,6 +17,12 @@ read deadline has not passed (`read_deadline`, on `clock`): a store never writes
 a load never reads them after the deadline. `abort()` returns only once nothing of this
 transfer writes any more: on CPU it waits for the layer being copied (a lock spans each layer),
 on a GPU it synchronizes the lane's streams after stopping further enqueues.
+
+Fence (a reclaim acknowledged from the control agent's thread, `copy_fence.py`): `fence(blocks)`
+refuses every later copy touching those blocks (its handle comes back failed, nothing moves) and
+aborts the copies in flight touching them, returning once none of them touches memory: on CPU
+after at most the layer each is copying (one layer of one transfer), on a GPU once this lease's
+lane has run what it had enqueued. Any thread may call it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 import swift_kernels as sk
 from swift_kernels import K, V
 
+from .copy_fence import CopyFence
 from .packing import CopyPlan, LeasePacking
 from .streams import make_lane
 from .transfer import TransferHandle, TransferResult
@@ -123,10 +130,28 @@ class PoolTransferEngine:
         self._max_width = 16 if self.backend in ("staged", "reference") and \
             self.local_device.type == "cpu" else 8
         self._ptr_align = math.gcd(*ptrs, self._max_width)
+        self.copy_fence = CopyFence()
 
     def close(self) -> None:
         if self._own_lane:
             self.lane.close()
+
+    # ---- the fence (any thread) ----------------------------------------------------------------
+    def fence(self, blocks, reason: str = "reclaimed by the donor") -> int:
+        """Refuse later copies touching lease blocks `blocks`, abort those in flight, and return
+        once none of them touches memory (see the module docstring for the bound). Returns how
+        many copies were aborted."""
+        hit = self.copy_fence.fence(blocks)
+        for handle in hit:
+            handle.abort(reason)  # waits out the layer it is copying (GPU: syncs the lane)
+        sync = getattr(self.lane, "synchronize", None)
+        if sync is not None:  # GPU: copies already enqueued, their handles retired or not
+            sync()
+        return len(hit)
+
+    def fenced(self, blocks) -> bool:
+        """Whether a copy touching `blocks` would be refused now."""
+        return self.copy_fence.touches(blocks)
 
     # ---- the two transfers -------------------------------------------------------------------
     def begin_store(self, slots, blocks) -> PoolTransferHandle:
@@ -136,16 +161,21 @@ class PoolTransferEngine:
         plan = self._plan(slots, blocks, store=True)
         handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
         num_layers = self.packing.borrower.num_layers
+        if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
+            return _refused(handle, TransferResult(False, tuple(range(num_layers)), FENCED))
 
         def job() -> TransferResult:
-            for layer in range(num_layers):
-                with handle.layer_lock:
-                    reason = self._stop_reason(handle)
-                    if reason is None:
-                        reason = self._copy_layer(plan, layer, store=True)
-                    if reason is not None:
-                        return TransferResult(False, tuple(range(layer, num_layers)), reason)
-            return TransferResult(True, (), None)
+            try:
+                for layer in range(num_layers):
+                    with handle.layer_lock:
+                        reason = self._stop_reason(handle)
+                        if reason is None:
+                            reason = self._copy_layer(plan, layer, store=True)
+                        if reason is not None:
+                            return TransferResult(False, tuple(range(layer, num_layers)), reason)
+                return TransferResult(True, (), None)
+            finally:
+                self.copy_fence.retire(handle)
 
         handle._future = self._submit(plan, job)
         return handle
@@ -161,19 +191,24 @@ class PoolTransferEngine:
         pid = counter.update_producer()
         handle = PoolTransferHandle(counter, pid, getattr(self.lane, "synchronize", None))
         num_layers = self.packing.borrower.num_layers
+        if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
+            return _refused(handle, TransferResult(False, counter.fail(FENCED, pid), FENCED))
 
         def job() -> TransferResult:
-            for layer in range(num_layers):
-                if before_layer is not None:
-                    before_layer(layer)
-                with handle.layer_lock:
-                    reason = self._stop_reason(handle, counter, pid)
-                    if reason is None:
-                        reason = self._copy_layer(plan, layer, store=False)
-                    if reason is not None:
-                        return TransferResult(False, counter.fail(reason, pid), reason)
-                counter.complete(layer, pid, stream=self.lane.stream)
-            return TransferResult(True, (), None)
+            try:
+                for layer in range(num_layers):
+                    if before_layer is not None:
+                        before_layer(layer)
+                    with handle.layer_lock:
+                        reason = self._stop_reason(handle, counter, pid)
+                        if reason is None:
+                            reason = self._copy_layer(plan, layer, store=False)
+                        if reason is not None:
+                            return TransferResult(False, counter.fail(reason, pid), reason)
+                    counter.complete(layer, pid, stream=self.lane.stream)
+                return TransferResult(True, (), None)
+            finally:
+                self.copy_fence.retire(handle)
 
         if plan is None:  # nothing to copy: every layer is ready at once
             for layer in range(num_layers):
@@ -263,6 +298,20 @@ class PoolTransferEngine:
         """dst[dst_rows] = src[src_rows] (swift_kernels.copy_rows; checked once in _plan)."""
         sk.copy_rows(src, src_rows, dst, dst_rows, backend=self.backend, staging=self._staging,
                      validate=False)
+
+
+FENCED = "blocks fenced: reclaimed by the donor"
+
+
+def _ids(blocks) -> list[int]:
+    return torch.as_tensor(blocks, dtype=torch.int64).reshape(-1).tolist()
+
+
+def _refused(handle: PoolTransferHandle, result: TransferResult) -> PoolTransferHandle:
+    """A copy the fence refused: done at once, failed, nothing moved."""
+    handle._future = Future()
+    handle._future.set_result(result)
+    return handle
 
 
 def _check_buffers(g, k_buffers, v_buffers) -> None:

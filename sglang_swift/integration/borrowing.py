@@ -10,10 +10,17 @@ Block numbers (docs/dataplane.md "Block numbers"): the tree and `DonorResidency.
 lease-local borrower blocks; the control channel (grants, reclaims) holds donor page ids;
 `packing.blocks_touching(pages)` converts the latter into the former.
 
-Faults are expected events: a reclaim is revoked from the tree, and in-flight copies touching
-the reclaimed pages are aborted, before it is acknowledged; a lost lease is revoked whole; a copy
-whose donor is not readable now (read deadline passed, process gone) is refused, so the caller
-aborts its ticket and the request recomputes.
+Faults are expected events. A reclaim is acknowledged from the control agent's thread as soon as
+no copy touches the reclaimed pages (`fence`: later copies touching them are refused, those in
+flight aborted and waited out), without waiting for the scheduler loop; the tree, which only the
+scheduler thread may touch, revokes those blocks at its next pump (`on_reclaim`), and until then
+every copy touching them is refused (the ticket aborts; the request recomputes). A lost lease is
+revoked whole on the scheduler thread. A copy whose donor is not readable now (read deadline
+passed, process gone) is refused too.
+
+Threads: everything runs on the scheduler thread except `fence`, which the runtime calls on the
+agent's thread; it reads `leases` (one dict lookup) and the lease's immutable packing, and
+touches only the engine's thread-safe fence.
 """
 
 from __future__ import annotations
@@ -21,9 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-import torch
+from typing import Any
 
 from ..control import LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested
 from ..dataplane import (LeasePacking, MappingError, PoolTransferEngine, map_pool, owner_alive,
@@ -51,7 +56,7 @@ class BorrowedLease:
 
 
 class Borrowing:
-    """All leases this server holds; runs on the scheduler thread."""
+    """All leases this server holds; runs on the scheduler thread (`fence`: any thread)."""
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
                  stats: dict, copy_timeout_s: float) -> None:
@@ -132,15 +137,29 @@ class Borrowing:
                     "(lease %d, epoch %d, %d bytes unused)", len(ev.blocks), ev.key.donor,
                     packing.num_blocks, ev.key.lease_id, ev.key.epoch, packing.unused_bytes)
 
+    def fence(self, ev: ReclaimRequested) -> bool:
+        """Any thread (the agent's, on a reclaim): refuse every later copy touching the
+        reclaimed pages and stop those in flight; returns once none touches them (CPU: at most
+        one layer of each copy; GPU: this lease's enqueued copies). False when the lease is not
+        known here yet (its grant still queued for the scheduler): nothing can copy on it, and
+        the scheduler fences and acknowledges at its pump (`on_reclaim`)."""
+        held = self.leases.get((ev.key.donor, ev.key.lease_id))
+        if held is None:
+            return False
+        held.engine.fence(held.packing.blocks_touching(ev.blocks, strict=False))
+        return True
+
     def on_reclaim(self, ev: ReclaimRequested, tree: Any) -> Any:
-        """Revoke the blocks on the reclaimed pages from the tree and stop copies touching them;
-        the caller acknowledges after this returns. Returns the tree's RevokeResult or None."""
+        """Scheduler thread, at the pump after the reclaim arrived: fence the reclaimed pages
+        (a no-op when the agent's thread did already) and revoke their blocks from the tree;
+        the caller acknowledges after this returns (again, if the fence acknowledged: the agent
+        ignores a second ack). Returns the tree's RevokeResult or None."""
         held = self.leases.get((ev.key.donor, ev.key.lease_id))
         if held is None:
             return None
+        self.fence(ev)
         local = [b for b in held.packing.blocks_touching(ev.blocks, strict=False)
                  if b not in held.gone]
-        self._abort_inflight((ev.key.donor, ev.key.lease_id), set(local), "reclaimed")
         result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local)
         held.gone.update(local)
         return result
@@ -149,7 +168,7 @@ class Borrowing:
         held = self.leases.pop((ev.key.donor, ev.key.lease_id), None)
         if held is None:
             return None
-        self._abort_inflight((ev.key.donor, ev.key.lease_id), None, "lease lost")
+        self._abort_inflight((ev.key.donor, ev.key.lease_id), "lease lost")
         result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id)
         held.engine.close()
         self._drop_dead_mappings()
@@ -192,69 +211,16 @@ class Borrowing:
         return held.engine
 
     def track(self, key: tuple[str, int], handle: Any, blocks: set[int]) -> None:
-        """Register an in-flight copy so a reclaim of its blocks aborts it before the ack."""
+        """Register an in-flight copy so a lost lease aborts it. (A reclaim finds the copies
+        touching its pages through the engine's fence, on any thread.)"""
         self._inflight.setdefault(key, []).append((handle, blocks))
 
     def untrack(self, key: tuple[str, int], handle: Any) -> None:
         runs = self._inflight.get(key, [])
         runs[:] = [(h, b) for h, b in runs if h is not handle]
+        if not runs:
+            self._inflight.pop(key, None)
 
-    def _abort_inflight(self, key: tuple[str, int], blocks: set[int] | None, why: str) -> None:
-        for handle, used in list(self._inflight.get(key, [])):
-            if blocks is None or used & blocks:
-                handle.abort(why)
-
-    def store(self, items: Sequence[tuple[Sequence[int], Any]]) -> list[bool]:
-        """Copy each (device slots, donor residency) pair into its donor blocks, in order; per
-        pair, whether its copy happened (False: the caller aborts that store)."""
-        done = [False] * len(items)
-        for key, idxs in _batches(items, lambda item: item[1]):
-            ok = self._copy(key, [items[i][0] for i in idxs], [items[i][1] for i in idxs], None)
-            self.stats["refused_stores"] += 0 if ok else 1
-            for i in idxs:
-                done[i] = ok
-        return done
-
-    def load(self, items: Sequence[tuple[Any, Sequence[int]]], counter: Any) -> bool:
-        """Copy each (donor residency, device slots) pair back, layer by layer, signalling
-        `counter`; False (treat every slot as garbage) if any copy could not run."""
-        for key, idxs in _batches(items, lambda item: item[0]):
-            if not self._copy(key, [items[i][1] for i in idxs], [items[i][0] for i in idxs],
-                              counter):
-                self.stats["refused_loads"] += 1
-                return False
-        return True
-
-    def _copy(self, key: tuple[str, int], slot_lists: list, residencies: list, counter) -> bool:
-        engine = self.lease_engine(*key)
-        if engine is None:
-            return False
-        slots = torch.as_tensor([s for lst in slot_lists for s in lst], dtype=torch.int64)
-        blocks = [b for r in residencies for b in r.blocks]
-        if counter is None:
-            handle = engine.begin_store(slots, blocks)
-        else:
-            handle = engine.begin_load(slots, blocks, counter)
-        self.track(key, handle, set(blocks))
-        try:
-            ok = handle.wait(self.copy_timeout_s).ok
-        finally:
-            self.untrack(key, handle)
-        if ok:
-            self.stats["stored_tokens" if counter is None else "loaded_tokens"] += len(slots)
-        return ok
-
-
-def _batches(items: Sequence, residency_of) -> list[tuple[tuple[str, int], list[int]]]:
-    """Split `items` (in order) into runs on one lease with no block repeated within a run."""
-    runs: list[tuple[tuple[str, int], list[int]]] = []
-    seen: set[int] = set()
-    for i, item in enumerate(items):
-        res = residency_of(item)
-        key = (res.donor, res.lease)
-        if not runs or runs[-1][0] != key or seen.intersection(res.blocks):
-            runs.append((key, []))
-            seen = set()
-        runs[-1][1].append(i)
-        seen.update(res.blocks)
-    return runs
+    def _abort_inflight(self, key: tuple[str, int], why: str) -> None:
+        for handle, _ in list(self._inflight.get(key, [])):
+            handle.abort(why)

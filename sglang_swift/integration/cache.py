@@ -172,7 +172,7 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         if self.runtime is not None:  # a new, empty tree: hand it the leases still held
             self.runtime.attach_tree(self.tree)
 
-    def swift_step(self) -> None:
+    def swift_step(self, scheduler: Any = None) -> None:
         """Called once per scheduler loop iteration (plugin hook): close finished copies and
         handle control events at most every STEP_INTERVAL_S, so an idle server still takes
         leases and reclaims."""
@@ -186,6 +186,7 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
             self.runtime.pump()
+        self.runtime.lend(scheduler)  # every loop: a burst's demand leaves in the loop it arrived
         if self.metrics is not None and now - self._last_metrics >= METRICS_INTERVAL_S:
             from .metrics import gauges_of
 

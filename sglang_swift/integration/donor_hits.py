@@ -97,10 +97,10 @@ class DonorHitsMixin:
 
     def _readable(self, res: Any) -> bool:
         """Whether donor residency `res` can be read now: its lease is held, within its read
-        deadline, and the donor process is there (a donor killed since is a recompute, not a
-        failed load)."""
+        deadline, its blocks not reclaimed (fenced) since, and the donor process is there (a
+        donor killed or a reclaim since is a recompute, not a failed load)."""
         engine = self.runtime.lease_engine(res.donor, res.lease)
-        return engine is not None and engine.liveness()
+        return engine is not None and engine.liveness() and not engine.fenced(res.blocks)
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admit the load of a matched donor part (SGLang calls this for admitted requests):

@@ -16,11 +16,15 @@ reports them in `protected_size()` (`lent_tokens`), which keeps the scheduler's 
 
 Policy, in tokens of the donor's pool of size S:
 - `reserve = (1 - reclaim_watermark) x S` stays free for the donor's own traffic at all times:
-  lending never takes the allocator's free room below `reserve` plus a headroom of 1/16 of the
-  pool (so a little own traffic does not reclaim everything), and when free room plus the
-  tree's evictable part falls below it (the donor's own load is rising), every lent page is
-  demanded back at once: the donor gets its whole pool for the burst (the reserve serves it
-  meanwhile), rather than chasing a growing shortfall page by page;
+  lending never takes the allocator's free room, less what the donor's own queued requests will
+  need, below `reserve` plus a headroom of 1/16 of the pool (so a little own traffic does not
+  reclaim everything), and when free room plus the tree's evictable part, less that own demand,
+  falls below it (the donor's own load is rising), every lent page is demanded back at once:
+  the donor gets its whole pool for the burst (the reserve serves it meanwhile), rather than
+  chasing a growing shortfall page by page;
+- the own demand (`own_demand_tokens`) is read from the scheduler's queues every scheduler loop,
+  after SGLang took in new requests and before it admits any: a burst's demand goes out in the
+  loop its requests arrive in, not after its first requests were admitted into the reserve;
 - at most `lend_fraction x S` is lent;
 - after a reclaim, nothing is lent again for `relend_cooldown_s` (no oscillation while the
   donor's own burst lasts).
@@ -38,6 +42,32 @@ logger = logging.getLogger(__name__)
 
 RELEND_COOLDOWN_S = 5.0
 MIN_OFFER_PAGES = 1
+
+
+def own_demand_tokens(scheduler: Any) -> int:
+    """KV tokens the server's own requests will still need, counted as SGLang's admission
+    (`PrefillAdder`) counts them: a waiting request its whole sequence so far plus its output
+    budget, a running one its output budget left times the scheduler's new-token ratio (1 for
+    `ignore_eos`); budgets clipped as SGLang clips them. A waiting request's cached prefix is
+    counted too, and rightly: it sits in the tree's evictable part, which the lender counts as
+    room, and admission locks it. O(requests); 0 without a scheduler (tests, other callers)."""
+    if scheduler is None:
+        return 0
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    def budget(req: Any) -> int:
+        left = (req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
+        return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
+
+    total = 0
+    for req in scheduler.waiting_queue:
+        total += len(req.origin_input_ids) + len(req.output_ids) + budget(req)
+    running = getattr(scheduler, "running_batch", None)
+    if running is not None and running.reqs:
+        ratio = scheduler.new_token_ratio_tracker.current
+        for req in running.reqs:
+            total += budget(req) * (1.0 if req.sampling_params.ignore_eos else ratio)
+    return int(total)
 
 
 class PoolLender:
@@ -78,11 +108,15 @@ class PoolLender:
         return self.allocator.size - self.lent_tokens
 
     # ---- one scheduler-loop step ---------------------------------------------------------
-    def step(self, evictable_tokens: int, borrowers_present: bool) -> None:
-        """Demand pages back when the donor's own room is short; else lend idle pages."""
+    def step(self, evictable_tokens: int, borrowers_present: bool,
+             own_demand_tokens: int = 0) -> None:
+        """Demand pages back when the donor's own room, less `own_demand_tokens` (what its
+        queued and running requests will still need: `own_demand_tokens(scheduler)`), is short
+        of the reserve; else lend idle pages beyond that demand."""
         free = self.allocator.available_size()
         # pages already demanded will come back: count them as room
-        short = self.reserve_tokens - (free + evictable_tokens + self.demanded * self.page_size)
+        short = self.reserve_tokens - (free + evictable_tokens - own_demand_tokens
+                                       + self.demanded * self.page_size)
         outstanding = len(self.lent) - self.demanded
         if short > 0 and outstanding > 0:
             n = outstanding
@@ -96,7 +130,8 @@ class PoolLender:
             return
         if not borrowers_present or self.demanded or self.clock() < self._quiet_until:
             return
-        room = (free - self.reserve_tokens - self.headroom_tokens) // self.page_size
+        room = (free - own_demand_tokens - self.reserve_tokens - self.headroom_tokens) \
+            // self.page_size
         want = min(room, self.max_pages - len(self.lent))
         if want >= MIN_OFFER_PAGES:
             self._lend(want)

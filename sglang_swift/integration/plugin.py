@@ -187,11 +187,13 @@ def config_for_server(server_args: Any) -> SwiftConfig:
 
 
 def _before_scheduler_step(scheduler: Any, *a: Any, **kw: Any) -> None:
-    """Once per scheduler loop iteration: let a SwiftCache tree handle control-channel events
-    (leases granted, reclaims, lost donors) on the scheduler thread. Stock trees have no step."""
+    """Once per scheduler loop iteration, after SGLang took in new requests and before it admits
+    any: let a SwiftCache tree handle control-channel events (leases granted, reclaims, lost
+    donors) on the scheduler thread, and a donor weigh its queued requests' demand against what
+    it lent. Stock trees have no step."""
     step = getattr(getattr(scheduler, "tree_cache", None), "swift_step", None)
     if step is not None:
-        step()
+        step(scheduler)
     return None
 
 

@@ -9,24 +9,28 @@ It ties the components together for a live SGLang server:
   this model's shape, handed to the radix tree's donor tier, plus the copies the tree asks for.
 
 Threading: the agent runs its own I/O thread; everything here runs on the scheduler thread, which
-calls `pump()` once per loop iteration (`SwiftRadixCache.swift_step`, from the plugin's hook).
-Faults are expected events: a reclaimed or lost lease is revoked from the tree (and its in-flight
-copies stopped) before the reclaim is acknowledged, and a copy from a donor that is not readable
-now is refused (the tree's ticket is aborted), so the request recomputes instead of reading pages
-that may already hold the donor's own data.
+calls `lend()` every loop iteration and `pump()` at most every 20 ms (`SwiftRadixCache.swift_step`,
+from the plugin's hook), except `_fence_reclaim`, which the agent calls on its I/O thread.
+Faults are expected events. A reclaim is acknowledged from the agent's thread as soon as no copy
+touches the reclaimed pages (`Borrowing.fence`), so a donor never waits for this server's forward
+pass; the tree forgets the blocks at the next pump, and until then every copy touching them is
+refused. A lost lease is revoked from the tree at the pump. A copy from a donor that is not
+readable now is refused (the tree's ticket is aborted), so the request recomputes instead of
+reading pages that may already hold the donor's own data.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+import time
+from typing import Any
 
 from ..control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseLost,
                        PeerChanged, ReclaimRequested, RequestFailed)
 from ..dataplane import pool_geometry
 from .borrowing import Borrowing
-from .lending import PoolLender
+from .lending import PoolLender, own_demand_tokens
 from .shared_kv_pool import shared_region_of
 from .swift_config import SwiftConfig
 
@@ -61,6 +65,7 @@ class SwiftRuntime:
                       "lost_leases": 0}
         self.lender: PoolLender | None = None
         self.borrowing: Borrowing | None = None
+        self._peers_present = False  # as of the last pump
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
@@ -89,6 +94,8 @@ class SwiftRuntime:
                                          lend_fraction=self.config.lend_fraction,
                                          reclaim_watermark=self.config.reclaim_watermark,
                                          agent=self.agent)
+        if self.borrowing is not None:
+            self.agent.on_reclaim(self._fence_reclaim)
         self.agent.start()
         logger.info("SwiftCache runtime %s started: lends up to %d tokens of its pool, borrows "
                     "up to %d blocks", self.agent_id,
@@ -103,18 +110,25 @@ class SwiftRuntime:
 
     # ---- the scheduler thread's step ------------------------------------------------------
     def pump(self) -> None:
-        """Handle what the agent queued; lend or reclaim own pages; ask for leases."""
+        """Handle what the agent queued; ask for leases; publish the capacity."""
         for event in self.agent.poll_events():
             handler = self._handlers.get(type(event))
             if handler is not None:
                 handler(self, event)
-        peers = self.agent.peer_count() > 0  # every pump: no full status
-        if self.lender is not None:
-            self.lender.step(self.tree.evictable_size(), borrowers_present=peers)
+        self._peers_present = self.agent.peer_count() > 0  # every pump: no full status
         if self.borrowing is not None:
-            self.borrowing.maybe_request(peers)
+            self.borrowing.maybe_request(self._peers_present)
         self.agent.set_capacity(self.allocator.size, self.lent_tokens, self.borrowed_tokens(),
                                 self.usable_tokens())
+
+    def lend(self, scheduler: Any = None) -> None:
+        """A donor's step, every scheduler loop (cheap: O(own requests)): demand lent pages back
+        when its own room less its own requests' demand (`lending.own_demand_tokens`, read from
+        `scheduler`'s queues) is short, else lend idle pages. Called after SGLang took in new
+        requests and before it admits any, so a burst's demand leaves in the loop it arrived."""
+        if self.lender is not None:
+            self.lender.step(self.tree.evictable_size(), self._peers_present,
+                             own_demand_tokens(scheduler))
 
     def attach_tree(self, tree: Any) -> None:
         """The cache was reset (a new, empty tree): register the leases still held in it."""
@@ -145,13 +159,25 @@ class SwiftRuntime:
         if self.borrowing is not None:
             self.borrowing.on_failed(ev.donor, ev.reason)
 
+    def _fence_reclaim(self, ev: ReclaimRequested) -> None:
+        """Agent's I/O thread, as the reclaim arrives: stop every copy touching the pages and
+        acknowledge, without waiting for the scheduler loop. The tree still lists the blocks
+        until `_on_reclaim`, but no copy can touch them any more."""
+        start = time.perf_counter()
+        if self.borrowing is not None and self.borrowing.fence(ev):
+            self.agent.ack_reclaim(ev)
+            logger.info("SwiftCache: acknowledged %s's reclaim of %d pages of lease %d from the "
+                        "agent thread after %.2f ms of fencing", ev.key.donor, len(ev.blocks),
+                        ev.key.lease_id, (time.perf_counter() - start) * 1e3)
+
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
         if self.borrowing is not None:
             self.forget(self.borrowing.on_reclaim(ev, self.tree))
         self.stats["reclaims"] += 1
         logger.info("SwiftCache: %s reclaimed %d pages of lease %d", ev.key.donor,
                     len(ev.blocks), ev.key.lease_id)
-        self.agent.ack_reclaim(ev)  # only after the tree and the copies stopped using them
+        # a no-op when _fence_reclaim acknowledged; else only now that nothing uses the pages
+        self.agent.ack_reclaim(ev)
 
     def _on_lost(self, ev: LeaseLost) -> None:
         if self.borrowing is None:
@@ -188,17 +214,9 @@ class SwiftRuntime:
         return self.borrowing.lease_engine(donor, lease_id) if self.borrowing else None
 
     def track(self, key: tuple[str, int], handle: Any, blocks: set[int]) -> None:
-        """A copy started on lease `key` (`integration/copies.py`): a reclaim of `blocks` or a
-        lost lease aborts it before the reclaim is acknowledged."""
+        """A copy started on lease `key` (`integration/copies.py`): a lost lease aborts it. (A
+        reclaim of `blocks` finds it through the lease engine's fence, on the agent's thread.)"""
         self.borrowing.track(key, handle, blocks)
 
     def untrack(self, key: tuple[str, int], handle: Any) -> None:
         self.borrowing.untrack(key, handle)
-
-    def store(self, items: Sequence[tuple[Sequence[int], Any]]) -> list[bool]:
-        if self.borrowing is None:
-            return [False] * len(items)
-        return self.borrowing.store(items)
-
-    def load(self, items: Sequence[tuple[Any, Sequence[int]]], counter: Any) -> bool:
-        return self.borrowing is not None and self.borrowing.load(items, counter)

@@ -119,3 +119,61 @@ def test_refusals_name_the_model_type():
                                           architectures=["DeepseekV3ForCausalLM"])))
     assert model_kind(ctx) == "model type 'deepseek_v3' (DeepseekV3ForCausalLM)"
     assert model_kind(NS()) == "model type 'unknown' (unknown architecture)"
+
+
+def test_queued_own_demand_reclaims_in_the_step_it_arrives():
+    """A burst queued in the donor's scheduler makes the lender demand every lent page in that
+    same step, while its free room is still above the reserve (before: only once admitted
+    requests had eaten into the reserve)."""
+    alloc, agent, clock = _allocator(1), FakeAgent(), Clock()
+    lender = PoolLender(alloc, 1, lend_fraction=0.5, reclaim_watermark=0.75, agent=agent,
+                        clock=clock)
+    lender.step(0, True)
+    assert lender.lent_tokens == 32 and alloc.available_size() == 32  # reserve 16
+    lender.step(0, True, own_demand_tokens=0)
+    assert agent.demands == []
+    lender.step(evictable_tokens=4, borrowers_present=True, own_demand_tokens=20)
+    assert agent.demands == []  # 32 + 4 - 20 is the reserve: still enough
+    lender.step(evictable_tokens=4, borrowers_present=True, own_demand_tokens=24)
+    assert agent.demands == [32] and alloc.available_size() == 32  # 32 + 4 - 24 < 16
+    assert lender.reclaim_started == 0.0
+
+
+def test_lending_leaves_room_for_the_queued_own_demand():
+    """Pages the donor's queued requests will need are not lent (lending them would only
+    reclaim them at the next step)."""
+    alloc, agent, clock = _allocator(1), FakeAgent(), Clock()
+    lender = PoolLender(alloc, 1, lend_fraction=0.5, reclaim_watermark=0.75, agent=agent,
+                        clock=clock)
+    lender.step(0, True, own_demand_tokens=40)  # 64 - 40 - reserve 16 - headroom 4
+    assert lender.lent_tokens == 4
+    lender.step(0, True, own_demand_tokens=40)
+    assert agent.demands == [] and lender.lent_tokens == 4
+
+
+def test_own_demand_counts_queued_and_running_requests_as_sglang_admission_does():
+    """Waiting: sequence so far + output budget left; running: output budget left x the
+    scheduler's new-token ratio (1 with ignore_eos); budgets clipped as SGLang clips them."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_swift.integration.lending import own_demand_tokens
+
+    def req(n_in, max_new, n_out=0, ignore_eos=False):
+        r = Req(f"r{n_in}", "", list(range(n_in)),
+                SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))
+        r.output_ids.extend(range(n_out))
+        return r
+
+    waiting = [req(100, 8), req(50, 20, n_out=10), req(7, 10**6)]  # a retracted one; a clipped
+    running = [req(30, 100, n_out=40), req(5, 10, n_out=2, ignore_eos=True)]
+    scheduler = NS(waiting_queue=waiting, running_batch=NS(reqs=running),
+                   new_token_ratio_tracker=NS(current=0.5))
+    expect = (100 + 8) + (60 + 10) + (7 + CLIP_MAX_NEW_TOKENS) + 60 * 0.5 + 8
+    assert own_demand_tokens(scheduler) == int(expect)
+    assert own_demand_tokens(None) == 0
+    idle = NS(waiting_queue=[], running_batch=NS(reqs=[]), new_token_ratio_tracker=None)
+    assert own_demand_tokens(idle) == 0

@@ -2,21 +2,25 @@
 in one process (a donor and a borrower), real control agents over ipc, a real radix_ext tree.
 
 Invariants: the donor lends pages of its OWN pool (they leave its allocator); a prefix the
-borrower demotes is stored into those pages and loads back bit-identical; when the donor's own
-traffic eats into its reserve it reclaims, the borrower drops every residency on the reclaimed
-pages before acknowledging, and only then do the pages go back into the donor's allocator.
+borrower demotes is stored into those pages and loads back bit-identical, through the copies the
+live server starts (`integration/copies.start_copy`); when the donor's own traffic eats into its
+reserve it reclaims, the borrower's agent thread stops every copy touching the reclaimed pages
+and acknowledges without waiting for the scheduler's pump, the tree forgets them at that pump,
+and only after the acknowledgement do the pages go back into the donor's allocator.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from array import array
 
 import pytest
 import torch
 
-from radix_ext import DONOR, RadixTree, TreeConfig
+from radix_ext import DONOR, RadixTree
 from sglang_swift.dataplane import make_layer_counter
+from sglang_swift.integration.copies import start_copy
 from sglang_swift.integration.runtime import SwiftRuntime
 from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig
 
@@ -55,14 +59,28 @@ def _runtime(tmp_path, monkeypatch, name: str, shape: dict, **cfg) -> SwiftRunti
 
 
 def _pump_until(runtimes, predicate, timeout_s=20.0):
+    """Run the runtimes' scheduler-thread steps (pump, then lend, as `swift_step` does) until
+    `predicate()` holds."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for rt in runtimes:
             rt.pump()
+            rt.lend()
         if predicate():
             return
         time.sleep(0.01)  # the agents' I/O threads run meanwhile; this is a polling loop
     raise AssertionError("condition not reached")
+
+
+def _copy(runtime, key, slots, blocks, counter=None) -> bool:
+    """Store (or, with `counter`, load) through the live server's copy path; True if it ran."""
+    copy = start_copy(runtime, key, list(slots), list(blocks), counter)
+    if copy is None:
+        return False
+    try:
+        return copy.handle.wait(30).ok
+    finally:
+        copy.release()
 
 
 @pytest.fixture
@@ -100,7 +118,8 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     tree.insert(list(range(100, 108)), slots)
     (ticket,) = tree.evict_device(8).stores
     assert ticket.dst_tier == DONOR
-    assert borrower.store([(ticket.src.indices, ticket.transfer.dst)]) == [True]
+    dst = ticket.transfer.dst
+    assert _copy(borrower, (dst.donor, dst.lease), ticket.src.indices, dst.blocks)
     assert list(tree.complete_store(ticket).device_indices_to_free()) == list(slots)
 
     # A hit loads it back into other slots, bit-identical, layer by layer.
@@ -109,7 +128,8 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     new_slots = list(range(30, 38))
     ticket = tree.begin_load_back(m.last_node, new_slots)
     counter = make_layer_counter(BORROWER_SHAPE["layer_num"])
-    assert borrower.load([(c.src, c.dst.indices) for c in ticket.copies], counter)
+    (c,) = ticket.copies
+    assert _copy(borrower, (c.src.donor, c.src.lease), c.dst.indices, c.src.blocks, counter)
     assert tree.complete_load_back(ticket).ok
     for layer in range(BORROWER_SHAPE["layer_num"]):
         assert torch.equal(pool.k_buffer[layer][30:38], expect_k[layer])
@@ -128,6 +148,76 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     donor.lender.check_integrity()
 
 
+def _pump_for(runtime, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        runtime.pump()
+        runtime.lend()
+        time.sleep(0.01)
+
+
+def test_reclaim_is_acked_from_the_agent_thread_once_the_copy_in_flight_stopped(pair):
+    """Race: a load reads the reclaimed pages while the reclaim lands. The borrower acknowledges
+    without its scheduler ever pumping, but only after the layer the load was copying finished
+    (no later layer starts); until its next pump the tree still lists the blocks and every copy
+    touching them is refused; that pump then revokes them."""
+    donor, borrower = pair
+    _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+    tree = borrower.tree
+    tree.insert(list(range(100, 108)), array("q", range(1, 9)))
+    (ticket,) = tree.evict_device(8).stores
+    dst = ticket.transfer.dst
+    key, blocks = (dst.donor, dst.lease), list(dst.blocks)
+    assert _copy(borrower, key, ticket.src.indices, blocks)
+    tree.complete_store(ticket)
+    held = borrower.borrowing.leases[key]
+    engine = held.engine
+    inside, go, log = threading.Event(), threading.Event(), []
+    real_copy = engine._copy_layer
+
+    def held_copy(plan, layer, store):  # layer 1 of the load reads donor pages until `go`
+        log.append(("start", layer))
+        if layer == 1:
+            inside.set()
+            assert go.wait(30)
+        out = real_copy(plan, layer, store)
+        log.append(("end", layer))
+        return out
+
+    engine._copy_layer = held_copy
+    layers = BORROWER_SHAPE["layer_num"]
+    load = start_copy(borrower, key, list(range(30, 38)), blocks, make_layer_counter(layers))
+    try:
+        assert load is not None and inside.wait(10)
+        # the donor's own traffic takes its free room; from here on only the DONOR's loop runs
+        assert donor.allocator.alloc(donor.allocator.available_size()) is not None
+        _pump_until([donor], lambda: load.handle._abort.is_set())  # the borrower's agent fences
+        _pump_for(donor, 1.0)
+        # pages offered but never granted came back at once; the lease's pages did not
+        assert donor.lent_tokens >= len(held.pages), \
+            "acknowledged while a copy still read the reclaimed pages"
+        log.append(("go", None))
+    finally:
+        go.set()
+    _pump_until([donor], lambda: donor.lent_tokens == 0)  # back, with no borrower pump at all
+    assert log == [("start", 0), ("end", 0), ("start", 1), ("go", None), ("end", 1)]
+    result = load.handle.wait(30)
+    assert not result.ok and set(range(2, layers)) <= set(result.failed_layers)
+    load.release()
+    assert len(donor.lender.reclaim_latencies) == 1
+
+    # before the borrower's pump: the tree still lists the blocks, no copy may touch them
+    assert tree.tier_size(DONOR) == 8 and engine.fenced(blocks)
+    # (the whole lease went back, so the agent holds no read deadline for it any more either)
+    assert start_copy(borrower, key, list(range(40, 48)), blocks) is None
+    refused = engine.begin_load(list(range(40, 48)), blocks, make_layer_counter(layers))
+    assert refused.result().reason.startswith("blocks fenced")
+    assert ("start", 2) not in log
+    borrower.pump()  # the scheduler's next step: the tree forgets the blocks
+    assert tree.tier_size(DONOR) == 0 and borrower.stats["reclaims"] >= 1
+    tree.check_integrity()
+
+
 def test_copy_refused_after_the_lease_is_gone(pair):
     """A store into a lease whose donor left is refused, and the tree keeps nothing of it."""
     donor, borrower = pair
@@ -138,7 +228,9 @@ def test_copy_refused_after_the_lease_is_gone(pair):
     donor.stop()  # the donor leaves: its leases end
     _pump_until([borrower], lambda: borrower.stats["lost_leases"] > 0)
     assert ticket.stale, "the lost lease must make the store in flight stale"
-    assert borrower.store([(ticket.src.indices, ticket.transfer.dst)]) == [False]
+    dst = ticket.transfer.dst
+    assert start_copy(borrower, (dst.donor, dst.lease), list(ticket.src.indices),
+                      list(dst.blocks)) is None
     assert not tree.complete_store(ticket).ok
     assert tree.match(list(range(7))).prefix_len == 0  # nothing cached claims the lost blocks
 
@@ -146,11 +238,11 @@ def test_copy_refused_after_the_lease_is_gone(pair):
 def test_copies_are_batched_per_lease_without_reordering_a_reused_block():
     """One transfer per run of same-lease copies; a repeated block starts a new run (order kept)."""
     from radix_ext import DonorResidency
-    from sglang_swift.integration.borrowing import _batches
+    from sglang_swift.integration.copies import runs_by_lease
 
     def res(lease, *blocks):
         return DonorResidency("d", lease, 1, array("q", blocks))
 
-    items = [([0], res(1, 5)), ([1], res(1, 6)), ([2], res(2, 5)), ([3], res(2, 5)), ([4], res(1, 7))]
-    runs = _batches(items, lambda item: item[1])
+    items = [res(1, 5), res(1, 6), res(2, 5), res(2, 5), res(1, 7)]
+    runs = runs_by_lease(items)
     assert runs == [(("d", 1), [0, 1]), (("d", 2), [2]), (("d", 2), [3]), (("d", 1), [4])]

@@ -68,6 +68,9 @@ class Runtime:
     def pump(self):  # control events: none in these tests
         pass
 
+    def lend(self, scheduler=None):  # a borrower lends nothing
+        pass
+
     @property
     def agent(self):  # the control agent's books: none here
         return SimpleNamespace(check_integrity=lambda: None)
