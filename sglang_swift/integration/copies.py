@@ -116,18 +116,20 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
     on_gpu = engine.lane.stream is not None
     runner = engine if on_gpu else _inline_view(engine)
+    # CPU: the copy thread's torch thread count (streams.CpuLane): on a busy machine an OpenMP
+    # team of two per index op stalls on its barriers (20x slower measured here)
     threads = torch.get_num_threads()
     try:
-        if not on_gpu:  # as the copy thread does (streams.CpuLane): on a busy machine an OpenMP
-            torch.set_num_threads(getattr(engine.lane, "threads", 1))  # team per index op
-        handle = runner.begin_store(slot_tensor, blocks)  # stalls on its barriers (20x here)
-    except ValueError:  # a transfer the engine refuses is a bug, but not one to stop serving for
-        logger.exception("SwiftCache: the copy engine refused a store on lease %s", key)
+        if not on_gpu:
+            torch.set_num_threads(getattr(engine.lane, "threads", 1))
+        handle = runner.begin_store(slot_tensor, blocks)
+        result = handle.result()  # done: the inline job returned, or the GPU job enqueued
+    except Exception:  # noqa: BLE001 - a store that fails is a lost prefix, not a dead server
+        logger.exception("SwiftCache: a store on lease %s failed", key)
         return False, None
     finally:
         if not on_gpu:
             torch.set_num_threads(threads)
-    result = handle.result()  # done: the inline job returned, or the GPU job enqueued
     ok = result is not None and result.ok
     if not on_gpu:
         return ok, None
@@ -140,8 +142,9 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
 def _inline_view(engine: Any) -> Any:
     """The lease's CPU engine, running its jobs on the caller's thread with that thread's own
     staging buffer: the copy thread may be running a load of the same engine meanwhile, and the
-    two must share neither the queue nor the buffer. Made per call, so whatever the engine holds
-    when the store begins (its lease state) is what the store sees."""
+    two must share neither the queue nor the buffer. It shares everything else, the fence
+    included (a reclaim on the agent's thread stops it between layers). Made per call, so
+    whatever the engine holds when the store begins is what the store sees."""
     view = _copy.copy(engine)
     view.lane = streams.InlineLane()
     view._own_lane = False
