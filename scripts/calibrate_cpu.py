@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -74,10 +74,11 @@ def _server(node: Node, g: int, name: str, compute, pool: int, donor_tier: bool,
 
 
 def _request(rid: int, item: dict, now: float) -> SimRequest:
+    """A traced request: its prompt matches the cache up to its last token; it caches its prompt
+    and all but its last answer token (that token's KV is never computed)."""
     prompt, out = item["prompt_ids"], item["output_ids"]
-    r = SimRequest(rid, item["session"], item["turn"], now, len(prompt), len(out),
-                   key_prompt=array("q", prompt[:-1]), key_full=array("q", list(prompt) + list(out[:-1])))
-    return r
+    return SimRequest(rid, item["session"], item["turn"], now, len(prompt), len(out),
+                      key_prompt=array("q", prompt[:-1]), key_full=array("q", list(prompt) + list(out[:-1])))
 
 
 def _record(r: SimRequest, label: str) -> RequestRecord:
@@ -132,8 +133,8 @@ def simulate_run(cal: dict, run: RunPlan, plan: dict, demote_ahead: float = 0.0)
 
         def finished(r, k=k):
             done["donor"].append(r)
-            due = k + 1 - 0.0  # an open schedule: request k+1 at (k+1) x interval, or now if later
-            node.loop.at(max(node.loop.now, due * plan["donor_interval_s"]), lambda: send_donor(k + 1))
+            # an open schedule: request k+1 at (k+1) x interval, or now if request k ended later
+            node.loop.at(max(node.loop.now, (k + 1) * plan["donor_interval_s"]), lambda: send_donor(k + 1))
 
         r.on_done = finished
         donor.submit(r)
