@@ -88,14 +88,16 @@ HEADER = (f"{'system':<11}{'rate':>6}{'sess':>5}{'sent':>6}{'done':>6}{'cut':>5}
 
 
 def plot_curves(path: Path, points: list[PointResult], title: str) -> None:
-    """P99 (solid) and P50 (dashed) TTFT against the session rate per system; a point that was
-    not stable or not drained is drawn hollow."""
+    """Top: P99 (solid) and P50 (dashed) TTFT against the session rate per system; a point not
+    sustained (queue grew, or not drained) is drawn hollow. Bottom: the machine's 1-minute load
+    average when each point ended (a shared machine: read the top panel against it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, load_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1]})
     for system in dict.fromkeys(p.system for p in points):
         pts = sorted((p for p in points if p.system == system and p.ttft_p99_ms is not None),
                      key=lambda p: p.rate)
@@ -107,12 +109,17 @@ def plot_curves(path: Path, points: list[PointResult], title: str) -> None:
                 solid = p.stable and p.drained
                 ax.plot([p.rate], [y], "o", color=color,
                         markerfacecolor=color if solid else "white")
+        load_ax.plot([p.rate for p in pts],
+                     [p.extra.get("loadavg_1min", [None, None])[1] for p in pts], "o-",
+                     color=color, label=system)
     ax.set_yscale("log")
-    ax.set_xlabel("session arrival rate (sessions/s)")
     ax.set_ylabel("TTFT (ms), client-measured")
     ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    load_ax.set_xlabel("session arrival rate (sessions/s)")
+    load_ax.set_ylabel("load avg (1 min)\n2 cores", fontsize=8)
+    for a in (ax, load_ax):
+        a.grid(alpha=0.3, which="both")
+        a.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if points:
         plot_curves(plot, points, f"Busy model ({facts['busy'].name}), P99 and P50 TTFT vs "
                                   f"session rate, CPU, {datetime.date.today().isoformat()} "
-                                  f"(hollow: not stable)")
+                                  f"(hollow: not sustained)")
     summary = summary_json(points, failures)
     summary.update(date=datetime.date.today().isoformat(), quick=args.quick,
                    wall_s=round(time.monotonic() - started),

@@ -243,3 +243,14 @@ def test_a_system_that_cannot_start_is_recorded_and_its_servers_stopped(tmp_path
     node.start()
     assert "AssertionError: no CUDA" in node.error
     assert donor.started and donor.stopped and busy.stopped
+
+
+def test_the_plot_is_written_with_a_load_panel(tmp_path):
+    """The plot file is written for points of two systems, an unstable one included."""
+    pts = [_point("stock", 0.5), _point("stock", 1.0, stable=False),
+           _point("swiftcache", 0.5), _point("swiftcache", 1.0)]
+    for p in pts:
+        p.extra = {"loadavg_1min": [3.0, 4.0]}
+    out = tmp_path / "img" / "curves.png"
+    rate_cli.plot_curves(out, pts, "t")
+    assert out.stat().st_size > 10_000
