@@ -198,7 +198,11 @@ def _long_context(a: argparse.Namespace) -> int:
 def _validate(a: argparse.Namespace) -> int:
     from . import validate as val
 
-    res = val.validate(a.calibration, a.live, a.demote_ahead)
+    try:
+        res = val.validate(a.calibration, a.live, a.demote_ahead)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"simulate --validate: {exc}", file=sys.stderr)
+        return 2
     out = Path(a.out or "runs/sim-validate")
     out.mkdir(parents=True, exist_ok=True)
     (out / "validate.json").write_text(json.dumps(res, indent=1, default=str))

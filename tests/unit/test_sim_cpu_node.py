@@ -113,3 +113,59 @@ def test_the_trace_check_finds_a_prompt_of_another_length():
     assert val.trace_matches(cal, {"records": {"a": {"busy": recs}}})["mismatched"] == []
     recs[2]["prompt_tokens"] += 1
     assert len(val.trace_matches(cal, {"records": {"a": {"busy": recs}}})["mismatched"]) == 1
+
+
+def _live_from(runs: dict, plan: dict, cached_scale: float, ttft_scale: float) -> dict:
+    """A bench_node record file whose busy figures are the simulated ones scaled."""
+    live = {"plan": plan, "tables": {}, "records": {}, "summary": {"date": "test", "loadavg_1min": {}, "pools": {}}}
+    for k, r in runs.items():
+        recs = [{"session": x.session, "turn": x.turn, "prompt_tokens": x.prompt_tokens,
+                 "cached_tokens": round(x.cached_tokens * cached_scale), "ttft": x.ttft * ttft_scale}
+                for x in r["records"]["busy"]]
+        t = copy.deepcopy(r["tables"])
+        t["busy"]["cached_tokens"] = round(t["busy"]["cached_tokens"] * cached_scale)
+        t["busy"]["ttft_p50_ms"] *= ttft_scale
+        t["busy"]["ttft_p99_ms"] *= ttft_scale
+        live["tables"][k], live["records"][k] = t, {"busy": recs}
+        live["summary"]["pools"][k] = {"busy": r["busy_pool"], "donor": r["donor_pool"]}
+    return live
+
+
+def test_validate_reports_relative_errors_per_run_and_overall(tmp_path, capsys):
+    """--validate's last line holds ttft_p50_error and cached_tokens_error, |sim - live| / live,
+    per run and overall: against live figures of 2x the cached tokens and 1.25x the TTFTs they are
+    0.5 and 0.2 in every run."""
+    import json
+
+    from sglang_swift.simulator import cli
+
+    cal, plan = _calibration()
+    live = _live_from(simulate_node(cal, plan), plan, cached_scale=2.0, ttft_scale=1.25)
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    (tmp_path / "live.json").write_text(json.dumps(live))
+    assert cli.main(["--validate", "--calibration", str(tmp_path / "cal.json"), "--live",
+                     str(tmp_path / "live.json"), "--out", str(tmp_path / "out")]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["cached_tokens_error"] == pytest.approx(0.5, abs=0.01)
+    assert s["ttft_p50_error"] == pytest.approx(0.2, abs=1e-3)
+    assert set(s["per_run"]) == {"stock", "swiftcache", "ideal"}
+    for run in s["per_run"].values():
+        assert run["ttft_p50_error"] == pytest.approx(0.2, abs=1e-3)
+    assert s["trace_matches_live"] is True
+
+
+def test_long_context_cli_prints_the_stepwise_figures(capsys, tmp_path):
+    """--long-context ends with a JSON line: LWM-Text-1M's maximum context against SGLang and vLLM
+    (SwiftCache's larger) and the per-token slowdown at the maximum (a decode step streamed is
+    slower than resident)."""
+    import json
+
+    from sglang_swift.simulator import cli
+
+    assert cli.main(["--long-context", "--out", str(tmp_path)]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["simulated"] is True and s["model"] == "LWM-Text-1M"
+    tok = s["max_context_tokens"]
+    assert tok["swiftcache"] > tok["sglang"] == tok["vllm"] > 0
+    assert s["max_context_ratio"] == pytest.approx(tok["swiftcache"] / tok["sglang"], abs=1e-3)
+    assert s["decode_slowdown_at_max"] > 1.0
