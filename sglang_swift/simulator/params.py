@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..integration.swift_config import SwiftConfig
 from ..workloads import specs as workload_specs
 
 GB = 1e9
@@ -122,8 +123,8 @@ LONG_CONTEXT: dict[str, P] = {
     "node_host_bytes": P(128 * GB, "B", f"{_PAPER}: 64-core CPU, 128 GB host memory"),
     "host_share": P(0.5, "-", "SwiftConfig layer_stream_host_gb = 0 (the default): half the free host "
                     "memory at start-up (docs/layer_stream.md); free memory taken as the whole 128 GB"),
-    "depth": P(2, "layers", "SwiftConfig layer_stream_depth default 2: the active layer and one prefetched "
-               "(docs/layer_stream.md)"),
+    "depth": P(SwiftConfig().layer_stream_depth, "layers", "SwiftConfig layer_stream_depth default: the active "
+               "layer and the prefetched ones (docs/layer_stream.md)"),
     "window_tokens": P(1048576, "tokens", "LWM-Text-1M config.json max_position_embeddings"),
 }
 
