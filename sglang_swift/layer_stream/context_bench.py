@@ -222,7 +222,8 @@ def wait_store_on_donor(server, timeout_s: float = 300.0) -> dict:
 
 
 def donor_reads(log: str) -> int:
-    """Store rows the streamed server read from donor memory (its latest stats line)."""
+    """Store rows the streamed server read from donor memory (the largest count its stats
+    lines show; they only grow)."""
     return max([int(n) for n in re.findall(r"'stream_rows_from_donor': (\d+)", log)] or [0])
 
 
@@ -282,7 +283,7 @@ def run(setup: Setup, model_dir) -> dict:
         if donor is not None:
             time.sleep(6.0)  # the runtime logs its stats every 5 s
             placed.update(rows_read_from_donor=donor_reads(streamed.log_text()),
-                          donor_pool=donor.args[donor.args.index("--max-total-tokens") + 1])
+                          donor_pool=int(donor.args[donor.args.index("--max-total-tokens") + 1]))
     finally:
         for s in servers:
             s.stop()

@@ -9,9 +9,10 @@ of a stock pool of LOCAL_POOL tokens (as in test_layer_stream_e2e). Invariants:
   the store's size) and the donor's own metrics show them lent;
 - a request whose context is 4x LOCAL_POOL, and a radix hit on it, are served with greedy outputs
   identical to the reference, and the streamed reads came from the donor's memory;
-- a burst of the donor's own traffic while the streaming server serves another long request
-  reclaims the lent pages: the streaming server flips them to host memory and its output is still
-  identical (nothing is aborted or recomputed: every row was written through to host memory).
+- a burst of the donor's own traffic, started once the streaming server is prefilling another
+  long request, reclaims the lent pages before that request finishes: the streaming server flips
+  them to host memory and its output is still identical (nothing is aborted or recomputed: every
+  row was written through to host memory).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from integration.harness import LocalServer, metric, wait_for
 from integration.test_donation_e2e import _donor_burst
 from integration.test_layer_stream_e2e import COMMON, DEPTH, LOCAL_POOL, NEW_TOKENS, \
     STREAMED_POOL, _generate, _prompt
+from sglang_swift.layer_stream.context_bench import donor_reads
 from sglang_swift.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
+RECLAIM_TOKENS = 80
 DONOR_POOL = 8192  # tiny pages of 2 KiB: lends 3584, the store needs 804 x 8 KiB / 2 KiB = 3216
 
 
@@ -37,20 +40,16 @@ def _control(rendezvous: str) -> list[str]:
             "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
 
 
-def _donor_rows(log: str) -> int:
-    """The largest count of store rows read from donor memory the server's stats line shows."""
-    return max([int(n) for n in re.findall(r"'stream_rows_from_donor': (\d+)", log)] or [0])
-
-
 def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_reclaim(
         tiny_model, tmp_path):
     model = ensure_tiny_model(shape="small")
     long_prompt = _prompt(4 * LOCAL_POOL - NEW_TOKENS)  # context = 4 x LOCAL_POOL
     hit_prompt = long_prompt[:500] + _prompt(150, salt=1)
-    during_reclaim = _prompt(4 * LOCAL_POOL - NEW_TOKENS, salt=5)
+    during_reclaim = _prompt(700, salt=5)  # with RECLAIM_TOKENS: time for the reclaim to land
     with LocalServer(model, swiftcache=False, max_total_tokens=4096, extra_args=COMMON,
                      log_path=tmp_path / "stock.log") as stock:
-        want = [_generate(stock, p) for p in (long_prompt, hit_prompt, during_reclaim)]
+        want = [_generate(stock, long_prompt), _generate(stock, hit_prompt),
+                _generate(stock, during_reclaim, new=RECLAIM_TOKENS)]
 
     rendezvous = str(tmp_path / "rv")
     donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
@@ -69,18 +68,25 @@ def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_recla
         got = [_generate(streamer, long_prompt), _generate(streamer, hit_prompt)]
         assert got == want[:2], "streamed-from-donor output differs from stock SGLang's"
         assert len(long_prompt) + len(got[0]) >= 4 * LOCAL_POOL
-        wait_for(lambda: _donor_rows(streamer.log_text()) > 0, 30,
+        wait_for(lambda: donor_reads(streamer.log_text()) > 0, 30,
                  "the streaming server's stats to show reads from donor memory")
 
-        result: list = []
-        request = threading.Thread(target=lambda: result.append(
-            _generate(streamer, during_reclaim)))
+        start = len(streamer.log_text())
+        result, log_at_end = [], []
+
+        def serve() -> None:
+            result.append(_generate(streamer, during_reclaim, new=RECLAIM_TOKENS))
+            log_at_end.append(streamer.log_text())
+
+        request = threading.Thread(target=serve)
         request.start()
+        wait_for(lambda: "Prefill batch" in streamer.log_text()[start:], 120,
+                 "the streaming server to start prefilling the request")
         _donor_burst(donor)  # the donor's own traffic takes its pages back
         request.join(600)
-        wait_for(lambda: "now stream from host memory" in streamer.log_text(), 60,
-                 "the streaming server to flip reclaimed pages to host memory")
         log = streamer.log_text()
     assert result == [want[2]], "output during the donor's reclaim differs from stock SGLang's"
+    assert "now stream from host memory" in log_at_end[0][start:], \
+        "the reclaim did not land while the request was being served"
     assert re.search(r"local staging 2 of 8 layers .* every layer in donor memory under a lease",
                      log)
