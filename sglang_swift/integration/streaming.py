@@ -61,6 +61,7 @@ class BatchLoad:
     copies: list  # (part, InFlightCopy)
     wait_mark: float  # the scheduler's waits on copies (stats) when its first load was queued
     overhead_s: float = 0.0  # scheduler-thread time spent starting and settling it
+    store_mark: float = 0.0  # the scheduler's time in eviction stores then (stats)
 
 
 class StreamingLoads:
@@ -77,7 +78,7 @@ class StreamingLoads:
         self.wait_budget = wait_budget or (lambda tokens: counter.timeout_s)
         self._queued: list[QueuedLoad] = []
         self._private: dict[str, torch.Tensor] = {}  # rid -> slots, until the batch is built
-        self._wait_mark = 0.0
+        self._wait_mark = self._store_mark = 0.0
         self._running: dict[int, BatchLoad] = {}  # id(batch) -> its load
         self._closing: list[BatchLoad] = []
 
@@ -87,6 +88,7 @@ class StreamingLoads:
 
         if not self._queued:
             self._wait_mark = self._waited()
+            self._store_mark = self.stats["evict_wait_s"]
         slots = indices_to_tensor(ticket.device_indices, device)
         self._queued.append(QueuedLoad(req, ticket, slots))
         self._private[req.rid] = slots
@@ -106,7 +108,8 @@ class StreamingLoads:
         if batch is None:  # cannot happen: an admitted request is in the batch; stay safe
             for load in loads:
                 self._fail_request(None, load.req, "its batch was not built")
-            self._closing.append(BatchLoad(None, loads, [], self._wait_mark))
+            self._closing.append(BatchLoad(None, loads, [], self._wait_mark,
+                                             store_mark=self._store_mark))
             return
         try:
             fan = BatchLayerCounter(self.counter)
@@ -114,7 +117,8 @@ class StreamingLoads:
             logger.error("SwiftCache: cannot start the batch's loads: %s", exc)
             for load in loads:
                 self._fail_request(None, load.req, "no free layer counter slot")
-            self._closing.append(BatchLoad(None, loads, [], self._wait_mark))
+            self._closing.append(BatchLoad(None, loads, [], self._wait_mark,
+                                             store_mark=self._store_mark))
             return
         items = [(load, c) for load in loads for c in load.ticket.copies]
         copies = []
@@ -133,7 +137,8 @@ class StreamingLoads:
         tokens = sum(len(load.slots) for load in loads)
         self.counter.watch(fan.pid, fan.started_at + self.wait_budget(tokens))
         batch.hicache_consumer_index = fan.pid
-        entry = BatchLoad(fan, loads, copies, self._wait_mark, time.perf_counter() - t0)
+        entry = BatchLoad(fan, loads, copies, self._wait_mark, time.perf_counter() - t0,
+                          self._store_mark)
         self._running[id(batch)] = entry
         self.stats["loads_started"] += len(loads)
 
@@ -211,8 +216,9 @@ class StreamingLoads:
         logger.warning("SwiftCache: request %s aborted: donor load failed (%s)", req.rid, reason)
 
     def _waited(self) -> float:
-        """Seconds the scheduler thread waited on copies so far (loads and stores)."""
-        return self.stats["load_wait_s"] + self.stats["evict_wait_s"]
+        """Seconds the scheduler thread waited on copies it did not run itself, so far (stopping
+        loads; an eviction's store is its own work, counted in `evict_wait_s`)."""
+        return self.stats["load_wait_s"]
 
     def _trace(self, entry: BatchLoad, failed: dict) -> None:
         """One JSON line per batch load (bench_overlap's timeline): when each layer was ready
@@ -228,6 +234,7 @@ class StreamingLoads:
             "ready_ms": [None if t is None else (t - base) * 1e3 for t in fan.released_at],
             "reached_ms": [None if t is None else (t - base) * 1e3 for t in reached],
             "scheduler_wait_ms": (self._waited() - entry.wait_mark) * 1e3,
+            "store_ms": (self.stats["evict_wait_s"] - entry.store_mark) * 1e3,
             "overhead_ms": entry.overhead_s * 1e3,
         }
         with open(self.trace_path, "a", encoding="utf-8") as f:
