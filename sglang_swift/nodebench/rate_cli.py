@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RatePlan]:
     ap.add_argument("--out", type=Path, default=Path("runs/rate_curves"),
                     help="server logs and rate_curves.json (every request) go here")
     ap.add_argument("--plot", type=Path, default=None, help="default: OUT/rate_curves.png")
+    ap.add_argument("--replot", action="store_true",
+                    help="start nothing: redraw the plot from OUT/rate_curves.json")
     args = ap.parse_args(argv)
     plan = RatePlan.quick() if args.quick else RatePlan()
     overrides = {k: getattr(args, k) for k in ("rates", "systems", "window_s", "drain_s",
@@ -126,12 +128,31 @@ def plot_curves(path: Path, points: list[PointResult], title: str) -> None:
     plt.close(fig)
 
 
+def plot_title(busy_name: str, date: str) -> str:
+    return (f"Busy model ({busy_name}): TTFT vs session rate, live CPU, {date} "
+            f"(hollow: not sustained)")
+
+
+def replot(out: Path, plot: Path) -> int:
+    """Redraw the plot of an earlier sweep from its rate_curves.json."""
+    detail = json.loads((out / "rate_curves.json").read_text())
+    names = set(PointResult.__dataclass_fields__)
+    points = [PointResult(**{k: v for k, v in p.items() if k in names})
+              for p in detail["points"]]
+    plot_curves(plot, points, plot_title(detail.get("busy_model", "small-llama"),
+                                         detail["summary"]["date"]))
+    print(f"plot: {plot}")
+    return 0
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds the context managers, so the servers are stopped
 
 
 def main(argv: list[str] | None = None) -> int:
     args, plan = parse_args(argv)
+    if args.replot:
+        return replot(args.out, args.plot or args.out / "rate_curves.png")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started, load_start = time.monotonic(), os.getloadavg()
     node = NodePlan()
@@ -170,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plot = args.plot or args.out / "rate_curves.png"
     if points:
-        plot_curves(plot, points, f"Busy model ({facts['busy'].name}), P99 and P50 TTFT vs "
-                                  f"session rate, CPU, {datetime.date.today().isoformat()} "
-                                  f"(hollow: not sustained)")
+        plot_curves(plot, points, plot_title(facts["busy"].name,
+                                             datetime.date.today().isoformat()))
     summary = summary_json(points, failures)
     summary.update(date=datetime.date.today().isoformat(), quick=args.quick,
                    wall_s=round(time.monotonic() - started),
@@ -180,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                    device=f"CPU only ({os.cpu_count()} cores)")
     args.out.mkdir(parents=True, exist_ok=True)
     detail = {"summary": summary, "plan": plan.__dict__, "servers": servers,
+              "busy_model": facts["busy"].name,
               "points": [p.to_json() for p in points]}
     (args.out / "rate_curves.json").write_text(json.dumps(detail, indent=1, default=str))
     print(f"plot: {plot if points else '(none)'}; details: {args.out / 'rate_curves.json'}")

@@ -254,3 +254,13 @@ def test_the_plot_is_written_with_a_load_panel(tmp_path):
     out = tmp_path / "img" / "curves.png"
     rate_cli.plot_curves(out, pts, "t")
     assert out.stat().st_size > 10_000
+
+
+def test_replot_redraws_from_the_saved_json(tmp_path):
+    """--replot reads the points a sweep saved (PointResult.to_json) and draws them again."""
+    pts = [_point("stock", 0.5), _point("swiftcache", 0.5)]
+    detail = {"summary": {"date": "2026-11-30"}, "busy_model": "small-llama",
+              "points": [p.to_json() for p in pts]}
+    (tmp_path / "rate_curves.json").write_text(json.dumps(detail))
+    assert rate_cli.main(["--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "rate_curves.png").stat().st_size > 10_000
