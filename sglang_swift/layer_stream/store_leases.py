@@ -29,6 +29,7 @@ from ..integration.borrowing import Borrowing
 from .donor_store import DonorLayerStore
 
 logger = logging.getLogger(__name__)
+LIVENESS_CHECK_S = 0.05
 STATS = ("stream_pages_on_donor", "stream_rows_from_donor", "stream_rows_to_donor",
          "stream_pages_flipped")
 
@@ -87,8 +88,20 @@ class StoreLeases(Borrowing):
         self._failures = 0
         self._layouts[donor] = mapped.layout
 
+        checked = [0.0]  # when the donor process was last seen alive
+
         def readable() -> bool:
-            return mapped.alive() and time.monotonic() < self.agent.read_deadline(donor)
+            """Inside the read deadline (every call) and the donor process there (a syscall,
+            so at most every LIVENESS_CHECK_S: the deadline already ends reads of a silent
+            donor within a heartbeat timeout)."""
+            now = time.monotonic()
+            if now >= self.agent.read_deadline(donor):
+                return False
+            if now - checked[0] >= LIVENESS_CHECK_S:
+                if not mapped.alive():
+                    return False
+                checked[0] = now
+            return True
 
         lease = self.store.add_lease(ev.key, packing, mapped.region, readable)
         self.leases[(donor, ev.key.lease_id)] = lease
