@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""P99 TTFT against request rate, stock SGLang vs SwiftCache; see sglang_swift/nodebench/rate_cli.py."""
+"""P99 TTFT against session rate, stock SGLang vs SwiftCache; see nodebench/rate_cli.py."""
 
 import sys
 from pathlib import Path

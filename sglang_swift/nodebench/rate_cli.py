@@ -1,14 +1,15 @@
 """P99 TTFT against request rate for the busy model of the node benchmark (scripts/bench_rate.py).
 
-    python scripts/bench_rate.py [--quick] [--systems stock,swiftcache,ideal] [--rates 0.1,0.2]
-                                 [--out runs/rate_curves] [--plot PNG]
+    python scripts/bench_rate.py [--quick] [--systems stock,swiftcache,ideal] [--rates 0.5,1]
+                                 [--out runs/rate_curves] [--plot PNG] [--replot]
 
 Per system (stock SGLang, SwiftCache, the capacity-equal ideal; `hicache` tries SGLang's
 HiCache), the node benchmark's two servers; all start once, side by side, and the systems take
-turns at each rate (rate_driver.running_nodes), the busy server's cache flushed before each point. Each rate replays multi-turn ShareGPT sessions arriving as
-a Poisson process (rates.py says how a point is judged). Prints a table per point, writes the
-plot and every request to OUT, and prints last a JSON object: per system, per rate, p50 and p99
-TTFT (ms), completed requests, stable and drained, and the highest rate that stayed stable.
+turns at each rate (rate_driver.running_nodes), the busy server's cache flushed before each
+point. Each rate replays multi-turn ShareGPT sessions arriving as a Poisson process (rates.py
+says how a point is judged). Prints a table per point, writes the plot and every request to OUT,
+and prints last a JSON object: per system, per rate, p50 and p99 TTFT (ms), completed requests,
+stable and drained, the highest rate sustained, and the systems that did not start, with why.
 """
 
 from __future__ import annotations
