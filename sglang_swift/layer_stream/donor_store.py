@@ -28,69 +28,21 @@ donor memory (docs/layer_stream.md "Streaming from a donor").
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-import swift_kernels as sk
 from swift_kernels import K, V, KVGeometry
 from swift_kernels.geometry import dtype_name
 
 from ..dataplane.packing import LeasePacking
+from .donor_lease import FREE, GONE, DonorLease, LeaseCopy
 from .slots import SlotSet
 from .store import CopyLane, HostLayerStore
 
-FREE, GONE = -1, -2  # DonorLease.pages entries that are not a store page
 STAGING_BYTES = 2 << 20  # CPU row copies go through this reused buffer (as pool leases' do)
-
-
-class DonorLease:
-    """One lease as the store uses it: `pages[b]` is the store page on block b, FREE, or GONE
-    (taken back by the donor; never used again). `readable()`: the donor process is there and
-    the lease's read deadline has not passed. Copies move `unit`-byte rows (a divisor of the
-    lease's unit and of one token row of K and of V); `where[h][layer, b * page_size + r]` are
-    the region's unit rows (`[n, unit]` view) holding row r of block b, layer `layer`, K or V:
-    the packing's arithmetic done once per lease, so a copy is one gather of these addresses
-    (8 bytes per unit row per layer: for a 2 KiB K row, 0.4% of the KV it addresses)."""
-
-    def __init__(self, number: int, key: Any, geometry: KVGeometry, packing: LeasePacking,
-                 region: torch.Tensor, readable: Callable[[], bool]):
-        self.number, self.key, self.packing, self.region = number, key, packing, region
-        self.readable = readable
-        self.pages = torch.full((packing.num_blocks,), FREE, dtype=torch.int64)
-        g, P = geometry, geometry.page_size
-        rows = (g.k_row_elems * g.itemsize, g.v_row_elems * g.itemsize)
-        self.unit = math.gcd(packing.unit, *rows)
-        block_row = torch.arange(packing.num_blocks * P)
-        layer_step = torch.arange(g.num_layers)[:, None, None] * (g.layer_bytes // self.unit)
-        where = []
-        for h in (K, V):
-            first = (block_row // P * packing.block_bytes + g.span(0, h)[0]
-                     + block_row % P * rows[h]) // self.unit
-            stream = (first[:, None] + torch.arange(rows[h] // self.unit))[None] + layer_step
-            where.append(packing.donor_units(stream.reshape(-1), self.unit)
-                         .view(g.num_layers, -1, rows[h] // self.unit).to(region.device))
-        self.where = tuple(where)
-
-    @property
-    def held(self) -> int:
-        """Blocks of this lease the donor has not taken back."""
-        return int((self.pages != GONE).sum())
-
-
-@dataclass(frozen=True)
-class _Part:
-    """One lease's share of a copy: `local[h]` unit rows of a `[rows, heads, dim]` buffer, and
-    the rows of the lease's blocks they go to or come from (`block_rows`: block x page_size +
-    row, indexing `lease.where`), token by token in the same order."""
-
-    lease: DonorLease
-    local: tuple[torch.Tensor, torch.Tensor]
-    block_rows: torch.Tensor
-    count: int
 
 
 @dataclass(frozen=True)
@@ -100,7 +52,7 @@ class _Split:
     slots: SlotSet
     version: int
     host: SlotSet
-    donor: tuple[_Part, ...]
+    donor: tuple[LeaseCopy, ...]
 
 
 class DonorLayerStore:
@@ -180,10 +132,10 @@ class DonorLayerStore:
                 blocks = blocks[: pages.numel()]
                 P = self.geometry.page_size
                 slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)
-                part = self._part(lease, slots, blocks.repeat_interleave(P))
+                copy = LeaseCopy.of(lease, slots, blocks.repeat_interleave(P), P, self.device)
                 for layer in range(self.geometry.num_layers):
-                    self._copy(part, layer, self.host.data[layer, K], self.host.data[layer, V],
-                               to_donor=True)
+                    copy.run(layer, self.host.data[layer, K], self.host.data[layer, V], True,
+                             self._staging)
                 self._owner[pages], self._block[pages] = number, blocks
                 lease.pages[blocks] = pages
                 placed += pages.numel()
@@ -246,7 +198,7 @@ class DonorLayerStore:
                 for lease in bad:  # placed again by `place` once it reads again
                     self._unplace(lease, torch.arange(lease.packing.num_blocks), FREE)
             for part in split.donor:
-                self._copy(part, layer, k, v, to_donor)
+                part.run(layer, k, v, to_donor, self._staging)
                 if to_donor:
                     self.rows_to_donor += part.count
                 else:
@@ -267,39 +219,13 @@ class DonorLayerStore:
             owner = self._owner[page]
             on_host = owner < 0
             host = slots if bool(on_host.all()) else SlotSet.of(idx[on_host], self.max_runs)
-            parts = tuple(self._part(self.leases[n], idx[owner == n], self._block[page[owner == n]])
+            parts = tuple(LeaseCopy.of(self.leases[n], idx[owner == n],
+                                       self._block[page[owner == n]], self.geometry.page_size,
+                                       self.device)
                           for n in torch.unique(owner[~on_host]).tolist())
             split = _Split(slots, self._version, host, parts)
         self._splits[id(slots)] = split
         return split
-
-    def _part(self, lease: DonorLease, slots: torch.Tensor, blocks: torch.Tensor) -> _Part:
-        """The copy of slot `slots[i]` to or from row `slots[i] % page_size` of block
-        `blocks[i]`, in the lease's units."""
-        g = self.geometry
-        local = []
-        for h in (K, V):
-            per = lease.where[h].shape[2]
-            local.append(((slots * per)[:, None] + torch.arange(per)).reshape(-1)
-                         .to(self.device))
-        block_rows = (blocks * g.page_size + slots % g.page_size).to(lease.region.device)
-        return _Part(lease, tuple(local), block_rows, int(slots.numel()))
-
-    def _copy(self, part: _Part, layer: int, k: torch.Tensor, v: torch.Tensor,
-              to_donor: bool) -> None:
-        """Layer `layer` of `part`: between buffers `k` / `v` (`[rows, heads, dim]`, contiguous,
-        any device) and the lease's donor pages."""
-        lease = part.lease
-        for h, buf in ((K, k), (V, v)):
-            local, donor = _unit_rows(buf.reshape(-1).view(torch.uint8), lease.region,
-                                      lease.unit)
-            where = lease.where[h][layer].index_select(0, part.block_rows).reshape(-1)
-            if to_donor:
-                src, src_rows, dst, dst_rows = local, part.local[h].to(buf.device), donor, where
-            else:
-                src, src_rows, dst, dst_rows = donor, where, local, part.local[h].to(buf.device)
-            sk.copy_rows(src, src_rows, dst, dst_rows, backend=_backend(src, dst),
-                         staging=self._staging, validate=False)
 
     # ---- whole-slot operations SGLang asks the pool for (host side, after a drain) -------------
     def read_rows(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,25 +246,3 @@ class DonorLayerStore:
             self._donor_copies(layer, slots, self.host.data[layer, K], self.host.data[layer, V],
                                to_donor=True)
 
-
-def _unit_rows(local: torch.Tensor, region: torch.Tensor, unit: int):
-    """Both flat uint8 spaces as `[n, unit]` rows of the widest element that divides the unit
-    and both addresses (wide rows make the index copies move words, not bytes)."""
-    width, dtype = next((w, d) for w, d in ((8, torch.int64), (4, torch.int32),
-                                            (2, torch.int16), (1, torch.uint8))
-                        if unit % w == 0 and local.data_ptr() % w == 0
-                        and region.data_ptr() % w == 0)
-
-    def rows(flat: torch.Tensor) -> torch.Tensor:
-        return flat[: flat.numel() // unit * unit].view(dtype).view(-1, unit // width)
-
-    return rows(local), rows(region)
-
-
-def _backend(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """CPU: the staged copy; one GPU: one Triton pass; across devices: gather, copy, scatter."""
-    if src.device.type == "cpu" and dst.device.type == "cpu":
-        return "staged"
-    if src.device == dst.device and sk.triton_available():
-        return "triton"
-    return "reference"
