@@ -6,6 +6,7 @@ serves contexts L/depth times longer than a stock pool of the same local memory.
 - `store.py`: where every layer lives (`HostLayerStore`) and the copy lane (CPU / CUDA stream);
 - `donor_store.py`: `DonorLayerStore`, the same rows in donor pool pages under leases, written
   through to a `HostLayerStore` that takes over for pages a donor takes back;
+- `donor_lease.py`: one lease's blocks and addresses (`DonorLease`) and the copies (`LeaseCopy`);
 - `store_leases.py`: `StoreLeases`, the runtime's borrower side for that store;
 - `pool.py`: `LayerStreamKVPool`, SGLang's MHA pool with its layers aliasing staging buffers;
 - `hooks.py`: the plugin hooks that size the pool, build it, and bracket each forward.

@@ -6,8 +6,8 @@ A lease's donor pages hold `LeasePacking.num_blocks` blocks of this model (docs/
 the pack rule); block b holds one store page, so slot s of that page is row `s % page_size` of
 block b. Copies move unit rows (a divisor of the lease's unit and of one token row of K and of V)
 straight out of (or into) the mapped donor region: on CPU the staged row copy, on one GPU one
-Triton pass or, for a load into one run of slots, one gather into it; across GPUs gather, copy,
-scatter (`swift_kernels.copy_rows`).
+Triton pass; for one run of slots one gather into it (load) or one scatter of it (store);
+across GPUs gather, copy, scatter (`swift_kernels.copy_rows`).
 """
 
 from __future__ import annotations
@@ -94,9 +94,12 @@ class LeaseCopy:
             local, donor = _unit_rows(buf.reshape(-1).view(torch.uint8), lease.region,
                                       lease.unit)
             where = lease.where[h][layer].index_select(0, self.block_rows).reshape(-1)
-            if not to_donor and self.span is not None and local.device == donor.device:
-                lo, hi = self.span[h]  # one gather straight into the run of slots
-                torch.index_select(donor, 0, where, out=local[lo:hi])
+            if self.span is not None and local.device == donor.device:
+                lo, hi = self.span[h]  # a run of slots: one gather into it, or one scatter of it
+                if to_donor:
+                    donor.index_copy_(0, where, local[lo:hi])
+                else:
+                    torch.index_select(donor, 0, where, out=local[lo:hi])
                 continue
             rows = self.local[h].to(buf.device)
             src, src_rows, dst, dst_rows = (local, rows, donor, where) if to_donor else \
