@@ -73,6 +73,12 @@ class LRUEviction:
         return node.last_access
 
     def tier_priority(self, node: Any, tier: str, tree: "RadixTree", pending: Any = None) -> float:
+        """A lower copy of a node that is on the device goes first: dropping it loses nothing
+        now, while a copy of an evicted node is all that keeps it from a recompute (a small
+        donor tier full of duplicates of device prefixes turned away the prefixes the device
+        had just evicted). Among the others, least recently used first."""
+        if pending is None and DEVICE in node.res:
+            return -1.0
         return node.last_access
 
 

@@ -75,6 +75,27 @@ def test_tiered_makes_room_in_a_full_donor_rather_than_dropping():
     t.check_integrity()
 
 
+def test_lru_drops_a_donor_copy_of_a_device_prefix_before_an_older_donor_only_one():
+    """A full donor tier makes room by dropping the copy of a node that is on the device (it
+    loses nothing) before the least recently used copy of an evicted node (its only copy):
+    a loaded-back prefix's recent donor duplicate must not push out older evicted prefixes."""
+    t = tree(donor=True)
+    t.donor.add_lease("d", 0, 1, 4)
+    a, b, c = fill(t, [1, 1], [2, 2], [3, 3])
+    evict(t, 4)  # a and b go to the donor, which is now full
+    assert DONOR in a.res and DONOR in b.res and DEVICE not in a.res
+    m = t.match([1, 1])
+    t.unlock(t.complete_load_back(t.begin_load_back(m.last_node, [10, 11])).last_node)
+    assert DEVICE in a.res and DONOR in a.res  # a is back, its donor copy is newer than b's
+    t.match([3, 3])
+    t.match([1, 1])  # c is now the least recently used device leaf
+    plan = evict(t, 2)  # c needs donor room: a's duplicate goes, b's only copy stays
+    assert [s.dst_tier for s in plan.copies] == [DONOR]
+    assert DONOR in b.res and DONOR in c.res and DONOR not in a.res and DEVICE in a.res
+    assert t.match([2, 2]).prefix_len == 2
+    t.check_integrity()
+
+
 # ---- cost-aware ---------------------------------------------------------------------------------
 
 
