@@ -70,7 +70,7 @@ class StoreLeases(Borrowing):
     # ---- lease events (the tree is not involved: it has no donor tier here) ---------------------
     def on_granted(self, ev: LeaseGranted, tree: Any) -> None:
         self._pending = False
-        donor = ev.key.donor
+        donor, lease_id = ev.key.donor, ev.key.lease_id
         try:
             mapped = self._mapped.get(ev.memory.owner_uuid)
             if mapped is None:
@@ -91,11 +91,11 @@ class StoreLeases(Borrowing):
         checked = [0.0]  # when the donor process was last seen alive
 
         def readable() -> bool:
-            """Inside the read deadline (every call) and the donor process there (a syscall,
-            so at most every LIVENESS_CHECK_S: the deadline already ends reads of a silent
-            donor within a heartbeat timeout)."""
+            """Inside the lease's read deadline (every call) and the donor process there (a
+            syscall, so at most every LIVENESS_CHECK_S: the deadline already ends reads of a
+            silent donor within a heartbeat timeout)."""
             now = time.monotonic()
-            if now >= self.agent.read_deadline(donor):
+            if now >= self.agent.read_deadline(donor, lease_id):
                 return False
             if now - checked[0] >= LIVENESS_CHECK_S:
                 if not mapped.alive():
