@@ -50,6 +50,7 @@ _WIDTHS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch
 # Measured on the 2-core CI machine, 256 MiB moved in 32 KiB units: one temporary per op
 # 1.0 GB/s, 1 MiB staging 5.8, 4 MiB 6.2 (a plain copy 9.2).
 STAGING_BYTES = 2 << 20
+_here = threading.local()  # per thread: the staging buffer of the stores it runs (store_here)
 
 
 def resolve_backend(backend: str, local: torch.device, donor: torch.device) -> str:
@@ -160,25 +161,50 @@ class PoolTransferEngine:
         blocks locked (not evictable, not released) until the handle completes."""
         plan = self._plan(slots, blocks, store=True)
         handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
-        num_layers = self.packing.borrower.num_layers
         if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
-            return _refused(handle, TransferResult(False, tuple(range(num_layers)), FENCED))
-
-        def job() -> TransferResult:
-            try:
-                for layer in range(num_layers):
-                    with handle.layer_lock:
-                        reason = self._stop_reason(handle)
-                        if reason is None:
-                            reason = self._copy_layer(plan, layer, store=True)
-                        if reason is not None:
-                            return TransferResult(False, tuple(range(layer, num_layers)), reason)
-                return TransferResult(True, (), None)
-            finally:
-                self.copy_fence.retire(handle)
-
-        handle._future = self._submit(plan, job)
+            return _refused(handle, self._fenced_store())
+        handle._future = self._submit(plan, lambda: self._store_job(plan, handle, self._staging))
         return handle
+
+    def store_here(self, slots, blocks) -> TransferResult:
+        """`begin_store` run to its end on the calling thread, for a CPU engine (a GPU engine
+        enqueues on its lane: use `begin_store`). The lane's thread may be running a load of
+        this engine meanwhile, so the copy uses the calling thread's own staging buffer; the
+        fence applies as to any copy (a reclaim on another thread stops it between layers)."""
+        if self.lane.stream is not None:
+            raise ValueError("store_here runs a CPU engine's store on the caller's thread; "
+                             "a GPU engine's store is enqueued with begin_store")
+        plan = self._plan(slots, blocks, store=True)
+        if plan is None:
+            return TransferResult(True, (), None)
+        handle = PoolTransferHandle()
+        if not self.copy_fence.admit(handle, _ids(blocks)):
+            return self._fenced_store()
+        staging = None
+        if self._staging is not None:
+            staging = getattr(_here, "staging", None)
+            if staging is None or staging.numel() < max(plan.unit, STAGING_BYTES):
+                staging = _here.staging = torch.empty(max(plan.unit, STAGING_BYTES),
+                                                      dtype=torch.uint8)
+        return self._store_job(plan, handle, staging)
+
+    def _store_job(self, plan: CopyPlan, handle: PoolTransferHandle,
+                   staging: torch.Tensor | None) -> TransferResult:
+        num_layers = self.packing.borrower.num_layers
+        try:
+            for layer in range(num_layers):
+                with handle.layer_lock:
+                    reason = self._stop_reason(handle)
+                    if reason is None:
+                        reason = self._copy_layer(plan, layer, store=True, staging=staging)
+                    if reason is not None:
+                        return TransferResult(False, tuple(range(layer, num_layers)), reason)
+            return TransferResult(True, (), None)
+        finally:
+            self.copy_fence.retire(handle)
+
+    def _fenced_store(self) -> TransferResult:
+        return TransferResult(False, tuple(range(self.packing.borrower.num_layers)), FENCED)
 
     def begin_load(self, slots, blocks, counter,
                    before_layer: Callable[[int], None] | None = None) -> PoolTransferHandle:
@@ -202,7 +228,8 @@ class PoolTransferEngine:
                     with handle.layer_lock:
                         reason = self._stop_reason(handle, counter, pid)
                         if reason is None:
-                            reason = self._copy_layer(plan, layer, store=False)
+                            reason = self._copy_layer(plan, layer, store=False,
+                                                      staging=self._staging)
                         if reason is not None:
                             return TransferResult(False, counter.fail(reason, pid), reason)
                     counter.complete(layer, pid, stream=self.lane.stream)
@@ -276,7 +303,8 @@ class PoolTransferEngine:
         usable = flat.numel() // unit * unit
         return flat[:usable].view(dtype).view(-1, unit // width)
 
-    def _copy_layer(self, plan: CopyPlan, layer: int, store: bool) -> str | None:
+    def _copy_layer(self, plan: CopyPlan, layer: int, store: bool,
+                    staging: torch.Tensor | None) -> str | None:
         """Move layer `layer`'s K and V of the whole transfer; an error is returned as the
         reason (reported as failed layers) rather than raised on the lane."""
         try:
@@ -286,17 +314,17 @@ class PoolTransferEngine:
                 where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
                                                  plan.unit)
                 if store:
-                    self._move(local, plan.local[half], donor, where)
+                    self._move(local, plan.local[half], donor, where, staging)
                 else:
-                    self._move(donor, where, local, plan.local[half])
+                    self._move(donor, where, local, plan.local[half], staging)
         except Exception as exc:  # noqa: BLE001 - reported as failed layers
             return f"copy failed: {exc}"
         return None
 
     def _move(self, src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-              dst_rows: torch.Tensor) -> None:
+              dst_rows: torch.Tensor, staging: torch.Tensor | None) -> None:
         """dst[dst_rows] = src[src_rows] (swift_kernels.copy_rows; checked once in _plan)."""
-        sk.copy_rows(src, src_rows, dst, dst_rows, backend=self.backend, staging=self._staging,
+        sk.copy_rows(src, src_rows, dst, dst_rows, backend=self.backend, staging=staging,
                      validate=False)
 
 

@@ -17,9 +17,7 @@ and the compute stream is made to wait for it, so the host waits for the enqueue
 
 from __future__ import annotations
 
-import copy as _copy
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -97,7 +95,6 @@ def start_copy(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks:
     return copy
 
 
-_inline = threading.local()  # per thread: the staging buffer of the copies it runs inline
 
 
 def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
@@ -115,15 +112,17 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
         return False, None
     slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
     on_gpu = engine.lane.stream is not None
-    runner = engine if on_gpu else _inline_view(engine)
     # CPU: the copy thread's torch thread count (streams.CpuLane): on a busy machine an OpenMP
     # team of two per index op stalls on its barriers (20x slower measured here)
     threads = torch.get_num_threads()
+    handle = None
     try:
-        if not on_gpu:
+        if on_gpu:
+            handle = engine.begin_store(slot_tensor, blocks)
+            result = handle.result()  # the GPU job enqueued
+        else:
             torch.set_num_threads(getattr(engine.lane, "threads", 1))
-        handle = runner.begin_store(slot_tensor, blocks)
-        result = handle.result()  # done: the inline job returned, or the GPU job enqueued
+            result = engine.store_here(slot_tensor, blocks)
     except Exception:  # noqa: BLE001 - a store that fails is a lost prefix, not a dead server
         logger.exception("SwiftCache: a store on lease %s failed", key)
         return False, None
@@ -138,19 +137,3 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     runtime.track(key, handle, set(blocks))
     return ok, InFlightCopy(key, handle, frozenset(blocks), len(slot_tensor), marker, runtime)
 
-
-def _inline_view(engine: Any) -> Any:
-    """The lease's CPU engine, running its jobs on the caller's thread with that thread's own
-    staging buffer: the copy thread may be running a load of the same engine meanwhile, and the
-    two must share neither the queue nor the buffer. It shares everything else, the fence
-    included (a reclaim on the agent's thread stops it between layers). Made per call, so
-    whatever the engine holds when the store begins is what the store sees."""
-    view = _copy.copy(engine)
-    view.lane = streams.InlineLane()
-    view._own_lane = False
-    if engine._staging is not None:
-        staging = getattr(_inline, "staging", None)
-        if staging is None or staging.numel() < engine._staging.numel():
-            staging = _inline.staging = torch.empty_like(engine._staging)
-        view._staging = staging
-    return view

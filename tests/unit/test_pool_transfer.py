@@ -257,10 +257,10 @@ def test_abort_returns_only_after_the_layer_in_flight_is_written():
     started, finished = threading.Event(), []
     real_copy = engine._copy_layer
 
-    def slow_copy(plan, layer, store):
+    def slow_copy(plan, layer, store, staging):
         started.set()
         time.sleep(0.3)  # the abort below arrives while this layer is being written
-        out = real_copy(plan, layer, store)
+        out = real_copy(plan, layer, store, staging)
         finished.append(time.monotonic())
         return out
 

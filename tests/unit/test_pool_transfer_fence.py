@@ -38,12 +38,12 @@ def test_fence_waits_out_the_layer_in_flight_and_no_later_layer_runs():
     inside, go, log = threading.Event(), threading.Event(), []
     real_copy = engine._copy_layer
 
-    def held_copy(plan, layer, store):
+    def held_copy(plan, layer, store, staging):
         log.append(("start", layer))
         if layer == 1:
             inside.set()
             assert go.wait(30)
-        out = real_copy(plan, layer, store)
+        out = real_copy(plan, layer, store, staging)
         log.append(("end", layer))
         return out
 
@@ -106,10 +106,10 @@ def test_no_copy_touches_fenced_blocks_after_the_fence_returns_under_concurrent_
     fenced_at, late = threading.Event(), []
     real_copy = engine._copy_layer
 
-    def watched_copy(plan, layer, store):
+    def watched_copy(plan, layer, store, staging):
         if fenced_at.is_set():
             late.append(layer)
-        return real_copy(plan, layer, store)
+        return real_copy(plan, layer, store, staging)
 
     engine._copy_layer = watched_copy
     handles, stop = [], threading.Event()

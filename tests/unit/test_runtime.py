@@ -175,12 +175,12 @@ def test_reclaim_is_acked_from_the_agent_thread_once_the_copy_in_flight_stopped(
     inside, go, log = threading.Event(), threading.Event(), []
     real_copy = engine._copy_layer
 
-    def held_copy(plan, layer, store):  # layer 1 of the load reads donor pages until `go`
+    def held_copy(plan, layer, store, staging):  # layer 1 of the load reads donor pages until `go`
         log.append(("start", layer))
         if layer == 1:
             inside.set()
             assert go.wait(30)
-        out = real_copy(plan, layer, store)
+        out = real_copy(plan, layer, store, staging)
         log.append(("end", layer))
         return out
 
