@@ -286,13 +286,10 @@ class PoolTransferEngine:
         plan = p.plan(slots, blocks)
         if self._staging is not None and self._staging.numel() < plan.unit:
             self._staging = torch.empty(plan.unit, dtype=torch.uint8)  # a unit above 2 MiB
-        local = tuple(t.to(self.local_device) for t in plan.local)
-        stream = tuple(t.to(self.donor_device) for t in plan.stream)
-        if self.local_device.type == "cuda":  # made on the caller's stream, read on the lane's:
-            for t in local:  # keep the allocator from reusing them before the lane is done
-                t.record_stream(self.lane.stream)
-            for t in stream:
-                t.record_stream(getattr(self.lane, "peer_stream", None) or self.lane.stream)
+        lane_stream = getattr(self.lane, "stream", None)
+        peer_stream = getattr(self.lane, "peer_stream", None) or lane_stream
+        local = tuple(_to_device(t, self.local_device, lane_stream) for t in plan.local)
+        stream = tuple(_to_device(t, self.donor_device, peer_stream) for t in plan.stream)
         return CopyPlan(plan.unit, plan.layer_step, local, stream, plan.page_aligned)
 
     def _rows(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
@@ -329,6 +326,18 @@ class PoolTransferEngine:
 
 
 FENCED = "blocks fenced: reclaimed by the donor"
+
+
+def _to_device(t: torch.Tensor, device: torch.device, stream) -> torch.Tensor:
+    """An index tensor onto `device` for the lane stream `stream` that will read it. GPU: copied
+    from pinned memory on that stream without blocking, so the host does not wait for the
+    compute stream to reach a pageable copy, and the copy is ordered before the lane's reads
+    by the stream itself (torch's pinned allocator keeps the host block until the copy ran,
+    and the device tensor belongs to `stream`, so its memory is not reused before)."""
+    if device.type != "cuda":
+        return t
+    with torch.cuda.stream(stream):
+        return t.pin_memory().to(device, non_blocking=True)
 
 
 def _ids(blocks) -> list[int]:
