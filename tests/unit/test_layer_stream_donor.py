@@ -241,3 +241,26 @@ def test_bench_context_sizes_the_donor_for_the_store_and_reads_either_pool_line(
                 f"(1.0 MiB), every layer in {where} (4.0 MiB)")
         parsed = cb.streamed_pool_log(line)
         assert parsed["store"] == where and parsed["store_mib"] == 4.0
+
+
+def test_retraction_and_moves_reach_the_donor_blocks_too(donor):
+    """Rows SGLang writes on the host side (retraction's load_cpu_copy, move_kv_cache) land in
+    the placed pages' blocks as well: a later load, served from donor memory, returns them."""
+    from sglang_swift.layer_stream.slots import SlotSet
+
+    pool = _streamed(2, tier="donor")
+    store = pool.layer_store
+    donor.lend(store, range(130))  # every whole page of the store
+    assert store.place() == store.num_pages
+    idx = torch.tensor([5, 9, 40])
+    saved = [[[torch.randn(3, 2, 4), torch.randn(3, 2, 4)]] for _ in range(LAYERS)]
+    pool.load_cpu_copy(saved, idx)
+    pool.move_kv_cache(torch.tensor([60, 61]), torch.tensor([5, 9]))
+    stage = pool._stages[0]
+    for layer in range(LAYERS):
+        before = store.rows_from_donor
+        store.load(layer, SlotSet.of(torch.tensor([5, 9, 40, 60, 61]), 64), stage)
+        assert store.rows_from_donor == before + 5  # all five from donor memory
+        k, v = saved[layer][0]
+        assert torch.equal(stage[K, [5, 9, 40]], k) and torch.equal(stage[V, [5, 9, 40]], v)
+        assert torch.equal(stage[K, [60, 61]], k[:2]) and torch.equal(stage[V, [60, 61]], v[:2])
