@@ -8,8 +8,9 @@ have:
 - a grant is packed for this model's shape (`LeasePacking`) and its blocks filled with store
   pages (`DonorLayerStore.place`, which copies each page in before anything reads it there);
 - a reclaim flips the pages on the reclaimed blocks to host memory and returns once no copy reads
-  them (`DonorLayerStore.fence`); the runtime acknowledges after that. Nothing is lost: every row
-  is also in the host backing, so no request is aborted or recomputed;
+  them (`fence` -> `DonorLayerStore.fence`, which the runtime calls on the control agent's thread
+  as the reclaim arrives, then acknowledges). Nothing is lost: every row is also in the host
+  backing, so no request is aborted or recomputed;
 - a lost lease flips all its pages to host the same way;
 - each scheduler step (`maybe_request`) places pages again (a lease that was unreadable for a
   while, store pages whose lease was reclaimed once a new grant arrives) and asks for the blocks
@@ -29,7 +30,7 @@ from ..integration.borrowing import Borrowing
 from .donor_store import DonorLayerStore
 
 logger = logging.getLogger(__name__)
-LIVENESS_CHECK_S = 0.05
+LIVENESS_CHECK_S = 0.05  # how often a copy may look for the donor's process (a syscall)
 STATS = ("stream_pages_on_donor", "stream_rows_from_donor", "stream_rows_to_donor",
          "stream_pages_flipped")
 
