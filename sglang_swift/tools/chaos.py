@@ -10,7 +10,8 @@ borrower idle, forces reclaims with donor bursts, SIGKILLs a donor and restarts 
 the borrower's model and pool answers the same requests first; the borrower is then sent exactly
 those requests (each history carries the stock answers), so every answer is compared on its own.
 The last line printed is a JSON object: requests, wrong_tokens (answers that differ from stock),
-hangs (no answer within --request-timeout-s), errors (HTTP errors), faults, lost_idle_tokens
+hangs (no answer within --request-timeout-s), errors (HTTP errors; a 503 for a failed donor
+load is retried and counted in load_503s instead), faults, lost_idle_tokens
 (donor-tier tokens the borrower lost while every process was alive), the counter checks and the
 load average. Exit status 0 only when all of those are clean. Method and figures: docs/chaos.md.
 """
@@ -32,6 +33,7 @@ from .tiny_model import ensure_tiny_model, model_dir
 
 SETTLE_S = 2.2  # counters reach /metrics once a second from the scheduler loop (cache.py)
 MAX_HANGS = 2  # after this many, the borrower is stuck: stop sending
+LOAD_RETRIES = 2  # a 503 for a failed donor load is retried (its message says so) this often
 
 
 @dataclass
@@ -67,6 +69,8 @@ class ChaosRun:
         self.answers: dict[tuple[int, int], str] = {}
         self.hangs: list[str] = []
         self.errors: list[str] = []
+        self.load_503s: list[str] = []  # 503s for a failed donor load (retried)
+        self.record: StepRecord | None = None  # the step running now
         self.latencies: list[tuple[float, str]] = []  # (seconds, which request, sent when)
         self.step_label = "warm-up"
         self.records: list[StepRecord] = []
@@ -80,8 +84,15 @@ class ChaosRun:
             key = self.replay.keys[self.next]
             self.next += 1
             t0, sent = time.monotonic(), time.strftime("%H:%M:%S")
-            kind, value = ask(self.node.servers[BORROWER], self.replay.payload(key),
-                              self.opts.request_timeout_s)
+            for attempt in range(1 + LOAD_RETRIES):
+                kind, value = ask(self.node.servers[BORROWER], self.replay.payload(key),
+                                  self.opts.request_timeout_s)
+                if kind != "load_failed":
+                    break
+                self.load_503s.append(f"{key} in step '{self.step_label}', try {attempt + 1}: "
+                                      f"{value}")
+                if self.record is not None:
+                    self.record.load_503s += 1
             self.latencies.append((time.monotonic() - t0,
                                    f"{key} in step '{self.step_label}', sent {sent}"))
             if kind == "ok":
@@ -115,7 +126,7 @@ class ChaosRun:
         for i, step in enumerate(plan):
             print(f"[chaos] step {i + 1}/{len(plan)}: {step.label()}", flush=True)
             self.step_label = f"{i} {step.label()}"
-            rec = StepRecord(step, before, before)
+            rec = self.record = StepRecord(step, before, before)
             try:
                 self.execute(step, rec)
             except Exception as exc:  # a fault that could not be carried out is reported
@@ -170,6 +181,7 @@ class ChaosRun:
         return {
             "requests": self.next, "answered": len(self.answers), "wrong_tokens": len(wrong),
             "hangs": len(self.hangs), "errors": len(self.errors),
+            "load_503s": len(self.load_503s),
             "faults": sum(plan_mod.fault_counts(self.records).values()),
             "faults_by_kind": plan_mod.fault_counts(self.records),
             "aborted_steps": [f"{r.step.label()}: {r.aborted}" for r in self.records if r.aborted],
@@ -181,6 +193,7 @@ class ChaosRun:
             "seconds": round(time.monotonic() - started, 1),
             "load_avg": [list(load_start), [round(x, 2) for x in os.getloadavg()]],
             "details": {"wrong": wrong, "hangs": self.hangs, "errors": self.errors,
+                        "load_503s": self.load_503s,
                         "slowest_answers": [f"{s:.1f}s: {what}" for s, what in
                                             sorted(self.latencies, reverse=True)[:3]]},
         }

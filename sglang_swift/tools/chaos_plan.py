@@ -26,7 +26,7 @@ FAULT_KINDS = ("freeze", "idle", "burst", "kill", "restart")
 STEP_KINDS = ("traffic", *FAULT_KINDS)
 BORROWER = "borrower"
 COUNTERS = ("revoked_tokens", "lost_leases", "reclaims", "refused_loads", "refused_stores",
-            "leases", "loaded_tokens", "stored_tokens")  # swiftcache_<name>_total
+            "loads_failed", "leases", "loaded_tokens", "stored_tokens")  # swiftcache_<name>_total
 TIER_GAUGE = "donor_tier_tokens"  # swiftcache_donor_tier_tokens: the borrower's data at stake
 DATA_FAULTS = ("freeze", "idle", "burst", "kill")  # faults that test what happens to that data
 FREEZE_MARGIN_S = 5.0  # a freeze ends at least this long before a peer could be declared dead
@@ -155,13 +155,16 @@ class StepRecord:
     `before` / `after`: the borrower's counters (COUNTERS) around the step, after they settled;
     `leases_from_target`: the borrower's leases from the target donor just before the step;
     `target_reclaims`: the target donor's completed reclaims (its reclaim latency histogram's
-    count) during the step; `aborted`: the step could not be carried out (why)."""
+    count) during the step; `load_503s`: answers to this step's requests that were SwiftCache's
+    503 for a failed donor load (each retried); `aborted`: the step could not be carried out
+    (why)."""
 
     step: Step
     before: dict[str, float]
     after: dict[str, float]
     leases_from_target: int = 0
     target_reclaims: float = 0.0
+    load_503s: int = 0
     aborted: str = ""
 
     def delta(self, name: str) -> float:
@@ -186,6 +189,14 @@ def lost_while_alive(records: list[StepRecord]) -> tuple[float, float]:
 COPY_FAULT_KINDS = ("burst", "kill")  # steps in which a copy may be refused or aborted
 
 
+def load_may_fail(step: Step) -> bool:
+    """Whether a donor load may fail in `step` (its request answered 503): a reclaim fences the
+    pages (burst), a dead donor's lease is not readable (kill), and a borrower stopped in a
+    forward finds the batch's load deadline (wall clock) passed when it resumes (freeze of
+    the borrower). Anywhere else a failed load is a load that missed its deadline unprovoked."""
+    return step.kind in COPY_FAULT_KINDS or (step.kind == "freeze" and step.target == BORROWER)
+
+
 def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
     """Each check of the counters against what the run did; value "" when it holds, else why.
 
@@ -195,6 +206,9 @@ def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
     - lost leases: each kill of a donor the borrower borrowed from cost it a lease; nothing else
       did;
     - refused copies: loads and stores are refused only in a burst or kill step;
+    - failed loads: every 503 the client got for a failed donor load is one failed load on the
+      borrower (`swiftcache_loads_failed_total`), step by step, and the reverse; they happen
+      only where `load_may_fail`;
     - donor tier used: the borrower loaded tokens back from donor memory at all."""
     checks: dict[str, str] = {}
     final = records[-1].after if records else {}
@@ -224,6 +238,16 @@ def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
            for i, rec in enumerate(records) if rec.step.kind not in COPY_FAULT_KINDS
            and (rec.delta("refused_loads") > 0 or rec.delta("refused_stores") > 0)]
     checks["refused_copies"] = "; ".join(bad)
+    bad = []
+    for i, rec in enumerate(records):
+        failed = rec.delta("loads_failed")
+        if failed != rec.load_503s:
+            bad.append(f"step {i} {rec.step.label()}: {failed:g} loads failed on the borrower, "
+                       f"{rec.load_503s} answered 503")
+        elif failed > 0 and not load_may_fail(rec.step):
+            bad.append(f"step {i} {rec.step.label()}: {failed:g} loads failed (past the "
+                       "batch's deadline?) with no fault to explain it")
+    checks["failed_loads"] = "; ".join(bad)
     checks["donor_tier_used"] = "" if final.get("loaded_tokens", 0) > 0 else \
         "no token was loaded back from donor memory: the run did not exercise the donor tier"
     return checks

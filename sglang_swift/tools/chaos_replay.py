@@ -72,13 +72,20 @@ class Replay:
                 "temperature": 0.0}
 
 
+LOAD_FAILED = "SwiftCache: loading the cached prefix from a donor failed"  # streaming.py's 503
+
+
 def ask(server, payload: dict, timeout_s: float) -> tuple[str, str]:
-    """("ok", text), ("error", why) or ("hang", why): one greedy chat request, bounded."""
+    """("ok", text), ("error", why) or ("hang", why): one greedy chat request, bounded; or
+    ("load_failed", why): SwiftCache answered 503 because the request's donor load failed
+    (the server asks the client to retry: its prefix is recomputed or loaded again)."""
     try:
         resp = server.post("/v1/chat/completions", payload, timeout=timeout_s)
         return "ok", resp["choices"][0]["message"]["content"]
     except urllib.error.HTTPError as exc:
-        return "error", f"HTTP {exc.code}: {exc.read()[:200]!r}"
+        body = exc.read()[:1000].decode(errors="replace")
+        kind = "load_failed" if exc.code == 503 and LOAD_FAILED in body else "error"
+        return kind, f"HTTP {exc.code}: {body[:300]!r}"
     except (TimeoutError, OSError) as exc:  # URLError is an OSError; a read timeout is too
         reason = getattr(exc, "reason", exc)
         kind = "hang" if "timed out" in str(reason) else "error"

@@ -6,12 +6,14 @@ frozen past the heartbeat timeout while the borrower serves, the borrower idle, 
 frozen with a request in flight, a donor burst that reclaims, the donor SIGKILLed and restarted.
 Invariants:
 - every answer of the borrower equals stock SGLang's for the same request (no wrong token);
-- every request is answered within the bound, without an HTTP error (no hang, no error);
+- every request is answered within the bound, without an HTTP error (no hang, no error); a
+  503 for a failed donor load is retried, like a client, and its answer compared too;
 - nothing in donor memory is lost while both processes are alive (a freeze or an idle costs no
   lease and no cached token; only the kill does);
 - the borrower's swiftcache_* counters agree with what the run did: leases counted, the burst's
   reclaim completed on the donor and acknowledged by the borrower, the kill cost a lease, no copy
-  refused outside a burst or a kill, tokens loaded back from donor memory;
+  refused outside a burst or a kill, each 503 one failed load on the borrower (and the reverse)
+  in a step whose fault explains it, tokens loaded back from donor memory;
 - the freezes and the idle phase met a borrower with data in donor memory, and the burst and the
   kill a donor it borrowed from (each fault tested something).
 """

@@ -70,7 +70,7 @@ def test_freeze_bounds_follow_dead_after_for_long_timeouts():
 
 def _rec(kind, target="", before=None, after=None, **kw) -> StepRecord:
     base = {"revoked_tokens": 0, "lost_leases": 0, "reclaims": 0, "refused_loads": 0,
-            "refused_stores": 0, "leases": 1, "loaded_tokens": 100}
+            "refused_stores": 0, "loads_failed": 0, "leases": 1, "loaded_tokens": 100}
     return StepRecord(Step(kind, target), {**base, **(before or {})},
                       {**base, **(before or {}), **(after or {})}, **kw)
 
@@ -100,16 +100,57 @@ def test_consistency_accepts_what_the_faults_explain():
     ]
     assert consistency(records, leases_seen=2) == {
         "leases": "", "reclaims": "", "lost_leases": "", "refused_copies": "",
-        "donor_tier_used": ""}
+        "failed_loads": "", "donor_tier_used": ""}
+
+
+def test_failed_loads_match_the_503s_and_happen_only_where_a_fault_explains_them():
+    """Each failed donor load on the borrower is one 503 the client got in the same step: a
+    frozen borrower or a kill may explain one; a failed load the client never saw, a 503 the
+    borrower did not count, or a failed load in plain traffic or a donor's freeze is named."""
+    ok = [_rec("freeze", BORROWER, after={"loads_failed": 1}, load_503s=1),
+          _rec("kill", "donor0", {"loads_failed": 1}, {"loads_failed": 2, "lost_leases": 1},
+               leases_from_target=1, load_503s=1)]
+    assert consistency(ok, leases_seen=1)["failed_loads"] == ""
+    bad = [_rec("traffic", after={"loads_failed": 1}, load_503s=1),
+           _rec("freeze", "donor0", after={"loads_failed": 1}, load_503s=1),
+           _rec("freeze", BORROWER, after={"loads_failed": 1}),
+           _rec("kill", "donor0", load_503s=2)]
+    checks = consistency(bad, leases_seen=1)["failed_loads"]
+    assert checks.count("no fault to explain it") == 2
+    assert "step 2 freeze borrower: 1 loads failed on the borrower, 0 answered 503" in checks
+    assert "step 3 kill donor0: 0 loads failed on the borrower, 2 answered 503" in checks
+
+
+def test_ask_tells_a_failed_donor_load_from_other_http_errors():
+    """SwiftCache's 503 for a failed donor load is retryable ("load_failed"); another 503 or
+    another status is an error."""
+    import io
+    import urllib.error
+
+    from sglang_swift.tools.chaos_replay import LOAD_FAILED, ask
+
+    class Server:
+        def __init__(self, code, message):
+            self.code, self.message = code, message
+
+        def post(self, path, payload, timeout):
+            body = io.BytesIO(f'{{"message": "{self.message}"}}'.encode())
+            raise urllib.error.HTTPError(path, self.code, "x", {}, body)
+
+    assert ask(Server(503, LOAD_FAILED + " (lease fenced)"), {}, 1.0)[0] == "load_failed"
+    assert ask(Server(503, "server overloaded"), {}, 1.0)[0] == "error"
+    assert ask(Server(500, LOAD_FAILED), {}, 1.0)[0] == "error"
 
 
 def test_consistency_names_each_contradiction():
-    """An unacknowledged burst, a reclaim without a burst, a kill without a loss, a refused load
-    while all were alive, fewer leases counted than seen, and an unused donor tier are named."""
+    """An unacknowledged burst, a reclaim without a burst, a kill without a loss, a 503 the
+    borrower did not count, a refused load while all were alive, fewer leases counted than
+    seen, and an unused donor tier are named."""
     records = [
         _rec("burst", "donor0", leases_from_target=1, target_reclaims=1),
         _rec("idle", after={"reclaims": 1}),
         _rec("kill", "donor1", leases_from_target=2),
+        _rec("traffic", load_503s=1),
         _rec("freeze", "donor0", after={"refused_loads": 1, "loaded_tokens": 0}),
     ]
     checks = consistency(records, leases_seen=3)
@@ -117,6 +158,7 @@ def test_consistency_names_each_contradiction():
     assert "reclaims without a burst" in checks["reclaims"]
     assert "none counted lost" in checks["lost_leases"]
     assert "1 loads" in checks["refused_copies"]
+    assert "0 loads failed on the borrower, 1 answered 503" in checks["failed_loads"]
     assert "< 3 leases seen" in checks["leases"]
     assert checks["donor_tier_used"]
 
