@@ -38,6 +38,7 @@ class DonorLease:
                  region: torch.Tensor, readable: Callable[[], bool]):
         self.number, self.key, self.packing, self.region = number, key, packing, region
         self.readable = readable
+        self.mapping: Any = None  # the runtime's name for the donor mapping the region is in
         self.pages = torch.full((packing.num_blocks,), FREE, dtype=torch.int64)
         g, P = geometry, geometry.page_size
         rows = (g.k_row_elems * g.itemsize, g.v_row_elems * g.itemsize)

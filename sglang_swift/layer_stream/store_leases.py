@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from ..control import LeaseGranted, LeaseLost, ReclaimRequested
-from ..dataplane import LeasePacking, MappingError, map_pool
+from ..dataplane import LeasePacking, MappingError, map_pool, owner_alive
 from ..integration.borrowing import Borrowing
 from .donor_store import DonorLayerStore
 
@@ -105,6 +105,7 @@ class StoreLeases(Borrowing):
             return True
 
         lease = self.store.add_lease(ev.key, packing, mapped.region, readable)
+        lease.mapping = ev.memory.owner_uuid  # unmapped only once no lease of it is in the store
         self.leases[(donor, ev.key.lease_id)] = lease
         self.stats["leases"] += 1
         logger.info("SwiftCache layer streaming: borrowing %d pages of %s's pool as %d store "
@@ -142,6 +143,15 @@ class StoreLeases(Borrowing):
                        "stream from host memory, nothing lost", ev.key, ev.reason, flipped)
         self._drop_dead_mappings()
         return None
+
+    def _drop_dead_mappings(self) -> None:
+        """A dead donor's other leases leave the store (their pages flip to host, no copy reads
+        them) before its pool is unmapped and unlinked."""
+        for key, lease in list(self.leases.items()):
+            mapped = self._mapped.get(lease.mapping)
+            if mapped is not None and not owner_alive(mapped.descriptor["owner_pid"]):
+                self.store.drop(self.leases.pop(key))
+        super()._drop_dead_mappings()
 
     def attach_tree(self, tree: Any) -> None:
         """The tree holds nothing of these leases."""

@@ -264,3 +264,47 @@ def test_retraction_and_moves_reach_the_donor_blocks_too(donor):
         k, v = saved[layer][0]
         assert torch.equal(stage[K, [5, 9, 40]], k) and torch.equal(stage[V, [5, 9, 40]], v)
         assert torch.equal(stage[K, [60, 61]], k[:2]) and torch.equal(stage[V, [60, 61]], v[:2])
+
+
+def test_a_dead_donors_leases_all_leave_the_store_before_its_pool_is_unmapped(donor,
+                                                                            monkeypatch):
+    """Two leases on one donor's pool; the donor's process dies and one lease is reported lost:
+    both leave the store (every page to host) before the mapping is closed and unlinked, so no
+    copy can touch unmapped memory, and reads keep returning what was written."""
+    import types
+
+    from sglang_swift.control import LeaseGranted, LeaseKey, LeaseLost
+    from sglang_swift.control.protocol import MemoryDescriptor
+    from sglang_swift.integration import borrowing
+    from sglang_swift.layer_stream import store_leases
+    from sglang_swift.layer_stream.slots import SlotSet
+
+    pool = _streamed(2, tier="donor")
+    agent = types.SimpleNamespace(read_deadline=lambda donor, lease=None: float("inf"),
+                                  release=lambda key, blocks=None: None,
+                                  request=lambda n: None)
+    stats = {"leases": 0, "lost_leases": 0}
+    leases = store_leases.StoreLeases.for_pool(pool, agent=agent, stats=stats, copy_timeout_s=1)
+    memory = MemoryDescriptor.coerce({**donor.arena.export(), "layout": donor.layout.to_dict()})
+    for lease_id, pages in ((1, range(0, 40)), (2, range(40, 80))):
+        leases.on_granted(LeaseGranted(lease_id, LeaseKey("d", 7, lease_id), tuple(pages),
+                                       memory), None)
+    store = leases.store
+    assert store.pages_on_donor == 60 and stats["leases"] == 2
+    rows = torch.randn(2, 97, 2, 4)
+    stage = pool._stages[0]
+    stage[:, :97] = rows
+    everything = SlotSet.of(torch.arange(97), 64)
+    store.save(0, everything, stage)
+    unlinked = []
+    monkeypatch.setattr(store_leases, "owner_alive", lambda pid: False)
+    monkeypatch.setattr(borrowing, "owner_alive", lambda pid: False)
+    monkeypatch.setattr(borrowing, "unlink_descriptor", unlinked.append)
+    leases.on_lost(LeaseLost(LeaseKey("d", 7, 1), tuple(range(40)), "connection closed"), None)
+    assert not leases.leases and not store.leases and store.pages_on_donor == 0
+    assert not leases._mapped and len(unlinked) == 1
+    stage.zero_()
+    before = store.rows_from_donor
+    store.load(0, everything, stage)
+    assert store.rows_from_donor == before and torch.equal(stage[:, :97], rows)
+    leases.close()
