@@ -125,11 +125,13 @@ class DonorHitsMixin:
         if not a.ok:
             return self._decline(req, "no room for the load")
         ticket = a.load
-        if ticket is not None and (a.match.last_device_node is not req.last_node
-                                   or len(ticket.device_indices) != params.host_hit_length
-                                   or not all(self._readable(c.src) for c in ticket.copies)):
+        unreadable = ticket is not None and not all(self._readable(c.src) for c in ticket.copies)
+        if ticket is not None and (unreadable or a.match.last_device_node is not req.last_node
+                                   or len(ticket.device_indices) != params.host_hit_length):
             self.slots.free(self.tree.abort_load_back(ticket).device_indices_to_free)
             ticket = None  # the tree or a donor changed since the match: recompute
+            # a donor gone, past its read deadline or fenced by a reclaim: refused, not failed
+            self.runtime.stats["refused_loads"] += int(unreadable)
         self.tree.unlock(a.anchor)
         if ticket is None:
             return self._decline(req, "the match or its donor changed since")

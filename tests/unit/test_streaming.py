@@ -63,7 +63,7 @@ class Runtime:
         self.device = torch.device("cpu")
         self.lent_tokens = 0  # a borrower lends nothing
         self.stats = {k: 0 for k in ("stored_tokens", "loaded_tokens", "refused_stores",
-                                     *stats_keys)}
+                                     "refused_loads", *stats_keys)}
 
     def pump(self):  # control events: none in these tests
         pass
@@ -293,6 +293,30 @@ def test_a_lease_unreadable_at_match_time_is_not_reported_as_a_hit(rig):
     rig.runtime.dead.add(("d", 0))
     m = rig.match(tokens)
     assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
+
+
+def test_a_lease_dying_between_match_and_admission_is_a_refused_load_and_a_recompute(rig):
+    """Invariant: a donor hit whose lease is unreadable when SGLang admits the request is not
+    loaded (init_load_back returns no host hit, nothing stays allocated or in flight) and is
+    counted as a refused load, apart from loads that failed after they started."""
+    tokens = list(range(1, 9))
+    rig.prefix(tokens)
+    rig.demote_all()
+    free_before = rig.alloc.available_size()
+    m = rig.match(tokens)
+    assert m.host_hit_length == 8
+    rig.runtime.dead.add(("d", 0))
+    req = SimpleNamespace(rid="r", last_node=m.last_device_node, prefix_len=0,
+                          full_untruncated_fill_ids=tokens + [0], skip_radix_cache_insert=False,
+                          discard_output_reason=None)
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    out = rig.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length,
+                                                      req=req))
+    assert out[0] == 0
+    assert rig.runtime.stats["refused_loads"] == 1 and rig.runtime.stats["loads_declined"] == 1
+    assert rig.cache.tree.in_flight() == 0 and rig.alloc.available_size() == free_before
+    rig.cache.check_integrity()
 
 
 def test_a_lease_dying_between_admission_and_batch_start_aborts_the_request(rig):
