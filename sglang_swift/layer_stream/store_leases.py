@@ -150,7 +150,10 @@ class StoreLeases(Borrowing):
         for key, lease in list(self.leases.items()):
             mapped = self._mapped.get(lease.mapping)
             if mapped is not None and not owner_alive(mapped.descriptor["owner_pid"]):
-                self.store.drop(self.leases.pop(key))
+                flipped = self.store.drop(self.leases.pop(key))
+                self.stats["lost_leases"] += 1
+                logger.warning("SwiftCache layer streaming: lease %s of a dead donor dropped; its "
+                               "%d store pages now stream from host memory", lease.key, flipped)
         super()._drop_dead_mappings()
 
     def attach_tree(self, tree: Any) -> None:

@@ -12,18 +12,22 @@ of a stock pool of LOCAL_POOL tokens (as in test_layer_stream_e2e). Invariants:
 - a burst of the donor's own traffic, started once the streaming server is prefilling another
   long request, reclaims the lent pages before that request finishes: the streaming server flips
   them to host memory and its output is still identical (nothing is aborted or recomputed: every
-  row was written through to host memory).
+  row was written through to host memory);
+- after the donor lends again and is then killed with SIGKILL, the streaming server keeps serving
+  identically, before and after it sees the lease lost, and the dead donor's pool is not left in
+  /dev/shm (the streaming server unlinks it once no lease of it is in its store).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 
 import pytest
 
 from integration.harness import LocalServer, metric, wait_for
-from integration.test_donation_e2e import _donor_burst
+from integration.test_donation_e2e import _donor_burst, _pids_in
 from integration.test_layer_stream_e2e import COMMON, DEPTH, LOCAL_POOL, NEW_TOKENS, \
     STREAMED_POOL, _generate, _prompt
 from sglang_swift.layer_stream.context_bench import donor_reads
@@ -84,9 +88,23 @@ def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_recla
                  "the streaming server to start prefilling the request")
         _donor_burst(donor)  # the donor's own traffic takes its pages back
         request.join(600)
+
+        wait_for(lambda: "more store pages" in streamer.log_text()[start:], 120,
+                 "the donor to lend again after its cooldown and the store to use it")
+        os.killpg(donor.proc.pid, 9)  # SIGKILL the donor server, scheduler included
+        donor.proc.wait(30)
+        after_kill = _generate(streamer, hit_prompt)
+        wait_for(lambda: "lost (" in streamer.log_text()[start:], 60,
+                 "the streaming server to see the donor's lease lost")
+        after_loss = _generate(streamer, hit_prompt)
+        assert streamer.proc.poll() is None, streamer.log_tail()
         log = streamer.log_text()
     assert result == [want[2]], "output during the donor's reclaim differs from stock SGLang's"
     assert "now stream from host memory" in log_at_end[0][start:], \
         "the reclaim did not land while the request was being served"
+    assert after_kill == want[1] and after_loss == want[1], "output after the donor died differs"
     assert re.search(r"local staging 2 of 8 layers .* every layer in donor memory under a lease",
                      log)
+    leaked = [f for f in os.listdir("/dev/shm") if f.startswith("swift")
+              and any(f"_p{pid}_" in f for pid in _pids_in(tmp_path / "donor.log"))]
+    assert not leaked, f"the killed donor's pool left in /dev/shm: {leaked}"

@@ -302,6 +302,7 @@ def test_a_dead_donors_leases_all_leave_the_store_before_its_pool_is_unmapped(do
     monkeypatch.setattr(borrowing, "unlink_descriptor", unlinked.append)
     leases.on_lost(LeaseLost(LeaseKey("d", 7, 1), tuple(range(40)), "connection closed"), None)
     assert not leases.leases and not store.leases and store.pages_on_donor == 0
+    assert stats["lost_leases"] == 2
     assert not leases._mapped and len(unlinked) == 1
     stage.zero_()
     before = store.rows_from_donor
