@@ -100,7 +100,7 @@ class SwiftRuntime:
         logger.info("SwiftCache runtime %s started: lends up to %d tokens of its pool, borrows "
                     "up to %d blocks", self.agent_id,
                     self.lender.max_pages * self.geometry.page_size if self.lender else 0,
-                    self.config.max_borrow_blocks if self.borrowing else 0)
+                    self.borrowing.max_blocks if self.borrowing else 0)
         return self
 
     def stop(self) -> None:

@@ -125,6 +125,10 @@ class SwiftConfig:
                 "streamed pool's pages are staging, not pages a lease can map); to stream from "
                 "donor memory use --swiftcache-layer-stream donor without "
                 "--swiftcache-lend-fraction / --swiftcache-max-borrow-blocks")
+        if self.streams_from_donor and self.role == "donor":
+            raise ValueError(
+                "--swiftcache-layer-stream donor borrows donor pool pages for its store, but "
+                "--swiftcache-role donor only lends; use --swiftcache-role auto or borrower")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat-timeout-s ({self.heartbeat_timeout_s}) must exceed "

@@ -62,6 +62,15 @@ def test_streaming_with_lending_or_borrowing_is_refused():
             SwiftConfig(enabled=True, layer_stream=tier, max_borrow_blocks=4)
 
 
+def test_streaming_from_donors_as_a_pure_donor_is_refused():
+    """A server that streams from donor memory borrows; role donor only lends: refused with a
+    message naming both options, while roles auto and borrower are accepted."""
+    with pytest.raises(ValueError, match="layer-stream donor.*role donor"):
+        SwiftConfig.parse(enabled=True, layer_stream="donor", role="donor")
+    for role in ("auto", "borrower"):
+        assert SwiftConfig.parse(enabled=True, layer_stream="donor", role=role).streams_from_donor
+
+
 def test_streaming_from_donors_runs_the_runtime_without_a_donor_tier():
     """`--swiftcache-layer-stream donor` borrows for the store: the server runs a runtime
     (uses_donation) while its tree has no donor tier; host mode runs none."""
