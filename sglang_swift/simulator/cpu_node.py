@@ -4,8 +4,10 @@ traffic, with the parameters scripts/calibrate_cpu.py measured (SIMULATED figure
 
 The three runs of bench_node (nodebench/plan.py):
   stock       busy `small` pool `busy_pool`, donor `tiny` pool `donor_pool`, SGLang radix caches
-  swiftcache  the same pools; the donor lends `lend_fraction` of its pool (Node.lend, the ledger),
-              the busy server's radix_ext tree gets a donor tier; an eviction that needs room
+  swiftcache  the same pools; the donor lends `lend_fraction` of its pool (Node.lend, the ledger)
+              in the leases the live borrower asks for (the first sized one donor page per
+              wanted block, before it knows the donor's layout: 128 + 384 blocks here), the
+              busy server's radix_ext tree gets a donor tier; an eviction that needs room
               stores its victims there before the step computes (the live borrower since commit
               0be01c3; before it, stores ran beside the scheduler and the borrower demoted ahead
               to keep 1/8 of its pool free: `demote_ahead=0.125`); hits load back layer by layer;
@@ -67,7 +69,8 @@ def _server(node: Node, g: int, name: str, compute, pool: int, donor_tier: bool,
     srv = ModelServer(name, node.gpus[g], compute, TreeCache(pool, 0, donor=donor_tier), page_tokens=1,
                       chunk=CHUNKED_PREFILL, max_running=MAX_RUNNING,
                       load_mode="layerwise" if donor_tier else "none", node=node,
-                      demote_headroom=int(pool * demote_ahead) if donor_tier else 0, checkpoint_prompt=True)
+                      demote_headroom=int(pool * demote_ahead) if donor_tier else 0, checkpoint_prompt=True,
+                      alloc_per_step=True)
     node.gpus[g].server = srv
     node.by_name[name] = srv
     return srv
@@ -114,7 +117,8 @@ def simulate_run(cal: dict, run: RunPlan, plan: dict, demote_ahead: float = 0.0)
     node = _node(cal)
     busy = _server(node, 0, "busy", compute_for(cal, "busy"), run.busy_pool, run.swiftcache, demote_ahead)
     donor = _server(node, 1, "donor", compute_for(cal, "donor"), run.donor_pool, False)
-    lent_blocks = node.lend(donor, busy, plan["lend_fraction"], plan["reclaim_watermark"]) if run.swiftcache else 0
+    lent_blocks = (node.lend(donor, busy, plan["lend_fraction"], plan["reclaim_watermark"], live_requests=True)
+                   if run.swiftcache else 0)
     busy_items = steady_order(cal["trace"]["busy"], plan["turns"])
     donor_items = donor_order(cal["trace"]["donor"], plan["donor_requests"])
     done: dict[str, list[SimRequest]] = {"busy": [], "donor": []}

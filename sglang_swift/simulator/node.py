@@ -44,6 +44,15 @@ class Donation:
     reclaimed_blocks: int = 0
 
 
+def live_asks(blocks: int, own_per_block: float) -> list[int]:
+    """The grants, in borrower blocks, of the live borrower asking a donor that can lend
+    `blocks` for all of them: its first request counts one donor page per wanted block (it does
+    not know the donor's layout yet), which holds `blocks / own_per_block` blocks (donor pages
+    per borrower block: `own_per_block`); its next asks exactly for the rest."""
+    first = min(blocks, int(blocks / own_per_block))
+    return [first, blocks - first] if first < blocks else [blocks]
+
+
 class _Delayed:
     """A copy that starts after a fixed latency (`Node.copy_latency_s`); `end` as a Transfer's."""
 
@@ -109,26 +118,40 @@ class Node:
         return handle
 
     # -- donation --------------------------------------------------------------------------------
-    def lend(self, donor, borrower, lend_fraction: float, watermark: float) -> int:
+    def lend(self, donor, borrower, lend_fraction: float, watermark: float,
+             live_requests: bool = False) -> int:
         """`donor` offers `lend_fraction` of its KV pool; `borrower` asks for all of it.
-        Returns the blocks granted (one block = one borrower page)."""
+        Returns the blocks granted (one block = one borrower page).
+
+        `live_requests`: the borrower asks as the live one does (`Borrowing.maybe_request`), so
+        the tree gets the live lease structure: before any grant has told it the donor's
+        layout it asks for one donor page per wanted block, which holds fewer (or more) blocks
+        than it wanted; then, the layout known, for exactly the rest. False: one lease of
+        everything (the GPU sweeps of docs/simulation.md)."""
         own_per_block = borrower.page_bytes / donor.page_bytes
         blocks = lend_blocks(lend_fraction, donor.cache.device_pages * donor.page_bytes, borrower.page_bytes)
         ledger = DonorLedger(create_policy("proportional"))
         ledger.offer(range(blocks))
-        lease = ledger.grant(borrower.name, epoch=1, want=blocks, priority=0)
-        if lease is None:  # nothing to lend (lend_fraction 0 or a pool smaller than one page)
+        asks = live_asks(blocks, own_per_block) if live_requests else [blocks]
+        d = None
+        granted = 0
+        for want in asks:
+            lease = ledger.grant(borrower.name, epoch=1, want=want, priority=0) if want > 0 else None
+            if lease is None:  # nothing (more) to lend: lend_fraction 0, or a pool too small
+                continue
+            if d is None:
+                d = Donation(donor, ledger, lease.lease_id, {}, own_per_block)
+            for i, b in enumerate(sorted(lease.active)):
+                d.tree_block[b] = i  # block index within its own lease (the tree numbers per lease)
+            borrower.cache.add_lease(donor.name, lease.lease_id, 1, len(lease.active))
+            granted += len(lease.active)
+        if d is None:
             return 0
-        d = Donation(donor, ledger, lease.lease_id, {}, own_per_block)
-        for i, b in enumerate(sorted(lease.active)):
-            d.tree_block[b] = i
-        borrower.cache.add_lease(donor.name, lease.lease_id, 1, len(lease.active))
-        taken = donor.cache.alloc(int(len(lease.active) * own_per_block + 0.999999))
-        donor.lent_pages = taken
+        donor.lent_pages = donor.cache.alloc(int(granted * own_per_block + 0.999999))
         donor.watermark = watermark
         donor.on_pressure = lambda pages, d=d, b=borrower: self._reclaim(d, b, pages)
         self.donations[donor.name] = d
-        return len(lease.active)
+        return granted
 
     def _reclaim(self, d: Donation, borrower, own_pages: int) -> None:
         """The donor needs `own_pages` of its pages back: ledger reclaims, borrower revokes, ack."""

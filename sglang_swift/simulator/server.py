@@ -15,7 +15,7 @@ load-back of lower-tier pages. How a load overlaps compute depends on `load_mode
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from radix_ext import DevicePool, admit, evict
@@ -107,12 +107,15 @@ class Barrier:
 class ModelServer:
     def __init__(self, name: str, gpu: "object", roofline: Roofline, cache: TreeCache, *,
                  page_tokens: int, chunk: int, max_running: int, load_mode: str, node: "object",
-                 demote_headroom: int = 0, checkpoint_prompt: bool = False):
+                 demote_headroom: int = 0, checkpoint_prompt: bool = False, alloc_per_step: bool = False):
         """`demote_headroom`: pages the server keeps free by demoting LRU prefixes ahead of need,
         beside its steps (the live borrower's old `demote_ahead`, 1/8 of its pool); 0: none.
         `checkpoint_prompt`: publish a request's prompt in the tree when its prefill ends, as
         SGLang 0.5.23 does (`checkpoint_kv_cache`), so nodes split at prompt boundaries and evict
-        as SGLang's do; the GPU sweeps of docs/simulation.md ran without it."""
+        as SGLang's do; the GPU sweeps of docs/simulation.md ran without it.
+        `alloc_per_step`: allocate as SGLang does (`_admit_as_sglang`): the prompt at
+        admission, each output token in its decode step, each evicting only its shortfall;
+        False: prompt and output at admission (the GPU sweeps)."""
         if load_mode not in ("layerwise", "before", "none"):
             raise ValueError(f"unknown load_mode {load_mode!r}")
         self.name, self.gpu, self.rl, self.cache = name, gpu, roofline, cache
@@ -133,6 +136,7 @@ class ModelServer:
         self.rejected: list[SimRequest] = []
         self.demote_headroom = demote_headroom
         self.checkpoint_prompt = checkpoint_prompt
+        self.alloc_per_step = alloc_per_step
         self._barrier = Barrier()
 
     # -- entry points ------------------------------------------------------------------------------
@@ -157,9 +161,12 @@ class ModelServer:
         if total > c.device_pages - len(self.lent_pages):
             r.rejected = True  # longer than this server's whole KV pool: SGLang rejects it
             return True
-        a = admit(c.tree, _StepPool(self, pending), r.key_prompt, total=total,
-                  load=self.load_mode != "none")
-        if not a.ok:
+        if self.alloc_per_step:
+            a = self._admit_as_sglang(r, pending)
+        else:
+            a = admit(c.tree, _StepPool(self, pending), r.key_prompt, total=total,
+                      load=self.load_mode != "none")
+        if a is None or not a.ok:
             return False
         m, ticket = a.match, a.load
         r.anchor = r.lock_node = a.anchor
@@ -181,6 +188,58 @@ class ModelServer:
         r.extend = r.prompt_tokens - r.prefix_pages * self.P
         r.admitted = True
         return True
+
+    def _admit_as_sglang(self, r: SimRequest, pending: list):
+        """SGLang 0.5.23's order with the live borrower's `init_load_back`: a request with a
+        donor hit first makes room for its prompt past the device prefix plus one page (the
+        hit, its extend tokens and a page), then loads the hit (all of it, or nothing if the
+        room-making changed it); the extend tokens are allocated next, evicting only the
+        shortfall; output tokens get a slot per decode step (`_alloc_decode_slots`). None when
+        out of memory (nothing held)."""
+        c, pool = self.cache, _StepPool(self, pending)
+        prompt = self._pages(r.prompt_tokens)
+        m = c.tree.match(r.key_prompt)
+        if self.load_mode != "none" and m.loads:
+            need = prompt - m.device_len + 1
+            c.lock(m.last_device_node)  # SGLang pins the device prefix while it admits
+            if pool.available() < need:
+                pool.make_room(c.tree, need - pool.available())
+            c.unlock(m.last_device_node)
+            a = admit(c.tree, pool, r.key_prompt, total=None, load=True)
+            if a.ok and a.load is not None and (a.match.last_device_node is not m.last_device_node
+                                                or len(a.load.device_indices) != m.load_len):
+                c.free(c.tree.abort_load_back(a.load).device_indices_to_free)  # changed: recompute
+                a = replace(a, load=None)
+            if not a.ok:
+                return None
+            extend = prompt - a.prefix_len
+            if pool.available() < extend:
+                pool.make_room(c.tree, extend - pool.available())
+            slots = pool.alloc(extend)
+            if slots is None:
+                if a.load is not None:
+                    c.free(c.tree.abort_load_back(a.load).device_indices_to_free)
+                c.unlock(a.anchor)
+                return None
+            return replace(a, slots=slots)
+        a = admit(c.tree, pool, r.key_prompt, total=prompt, load=False, match=m)
+        return a if a.ok else None
+
+    def _alloc_decode_slots(self, pending: list) -> None:
+        """One slot per running request for the token this decode step feeds in, evicting
+        only the shortfall (SGLang's `alloc_token_slots` for a decode batch)."""
+        if not self.alloc_per_step:
+            return
+        pool = _StepPool(self, pending)
+        n = len(self.running)
+        if pool.available() < n:
+            pool.make_room(self.cache.tree, n - pool.available())
+        slots = pool.alloc(n)
+        if slots is None:
+            raise RuntimeError(f"{self.name}: no room for a decode step of {n} requests "
+                               f"(the simulator does not retract)")
+        for r, slot in zip(self.running, slots):
+            r.own.append(slot)
 
     def evict(self, pages: int) -> int:
         """Evict `pages` now (demotion copies start on the links; the next step waits for
@@ -245,10 +304,14 @@ class ModelServer:
             t_c = self.rl.step_time(items, hbm)
             self._close_when_ready(now, t_c, batch, parts, pending)
         elif self.running:
+            self._alloc_decode_slots(pending)
             items = [(1, r.prompt_tokens + r.generated) for r in self.running]
             t_c = self.rl.decode_step_time(items, hbm)
-            self.busy_time += t_c
-            self.node.loop.after(t_c, self._decode_done)
+            if pending:  # the step's evictions stored victims: it computes once they are copied
+                self._barrier.arm(lambda: self._decode_when_copied(now, t_c, pending))
+            else:
+                self.busy_time += t_c
+                self.node.loop.after(t_c, self._decode_done)
         else:
             self.busy = False
 
@@ -298,6 +361,11 @@ class ModelServer:
             self.node.loop.at(end, lambda: self._prefill_done(batch, parts))
 
         self._barrier.arm(try_close)
+
+    def _decode_when_copied(self, start: float, t_c: float, pending: list) -> None:
+        end = max(start + t_c, max(t.end for t in pending) + t_c, self.node.loop.now)
+        self.busy_time += end - start
+        self.node.loop.at(end, self._decode_done)
 
     def _prefill_done(self, batch, parts) -> None:
         now = self.node.loop.now
