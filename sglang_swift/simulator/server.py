@@ -15,11 +15,12 @@ load-back of lower-tier pages. How a load overlaps compute depends on `load_mode
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from radix_ext import DevicePool, admit, evict
 
+from . import sglang_order
 from .cache_adapter import TreeCache
 from .roofline import Roofline
 
@@ -113,7 +114,7 @@ class ModelServer:
         `checkpoint_prompt`: publish a request's prompt in the tree when its prefill ends, as
         SGLang 0.5.23 does (`checkpoint_kv_cache`), so nodes split at prompt boundaries and evict
         as SGLang's do; the GPU sweeps of docs/simulation.md ran without it.
-        `alloc_per_step`: allocate as SGLang does (`_admit_as_sglang`): the prompt at
+        `alloc_per_step`: allocate as SGLang does (`sglang_order.py`): the prompt at
         admission, each output token in its decode step, each evicting only its shortfall;
         False: prompt and output at admission (the GPU sweeps)."""
         if load_mode not in ("layerwise", "before", "none"):
@@ -190,56 +191,12 @@ class ModelServer:
         return True
 
     def _admit_as_sglang(self, r: SimRequest, pending: list):
-        """SGLang 0.5.23's order with the live borrower's `init_load_back`: a request with a
-        donor hit first makes room for its prompt past the device prefix plus one page (the
-        hit, its extend tokens and a page), then loads the hit (all of it, or nothing if the
-        room-making changed it); the extend tokens are allocated next, evicting only the
-        shortfall; output tokens get a slot per decode step (`_alloc_decode_slots`). None when
-        out of memory (nothing held)."""
-        c, pool = self.cache, _StepPool(self, pending)
-        prompt = self._pages(r.prompt_tokens)
-        m = c.tree.match(r.key_prompt)
-        if self.load_mode != "none" and m.loads:
-            need = prompt - m.device_len + 1
-            c.lock(m.last_device_node)  # SGLang pins the device prefix while it admits
-            if pool.available() < need:
-                pool.make_room(c.tree, need - pool.available())
-            c.unlock(m.last_device_node)
-            a = admit(c.tree, pool, r.key_prompt, total=None, load=True)
-            if a.ok and a.load is not None and (a.match.last_device_node is not m.last_device_node
-                                                or len(a.load.device_indices) != m.load_len):
-                c.free(c.tree.abort_load_back(a.load).device_indices_to_free)  # changed: recompute
-                a = replace(a, load=None)
-            if not a.ok:
-                return None
-            extend = prompt - a.prefix_len
-            if pool.available() < extend:
-                pool.make_room(c.tree, extend - pool.available())
-            slots = pool.alloc(extend)
-            if slots is None:
-                if a.load is not None:
-                    c.free(c.tree.abort_load_back(a.load).device_indices_to_free)
-                c.unlock(a.anchor)
-                return None
-            return replace(a, slots=slots)
-        a = admit(c.tree, pool, r.key_prompt, total=prompt, load=False, match=m)
-        return a if a.ok else None
+        return sglang_order.admit(self.cache, _StepPool(self, pending), r.key_prompt,
+                                  self._pages(r.prompt_tokens), self.load_mode != "none")
 
     def _alloc_decode_slots(self, pending: list) -> None:
-        """One slot per running request for the token this decode step feeds in, evicting
-        only the shortfall (SGLang's `alloc_token_slots` for a decode batch)."""
-        if not self.alloc_per_step:
-            return
-        pool = _StepPool(self, pending)
-        n = len(self.running)
-        if pool.available() < n:
-            pool.make_room(self.cache.tree, n - pool.available())
-        slots = pool.alloc(n)
-        if slots is None:
-            raise RuntimeError(f"{self.name}: no room for a decode step of {n} requests "
-                               f"(the simulator does not retract)")
-        for r, slot in zip(self.running, slots):
-            r.own.append(slot)
+        if self.alloc_per_step:
+            sglang_order.decode_slots(self.cache, _StepPool(self, pending), self.running, self.name)
 
     def evict(self, pages: int) -> int:
         """Evict `pages` now (demotion copies start on the links; the next step waits for
