@@ -109,10 +109,12 @@ class PoolLender:
 
     # ---- one scheduler-loop step ---------------------------------------------------------
     def step(self, evictable_tokens: int, borrowers_present: bool,
-             own_demand_tokens: int = 0) -> None:
+             own_demand_tokens: int = 0) -> bool:
         """Demand pages back when the donor's own room, less `own_demand_tokens` (what its
         queued and running requests will still need: `own_demand_tokens(scheduler)`), is short
-        of the reserve; else lend idle pages beyond that demand."""
+        of the reserve; else lend idle pages beyond that demand. Returns whether its own
+        requests need lent pages now (their demand exceeds its free and evictable room while
+        pages are out): the caller may then wait briefly for them (`SwiftRuntime.lend`)."""
         free = self.allocator.available_size()
         # pages already demanded will come back: count them as room
         short = self.reserve_tokens - (free + evictable_tokens - own_demand_tokens
@@ -127,14 +129,16 @@ class PoolLender:
                 self.reclaim_started = self.clock()
             self._quiet_until = self.clock() + self.relend_cooldown_s
             logger.info("SwiftCache: own traffic needs room: reclaiming %d lent pages", n)
-            return
-        if not borrowers_present or self.demanded or self.clock() < self._quiet_until:
-            return
+        if self.demanded:
+            return own_demand_tokens > free + evictable_tokens
+        if not borrowers_present or self.clock() < self._quiet_until:
+            return False
         room = (free - own_demand_tokens - self.reserve_tokens - self.headroom_tokens) \
             // self.page_size
         want = min(room, self.max_pages - len(self.lent))
         if want >= MIN_OFFER_PAGES:
             self._lend(want)
+        return False
 
     def _lend(self, n_pages: int) -> None:
         slots = self.allocator.alloc(n_pages * self.page_size)

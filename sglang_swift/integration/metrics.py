@@ -38,6 +38,9 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "evict_waits": ("swiftcache_evict_waits", "evictions that stored a victim"),
     "layer_wait_s": ("swiftcache_layer_wait_seconds", "time attention waited for a layer being "
                      "loaded (the part of the copies the forward did not hide)"),
+    "own_pages_wait_s": ("swiftcache_own_pages_wait_seconds", "donor: scheduler-thread time "
+                         "spent waiting (at most 50 ms a time) for lent pages its own requests "
+                         "needed"),
 }
 GAUGES = {
     "kv_pool_tokens": "this server's SGLang KV pool, tokens",

@@ -37,6 +37,9 @@ from .swift_config import SwiftConfig
 logger = logging.getLogger(__name__)
 
 
+OWN_PAGES_WAIT_S = 0.05  # the longest a donor's scheduler waits for lent pages its own requests need
+
+
 def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
     return ControlConfig(agent_id=agent_id, rendezvous_dir=config.resolved_rendezvous_dir(),
                          secret_file=config.resolved_secret_file(),
@@ -62,7 +65,7 @@ class SwiftRuntime:
         self.agent = ControlAgent(control_config_for(config, self.agent_id), model=model)
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
-                      "lost_leases": 0}
+                      "lost_leases": 0, "own_pages_wait_s": 0.0}
         self.lender: PoolLender | None = None
         self.borrowing: Borrowing | None = None
         self._peers_present = False  # as of the last pump
@@ -125,10 +128,33 @@ class SwiftRuntime:
         """A donor's step, every scheduler loop (cheap: O(own requests)): demand lent pages back
         when its own room less its own requests' demand (`lending.own_demand_tokens`, read from
         `scheduler`'s queues) is short, else lend idle pages. Called after SGLang took in new
-        requests and before it admits any, so a burst's demand leaves in the loop it arrived."""
-        if self.lender is not None:
-            self.lender.step(self.tree.evictable_size(), self._peers_present,
-                             own_demand_tokens(scheduler))
+        requests and before it admits any, so a burst's demand leaves in the loop it arrived.
+
+        When its own requests need pages that are out (a burst beyond its reserve), it waits for
+        them at most `OWN_PAGES_WAIT_S`, handling the agent's events as `pump` does: the
+        borrower acknowledges from its agent thread in about a millisecond, so the pages are
+        usually back before SGLang admits the burst, which then runs as one batch instead of
+        waiting a whole forward of the part that fitted. The wait ends at the bound whatever the
+        borrower does (a dead one is declared so by the agent, later)."""
+        if self.lender is None:
+            return
+        needs_lent = self.lender.step(self.tree.evictable_size(), self._peers_present,
+                                      own_demand_tokens(scheduler))
+        if needs_lent:
+            self._await_own_pages(OWN_PAGES_WAIT_S)
+
+    def _await_own_pages(self, timeout_s: float) -> None:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while self.lender.demanded:
+            left = deadline - time.monotonic()
+            event = self.agent.next_event(timeout=left) if left > 0 else None
+            if event is None:
+                break
+            handler = self._handlers.get(type(event))
+            if handler is not None:
+                handler(self, event)
+        self.stats["own_pages_wait_s"] += time.monotonic() - start
 
     def attach_tree(self, tree: Any) -> None:
         """The cache was reset (a new, empty tree): register the leases still held in it."""

@@ -177,3 +177,18 @@ def test_own_demand_counts_queued_and_running_requests_as_sglang_admission_does(
     assert own_demand_tokens(None) == 0
     idle = NS(waiting_queue=[], running_batch=NS(reqs=[]), new_token_ratio_tracker=None)
     assert own_demand_tokens(idle) == 0
+
+
+def test_step_says_when_own_requests_need_lent_pages():
+    """`step` returns True exactly while pages are demanded and the donor's own requests need
+    more than its free and evictable room (the caller then waits briefly for them); False when
+    the demand is only to restore the reserve or nothing is out."""
+    alloc, agent, clock = _allocator(1), FakeAgent(), Clock()
+    lender = PoolLender(alloc, 1, lend_fraction=0.5, reclaim_watermark=0.75, agent=agent,
+                        clock=clock)
+    assert lender.step(0, True) is False and lender.lent_tokens == 32  # 32 free, reserve 16
+    assert lender.step(0, True, own_demand_tokens=20) is False  # reserve short, fits in free
+    assert agent.demands == [32]
+    assert lender.step(0, True, own_demand_tokens=40) is True  # 40 > 32 free: needs lent pages
+    lender.on_returned(list(lender.lent))
+    assert lender.step(0, True, own_demand_tokens=40) is False  # all back: nothing to wait for

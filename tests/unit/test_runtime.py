@@ -148,6 +148,48 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     donor.lender.check_integrity()
 
 
+def test_a_donor_whose_own_requests_need_lent_pages_gets_them_within_its_step(pair):
+    """A burst beyond the donor's free room: its `lend` step demands the pages and waits (at
+    most OWN_PAGES_WAIT_S) for the borrower's agent thread to acknowledge, so the pages are back
+    in its allocator before SGLang would admit the burst. With the borrower's agent stopped
+    (no acknowledgement) the step still returns within the bound."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_swift.integration.runtime import OWN_PAGES_WAIT_S
+
+    donor, borrower = pair
+    _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+    free = donor.allocator.available_size()
+    burst = NS(waiting_queue=[Req("b", "", list(range(free + 8)),
+                                  SamplingParams(max_new_tokens=4))],
+               running_batch=NS(reqs=[]), new_token_ratio_tracker=NS(current=1.0))
+    start = time.monotonic()
+    donor.pump()
+    donor.lend(burst)
+    took = time.monotonic() - start
+    assert donor.lent_tokens == 0 and donor.allocator.available_size() == SLOTS, took
+    assert took < OWN_PAGES_WAIT_S + 0.5 and donor.stats["own_pages_wait_s"] > 0
+
+    # lend again, then a borrower that does not acknowledge (its agent thread declines to
+    # fence and its scheduler loop is not run): the wait ends at its bound
+    donor.lender._quiet_until = 0.0
+    _pump_until(pair, lambda: donor.lent_tokens > 0 and borrower.borrowed_tokens() > 0)
+    lent = donor.lent_tokens
+    borrower.borrowing.fence = lambda ev: False
+    free = donor.allocator.available_size()
+    burst.waiting_queue = [Req("c", "", list(range(free + 8)), SamplingParams(max_new_tokens=4))]
+    start = time.monotonic()
+    donor.pump()
+    donor.lend(burst)
+    took = time.monotonic() - start
+    # pages only offered came back at once; the leased ones stay out, demanded, unacknowledged
+    assert 0 < donor.lent_tokens <= lent and donor.lender.demanded == donor.lent_tokens
+    assert OWN_PAGES_WAIT_S * 0.9 <= took < OWN_PAGES_WAIT_S + 0.5
+
+
 def _pump_for(runtime, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
