@@ -88,13 +88,31 @@ class TieringMixin:
         n = len(x.key)
         t = self.tiers[tier]
         res = t.alloc(n, pref)
-        if res is None and bar is not None and t.capacity_tokens() >= n:
-            steps.extend(self._make_room(tier, n, within=pref, bar=bar, exclude=x).steps)
-            res = t.alloc(n, pref)
+        if res is None and bar is not None:
+            for scope in self._room_scopes(t, pref, n):
+                steps.extend(self._make_room(tier, n, within=scope, bar=bar, exclude=x).steps)
+                res = t.alloc(n, scope)
+                if res is not None:
+                    break
         if res is None:
             return False
         self._begin_store(x, dev, tier, res, steps)
         return True
+
+    def _room_scopes(self, t: Any, pref: Any, n: int) -> list:
+        """Where room for an `n`-token copy may be made: a copy lives in one lease, so in a donor
+        tier without a preference each lease big enough, most free blocks first (room made
+        across all leases together can add up to `n` while no single lease holds it); else the
+        preference (or the whole tier) when it is big enough."""
+        leases = getattr(t, "leases", None)
+        if leases is not None and not pref and len(leases) > 1:
+            fits = [x for x in leases.values() if x.num_blocks * self.page_size >= n]
+            return [(x,) for x in sorted(fits, key=lambda x: -len(x.free_blocks))]
+        if pref and leases is not None:
+            cap = sum(x.num_blocks for x in pref) * self.page_size
+        else:
+            cap = t.capacity_tokens()
+        return [pref] if cap >= n else []
 
     def make_room(self, tier: str, num_tokens: int) -> MakeRoomResult:
         """Free at least `num_tokens` of `tier` if its unpinned copies allow it.

@@ -96,6 +96,23 @@ def test_lru_drops_a_donor_copy_of_a_device_prefix_before_an_older_donor_only_on
     t.check_integrity()
 
 
+def test_a_victim_no_single_lease_has_room_for_is_stored_after_room_is_made_in_one():
+    """Two leases whose free blocks add up to more than a victim's size while neither holds it
+    alone: the eviction makes room inside one lease (dropping its LRU copy) and stores the
+    victim there, rather than dropping it because the tier as a whole looked roomy enough."""
+    t = tree(donor=True)
+    t.donor.add_lease("d", 0, 1, 5)
+    t.donor.add_lease("d", 1, 1, 5)
+    a, b, big = fill(t, [1, 1], [2, 2], [3, 3, 3, 3])
+    evict(t, 2)
+    evict(t, 2)  # a and b each take 2 of a lease's 5 blocks: 6 free in all, 3 per lease
+    assert DONOR in a.res and DONOR in b.res and t.donor.available_tokens() == 6
+    plan = evict(t, 4)  # the 4-token victim fits a lease only once that lease's copy is dropped
+    assert [s.dst_tier for s in plan.copies] == [DONOR] and plan.dropped == 0
+    assert DONOR in big.res and (DONOR in a.res) != (DONOR in b.res)
+    t.check_integrity()
+
+
 # ---- cost-aware ---------------------------------------------------------------------------------
 
 
