@@ -10,37 +10,16 @@ import time
 
 import pytest
 
+from integration.conftest import DETECTION_SLACK_S, DETECTION_TIMEOUT_S
+from integration.conftest import borrow as _borrow
+from integration.conftest import detection_bound as _detection_bound
 from integration.conftest import event as _ev
+from integration.conftest import own_pauses as _pauses
 
 pytestmark = pytest.mark.integration
 
-TIMEOUT = 1.0  # the simulated agents' heartbeat timeout (their default)
+TIMEOUT, SLACK = DETECTION_TIMEOUT_S, DETECTION_SLACK_S  # conftest: the agents' default
 PAUSE = 3.0  # a stop three times that long; the old liveness dropped every lease after 0.75 s
-SLACK = 0.5  # scheduling noise on a loaded 2-core machine (ticks every 0.1 s, the kill itself)
-
-
-def _pauses(proc) -> tuple[int, float]:
-    """The agent's own pauses so far: (how many, the longest in seconds)."""
-    counters = proc.status()["counters"]
-    return counters.get("own_pauses", 0), counters.get("max_own_pause_ms", 0) / 1000
-
-
-def _detection_bound(proc, pauses_before: tuple[int, float]) -> float:
-    """What liveness.py states: a killed peer is declared dead within the heartbeat timeout
-    of the kill, later by the detecting agent's own pauses (a thread that does not run detects
-    nothing, and its pauses are not counted against its peers). Slack covers the tick period
-    and scheduling; a pause of its own since `pauses_before` adds the longest one."""
-    count, longest = _pauses(proc)
-    return TIMEOUT + SLACK + (longest if count > pauses_before[0] else 0.0)
-
-
-def _borrow(donor, borrower, n: int) -> dict:
-    borrower.status_until(
-        lambda st: any(q["agent_id"] == donor.agent_id and q["lendable"] for q in st["peers"])
-    )
-    start = len(borrower.events)
-    borrower.send("request", n=n, donor=donor.agent_id)
-    return borrower.wait_for(_ev("LeaseGranted"), 10, start)
 
 
 def _lost_events(proc) -> list[dict]:
