@@ -23,12 +23,12 @@ from radix_ext.results import (
 )
 from radix_ext.tiers import DonorTier, HostTier, LeasedBlocks
 from radix_ext.tree import RadixTree
-from radix_ext.admission import Admission, DevicePool, admit, evict, settle
+from radix_ext.admission import Admission, DevicePool, admit, evict, holding, settle
 
 __all__ = [
     "Admission", "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency",
     "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST",
     "HostResidency", "HostTier", "InsertResult", "LeasedBlocks", "LoadOutcome", "LoadSegment",
     "LoadTicket", "LostPrefix", "Match", "RadixTree", "Released", "RevokeResult", "StoreOutcome",
-    "StoreTicket", "Transfer", "TreeConfig", "admit", "evict", "settle",
+    "StoreTicket", "Transfer", "TreeConfig", "admit", "evict", "holding", "settle",
 ]

@@ -15,6 +15,7 @@ actually scheduled (the simulator; SGLang's `init_load_back` next).
 from __future__ import annotations
 
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -155,6 +156,24 @@ def admit(tree: Any, pool: DevicePool, key: Sequence[int], namespace: Any = None
         slots = pool.alloc(total - prefix)
         assert slots is not None, "room was checked for every slot this admission allocates"
     return Admission(True, m, anchor, ticket, slots, rematched, evicted)
+
+
+@contextmanager
+def holding(m: Match):
+    """Pin the lower-tier part of `m` while room is made for it: making device room demotes
+    victims into the lower tiers, and their room there would otherwise be made by dropping the
+    least recently used lower copies, which in a multi-turn workload are often exactly the prefix
+    about to be loaded (the oldest conversation is the next to come back). Pinned nodes are
+    neither evicted, demoted nor dropped; the pins are gone when the block ends, before any
+    load-back pins the path for real."""
+    nodes = tuple(dict.fromkeys(seg.node for seg in m.loads))
+    for node in nodes:
+        node.pins += 1
+    try:
+        yield
+    finally:
+        for node in nodes:
+            node.pins -= 1
 
 
 def _loads_intact(m: Match) -> bool:

@@ -120,7 +120,10 @@ class DonorHitsMixin:
         extend = len(req.full_untruncated_fill_ids) - req.prefix_len - params.host_hit_length
         need = params.host_hit_length + max(0, extend) + self.page_size
         if self.slots.available() < need:
-            self.demotions.make_room(need - self.slots.available())
+            # the room's demotions must not push the very prefix being loaded out of the donor
+            # tier (it is the oldest there when its conversation comes back)
+            with admission.holding(self.tree.match(found[0], found[1])):
+                self.demotions.make_room(need - self.slots.available())
         a = admission.admit(self.tree, self.slots, found[0], found[1])
         if not a.ok:
             return self._decline(req, "no room for the load")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-from radix_ext import DevicePool, admit as tree_admit
+from radix_ext import DevicePool, admit as tree_admit, holding
 from radix_ext.admission import Admission
 
 
@@ -31,7 +31,8 @@ def admit(cache: Any, pool: DevicePool, key: Sequence[int], prompt_pages: int,
     need = prompt_pages - m.device_len + 1  # the hit, the extend tokens and one page
     cache.lock(m.last_device_node)  # SGLang pins the device prefix while it admits
     if pool.available() < need:
-        pool.make_room(tree, need - pool.available())
+        with holding(m):  # as the live init_load_back: its own donor part stays put
+            pool.make_room(tree, need - pool.available())
     cache.unlock(m.last_device_node)
     a = tree_admit(tree, pool, key, total=None, load=True)
     if not a.ok:

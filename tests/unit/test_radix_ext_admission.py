@@ -110,3 +110,21 @@ def test_evict_frees_device_slots_only_after_the_stores_settle_and_aborts_failed
     assert sorted(cached) == [0, 2], "the failed copy must not be cached, the other must"
     assert t.donor.capacity_tokens() == 8 and t.donor.available_tokens() == 6, "a revoke"
     t.check_integrity()
+
+
+def test_holding_keeps_the_part_to_load_while_room_is_made_for_it():
+    """Room made for a load under `holding(match)` demotes its victims without dropping the
+    matched lower-tier part (without the hold, the full donor tier drops exactly that part);
+    the pins are gone afterwards and the load then starts."""
+    from radix_ext import holding
+
+    t, pool = _one_demoted_one_on_device(donor_blocks=2)
+    m = t.match([1, 2])
+    assert m.load_len == 2
+    with holding(m):
+        evict(t, pool, 2)  # [5, 6] cannot go to the donor tier: dropped instead of [1, 2]
+    assert t.match([1, 2]).load_len == 2 and t.match([5, 6]).prefix_len == 0
+    a = admit(t, pool, [1, 2], total=5)
+    assert a.ok and a.load is not None and a.prefix_len == 2
+    assert t.complete_load_back(a.load).ok
+    t.check_integrity()
