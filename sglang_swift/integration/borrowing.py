@@ -59,13 +59,12 @@ class Borrowing:
     """All leases this server holds; runs on the scheduler thread (`fence`: any thread)."""
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
-                 stats: dict, copy_timeout_s: float) -> None:
+                 stats: dict) -> None:
         self.max_blocks = max_blocks
         self.geometry = geometry
         self.kv_pool = kv_pool
         self.agent = agent
         self.stats = stats
-        self.copy_timeout_s = copy_timeout_s
         self.leases: dict[tuple[str, int], BorrowedLease] = {}
         self._mapped: dict[str, Any] = {}  # donor pool owner_uuid -> MappedPool
         self._layouts: dict[str, Any] = {}  # donor agent id -> its pool layout (from a grant)
@@ -111,10 +110,7 @@ class Borrowing:
     def on_granted(self, ev: LeaseGranted, tree: Any) -> None:
         self._pending = False
         try:
-            mapped = self._mapped.get(ev.memory.owner_uuid)
-            if mapped is None:
-                mapped = map_pool(ev.memory)
-                self._mapped[ev.memory.owner_uuid] = mapped
+            mapped = self._map(ev.memory)
             packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks))
             donor = ev.key.donor
             engine = PoolTransferEngine(packing, mapped.region, self.kv_pool.k_buffer,
@@ -148,6 +144,14 @@ class Borrowing:
             return False
         held.engine.fence(held.packing.blocks_touching(ev.blocks, strict=False))
         return True
+
+    def _map(self, memory: Any) -> Any:
+        """The donor pool of a grant's descriptor, mapped once per donor incarnation."""
+        mapped = self._mapped.get(memory.owner_uuid)
+        if mapped is None:
+            mapped = map_pool(memory)
+            self._mapped[memory.owner_uuid] = mapped
+        return mapped
 
     def on_reclaim(self, ev: ReclaimRequested, tree: Any) -> Any:
         """Scheduler thread, at the pump after the reclaim arrived: fence the reclaimed pages

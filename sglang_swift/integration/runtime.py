@@ -72,13 +72,11 @@ class SwiftRuntime:
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
-                                       stats=self.stats,
-                                       copy_timeout_s=config.heartbeat_timeout_s * 4)
+                                       stats=self.stats)
         elif config.streams_from_donor:  # leases for the streamed pool's store, not the tree
             from ..layer_stream.store_leases import StoreLeases
 
-            self.borrowing = StoreLeases.for_pool(kv_pool, agent=self.agent, stats=self.stats,
-                                                  copy_timeout_s=config.heartbeat_timeout_s * 4)
+            self.borrowing = StoreLeases.for_pool(kv_pool, agent=self.agent, stats=self.stats)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> "SwiftRuntime":
@@ -115,9 +113,7 @@ class SwiftRuntime:
     def pump(self) -> None:
         """Handle what the agent queued; ask for leases; publish the capacity."""
         for event in self.agent.poll_events():
-            handler = self._handlers.get(type(event))
-            if handler is not None:
-                handler(self, event)
+            self._handle(event)
         self._peers_present = self.agent.peer_count() > 0  # every pump: no full status
         if self.borrowing is not None:
             self.borrowing.maybe_request(self._peers_present)
@@ -151,10 +147,13 @@ class SwiftRuntime:
             event = self.agent.next_event(timeout=left) if left > 0 else None
             if event is None:
                 break
-            handler = self._handlers.get(type(event))
-            if handler is not None:
-                handler(self, event)
+            self._handle(event)
         self.stats["own_pages_wait_s"] += time.monotonic() - start
+
+    def _handle(self, event: Any) -> None:
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(self, event)
 
     def attach_tree(self, tree: Any) -> None:
         """The cache was reset (a new, empty tree): register the leases still held in it."""

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from ..control import LeaseGranted, LeaseLost, ReclaimRequested
-from ..dataplane import LeasePacking, MappingError, map_pool, owner_alive
+from ..dataplane import LeasePacking, MappingError, owner_alive
 from ..integration.borrowing import Borrowing
 from .donor_store import DonorLayerStore
 
@@ -38,10 +38,10 @@ STATS = ("stream_pages_on_donor", "stream_rows_from_donor", "stream_rows_to_dono
 class StoreLeases(Borrowing):
     """Leases for `store`'s pages; built by the runtime with `StoreLeases.for_pool`."""
 
-    def __init__(self, store: DonorLayerStore, *, kv_pool: Any, agent: Any, stats: dict,
-                 copy_timeout_s: float) -> None:
+    def __init__(self, store: DonorLayerStore, *, kv_pool: Any, agent: Any,
+                 stats: dict) -> None:
         super().__init__(max_blocks=store.num_pages, geometry=store.geometry, kv_pool=kv_pool,
-                         agent=agent, stats=stats, copy_timeout_s=copy_timeout_s)
+                         agent=agent, stats=stats)
         self.store = store
         stats.update({k: 0 for k in STATS})
 
@@ -73,10 +73,7 @@ class StoreLeases(Borrowing):
         self._pending = False
         donor, lease_id = ev.key.donor, ev.key.lease_id
         try:
-            mapped = self._mapped.get(ev.memory.owner_uuid)
-            if mapped is None:
-                mapped = map_pool(ev.memory)
-                self._mapped[ev.memory.owner_uuid] = mapped
+            mapped = self._map(ev.memory)
             packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks))
             if packing.num_blocks == 0:
                 raise ValueError(f"{len(ev.blocks)} donor pages hold no whole page of ours")

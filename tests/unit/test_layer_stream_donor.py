@@ -284,7 +284,7 @@ def test_a_dead_donors_leases_all_leave_the_store_before_its_pool_is_unmapped(do
                                   release=lambda key, blocks=None: None,
                                   request=lambda n: None)
     stats = {"leases": 0, "lost_leases": 0}
-    leases = store_leases.StoreLeases.for_pool(pool, agent=agent, stats=stats, copy_timeout_s=1)
+    leases = store_leases.StoreLeases.for_pool(pool, agent=agent, stats=stats)
     memory = MemoryDescriptor.coerce({**donor.arena.export(), "layout": donor.layout.to_dict()})
     for lease_id, pages in ((1, range(0, 40)), (2, range(40, 80))):
         leases.on_granted(LeaseGranted(lease_id, LeaseKey("d", 7, lease_id), tuple(pages),

@@ -15,6 +15,7 @@ from tests.unit.test_pool_transfer import POISON, Lease, poisoned_like, same
 
 from sglang_swift.dataplane import CpuLayerCounter
 from sglang_swift.dataplane.copy_fence import CopyFence
+from unit.copy_helpers import hold_in_layer
 
 
 def _stored(lease: Lease, nblocks: int):
@@ -35,19 +36,8 @@ def test_fence_waits_out_the_layer_in_flight_and_no_later_layer_runs():
     _, slots = _stored(lease, nblocks)
     k2, v2 = poisoned_like(lease.k), poisoned_like(lease.v)
     engine = lease.engine(k2, v2)
-    inside, go, log = threading.Event(), threading.Event(), []
-    real_copy = engine._copy_layer
-
-    def held_copy(plan, layer, store, staging):
-        log.append(("start", layer))
-        if layer == 1:
-            inside.set()
-            assert go.wait(30)
-        out = real_copy(plan, layer, store, staging)
-        log.append(("end", layer))
-        return out
-
-    engine._copy_layer = held_copy
+    log = []
+    inside, go = hold_in_layer(engine, 1, log)  # layer 1 reads donor pages until `go`
     counter = CpuLayerCounter(n, timeout_s=30)
     handle = engine.begin_load(lease.slots(nblocks * P, True, 2), torch.arange(nblocks), counter)
     fencer = threading.Thread(target=lambda: (engine.fence([nblocks - 1]),

@@ -11,7 +11,6 @@ and only after the acknowledgement do the pages go back into the donor's allocat
 
 from __future__ import annotations
 
-import threading
 import time
 from array import array
 
@@ -23,6 +22,7 @@ from sglang_swift.dataplane import make_layer_counter
 from sglang_swift.integration.copies import start_copy
 from sglang_swift.integration.runtime import SwiftRuntime
 from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig
+from unit.copy_helpers import hold_in_layer
 
 SLOTS = 64
 DONOR_SHAPE = dict(layer_num=3, head_num=2, head_dim=8)  # 384 B of KV per token
@@ -214,19 +214,8 @@ def test_reclaim_is_acked_from_the_agent_thread_once_the_copy_in_flight_stopped(
     tree.complete_store(ticket)
     held = borrower.borrowing.leases[key]
     engine = held.engine
-    inside, go, log = threading.Event(), threading.Event(), []
-    real_copy = engine._copy_layer
-
-    def held_copy(plan, layer, store, staging):  # layer 1 of the load reads donor pages until `go`
-        log.append(("start", layer))
-        if layer == 1:
-            inside.set()
-            assert go.wait(30)
-        out = real_copy(plan, layer, store, staging)
-        log.append(("end", layer))
-        return out
-
-    engine._copy_layer = held_copy
+    log = []
+    inside, go = hold_in_layer(engine, 1, log)  # layer 1 reads donor pages until `go`
     layers = BORROWER_SHAPE["layer_num"]
     load = start_copy(borrower, key, list(range(30, 38)), blocks, make_layer_counter(layers))
     try:
