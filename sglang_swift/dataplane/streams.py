@@ -4,8 +4,9 @@ GPU: copies are enqueued on a side stream that first waits for the current (comp
 an event recorded after each layer tells consumers when it landed. CPU: copies run on one worker
 thread per lane; torch's copy ops release the GIL, so the forward thread keeps computing. A copy
 that must be finished when its caller goes on (a demotion store whose slots are freed at once)
-runs on an `InlineLane` on CPU; on a GPU it is enqueued and the compute stream waits for it
-(`wait_event_on_current_stream` on its marker), so the host never waits.
+runs on the caller's thread on CPU (`PoolTransferEngine.store_here`); on a GPU it is enqueued and
+the compute stream waits for it (`wait_event_on_current_stream` on its marker), so the host never
+waits.
 """
 
 from __future__ import annotations
@@ -74,26 +75,6 @@ class CpuLane:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-class InlineLane:
-    """Runs each job at once on the caller's thread and returns its done Future. For a copy the
-    caller must have finished when it returns: on CPU the scheduler thread is the device, so a
-    store that frees its slots right after runs here instead of queueing on the copy thread."""
-
-    kind = "inline"
-    stream = None
-
-    def submit(self, fn, *args) -> cf.Future:
-        fut: cf.Future = cf.Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(e)
-        return fut
-
-    def close(self) -> None:
-        pass
 
 
 class CudaLane:
