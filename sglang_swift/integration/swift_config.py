@@ -105,6 +105,12 @@ class SwiftConfig:
         _number("layer-stream-depth", int, 2, 64),
         "staging layers kept local: the layer being computed plus depth-1 prefetched; local KV "
         "memory is depth/L of a stock pool of the same token count", LAYER_STREAMING))
+    layer_stream_resident_fraction: float = field(default=0.5, metadata=_opt(
+        _number("layer-stream-resident-fraction", float, 0.0, 0.95),
+        "of the local KV memory, the part kept as every layer's own rows: requests whose "
+        "context fits in the free resident slots are not streamed, the part that does not is; "
+        "0 streams every row (the longest context: L/depth times a stock pool's)",
+        LAYER_STREAMING))
     layer_stream_host_gb: float = field(default=0.0, metadata=_opt(
         _number("layer-stream-host-gb", float, 0.0),
         "host memory (GiB) streamed KV may use; the pool's token count is capped to fit "

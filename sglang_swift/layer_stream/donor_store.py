@@ -62,12 +62,19 @@ class DonorLayerStore:
     tier = "donor"
     where = "donor memory under a lease, written through to host memory"
 
-    def __init__(self, host: HostLayerStore, page_size: int, lane: CopyLane, max_runs: int):
+    def __init__(self, host: HostLayerStore, page_size: int, lane: CopyLane, max_runs: int,
+                 first_row: int = 0):
         layers, _, rows, heads, dim = host.data.shape
+        if first_row % page_size:
+            raise ValueError(f"the first streamed row {first_row} is not a page boundary "
+                             f"(page size {page_size})")
         self.host, self.lane, self.max_runs, self.device = host, lane, max_runs, host.device
         self.geometry = KVGeometry(layers, heads, dim, dim, dtype_name(host.data.dtype),
                                    page_size)
-        self.num_pages = rows // page_size  # whole pages; a partial tail page stays on host
+        # Pages below first_page hold the pool's resident rows, which never stream: only the
+        # num_pages from there (whole pages; a partial tail page stays on host) are placed.
+        self.first_page = first_row // page_size
+        self.num_pages = rows // page_size - self.first_page
         self._owner = torch.full((-(-rows // page_size),), FREE, dtype=torch.int64)  # lease no.
         self._block = torch.zeros_like(self._owner)  # the page's block in that lease
         self.leases: dict[int, DonorLease] = {}
@@ -122,7 +129,9 @@ class DonorLayerStore:
         self.lane.drain()  # write-throughs still queued into host rows land first
         placed = 0
         with self._lock:
-            unplaced = torch.nonzero(self._owner[: self.num_pages] == FREE).flatten()
+            end = self.first_page + self.num_pages
+            unplaced = torch.nonzero(self._owner[self.first_page: end] == FREE).flatten() \
+                + self.first_page
             for number in todo:
                 lease = self.leases.get(number)
                 if lease is None or placed >= unplaced.numel() or not lease.readable():

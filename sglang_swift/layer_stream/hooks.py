@@ -1,4 +1,4 @@
-"""The layer stream cache's attachment to SGLang: five hooks, all no-ops unless the server's
+"""The layer stream cache's attachment to SGLang: six hooks, all no-ops unless the server's
 SwiftConfig streams layers (`--swiftcache-layer-stream host`), read at call time.
 
 - `check_server_args` (called from the plugin's `ServerArgs.from_cli_args` hook): refuses what
@@ -6,10 +6,13 @@ SwiftConfig streams layers (`--swiftcache-layer-stream host`), read at call time
   pool's buffers without its getters, HiCache, decode context parallelism) and turns CUDA graphs
   off, since a replayed graph skips the per-layer loads;
 - AROUND `KVCacheConfigurator.config_from_budget`: the local memory budget SGLang profiled
-  holds `depth` staging layers instead of L, so it is given L/depth times the tokens, capped by
-  the host memory the streamed KV may use (--max-total-tokens still caps the result);
+  holds `depth` staging layers instead of L (and, with resident rows, a fraction f of it L rows
+  per token), so it is given f + (1 - f) L/depth times the tokens, capped by the host memory the
+  streamed KV may use (--max-total-tokens still caps the result);
 - AROUND `KVCacheConfigurator._build_mha_kv_pool`: SGLang builds `LayerStreamKVPool` (its own
   MHA pool, subclassed) where it would build `MHATokenToKVPool`;
+- AFTER `KVCacheConfigurator._build_token_to_kv_pool_allocator`: with resident rows, the
+  allocator SGLang built hands out resident slots first (`allocator.py`);
 - AROUND `ModelRunner.forward`: opens and closes the pool's per-forward stream (which slots the
   batch reads is known here); with SWIFTCACHE_FORWARD_TRACE set (benchmarks), it also appends
   each forward's mode, size, wall and thread CPU time to that file, streamed or not;
@@ -31,9 +34,12 @@ CONFIG_FROM_BUDGET = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigu
                       "config_from_budget")
 BUILD_MHA_POOL = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
                   "_build_mha_kv_pool")
+BUILD_ALLOCATOR = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+                   "_build_token_to_kv_pool_allocator")
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 VALIDATE_INPUT = "sglang.srt.managers.utils.validate_input_length"
-HOOK_TARGETS = (CONFIG_FROM_BUDGET, BUILD_MHA_POOL, MODEL_FORWARD, VALIDATE_INPUT)
+HOOK_TARGETS = (CONFIG_FROM_BUDGET, BUILD_MHA_POOL, BUILD_ALLOCATOR, MODEL_FORWARD,
+                VALIDATE_INPUT)
 # Attention backends that read k_buffer / v_buffer directly instead of through the getters.
 DIRECT_READ_BACKENDS = ("trtllm_mha", "aiter", "wave", "ascend")
 GIB = 1 << 30
@@ -111,17 +117,21 @@ def around_config_from_budget(orig, configurator, budget_bytes, *args, **kwargs)
     config = stream_config()
     if config is None or configurator.is_draft_worker:
         return orig(configurator, budget_bytes, *args, **kwargs)
+    from .pool import StreamSettings
+
     layers = configurator.layer_info.num_effective_layers
     depth = min(config.layer_stream_depth, layers)
-    scaled = budget_bytes * layers // depth
+    settings = StreamSettings(depth=depth, resident_fraction=config.layer_stream_resident_fraction)
+    scaled = int(budget_bytes * settings.tokens_per_local_token(layers))
     cell = _cell_bytes(configurator)
     if cell:
         host_cap = host_limit_bytes(config) // cell
         cap = kwargs.get("cap_tokens")
         kwargs["cap_tokens"] = host_cap if cap is None else min(cap, host_cap)
     result = orig(configurator, scaled, *args, **kwargs)
-    logger.info("SwiftCache layer streaming: local KV budget %.2f GiB holds %d of %d layers -> "
-                "%d tokens of streamable context", budget_bytes / GIB, depth, layers,
+    logger.info("SwiftCache layer streaming: local KV budget %.2f GiB holds %d of %d layers "
+                "(%.0f%% of it resident rows) -> %d tokens of streamable context",
+                budget_bytes / GIB, depth, layers, 100 * settings.resident_fraction,
                 result.max_total_num_tokens)
     return result
 
@@ -150,7 +160,8 @@ def around_build_mha_kv_pool(orig, configurator, *args, **kwargs):
                          + "; ".join(problems) + ". Drop --swiftcache-layer-stream or those "
                          "options.")
     kwargs["mha_pool_class"] = LayerStreamKVPool.configured(
-        StreamSettings(depth=config.layer_stream_depth, tier=config.layer_stream))
+        StreamSettings(depth=config.layer_stream_depth, tier=config.layer_stream,
+                       resident_fraction=config.layer_stream_resident_fraction))
     pool = orig(configurator, *args, **kwargs)
     limit = host_limit_bytes(config)
     if pool.layer_store.nbytes > limit:
@@ -162,6 +173,17 @@ def around_build_mha_kv_pool(orig, configurator, *args, **kwargs):
     _limits.update(tokens=pool.size, depth=pool.settings.depth, layers=pool.layer_num,
                    where=pool.layer_store.where)
     return pool
+
+
+def after_build_allocator(allocator, configurator, *args, **kwargs):
+    """A streamed pool with resident rows: its allocator hands out resident slots first."""
+    pool = kwargs.get("token_to_kv_pool")
+    resident = getattr(pool, "resident_rows", 0)
+    if not resident or getattr(configurator, "is_draft_worker", False):
+        return None
+    from .allocator import prefer_resident
+
+    return prefer_resident(allocator)
 
 
 def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
@@ -216,5 +238,6 @@ def register_layer_stream_hooks(registry: Any, hook_type: Any) -> None:
     _forward_trace = os.environ.get(FORWARD_TRACE_ENV) or None
     registry.register(CONFIG_FROM_BUDGET, around_config_from_budget, hook_type.AROUND)
     registry.register(BUILD_MHA_POOL, around_build_mha_kv_pool, hook_type.AROUND)
+    registry.register(BUILD_ALLOCATOR, after_build_allocator, hook_type.AFTER)
     registry.register(MODEL_FORWARD, around_model_forward, hook_type.AROUND)
     registry.register(VALIDATE_INPUT, after_validate_input_length, hook_type.AFTER)

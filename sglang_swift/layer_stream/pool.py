@@ -21,6 +21,13 @@ Local KV memory is `depth` staging buffers instead of L layer buffers: at equal 
 holds L/depth times the tokens. Outside a forward (start-up shape queries) the getters return
 the staging views untouched. Host-side readers of the pool (retraction's CPU copy,
 `move_kv_cache`) go to the store, which holds every layer.
+
+**Resident rows** (`StreamSettings.resident_fraction` > 0): slots below `resident_rows` are
+the layers' own memory, as in a stock pool (`layer_views.py` maps each layer's buffer from its
+own rows and the shared staging rows), so they are never loaded, written through or stored; the
+allocator hands them out first (`allocator.py`). A request that fits in the free resident slots
+runs as on a stock server; the part of a context that does not is streamed. Without a mapping
+(its set-up failed) the pool streams every row, which is always correct.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .slots import SlotSet, batch_read_slots
 from .donor_store import DonorLayerStore
+from .layer_views import LayerViews, aligned_rows, granularity
 from .store import CopyLane, HostLayerStore
 
 logger = logging.getLogger(__name__)
@@ -46,13 +54,29 @@ class StreamSettings:
     depth: int = 2
     max_runs: int = 64
     tier: str = "host"  # where every layer lives: "host", or "donor" (leases, host-backed)
+    resident_fraction: float = 0.0  # of local KV memory: every layer's own rows (never streamed)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.resident_fraction < 1.0:
+            raise ValueError(f"layer-stream resident fraction must be in [0, 1); got "
+                             f"{self.resident_fraction}")
         if self.tier not in ("host", "donor"):
             raise ValueError(f"layer-stream tier must be host or donor; got {self.tier!r}")
         if self.depth < 2:
             raise ValueError(f"layer-stream depth must be at least 2 (the active layer and the "
                              f"one prefetched); got {self.depth}")
+
+    def resident_tokens(self, tokens: int, layers: int) -> int:
+        """Of a pool of `tokens`, how many are resident so that they take `resident_fraction` of
+        its local memory (L rows each, against depth rows for a streamed one): R with
+        L R = f (L R + depth (tokens - R)). Before alignment."""
+        f, depth = self.resident_fraction, self.depth
+        return int(f * depth * tokens / (layers * (1 - f) + f * depth))
+
+    def tokens_per_local_token(self, layers: int) -> float:
+        """Pool tokens per token of stock-pool memory: f + (1 - f) L / depth."""
+        f = self.resident_fraction
+        return f + (1 - f) * layers / self.depth
 
 
 class LayerStreamKVPool(MHATokenToKVPool):
@@ -81,15 +105,23 @@ class LayerStreamKVPool(MHATokenToKVPool):
         (rows, *row_shape), _ = self._kv_buffer_shapes()
         padded = -(-rows // self.page_size) * self.page_size
         device = torch.device(self.device)
-        with self.memory_saver_adapter.region("kv_cache"):
-            self._stages = [torch.zeros((2, padded, *row_shape), dtype=self.store_dtype,
-                                        device=device) for _ in range(depth)]
-        self.k_buffer = [self._stages[l % depth][0, :rows] for l in range(self.layer_num)]
-        self.v_buffer = [self._stages[l % depth][1, :rows] for l in range(self.layer_num)]
+        self._views = self._resident_views(rows, padded, tuple(row_shape), device)
+        self.resident_rows = self._views.resident if self._views is not None else 0
+        if self._views is not None:
+            self._layer_bufs = self._views.views
+            self._stages = [self._views.staging(d) for d in range(depth)]
+        else:
+            with self.memory_saver_adapter.region("kv_cache"):
+                self._stages = [torch.zeros((2, padded, *row_shape), dtype=self.store_dtype,
+                                            device=device) for _ in range(depth)]
+            self._layer_bufs = [self._stages[l % depth] for l in range(self.layer_num)]
+        self.k_buffer = [buf[0, :rows] for buf in self._layer_bufs]
+        self.v_buffer = [buf[1, :rows] for buf in self._layer_bufs]
         self._lane = CopyLane(device)
         host = HostLayerStore(self.layer_num, rows, tuple(row_shape), self.store_dtype, device)
         self.layer_store = host if self.settings.tier == "host" else DonorLayerStore(
-            host, self.page_size, self._lane, self.settings.max_runs)
+            host, self.page_size, self._lane, self.settings.max_runs,
+            first_row=self.resident_rows)
         self._holds: list[int | None] = [None] * depth  # layer each staging buffer holds now
         self._ready: list[object] = [None] * depth  # the lane's marker for that load
         self._read: SlotSet | None = None  # slots the running forward reads; None: no forward
@@ -98,10 +130,35 @@ class LayerStreamKVPool(MHATokenToKVPool):
         self._written: tuple[int, int, int] | None = None  # memo of the last write loc's slots
         self._written_slots = SlotSet.empty()
         self.forwards = 0
-        logger.info("SwiftCache layer streaming: KV pool of %d tokens; local staging %d of %d "
-                    "layers (%.1f MiB), every layer in %s (%.1f MiB)", self.size, depth,
+        logger.info("SwiftCache layer streaming: KV pool of %d tokens, %d of them resident; "
+                    "local staging %d of %d layers (%.1f MiB with the resident rows), every "
+                    "streamed row in %s (%.1f MiB)", self.size, self.resident_rows, depth,
                     self.layer_num, self.local_kv_bytes() / 2**20, self.layer_store.where,
                     self.layer_store.nbytes / 2**20)
+
+    def _resident_views(self, rows: int, padded: int, row_shape: tuple[int, ...],
+                        device: torch.device) -> LayerViews | None:
+        """The per-layer buffers with resident rows, or None (no resident rows asked for, too
+        few to map, or the mapping failed: then every row streams, which is always correct)."""
+        if self.settings.resident_fraction <= 0:
+            return None
+        row_bytes = int(torch.empty(row_shape, dtype=self.store_dtype).nbytes)
+        try:
+            grain = granularity(device)
+            resident, mapped = aligned_rows(
+                self.settings.resident_tokens(self.size, self.layer_num), padded, row_bytes,
+                grain, self.page_size)
+            if resident <= 0:
+                logger.warning("SwiftCache layer streaming: resident fraction %.2f of a %d-token "
+                               "pool rounds to no whole mapping unit of %d bytes; every row is "
+                               "streamed", self.settings.resident_fraction, self.size, grain)
+                return None
+            return LayerViews(self.layer_num, self.settings.depth, resident, mapped, row_shape,
+                              self.store_dtype, device)
+        except (OSError, RuntimeError) as e:
+            logger.warning("SwiftCache layer streaming: cannot map resident rows (%s); every row "
+                           "is streamed", e)
+            return None
 
     def _why_not_streamable(self) -> str | None:
         if self.kv_cache_layout != "nhd" or self.use_hnd:
@@ -115,7 +172,9 @@ class LayerStreamKVPool(MHATokenToKVPool):
         return None
 
     def local_kv_bytes(self) -> int:
-        """Bytes of KV held in the pool's device memory: the staging buffers."""
+        """Bytes of KV held in the pool's device memory: the staging buffers and resident rows."""
+        if self._views is not None:
+            return self._views.local_bytes
         return sum(s.numel() * s.element_size() for s in self._stages)
 
     def get_kv_size_bytes(self):
@@ -124,12 +183,13 @@ class LayerStreamKVPool(MHATokenToKVPool):
 
     def _clear_buffers(self):
         super()._clear_buffers()
-        self._stages, self.layer_store = [], None
+        self._stages, self._layer_bufs, self._views, self.layer_store = [], [], None, None
 
     # ---- one forward --------------------------------------------------------------------------
     def begin_layer_stream(self, forward_batch, req_to_token: torch.Tensor) -> None:
         """A forward pass of `forward_batch` starts: what it reads is loaded layer by layer."""
-        self._read = batch_read_slots(forward_batch, req_to_token, self.settings.max_runs)
+        self._read = batch_read_slots(forward_batch, req_to_token,
+                                      self.settings.max_runs).from_slot(self.resident_rows)
         self._holds = [None] * self.settings.depth
         self._ready = [None] * self.settings.depth
         self._entered = None  # the layer this forward is in (its first access started it)
@@ -160,14 +220,17 @@ class LayerStreamKVPool(MHATokenToKVPool):
         # A layer loaded again after its write-through (only if a backend went back to it)
         # needs the rows it wrote as well as the ones it reads.
         parts = [self._read] + ([self._written_slots] if local_layer in self._saved else [])
-        buf, store = self._stages[stage], self.layer_store
+        parts = [part for part in parts if part.count]
+        self._holds[stage] = local_layer
+        if not parts:  # every slot read is resident
+            return
+        buf, store = self._layer_bufs[local_layer], self.layer_store
 
         def load() -> None:
             for part in parts:
                 store.load(local_layer, part, buf)
 
         self._ready[stage] = self._lane.run(load)
-        self._holds[stage] = local_layer
 
     # ---- SGLang's pool interface --------------------------------------------------------------
     def get_key_buffer(self, layer_id: int):
@@ -189,9 +252,9 @@ class LayerStreamKVPool(MHATokenToKVPool):
         super().set_kv_buffer(layer, loc_info, cache_k, cache_v, k_scale, v_scale,
                               layer_id_override, dcp_kv_mask)
         loc, _, _ = unwrap_write_loc(loc_info)
-        written, buf, store = self._slots_of(loc), self._stages[local % self.settings.depth], \
-            self.layer_store
-        self._lane.run(lambda: store.save(local, written, buf))
+        written, buf, store = self._slots_of(loc), self._layer_bufs[local], self.layer_store
+        if written.count:  # resident rows are where SGLang wrote them
+            self._lane.run(lambda: store.save(local, written, buf))
         self._saved.add(local)
 
     def _slots_of(self, loc: torch.Tensor) -> SlotSet:
@@ -199,25 +262,57 @@ class LayerStreamKVPool(MHATokenToKVPool):
         key = (loc.data_ptr(), loc.numel(), self.forwards)
         if self._written != key:
             self._written = key
-            self._written_slots = SlotSet.of(loc, self.settings.max_runs)
+            self._written_slots = SlotSet.of(loc, self.settings.max_runs).from_slot(
+                self.resident_rows)
         return self._written_slots
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
         self._lane.drain()
-        self.layer_store.move_rows(tgt_loc, src_loc)
+        if not self.resident_rows:
+            self.layer_store.move_rows(tgt_loc, src_loc)
+        else:
+            for layer in range(self.layer_num):
+                self._write_rows(layer, tgt_loc, *self._read_rows(layer, src_loc))
         self._holds = [None] * self.settings.depth  # staging may hold the old rows
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
         self._lane.drain()
-        return [[list(self.layer_store.read_rows(layer, indices))]
-                for layer in range(self.layer_num)]
+        return [[list(self._read_rows(layer, indices))] for layer in range(self.layer_num)]
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
         self._lane.drain()
         for layer in range(self.layer_num):
             k, v = kv_cache_cpu[layer][0]
-            self.layer_store.write_rows(layer, indices, k, v)
+            self._write_rows(layer, indices, k, v)
         self._holds = [None] * self.settings.depth
+
+    def _read_rows(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of `layer` at `index` (CPU tensors): resident ones from the layer's
+        buffer, the others from the store."""
+        index = index.to("cpu", torch.int64)
+        low = index < self.resident_rows
+        if not bool(low.any()):
+            return self.layer_store.read_rows(layer, index)
+        kv = self._layer_bufs[layer]
+        out = torch.empty((2, index.numel(), *kv.shape[2:]), dtype=kv.dtype)
+        out[:, low] = kv[:, index[low].to(kv.device)].cpu()
+        if not bool(low.all()):
+            k, v = self.layer_store.read_rows(layer, index[~low])
+            out[0, ~low], out[1, ~low] = k, v
+        return out[0], out[1]
+
+    def _write_rows(self, layer: int, index: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        index = index.to("cpu", torch.int64)
+        low = index < self.resident_rows
+        if bool(low.any()):
+            kv, at = self._layer_bufs[layer], index[low].to(self._layer_bufs[layer].device)
+            kv[0, at] = k[low.to(k.device)].to(kv.device, kv.dtype)
+            kv[1, at] = v[low.to(v.device)].to(kv.device, kv.dtype)
+        if not bool(low.all()):
+            high = ~low
+            self.layer_store.write_rows(layer, index[high], k[high.to(k.device)],
+                                        v[high.to(v.device)])
 
     def stream_stats(self) -> dict:
         """Counters for logs and benchmarks."""
@@ -225,5 +320,6 @@ class LayerStreamKVPool(MHATokenToKVPool):
         return {"forwards": self.forwards, "rows_loaded": store.rows_loaded,
                 "rows_saved": store.rows_saved, "copy_s": self._lane.busy_s,
                 "local_kv_bytes": self.local_kv_bytes(), "store_bytes": store.nbytes,
+                "resident_rows": self.resident_rows,
                 "rows_from_donor": getattr(store, "rows_from_donor", 0),
                 "pages_on_donor": getattr(store, "pages_on_donor", 0)}

@@ -45,6 +45,21 @@ class SlotSet:
         ends = torch.cat([flat[breaks - 1] + 1, flat[-1:] + 1]).tolist()
         return cls(tuple(zip(starts, ends)), None, n)
 
+    def from_slot(self, start: int) -> "SlotSet":
+        """The slots at or above `start` (the streamed ones, when `start` is the pool's first
+        streamed row); `self` when there are none below it."""
+        if start <= 0 or self.count == 0:
+            return self
+        if self.runs is not None:
+            if self.runs[0][0] >= start:
+                return self
+            runs = tuple((max(a, start), b) for a, b in self.runs if b > start)
+            return SlotSet(runs, None, sum(b - a for a, b in runs))
+        if int(self.index[0]) >= start:
+            return self
+        kept = self.index[self.index >= start]
+        return SlotSet(None, kept, int(kept.numel())) if kept.numel() else SlotSet.empty()
+
     def as_index(self) -> torch.Tensor:
         """All slots as one sorted int64 CPU tensor."""
         if self.index is not None:

@@ -17,11 +17,13 @@ ARGS = dict(size=96, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, l
             device="cpu", enable_memory_saver=False)
 
 
-def _streamed(depth: int, max_runs: int = 64, tier: str = "host"):
+def _streamed(depth: int, max_runs: int = 64, tier: str = "host", resident_fraction: float = 0.0,
+              **args):
     from sglang_swift.layer_stream.pool import LayerStreamKVPool, StreamSettings
 
-    settings = StreamSettings(depth=depth, max_runs=max_runs, tier=tier)
-    return LayerStreamKVPool.configured(settings)(**ARGS)
+    settings = StreamSettings(depth=depth, max_runs=max_runs, tier=tier,
+                              resident_fraction=resident_fraction)
+    return LayerStreamKVPool.configured(settings)(**{**ARGS, **args})
 
 
 def _batch(mode: str, rows, seq_lens, prefix_lens):
@@ -37,11 +39,12 @@ class Twin:
     """A stock pool and a streamed one fed the same forwards; every read is compared."""
 
     def __init__(self, depth: int, max_runs: int, seed: int, shuffle_slots: bool,
-                 tier: str = "host"):
+                 tier: str = "host", resident_fraction: float = 0.0, head_dim: int = 4):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-        self.stock = MHATokenToKVPool(**ARGS)
-        self.streamed = _streamed(depth, max_runs, tier)
+        self.head_dim = head_dim
+        self.stock = MHATokenToKVPool(**{**ARGS, "head_dim": head_dim})
+        self.streamed = _streamed(depth, max_runs, tier, resident_fraction, head_dim=head_dim)
         self.req_to_token = torch.zeros((8, 64), dtype=torch.int32)
         self.free = list(range(1, ARGS["size"] + 1))
         self.rng = random.Random(seed)
@@ -72,8 +75,8 @@ class Twin:
         try:
             for layer_id in range(LAYERS):
                 layer = types.SimpleNamespace(layer_id=layer_id)
-                k = torch.randn(len(locs), 2, 4)
-                v = torch.randn(len(locs), 2, 4)
+                k = torch.randn(len(locs), 2, self.head_dim)
+                v = torch.randn(len(locs), 2, self.head_dim)
                 if order == "read-first":  # FlashInfer's ragged prefill reads the prefix first
                     self._compare(layer_id, rows, prefix)
                 for pool in (self.stock, self.streamed):
@@ -96,11 +99,17 @@ class Twin:
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("order", ["write-first", "read-first"])
 @pytest.mark.parametrize("shuffle_slots,max_runs", [(False, 64), (True, 4)])
-def test_streamed_pool_reads_what_the_stock_pool_reads(depth, order, shuffle_slots, max_runs):
+@pytest.mark.parametrize("resident_fraction", [0.0, 0.5])
+def test_streamed_pool_reads_what_the_stock_pool_reads(depth, order, shuffle_slots, max_runs,
+                                                       resident_fraction):
     """Through chunked prefill, a shared prefix, mixed batches and decode, attention on every
     layer reads from the streamed pool exactly the K and V rows it reads from SGLang's pool,
-    whichever of write or read a backend does first, with runs or index copies."""
-    twin = Twin(depth, max_runs, seed=depth, shuffle_slots=shuffle_slots)
+    whichever of write or read a backend does first, with runs or index copies, with every row
+    streamed or with resident rows (requests on both sides of the boundary)."""
+    twin = Twin(depth, max_runs, seed=depth, shuffle_slots=shuffle_slots,
+                resident_fraction=resident_fraction, head_dim=64 if resident_fraction else 4)
+    if resident_fraction:
+        assert twin.streamed.resident_rows > 0
     twin.forward({0: 10}, order)            # prefill
     twin.forward({0: 7}, order)             # its second chunk (prefix 10)
     twin.share_prefix(1, 0, 5)              # a radix hit on row 0's first 5 tokens
@@ -171,3 +180,104 @@ def test_a_batch_reads_its_prefixes_only():
     dec = batch_read_slots(_batch("DECODE", [0, 2], [3, 2], []), r2t, 8)
     assert dec.as_index().tolist() == [0, 1, 20]
     assert batch_read_slots(_batch("IDLE", [], [], []), r2t, 8).count == 0
+
+
+# ---- resident rows ------------------------------------------------------------------------------
+def _resident_pool(**kw):
+    return _streamed(2, resident_fraction=0.5, head_dim=64, **kw)  # 512-byte rows: 8 per 4 KiB
+
+
+def test_resident_rows_are_each_layers_own_and_cost_their_share_of_local_memory():
+    """Resident rows of two layers sharing a staging buffer are distinct memory; streamed rows
+    are shared; local memory is L x R + depth x (rows - R) rows, R holding the asked fraction."""
+    pool = _resident_pool()
+    r, rows = pool.resident_rows, pool._layer_bufs[0].shape[1]
+    assert r == 32  # f D N / (L (1 - f) + f D) = 0.5 * 2 * 96 / (2 + 1), on a page of 8 rows
+    pool.k_buffer[0][:r] = 1.0
+    pool.k_buffer[2][:r] = 2.0
+    assert pool.k_buffer[0][:r].eq(1).all() and pool.k_buffer[2][:r].eq(2).all()
+    pool.k_buffer[0][r:] = 3.0
+    assert pool.k_buffer[2][r:].eq(3).all() and pool.k_buffer[1][r:].ne(3).all()
+    row_bytes = 2 * 64 * 4
+    assert pool.local_kv_bytes() == 2 * row_bytes * (LAYERS * r + 2 * (rows - r))
+    f = LAYERS * r / (LAYERS * r + 2 * (rows - r))
+    assert abs(f - 0.5) < 0.1
+
+
+def test_a_batch_on_resident_slots_copies_nothing():
+    """A request whose slots are all resident is neither loaded nor written through; one that
+    spills past the boundary copies only its streamed rows."""
+    twin = Twin(2, 64, seed=0, shuffle_slots=False, resident_fraction=0.5, head_dim=64)
+    r = twin.streamed.resident_rows
+    twin.forward({0: 10}, "write-first")
+    for _ in range(3):
+        twin.forward({0: 1}, "write-first")
+    stats = twin.streamed.stream_stats()
+    assert stats["rows_loaded"] == 0 and stats["rows_saved"] == 0
+    twin.forward({1: r + 5}, "write-first")   # slots 14 .. r + 18: 19 of them streamed
+    twin.forward({1: 1}, "write-first")
+    stats = twin.streamed.stream_stats()
+    streamed = 14 + r + 5 - r
+    assert stats["rows_saved"] == LAYERS * (streamed + 1)
+    assert stats["rows_loaded"] == LAYERS * streamed
+
+
+def test_host_side_readers_see_both_sides_of_the_boundary():
+    """Retraction's CPU copy, its reload and move_kv_cache work on resident and streamed slots."""
+    pool = _resident_pool()
+    r = pool.resident_rows
+    for layer in range(LAYERS):
+        pool.k_buffer[layer][:r] = torch.randn(r, 2, 64)
+        pool.v_buffer[layer][:r] = torch.randn(r, 2, 64)
+    pool.layer_store.data.copy_(torch.randn_like(pool.layer_store.data))
+    idx = torch.tensor([3, r + 4])
+    saved = pool.get_cpu_copy(idx)
+    assert torch.equal(saved[2][0][0][0], pool.k_buffer[2][3])
+    assert torch.equal(saved[2][0][1][1], pool.layer_store.data[2, 1, r + 4])
+    pool.move_kv_cache(torch.tensor([r + 9, 5]), idx)  # resident -> streamed, streamed -> resident
+    assert torch.equal(pool.layer_store.data[1, 0, r + 9], pool.k_buffer[1][3])
+    assert torch.equal(pool.k_buffer[1][5], pool.layer_store.data[1, 0, r + 4])
+    ones = torch.ones(2, 2, 64)
+    pool.load_cpu_copy([[[ones, 2 * ones]]] * LAYERS, idx)
+    assert pool.k_buffer[3][3].eq(1).all() and pool.layer_store.data[3, 1, r + 4].eq(2).all()
+
+
+def test_a_resident_fraction_too_small_to_map_streams_every_row():
+    """Resident rows that round to no whole mapping unit: the pool streams every row."""
+    pool = _streamed(2, resident_fraction=0.05)  # 32-byte rows: 128 rows per 4 KiB page
+    assert pool.resident_rows == 0 and len({b.data_ptr() for b in pool.k_buffer}) == 2
+
+
+def test_slot_sets_cut_at_the_first_streamed_row():
+    runs = SlotSet.of(torch.tensor([2, 3, 4, 9, 10, 30]), max_runs=8)
+    assert runs.from_slot(4).runs == ((4, 5), (9, 11), (30, 31)) and runs.from_slot(4).count == 4
+    assert runs.from_slot(0) is runs and runs.from_slot(40).count == 0
+    index = SlotSet.of(torch.tensor([2, 3, 4, 9, 10, 30]), max_runs=1)
+    assert index.from_slot(9).index.tolist() == [9, 10, 30]
+    assert index.from_slot(31).count == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_allocator_hands_out_resident_slots_first(page_size):
+    """SGLang's own allocator, made resident-first: after frees on both sides, the next request
+    gets resident slots while any are free, and the free count stays SGLang's."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from sglang_swift.layer_stream.allocator import prefer_resident
+
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(64, torch.float32, "cpu", None, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(64, page_size, torch.float32, "cpu", None,
+                                            need_sort=False)
+    prefer_resident(alloc)
+    first = alloc.alloc(40)
+    assert first is not None and int(first.max()) < 48
+    # SGLang's token allocator appends freed slots, its paged one prepends freed pages: free
+    # resident ones, then streamed ones, and either would hand out a streamed slot next.
+    alloc.free(first[:8])
+    alloc.free(first[20:])
+    again = alloc.alloc(8)
+    assert int(again.max()) < 16, again
+    assert alloc.available_size() == 64 - 40 + 8 + 20 - 8

@@ -309,3 +309,22 @@ def test_a_dead_donors_leases_all_leave_the_store_before_its_pool_is_unmapped(do
     store.load(0, everything, stage)
     assert store.rows_from_donor == before and torch.equal(stage[:, :97], rows)
     leases.close()
+
+
+def test_resident_rows_never_go_to_the_donor():
+    """With resident rows, only the streamed pages are the store's to place: the lease holds
+    those and no resident page, and every read still equals SGLang's pool."""
+    donor = Donor(pages=2000)
+    try:
+        twin = Twin(2, 64, seed=7, shuffle_slots=False, tier="donor", resident_fraction=0.5,
+                    head_dim=64)
+        store, resident = twin.streamed.layer_store, twin.streamed.resident_rows
+        assert resident > 0 and store.first_page == resident
+        assert store.num_pages == 97 - resident
+        donor.lend(store, range(0, 2000))
+        assert store.place() == store.num_pages
+        assert bool((store._owner[:resident] == -1).all())  # FREE: resident pages stay home
+        _run(twin, "write-first")
+        assert store.rows_from_donor > 0
+    finally:
+        donor.close()

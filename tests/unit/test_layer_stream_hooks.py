@@ -33,8 +33,9 @@ def _configurator(**kw):
 
 
 def test_options_sit_in_the_layer_streaming_group_with_working_defaults():
-    """--swiftcache-layer-stream, -depth and -host-gb are in the group titled 'layer streaming';
-    left out, the server does not stream (off) and depth is 2."""
+    """--swiftcache-layer-stream, -depth, -resident-fraction and -host-gb are in the group titled
+    'layer streaming'; left out, the server does not stream (off), depth is 2 and half the local
+    KV memory is resident rows."""
     from sglang_swift.integration.plugin import add_swiftcache_args, config_from_namespace
 
     parser = argparse.ArgumentParser()
@@ -42,9 +43,13 @@ def test_options_sit_in_the_layer_streaming_group_with_working_defaults():
     group = next(g for g in parser._action_groups if g.title == "layer streaming")
     flags = {o for a in group._group_actions for o in a.option_strings}
     assert flags == {"--swiftcache-layer-stream", "--swiftcache-layer-stream-depth",
+                     "--swiftcache-layer-stream-resident-fraction",
                      "--swiftcache-layer-stream-host-gb"}
     default = config_from_namespace(parser.parse_args(["--enable-swiftcache"]))
     assert not default.streams_layers and default.layer_stream_depth == 2
+    assert default.layer_stream_resident_fraction == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--swiftcache-layer-stream-resident-fraction", "1"])
     on = config_from_namespace(parser.parse_args(
         ["--enable-swiftcache", "--swiftcache-layer-stream", "host"]))
     assert on.streams_layers
@@ -96,8 +101,9 @@ def test_server_args_that_cannot_stream_are_refused_and_graphs_turned_off():
 
 
 def test_budget_holds_l_over_depth_more_tokens_within_the_host_cap(streaming, monkeypatch):
-    """The profiled local budget buys depth staging layers, so SGLang is given L/depth times the
-    bytes, with tokens capped to the host memory the store may use."""
+    """The profiled local budget buys depth staging layers for the streamed part and L layers for
+    the resident fraction f, so SGLang is given f + (1 - f) L/depth times the bytes (L/depth with
+    no resident rows), with tokens capped to the host memory the store may use."""
     monkeypatch.setattr(hooks, "_cell_bytes", lambda configurator: 1024)
     seen = {}
 
@@ -106,9 +112,27 @@ def test_budget_holds_l_over_depth_more_tokens_within_the_host_cap(streaming, mo
         return types.SimpleNamespace(max_total_num_tokens=min(budget // 1024, cap_tokens))
 
     hooks.around_config_from_budget(orig, _configurator(), 1000 * 1024)
-    assert seen == {"budget": 4000 * 1024, "cap": (1 << 30) // 1024}
+    assert seen == {"budget": 2500 * 1024, "cap": (1 << 30) // 1024}  # 0.5 + 0.5 * 8 / 2
     hooks.around_config_from_budget(orig, _configurator(), 1000 * 1024, cap_tokens=7)
     assert seen["cap"] == 7
+    all_streamed = SwiftConfig.parse(enabled=True, layer_stream="host", layer_stream_host_gb=1.0,
+                                     layer_stream_resident_fraction=0.0)
+    monkeypatch.setenv(CONFIG_ENV, all_streamed.to_json())
+    hooks.around_config_from_budget(orig, _configurator(), 1000 * 1024)
+    assert seen["budget"] == 4000 * 1024
+
+
+def test_a_pool_with_resident_rows_gets_a_resident_first_allocator():
+    """The allocator SGLang built for a pool with resident rows is made to sort its free list;
+    for any other pool the hook leaves SGLang's result alone."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(32, torch.float32, "cpu", None, need_sort=False)
+    plain = types.SimpleNamespace(resident_rows=0)
+    assert hooks.after_build_allocator(alloc, _configurator(), token_to_kv_pool=plain) is None
+    pool = types.SimpleNamespace(resident_rows=8)
+    made = hooks.after_build_allocator(alloc, _configurator(), token_to_kv_pool=pool)
+    assert made is alloc and alloc.need_sort and type(alloc).__name__.startswith("ResidentFirst")
 
 
 def test_stock_servers_and_drafts_are_untouched(monkeypatch):
