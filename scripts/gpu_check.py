@@ -16,7 +16,11 @@
    the pool-lease engine (one-pass Triton row copy), checks the bytes, the packing rule, the
    two copy paths against each other and, where two GPUs exist, the cross-device path (skipped
    with a message on one GPU); the donor checks its own buffers hold the borrower's stream.
-5. Layer-streamed load (scripts/gpu_stream_check.py): a prefix loaded from donor pool pages
+5. Layer views with resident rows (sglang_swift/layer_stream/layer_views.py): each layer's
+   buffer mapped with CUDA VMM from its own resident rows and a shared staging buffer; checks
+   resident rows are per layer, staging rows shared by every depth-th layer, and a streamed
+   SGLang pool with resident rows builds on the GPU.
+6. Layer-streamed load (scripts/gpu_stream_check.py): a prefix loaded from donor pool pages
    layer by layer on the engine's side stream while attention runs per layer, waiting on the
    CUDA layer counter only for its layer, timed against the same attention with everything
    resident (target: at most 1.10x), and checked bit-identical.
@@ -200,6 +204,32 @@ def check_kernels(device) -> dict:
             _sync(device)
             results[f"kernels_{str(dtype).removeprefix('torch.')}_{kind}"] = bool(ok)
     return results
+
+
+def check_layer_views(device) -> dict:
+    """Part 5: VMM-mapped layer buffers behave as the pool needs (CPU dry run: memfd)."""
+    import torch
+
+    from sglang_swift.layer_stream.layer_views import LayerViews, aligned_rows, granularity
+
+    layers, depth, shape = 4, 2, (8, 128)
+    row_bytes = 8 * 128 * 2
+    grain = granularity(device)
+    resident, rows = aligned_rows(3 * grain // row_bytes, 5 * grain // row_bytes, row_bytes,
+                                  grain, 1)
+    views = LayerViews(layers, depth, resident, rows, shape, torch.float16, device).views
+    for layer in range(layers):
+        views[layer][:, :resident].fill_(layer + 1)
+    views[0][:, resident:].fill_(7)
+    ok = all(bool(views[l][:, :resident].eq(l + 1).all()) for l in range(layers))
+    ok = ok and bool(views[2][:, resident:].eq(7).all()) and not bool(views[1][:, resident:].eq(7).any())
+    from sglang_swift.layer_stream.pool import LayerStreamKVPool, StreamSettings
+
+    cls = LayerStreamKVPool.configured(StreamSettings(depth=2, resident_fraction=0.5))
+    pool = cls(size=4 * grain // 256, page_size=1, dtype=torch.float16, head_num=1,
+               head_dim=128, layer_num=4, device=str(device), enable_memory_saver=False)
+    return {"layer_views_aliasing": ok, "layer_views_pool_resident": pool.resident_rows > 0,
+            "layer_views_granularity": grain}
 
 
 def _checksum(memory, blocks) -> int:
@@ -404,6 +434,10 @@ def donor(args) -> int:
     t0 = time.monotonic()
     checks = check_kernels(device)
     print(f"kernels vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
+    views = check_layer_views(device)
+    print(f"layer views with resident rows: {views}")
+    checks.update(layer_views_aliasing=views["layer_views_aliasing"],
+                  layer_views_pool_resident=views["layer_views_pool_resident"])
     from gpu_stream_check import run_stream_check
 
     stream = run_stream_check(args, device, _cuda_time)

@@ -248,6 +248,7 @@ def run(setup: Setup, model_dir) -> dict:
     streamed = LocalServer(model_dir, swiftcache=True, max_total_tokens=setup.streamed_pool,
                            extra_args=[*common, "--swiftcache-layer-stream", setup.backing,
                                        "--swiftcache-layer-stream-depth", str(setup.depth),
+                                       "--swiftcache-layer-stream-resident-fraction", "0",
                                        *control],
                            log_path="/tmp/bench-context-streamed.log",
                            env=env(traces["streamed"]))

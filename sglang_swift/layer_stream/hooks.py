@@ -193,7 +193,7 @@ def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
         return orig(runner, forward_batch, *args, **kwargs)
     wall, cpu = time.perf_counter(), time.thread_time()
     traced_copies = begin is not None and _forward_trace is not None
-    copy_s = pool.stream_stats()["copy_s"] if traced_copies else 0.0
+    before = dict(pool.stream_stats()) if traced_copies else None
     if begin is not None:
         begin(forward_batch, runner.req_to_token_pool.req_to_token)
     try:
@@ -202,21 +202,26 @@ def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
         if begin is not None:
             pool.end_layer_stream()
         if _forward_trace is not None:
+            copies = {}
             if traced_copies:
-                copy_s = pool.stream_stats()["copy_s"] - copy_s
+                after = pool.stream_stats()
+                copies = {k: after[k] - before[k] for k in ("copy_s", "rows_loaded", "rows_saved")}
             _trace_forward(forward_batch, begin is not None, time.perf_counter() - wall,
-                           time.thread_time() - cpu, copy_s)
+                           time.thread_time() - cpu, copies)
 
 
 def _trace_forward(forward_batch, streamed: bool, wall_s: float, cpu_s: float,
-                   copy_s: float) -> None:
-    """One JSON line per forward (benchmarks): its mode, tokens, wall and thread CPU time, and
-    the thread CPU time of the layer copies within it (streamed pools)."""
+                   copies: dict) -> None:
+    """One JSON line per forward (benchmarks, tests): its mode, tokens, wall and thread CPU time,
+    and for a streamed pool the thread CPU time of the layer copies within it and the rows
+    (token-layers) they loaded from and wrote through to the store."""
     seq = forward_batch.seq_lens_cpu
     record = {"mode": forward_batch.forward_mode.name, "bs": int(forward_batch.batch_size),
               "new_tokens": int(forward_batch.out_cache_loc.numel()),
               "seq_tokens": int(seq.sum()) if seq is not None else None, "streamed": streamed,
-              "wall_ms": wall_s * 1e3, "cpu_ms": cpu_s * 1e3, "copy_ms": copy_s * 1e3}
+              "wall_ms": wall_s * 1e3, "cpu_ms": cpu_s * 1e3,
+              "copy_ms": copies.get("copy_s", 0.0) * 1e3,
+              "rows_loaded": copies.get("rows_loaded", 0), "rows_saved": copies.get("rows_saved", 0)}
     with open(_forward_trace, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 

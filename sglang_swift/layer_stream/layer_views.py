@@ -160,8 +160,8 @@ class _CudaMapper:
     range and maps its pieces over it (a piece may be mapped into many ranges)."""
 
     def __init__(self, device: torch.device) -> None:
-        torch.cuda.init()
         self.device = device.index if device.index is not None else torch.cuda.current_device()
+        torch.zeros(1, device=f"cuda:{self.device}")  # the device's primary context is current
         self._cu = ctypes.CDLL("libcuda.so.1")
         self._prop = _AllocationProp(type=_ALLOCATION_PINNED,
                                      location=_Location(_LOCATION_DEVICE, self.device))

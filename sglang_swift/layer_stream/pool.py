@@ -130,11 +130,11 @@ class LayerStreamKVPool(MHATokenToKVPool):
         self._written: tuple[int, int, int] | None = None  # memo of the last write loc's slots
         self._written_slots = SlotSet.empty()
         self.forwards = 0
-        logger.info("SwiftCache layer streaming: KV pool of %d tokens, %d of them resident; "
-                    "local staging %d of %d layers (%.1f MiB with the resident rows), every "
-                    "streamed row in %s (%.1f MiB)", self.size, self.resident_rows, depth,
+        logger.info("SwiftCache layer streaming: KV pool of %d tokens; local staging %d of %d "
+                    "layers (%.1f MiB), every layer in %s (%.1f MiB); %d resident tokens (every "
+                    "layer's rows local, in the MiB before, never streamed)", self.size, depth,
                     self.layer_num, self.local_kv_bytes() / 2**20, self.layer_store.where,
-                    self.layer_store.nbytes / 2**20)
+                    self.layer_store.nbytes / 2**20, self.resident_rows)
 
     def _resident_views(self, rows: int, padded: int, row_shape: tuple[int, ...],
                         device: torch.device) -> LayerViews | None:

@@ -63,6 +63,7 @@ def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_recla
     streamer = LocalServer(model, max_total_tokens=STREAMED_POOL, log_path=tmp_path / "s.log",
                            extra_args=[*COMMON, "--swiftcache-layer-stream", "donor",
                                        "--swiftcache-layer-stream-depth", str(DEPTH),
+                                       "--swiftcache-layer-stream-resident-fraction", "0",
                                        *_control(rendezvous)])
     with donor, streamer:
         wait_for(lambda: metric(streamer, "swiftcache_borrowed_tokens") >= STREAMED_POOL, 180,

@@ -61,7 +61,8 @@ def test_streamed_server_serves_four_times_its_local_pool_token_identical():
         want = [_generate(stock, long_prompt), _generate(stock, hit_prompt),
                 *_both(stock, side_by_side)]
     streamed_args = [*COMMON, "--swiftcache-layer-stream", "host",
-                     "--swiftcache-layer-stream-depth", str(DEPTH)]
+                     "--swiftcache-layer-stream-depth", str(DEPTH),
+                     "--swiftcache-layer-stream-resident-fraction", "0"]  # every row streamed
     with LocalServer(model, swiftcache=True, max_total_tokens=STREAMED_POOL,
                      extra_args=streamed_args, log_path="/tmp/swift-ls-streamed.log") as server:
         got = [_generate(server, long_prompt), _generate(server, hit_prompt),

@@ -211,9 +211,10 @@ def test_forward_trace_records_every_forward_streamed_or_not(tmp_path, monkeypat
 
     path = tmp_path / "trace.jsonl"
     monkeypatch.setattr(hooks, "_forward_trace", str(path))
-    stats = {"copy_s": 1.0}
+    stats = {"copy_s": 1.0, "rows_loaded": 10, "rows_saved": 3}
     pool = types.SimpleNamespace(begin_layer_stream=lambda fb, r2t: None,
-                                 end_layer_stream=lambda: stats.update(copy_s=1.25),
+                                 end_layer_stream=lambda: stats.update(copy_s=1.25, rows_loaded=17,
+                                                                       rows_saved=5),
                                  stream_stats=lambda: stats)
     batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2,
                                   out_cache_loc=torch.tensor([3, 4]),
@@ -227,4 +228,6 @@ def test_forward_trace_records_every_forward_streamed_or_not(tmp_path, monkeypat
     assert [(r["mode"], r["bs"], r["new_tokens"], r["seq_tokens"], r["streamed"]) for r in lines] \
         == [("DECODE", 2, 2, 30, True), ("DECODE", 2, 2, 30, False)]
     assert lines[0]["copy_ms"] == pytest.approx(250.0) and lines[1]["copy_ms"] == 0.0
+    assert (lines[0]["rows_loaded"], lines[0]["rows_saved"]) == (7, 2)
+    assert (lines[1]["rows_loaded"], lines[1]["rows_saved"]) == (0, 0)
     assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in lines)
