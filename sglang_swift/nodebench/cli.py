@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
                          "10-17 on 2 cores; start-ups take most of it)")
     ap.add_argument("--out", type=Path, default=Path("runs/node_bench"),
                     help="server logs and node_bench.json (every request) go here")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also write each server's forward passes (wall and thread CPU ms) to "
+                         "OUT/<run>-<role>.forward.jsonl, the CPU seconds of every server "
+                         "thread per traffic phase to OUT/<run>-cpu.json, and log SGLang's "
+                         "per-request queue and forward durations (ReqTimeStats) and garbage "
+                         "collections over 50 ms (LONG GARBAGE COLLECTION) in the server logs")
     ap.add_argument("--plot", type=Path, default=None,
                     help="the capacity plot (default: OUT/capacity.png)")
     defaults = NodePlan()
@@ -81,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     def run(spec):
         print(f"[{spec.key}] {spec.name}: busy pool {spec.busy_pool}, donor pool "
               f"{spec.donor_pool} ...", flush=True)
-        result = run_one(spec, plan, busy_model, donor_model, traffic, args.out, max_borrow)
+        result = run_one(spec, plan, busy_model, donor_model, traffic, args.out, max_borrow,
+                         diagnose=args.diagnose)
         print(f"[{spec.key}] done in {result.wall_s:.0f}s (start-up {result.startup_s}, lease "
               f"wait {result.lease_wait_s:.1f}s, load average {result.loadavg[1][0]:.2f})",
               flush=True)

@@ -91,3 +91,38 @@ class CapacitySampler:
     def last(self, role: str, name: str) -> float | None:
         values = self.series(role, name)
         return values[-1][1] if values else None
+
+
+def thread_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every thread of a server's process tree, keyed
+    "process name/thread name/thread id". For --diagnose: a difference of two readings says
+    which process and thread did the work, whatever else shared the cores."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for proc in procs:
+        try:
+            pname = proc.name()
+            threads = proc.threads()
+        except psutil.Error:
+            continue
+        for t in threads:
+            try:
+                with open(f"/proc/{proc.pid}/task/{t.id}/comm", encoding="utf-8") as f:
+                    tname = f.read().strip()
+            except OSError:
+                tname = "?"
+            out[f"{pname}/{tname}/{t.id}"] = t.user_time + t.system_time
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before per thread key (keys of either), rounded to ms, largest first."""
+    keys = set(before) | set(after)
+    delta = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in keys}
+    return dict(sorted(delta.items(), key=lambda kv: -kv[1]))

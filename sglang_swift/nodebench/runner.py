@@ -15,10 +15,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..layer_stream.hooks import FORWARD_TRACE_ENV
 from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
 from ..tools.local_server import LocalServer, start_all
-from .observe import CapacitySampler, scrape
+from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
 from .plan import NodePlan, RunSpec
 from .traffic import Marks, Traffic, drive
 
@@ -87,19 +88,63 @@ def alerts_in(log_text: str, limit: int = 20) -> list[str]:
     return out[:limit]
 
 
+# --diagnose: SGLang's per-request queue and forward durations, and garbage collections of the
+# HTTP server's process over 50 ms, in each server's log
+DIAGNOSE_ARGS = ("--enable-request-time-stats-logging", "--gc-warning-threshold-secs", "0.05")
+
+
+def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
+    """Where a server of a --diagnose run appends one JSON line per forward pass (its wall and
+    thread CPU time: `layer_stream.hooks`, SWIFTCACHE_FORWARD_TRACE)."""
+    return out_dir / f"{spec.name}-{role}.forward.jsonl"
+
+
+class CpuPhases:
+    """--diagnose: CPU seconds per thread of each server's processes in each traffic phase
+    (`steady`: from the start to the reclaim phase; `reclaim`: from there to the end)."""
+
+    def __init__(self, servers: dict[str, LocalServer]) -> None:
+        self.servers = servers
+        self.readings = [("start", self._read())]
+
+    def _read(self) -> dict[str, dict[str, float]]:
+        return {role: thread_cpu_s(s.proc.pid) for role, s in self.servers.items()}
+
+    def mark(self, phase: str) -> None:
+        self.readings.append((phase, self._read()))
+
+    def deltas(self) -> dict[str, dict[str, dict[str, float]]]:
+        names = {"reclaim": "steady", "end": "reclaim"}
+        return {names.get(p1, p1): {role: cpu_delta(r0[role], r1[role]) for role in r1}
+                for (_, r0), (p1, r1) in zip(self.readings, self.readings[1:])}
+
+
 def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
-            traffic: Traffic, out_dir: Path, max_borrow_blocks: int) -> RunResult:
+            traffic: Traffic, out_dir: Path, max_borrow_blocks: int,
+            diagnose: bool = False) -> RunResult:
+    """One run; with `diagnose`, every server also traces its forward passes
+    (`forward_trace_path`), its threads' CPU per phase goes to OUT/<run>-cpu.json (`CpuPhases`),
+    and its log has DIAGNOSE_ARGS' lines."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rendezvous = tempfile.mkdtemp(prefix=f"nodebench-{spec.key}-")  # private, 0700
     env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads)}
+    extra = list(DIAGNOSE_ARGS) if diagnose else []
+
+    def env_of(role: str) -> dict[str, str]:
+        if not diagnose:
+            return env
+        path = forward_trace_path(out_dir, spec, role)
+        path.unlink(missing_ok=True)  # the server appends
+        return {**env, FORWARD_TRACE_ENV: str(path.resolve())}
+
     busy = LocalServer(busy_model, swiftcache=spec.swiftcache, max_total_tokens=spec.busy_pool,
-                       extra_args=spec.busy_args(plan, rendezvous, max_borrow_blocks),
-                       log_path=out_dir / f"{spec.name}-busy.log", env=env,
+                       extra_args=spec.busy_args(plan, rendezvous, max_borrow_blocks) + extra,
+                       log_path=out_dir / f"{spec.name}-busy.log", env=env_of("busy"),
                        startup_timeout_s=STARTUP_TIMEOUT_S)
     donor = LocalServer(donor_model, swiftcache=spec.swiftcache,
                         max_total_tokens=spec.donor_pool,
-                        extra_args=spec.donor_args(plan, rendezvous),
-                        log_path=out_dir / f"{spec.name}-donor.log", env=env,
+                        extra_args=spec.donor_args(plan, rendezvous) + extra,
+                        log_path=out_dir / f"{spec.name}-donor.log", env=env_of("donor"),
                         startup_timeout_s=STARTUP_TIMEOUT_S)
     t_start = time.monotonic()
     with ExitStack() as stack:
@@ -114,11 +159,15 @@ def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
         lease_wait_s = time.monotonic() - t_ready
         pools = {"busy": _pool_of(busy), "donor": _pool_of(donor)}
         load_before = os.getloadavg()
+        cpu = CpuPhases({"busy": busy, "donor": donor}) if diagnose else None
         marks = Marks(t0=time.perf_counter())
         with CapacitySampler({"busy": busy.base_url, "donor": donor.base_url},
                              plan.sample_interval_s, marks.t0) as sampler:
-            records = asyncio.run(drive(busy.base_url, donor.base_url, traffic, plan, marks))
+            records = asyncio.run(drive(busy.base_url, donor.base_url, traffic, plan, marks,
+                                        on_phase=cpu.mark if cpu else None))
             time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
+        if cpu is not None:
+            (out_dir / f"{spec.name}-cpu.json").write_text(json.dumps(cpu.deltas(), indent=1))
         for server in (busy, donor):
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{server.log_path.name}: the server exited during the run "

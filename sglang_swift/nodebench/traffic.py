@@ -151,9 +151,10 @@ async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> l
 
 
 async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
-                marks: Marks) -> dict[str, list[RequestRecord]]:
+                marks: Marks, on_phase=None) -> dict[str, list[RequestRecord]]:
     """Send the whole traffic; records per stream: `busy` (steady phase), `donor` (light),
-    `burst`, `busy_reclaim` (the busy turns sent during the burst)."""
+    `burst`, `busy_reclaim` (the busy turns sent during the burst). `on_phase(name)`, if given,
+    is called as the reclaim phase begins ("reclaim") and as the traffic ends ("end")."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=900)
@@ -162,8 +163,12 @@ async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
         replay = BusyReplay(http, busy_url, traffic, plan, marks.t0)
         busy, donor = await asyncio.gather(replay.turns(0, plan.turns),
                                            _donor_light(http, donor_url, traffic, plan, marks.t0))
+        if on_phase is not None:
+            on_phase("reclaim")
         burst, busy_reclaim = await asyncio.gather(
             _burst(http, donor_url, traffic, plan, marks),
             replay.turns(plan.turns, plan.turns + 1))
     marks.traffic_end = marks.now()
+    if on_phase is not None:
+        on_phase("end")
     return {"busy": busy, "donor": donor, "burst": burst, "busy_reclaim": busy_reclaim}

@@ -154,6 +154,7 @@ def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
     p = plan.NodePlan(conversations=2, turns=2, donor_conversations=2, donor_requests=3,
                       donor_interval_s=0.0, burst_requests=2)
     arrivals_busy, arrivals_donor = [], []
+    phases = []  # (phase, busy and donor requests arrived by then): --diagnose's CPU readings
 
     async def main():
         runners = []
@@ -167,7 +168,10 @@ def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
             urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
         marks = traffic.Marks(t0=time.perf_counter())
         try:
-            return await traffic.drive(urls[0], urls[1], tr, p, marks), marks
+            return await traffic.drive(
+                urls[0], urls[1], tr, p, marks,
+                on_phase=lambda name: phases.append(
+                    (name, len(arrivals_busy), len(arrivals_donor)))), marks
         finally:
             for r in runners:
                 await r.cleanup()
@@ -185,6 +189,52 @@ def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
     assert marks.burst_start >= steady_end
     assert all(r.t_send >= marks.burst_start for r in records["burst"] + records["busy_reclaim"])
     assert marks.burst_start <= marks.burst_end <= marks.traffic_end
+    assert phases == [("reclaim", 4, 3), ("end", 6, 5)]
+
+
+def test_thread_cpu_readings_name_the_threads_of_a_process_tree_that_did_the_work(tmp_path):
+    """--diagnose's CPU readings: every thread of the root process and its children, keyed
+    process/thread/tid; the difference of two readings is the CPU each thread spent between
+    them (the child's spinning thread shows; the idle root does not)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    go = tmp_path / "go"
+    (tmp_path / "child.py").write_text(
+        "import os, sys, time\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "time.sleep(30)\n")
+    (tmp_path / "root.py").write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\n"
+        "time.sleep(30)\n")
+    root = subprocess.Popen([sys.executable, str(tmp_path / "root.py"),
+                             str(tmp_path / "child.py"), str(go)])
+    try:
+        deadline = time.monotonic() + 20
+        while len(psutil.Process(root.pid).children()) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = observe.thread_cpu_s(root.pid)
+        go.touch()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            delta = observe.cpu_delta(before, observe.thread_cpu_s(root.pid))
+            if max(delta.values()) >= 0.25:
+                break
+            time.sleep(0.05)
+    finally:
+        for proc in psutil.Process(root.pid).children(recursive=True):
+            proc.kill()
+        root.kill()
+        root.wait()
+    top, spent = next(iter(delta.items()))
+    assert spent >= 0.25 and top.count("/") == 2
+    assert int(top.rsplit("/", 1)[1]) != root.pid  # the child's thread, not the idle root
+    assert observe.cpu_delta({"a": 1.0}, {"a": 1.5, "b": 2.0}) == {"b": 2.0, "a": 0.5}
 
 
 def _rec(session, turn, text, ttft=0.1, cached=0, prompt=10):
