@@ -190,6 +190,24 @@ def test_a_donor_whose_own_requests_need_lent_pages_gets_them_within_its_step(pa
     assert OWN_PAGES_WAIT_S * 0.9 <= took < OWN_PAGES_WAIT_S + 0.5
 
 
+def test_a_flushed_allocator_does_not_hand_out_lent_pages(pair):
+    """SGLang's /flush_cache (`Scheduler.flush_cache`, idle server) resets the tree and clears
+    the allocator, lent pages included. The donor's next step, which runs before anything is
+    admitted and before SGLang's idle memory check, takes the lent pages out again: none is
+    handed to the donor's own requests while a borrower holds it, and SGLang's accounting
+    (available + lent == pool) holds."""
+    donor, borrower = pair
+    _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+    lent = set(donor.lender.lent)
+    assert lent and donor.allocator.available_size() + donor.lent_tokens == SLOTS
+    donor.allocator.clear()  # what Scheduler.flush_cache does after resetting the tree
+    donor.lend()
+    assert donor.lender.lent == lent
+    assert donor.allocator.available_size() + donor.lent_tokens == SLOTS
+    handed_out = set(donor.allocator.alloc(donor.allocator.available_size()).tolist())
+    assert not handed_out & lent and len(handed_out) == SLOTS - len(lent)
+
+
 def _pump_for(runtime, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
