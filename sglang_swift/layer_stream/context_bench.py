@@ -18,6 +18,16 @@ one (a new salt each time, so nothing is a cache hit). Both servers trace every 
 cost even on a shared machine: prefill per token = the prompt's extend forwards / its tokens,
 decode step = the median decode forward; medians over repeats taken alternately.
 The GPU estimate beside them is `cost_model.expected_costs` (bandwidths with sources).
+
+With `--resident-fraction f` > 0 the streamed server keeps that fraction of its local KV memory as
+resident rows (every layer's own; `--swiftcache-layer-stream-resident-fraction`), and its pool N
+is the largest whose local memory, `L R + D (N + 1 - R)` rows with R rounded as the pool rounds it
+(`ResidentPlan`), is at most the stock pool's: about (f + (1 - f) L/D) (P + 1) - 1 tokens. The
+cost part then also measures a SHORT request, one that fits in the resident slots (R/2 tokens),
+against the resident twin, and counts the rows each request copied (loaded from and written
+through to the store, from the forward trace): none for the short one. Both servers' radix caches
+are flushed before each of these requests, so each gets the lowest free slots (the resident ones
+first), whatever the sweep left cached.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import statistics
 import tempfile
 import time
 import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -65,6 +76,48 @@ class Setup:
         return -(-need * 16 // 7) + 64
 
 
+@dataclass(frozen=True)
+class ResidentPlan:
+    """A streamed pool with resident rows whose local KV memory is at most a stock pool's."""
+
+    fraction: float
+    tokens: int  # N: the pool (--max-total-tokens)
+    resident: int  # R: resident slots, rounded as the pool rounds them
+    local_rows: int  # layer-rows of K (and as many of V) in local memory: L R + D (mapped - R)
+
+    @classmethod
+    def fit(cls, setup: Setup, fraction: float, kv_row_bytes: int, granularity: int = 4096,
+            page_size: int = 1) -> "ResidentPlan":
+        """The largest pool N whose local memory (as `LayerStreamKVPool` lays it out for K rows
+        of `kv_row_bytes`, mapped in units of `granularity` bytes; 4 KiB pages on CPU) is at
+        most the stock pool's `L (P + 1)` rows."""
+        budget = setup.layers * (setup.pool + 1)
+        tokens = int((fraction + (1 - fraction) * setup.layers / setup.depth)
+                     * (setup.pool + 1)) - 1
+        while tokens > 0:
+            plan = cls.of(setup, fraction, tokens, kv_row_bytes, granularity, page_size)
+            if plan.local_rows <= budget:
+                return plan
+            tokens -= 1
+        raise ValueError(f"no streamed pool fits the local memory of a {setup.pool}-token pool")
+
+    @classmethod
+    def of(cls, setup: Setup, fraction: float, tokens: int, kv_row_bytes: int,
+           granularity: int = 4096, page_size: int = 1) -> "ResidentPlan":
+        """The local memory of a pool of `tokens` (pool.py's `_resident_views`, in rows)."""
+        from .layer_views import aligned_rows
+        from .pool import StreamSettings
+
+        settings = StreamSettings(depth=setup.depth, resident_fraction=fraction)
+        padded = -(-(tokens + page_size) // page_size) * page_size
+        resident, mapped = aligned_rows(settings.resident_tokens(tokens, setup.layers), padded,
+                                        kv_row_bytes, granularity, page_size)
+        if resident <= 0:  # the pool streams every row
+            return cls(fraction, tokens, 0, setup.depth * padded)
+        return cls(fraction, tokens, resident,
+                   setup.layers * resident + setup.depth * (mapped - resident))
+
+
 def prompt_ids(n: int, salt: int) -> list[int]:
     """A deterministic prompt of n tokens; different salts differ from the first token."""
     span = VOCAB_HI - VOCAB_LO
@@ -79,6 +132,15 @@ def generate(server, ids: list[int], new: int) -> list[int] | None:
     except urllib.error.HTTPError:
         return None
     return out["output_ids"]
+
+
+def flush_cache(server, timeout_s: float = 60.0) -> None:
+    """Empty the server's radix cache (SGLang's POST /flush_cache, which waits up to timeout_s
+    for the server to be idle): the next request then gets the lowest free slots."""
+    req = urllib.request.Request(f"{server.base_url}/flush_cache?timeout={timeout_s:g}",
+                                 data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s + 30) as r:
+        r.read()
 
 
 class ContextProbe:
@@ -139,13 +201,23 @@ def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) ->
     """Prefill per token and decode step of one request on the "streamed" and "resident"
     servers, from their forward traces (thread CPU time: what the forward cost, whatever else
     ran on the machine) and from the client's clock; medians over repeats taken alternately."""
+    return measure_with_rows(servers, traces, prompt_len, setup)[0]
+
+
+def measure_with_rows(servers: dict, traces: dict, prompt_len: int, setup: Setup,
+                      prepare: Callable | None = None, salt: int = 10_000) -> tuple[dict, dict]:
+    """`measure_costs`' figures, and the streamed server's rows copied (loaded from and written
+    through to the store): the most any one request copied, and the median rows loaded per
+    decode step. `prepare(server)` runs before each request (a cache flush)."""
     keys = ("prefill_cpu", "step_cpu", "prefill_wall", "step_wall", "prefill_copy", "step_copy")
     samples = {name: {k: [] for k in keys} for name in servers}
+    copied, step_loaded = [], []
     offsets = {name: read_trace(traces[name], 0)[1] for name in servers}
-    salt = 10_000
     for _ in range(setup.repeats):
         for name, server in servers.items():
             salt += 1
+            if prepare is not None:
+                prepare(server)
             generate(server, prompt_ids(prompt_len, salt), 1 + setup.decode_steps)
             records, offsets[name] = read_trace(traces[name], offsets[name])
             prefill = [r for r in records if r["mode"] in ("EXTEND", "MIXED")]
@@ -155,7 +227,17 @@ def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) ->
             for unit, key in (("cpu", "cpu_ms"), ("wall", "wall_ms"), ("copy", "copy_ms")):
                 samples[name][f"prefill_{unit}"].append(sum(r[key] for r in prefill) / prompt_len)
                 samples[name][f"step_{unit}"].append(statistics.median(r[key] for r in decode))
+            if name == "streamed":
+                copied.append(sum(r.get("rows_loaded", 0) + r.get("rows_saved", 0)
+                                  for r in records))
+                step_loaded.append(statistics.median(r.get("rows_loaded", 0) for r in decode))
     med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    rows = {"rows_copied_per_request": max(copied),
+            "rows_loaded_per_decode_step": statistics.median(step_loaded)}
+    return cost_figures(med, prompt_len, setup), rows
+
+
+def cost_figures(med: dict, prompt_len: int, setup: Setup) -> dict:
     st, re_ = med["streamed"], med["resident"]
     return {"prompt_tokens": prompt_len, "decode_steps": setup.decode_steps,
             "repeats": setup.repeats, "clock": "thread CPU time of the forward (wall beside it)",
@@ -188,6 +270,14 @@ def streamed_pool_log(log: str) -> dict:
         raise RuntimeError("the streamed server did not log its pool; is layer streaming on?")
     return {"tokens": int(m[1]), "depth": int(m[2]), "layers": int(m[3]),
             "local_mib": float(m[4]), "store": m[5], "store_mib": float(m[6])}
+
+
+def logged_resident_tokens(log: str) -> int:
+    """R from the streamed server's pool line ("...; R resident tokens (...)")."""
+    m = re.search(r"KV pool of \d+ tokens; .*?; (\d+) resident tokens", log)
+    if not m:
+        raise RuntimeError("the streamed server did not log its resident tokens")
+    return int(m[1])
 
 
 def donor_server(setup: Setup, model_dir, env: dict):
@@ -227,9 +317,13 @@ def donor_reads(log: str) -> int:
     return max([int(n) for n in re.findall(r"'stream_rows_from_donor': (\d+)", log)] or [0])
 
 
-def run(setup: Setup, model_dir) -> dict:
+def run(setup: Setup, model_dir, resident_fraction: float = 0.0) -> dict:
     from ..tools.local_server import LocalServer, start_all
 
+    row = model_shape(model_dir)["row_bytes"]
+    plan = ResidentPlan.fit(setup, resident_fraction, row // 2) if resident_fraction > 0 \
+        else None
+    pool_tokens = plan.tokens if plan is not None else setup.streamed_pool
     common = ["--dtype", "float32", "--chunked-prefill-size", str(setup.chunk)]
     traces = {name: f"{tempfile.gettempdir()}/bench-context-{os.getpid()}-{name}.jsonl"
               for name in ("streamed", "resident")}
@@ -245,10 +339,11 @@ def run(setup: Setup, model_dir) -> dict:
                         extra_args=common, log_path="/tmp/bench-context-stock.log", env=env(None))
     donor, control = donor_server(setup, model_dir, env(None)) if setup.backing == "donor" \
         else (None, [])
-    streamed = LocalServer(model_dir, swiftcache=True, max_total_tokens=setup.streamed_pool,
+    streamed = LocalServer(model_dir, swiftcache=True, max_total_tokens=pool_tokens,
                            extra_args=[*common, "--swiftcache-layer-stream", setup.backing,
                                        "--swiftcache-layer-stream-depth", str(setup.depth),
-                                       "--swiftcache-layer-stream-resident-fraction", "0",
+                                       "--swiftcache-layer-stream-resident-fraction",
+                                       f"{resident_fraction:g}",
                                        *control],
                            log_path="/tmp/bench-context-streamed.log",
                            env=env(traces["streamed"]))
@@ -260,6 +355,8 @@ def run(setup: Setup, model_dir) -> dict:
     placed: dict = {}
     try:
         start_all(servers)
+        if plan is not None:
+            check_resident_pool(plan, setup, streamed.log_text(), row)
         if donor is not None:
             placed = wait_store_on_donor(streamed)
         started_s = time.perf_counter() - t0
@@ -275,12 +372,15 @@ def run(setup: Setup, model_dir) -> dict:
         stock_probe = ContextProbe(stock, reference_outputs, setup.out_tokens)
         stock_max = longest_served(stock_probe, lo, setup.pool + setup.out_tokens)
         streamed_probe = ContextProbe(streamed, reference_outputs, setup.out_tokens)
-        streamed_max = longest_served(streamed_probe, lo, setup.streamed_pool + setup.out_tokens)
+        streamed_max = longest_served(streamed_probe, lo, pool_tokens + setup.out_tokens)
         sweep_s = time.perf_counter() - t0 - started_s
         prompt_len = streamed_max - setup.decode_steps - 1
-        costs = measure_costs({"streamed": streamed, "resident": reference}, traces,
-                              prompt_len, setup)
+        twins = {"streamed": streamed, "resident": reference}
         pool_log = streamed_pool_log(streamed.log_text())
+        if plan is None:
+            costs = measure_costs(twins, traces, prompt_len, setup)
+        else:
+            costs, resident = measure_resident(plan, twins, traces, prompt_len, setup)
         if donor is not None:
             time.sleep(6.0)  # the runtime logs its stats every 5 s
             placed.update(rows_read_from_donor=donor_reads(streamed.log_text()),
@@ -288,12 +388,12 @@ def run(setup: Setup, model_dir) -> dict:
     finally:
         for s in servers:
             s.stop()
-    row = model_shape(model_dir)["row_bytes"]
-    return {
-        "setup": asdict(setup), "streamed_pool": setup.streamed_pool,
+    result = {
+        "setup": asdict(setup), "streamed_pool": pool_tokens,
         "reference_pool": setup.reference_pool,
         "local_kv_bytes_stock": setup.layers * (setup.pool + 1) * row,
-        "local_kv_bytes_swiftcache": setup.depth * (setup.streamed_pool + 1) * row,
+        "local_kv_bytes_swiftcache": (plan.local_rows if plan is not None else
+                                      setup.depth * (setup.streamed_pool + 1)) * row,
         "streamed_server_log": pool_log,
         "max_context_stock": stock_max, "max_context_swiftcache": streamed_max,
         "max_context_ratio": streamed_max / max(stock_max, 1),
@@ -304,15 +404,57 @@ def run(setup: Setup, model_dir) -> dict:
         "backing": setup.backing, "donor": placed,
         "startup_s": round(started_s, 1), "sweep_s": round(sweep_s, 1),
     }
+    if plan is not None:
+        result["resident"] = resident
+    return result
+
+
+def check_resident_pool(plan: ResidentPlan, setup: Setup, log: str, row_bytes: int) -> None:
+    """The streamed server's pool is `plan`'s (its N and R, as logged) and its local KV memory,
+    computed and logged (to 0.1 MiB), is at most the stock pool's."""
+    pool_log, resident = streamed_pool_log(log), logged_resident_tokens(log)
+    stock_mib = setup.layers * (setup.pool + 1) * row_bytes / 2**20
+    if (pool_log["tokens"], resident) != (plan.tokens, plan.resident):
+        raise RuntimeError(f"the streamed server's pool ({pool_log['tokens']} tokens, {resident} "
+                           f"resident) is not the planned {plan}")
+    if plan.local_rows * row_bytes / 2**20 > stock_mib or pool_log["local_mib"] > stock_mib + 0.05:
+        raise RuntimeError(f"the streamed server's local KV memory ({pool_log['local_mib']} MiB "
+                           f"logged) exceeds the stock pool's {stock_mib:.2f} MiB")
+    if short_prompt_len(plan.resident, setup.decode_steps) < 1:
+        raise RuntimeError(f"{plan.resident} resident tokens hold no short request with "
+                           f"{setup.decode_steps} decode steps; use a larger --pool")
+
+
+def short_prompt_len(resident: int, decode_steps: int) -> int:
+    """R/2 tokens, fewer if the output would not fit in the R resident slots as well."""
+    return min(resident // 2, resident - decode_steps - 2)
+
+
+def measure_resident(plan: ResidentPlan, twins: dict, traces: dict, long_len: int,
+                     setup: Setup) -> tuple[dict, dict]:
+    """With resident rows: the long request (near the limit) and a short one (R/2 tokens, which
+    fits in the resident slots with its output), each after a flush of both servers' caches.
+    Returns (the long request's costs, the resident section of the result)."""
+    short_len = short_prompt_len(plan.resident, setup.decode_steps)
+    costs, long_rows = measure_with_rows(twins, traces, long_len, setup, prepare=flush_cache)
+    short, short_rows = measure_with_rows(twins, traces, short_len, setup, prepare=flush_cache,
+                                          salt=20_000)
+    return costs, {"fraction": plan.fraction, "pool_tokens": plan.tokens,
+                   "resident_tokens": plan.resident, "local_rows": plan.local_rows,
+                   "long": long_rows, "short": {**short, **short_rows}}
 
 
 def report(result: dict) -> str:
-    c = result["costs_cpu"]
+    c, res = result["costs_cpu"], result.get("resident")
+    layout = (f"pool {result['streamed_pool']} x {result['setup']['depth']} staging layers"
+              if res is None else
+              f"pool {result['streamed_pool']}: {res['resident_tokens']} resident tokens x "
+              f"{result['setup']['layers']} layers, the rest x {result['setup']['depth']} "
+              f"staging layers (resident fraction {res['fraction']:g})")
     lines = [
         f"local KV memory: stock {result['local_kv_bytes_stock'] / 2**20:.2f} MiB "
         f"(pool {result['setup']['pool']} x {result['setup']['layers']} layers), SwiftCache "
-        f"{result['local_kv_bytes_swiftcache'] / 2**20:.2f} MiB (pool {result['streamed_pool']} x "
-        f"{result['setup']['depth']} staging layers; its log: "
+        f"{result['local_kv_bytes_swiftcache'] / 2**20:.2f} MiB ({layout}; its log: "
         f"{result['streamed_server_log']['local_mib']} MiB local, "
         f"{result['streamed_server_log']['store_mib']} MiB in "
         f"{result['streamed_server_log']['store']})",
@@ -325,6 +467,20 @@ def report(result: dict) -> str:
         f" vs {c['prefill_ms_per_token_resident']:.3f} ms/token (x{c['prefill_token_ratio']:.2f}); "
         f"of which layer copies {c['copy_ms_per_decode_step']:.2f} ms per step, "
         f"{c['copy_ms_per_prefill_token']:.4f} ms per prefill token",
+    ]
+    if res is not None:
+        sh, lr = res["short"], res["long"]
+        lines += [
+            f"  rows copied (loaded + written through) per request: {lr['rows_copied_per_request']}"
+            f" ({lr['rows_loaded_per_decode_step']:.0f} loaded per decode step)",
+            f"short request ({sh['prompt_tokens']}-token prompt, in the resident slots): decode "
+            f"step {sh['decode_step_ms_streamed']:.1f} ms streamed vs "
+            f"{sh['decode_step_ms_resident']:.1f} ms resident (x{sh['decode_step_ratio']:.2f}); "
+            f"prefill {sh['prefill_ms_per_token_streamed']:.3f} vs "
+            f"{sh['prefill_ms_per_token_resident']:.3f} ms/token (x{sh['prefill_token_ratio']:.2f});"
+            f" rows copied per request {sh['rows_copied_per_request']}",
+        ]
+    lines += [
         "expected on GPUs (Qwen3-32B, 32k context; formula in layer_stream/cost_model.py):",
     ]
     for r in result["expected_gpu"]:
@@ -342,8 +498,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backing", choices=("host", "donor"), default="host",
                     help="where the streamed server's layers live: host memory, or pages of a "
                          "donor server's pool (a fourth server, the tiny model) under a lease")
+    ap.add_argument("--resident-fraction", type=float, default=0.0, metavar="F",
+                    help="the streamed server's --swiftcache-layer-stream-resident-fraction, its "
+                         "pool sized so its local KV memory is at most the stock pool's; adds a "
+                         "short request (in the resident slots) to the costs (default 0: every "
+                         "row streamed)")
     ap.add_argument("--json", help="also write the result object to this file")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.resident_fraction <= 0.95:
+        ap.error("--resident-fraction must be in [0, 0.95] (the server's option's range)")
     from ..tools.tiny_model import ensure_tiny_model
 
     model_dir = ensure_tiny_model(shape="small")
@@ -352,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                   depth=args.depth, out_tokens=8, chunk=256 if args.quick else 512,
                   decode_steps=16 if args.quick else 32, repeats=3 if args.quick else 5,
                   backing=args.backing)
-    result = run(setup, model_dir)
+    result = run(setup, model_dir, args.resident_fraction)
     print(report(result), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -368,5 +531,10 @@ def main(argv: list[str] | None = None) -> int:
                    backing=args.backing, quick=args.quick)
     if result["donor"]:
         summary.update(result["donor"])
+    if "resident" in result:
+        res = result["resident"]
+        summary.update(resident_fraction=res["fraction"], resident_tokens=res["resident_tokens"],
+                       short_decode_step_ratio=round(res["short"]["decode_step_ratio"], 4),
+                       short_rows_copied=res["short"]["rows_copied_per_request"])
     print(json.dumps(summary), flush=True)
     return 0 if result["identical"] else 1

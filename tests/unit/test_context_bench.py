@@ -79,3 +79,73 @@ def test_gpu_estimate_follows_the_bandwidths():
     kv = 32768 * 2 * 64 * 8 * 128 * 2
     assert d["streamed_ms"] == pytest.approx(kv / 55.6e9 * 1e3)
     assert set(cost_model.sources()) >= {"H20.pcie_bw_dir", "H200.nvlink_bw_dir", "Qwen3-32B"}
+
+
+QUICK = cb.Setup(pool=128, layers=8, depth=2, out_tokens=8, chunk=256, decode_steps=16,
+                 repeats=3)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_resident_plan_is_the_largest_pool_within_the_stock_memory(fraction):
+    """The planned pool's local rows (L R + D (mapped - R), as the pool rounds R and the rows)
+    are at most the stock pool's L (P + 1), no larger pool up to the unrounded estimate fits,
+    and it is near (f + (1 - f) L/D) (P + 1) - 1 tokens."""
+    budget = QUICK.layers * (QUICK.pool + 1)
+    plan = cb.ResidentPlan.fit(QUICK, fraction, 512)
+    assert 0 < plan.resident < plan.tokens and plan.local_rows <= budget
+    estimate = int((fraction + (1 - fraction) * 4) * (QUICK.pool + 1)) - 1
+    for tokens in range(plan.tokens + 1, estimate + 1):
+        assert cb.ResidentPlan.of(QUICK, fraction, tokens, 512).local_rows > budget
+    assert plan.tokens >= 0.9 * estimate
+
+
+def test_resident_plan_rounds_as_the_pool_does():
+    """A 500-token pool at f = 0.5 on 512-byte rows: 100 resident tokens before rounding, 96 in
+    whole 4 KiB units (what the live e2e test's server logs), 1584 local rows (1.5 MiB)."""
+    plan = cb.ResidentPlan.of(QUICK, 0.5, 500, 512)
+    assert (plan.resident, plan.local_rows) == (96, 8 * 96 + 2 * (504 - 96))
+    assert cb.short_prompt_len(plan.resident, 16) == 48
+    assert cb.short_prompt_len(30, 16) == 12  # the output must fit in the resident slots too
+
+
+def test_resident_tokens_are_read_from_the_pool_line():
+    log = ("... SwiftCache layer streaming: KV pool of 319 tokens; local staging 2 of 8 layers "
+           "(1.0 MiB), every layer in host memory (2.5 MiB); 56 resident tokens (every layer's "
+           "rows local, in the MiB before, never streamed)\n")
+    assert cb.logged_resident_tokens(log) == 56
+    assert cb.streamed_pool_log(log)["tokens"] == 319
+    with pytest.raises(RuntimeError):
+        cb.logged_resident_tokens("no pool line")
+
+
+class TracedServer:
+    """Appends one extend and `new - 1` decode forwards to its trace for each request, each
+    copying `rows` rows; records the calls to `prepare` between requests."""
+
+    def __init__(self, trace, rows):
+        self.trace, self.rows, self.events = trace, rows, []
+
+    def post(self, path, payload, timeout):
+        ids, new = payload["input_ids"], payload["sampling_params"]["max_new_tokens"]
+        self.events.append("generate")
+        forwards = [("EXTEND", len(ids))] + [("DECODE", 1)] * (new - 1)
+        with open(self.trace, "a") as f:
+            for mode, n in forwards:
+                f.write(json.dumps({"mode": mode, "bs": 1, "new_tokens": n, "cpu_ms": 2.0 * n,
+                                    "wall_ms": 3.0 * n, "copy_ms": 0.0, "rows_loaded": self.rows,
+                                    "rows_saved": 1 if self.rows else 0}) + "\n")
+        return {"output_ids": [0] * new}
+
+
+def test_rows_copied_come_from_the_streamed_trace_after_each_prepare(tmp_path):
+    """Rows copied per request are the streamed server's loaded + written-through rows of that
+    request's forwards (the largest over repeats); `prepare` runs before every request."""
+    traces = {name: str(tmp_path / f"{name}.jsonl") for name in ("streamed", "resident")}
+    servers = {"streamed": TracedServer(traces["streamed"], rows=5),
+               "resident": TracedServer(traces["resident"], rows=0)}
+    costs, rows = cb.measure_with_rows(servers, traces, 10, QUICK,
+                                       prepare=lambda s: s.events.append("prepare"))
+    assert rows == {"rows_copied_per_request": 17 * 6, "rows_loaded_per_decode_step": 5}
+    assert servers["streamed"].events == ["prepare", "generate"] * QUICK.repeats
+    assert costs["decode_step_ratio"] == 1.0 and costs["prefill_ms_per_token_streamed"] == 2.0
+    assert costs == cb.measure_costs(servers, traces, 10, QUICK)
