@@ -91,6 +91,21 @@ class LocalServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        self._freeze_gc()
+
+    def _freeze_gc(self) -> None:
+        """SGLang's own last start-up step, done once the server listens: after its warm-up it
+        posts /freeze_gc to itself (`_freeze_gc_after_server_warmup`), so the start-up objects
+        of every process leave the garbage collector's generations; with --skip-server-warmup
+        (CPU_ARGS) that post runs before the HTTP server listens and fails ("post-warmup
+        freeze_gc failed"), and a full collection of those objects (0.4 s here) then stalls
+        whichever early request it meets. Best effort, as SGLang's own."""
+        try:
+            req = urllib.request.Request(self.base_url + "/freeze_gc", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
 
     def _wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
