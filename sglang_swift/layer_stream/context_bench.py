@@ -35,20 +35,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from . import cost_model
+from .context_resident import ResidentPlan, check_resident_pool, short_prompt_len
+from .context_servers import (ContextProbe, donor_reads, flush_cache, generate, longest_served,
+                              model_shape, prompt_ids, read_trace, streamed_pool_log,
+                              wait_store_on_donor)
 from .hooks import FORWARD_TRACE_ENV
-
-VOCAB_LO, VOCAB_HI = 50, 1950  # token ids used in prompts (clear of the special tokens)
-
 
 @dataclass(frozen=True)
 class Setup:
@@ -74,127 +72,6 @@ class Setup:
         down to S/2 + S/16 free, i.e. 7S/16 (lending.py)."""
         need = -(-(self.streamed_pool + 1) * page_bytes // donor_page_bytes)
         return -(-need * 16 // 7) + 64
-
-
-@dataclass(frozen=True)
-class ResidentPlan:
-    """A streamed pool with resident rows whose local KV memory is at most a stock pool's."""
-
-    fraction: float
-    tokens: int  # N: the pool (--max-total-tokens)
-    resident: int  # R: resident slots, rounded as the pool rounds them
-    local_rows: int  # layer-rows of K (and as many of V) in local memory: L R + D (mapped - R)
-
-    @classmethod
-    def fit(cls, setup: Setup, fraction: float, kv_row_bytes: int, granularity: int = 4096,
-            page_size: int = 1) -> "ResidentPlan":
-        """The largest pool N whose local memory (as `LayerStreamKVPool` lays it out for K rows
-        of `kv_row_bytes`, mapped in units of `granularity` bytes; 4 KiB pages on CPU) is at
-        most the stock pool's `L (P + 1)` rows."""
-        budget = setup.layers * (setup.pool + 1)
-        tokens = int((fraction + (1 - fraction) * setup.layers / setup.depth)
-                     * (setup.pool + 1)) - 1
-        while tokens > 0:
-            plan = cls.of(setup, fraction, tokens, kv_row_bytes, granularity, page_size)
-            if plan.local_rows <= budget:
-                return plan
-            tokens -= 1
-        raise ValueError(f"no streamed pool fits the local memory of a {setup.pool}-token pool")
-
-    @classmethod
-    def of(cls, setup: Setup, fraction: float, tokens: int, kv_row_bytes: int,
-           granularity: int = 4096, page_size: int = 1) -> "ResidentPlan":
-        """The local memory of a pool of `tokens` (pool.py's `_resident_views`, in rows)."""
-        from .layer_views import aligned_rows
-        from .pool import StreamSettings
-
-        settings = StreamSettings(depth=setup.depth, resident_fraction=fraction)
-        padded = -(-(tokens + page_size) // page_size) * page_size
-        resident, mapped = aligned_rows(settings.resident_tokens(tokens, setup.layers), padded,
-                                        kv_row_bytes, granularity, page_size)
-        if resident <= 0:  # the pool streams every row
-            return cls(fraction, tokens, 0, setup.depth * padded)
-        return cls(fraction, tokens, resident,
-                   setup.layers * resident + setup.depth * (mapped - resident))
-
-
-def prompt_ids(n: int, salt: int) -> list[int]:
-    """A deterministic prompt of n tokens; different salts differ from the first token."""
-    span = VOCAB_HI - VOCAB_LO
-    return [VOCAB_LO + (i * 37 + salt * 101 + 11) % span for i in range(n)]
-
-
-def generate(server, ids: list[int], new: int) -> list[int] | None:
-    """Greedy output ids, or None when the server refuses the request (HTTP 4xx/5xx)."""
-    try:
-        out = server.post("/generate", {"input_ids": ids, "sampling_params": {
-            "max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}, timeout=900)
-    except urllib.error.HTTPError:
-        return None
-    return out["output_ids"]
-
-
-def flush_cache(server, timeout_s: float = 60.0) -> None:
-    """Empty the server's radix cache (SGLang's POST /flush_cache, which waits up to timeout_s
-    for the server to be idle): the next request then gets the lowest free slots."""
-    req = urllib.request.Request(f"{server.base_url}/flush_cache?timeout={timeout_s:g}",
-                                 data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=timeout_s + 30) as r:
-        r.read()
-
-
-class ContextProbe:
-    """served(c) for one server against the reference; remembers every verdict."""
-
-    def __init__(self, server, reference_outputs: Callable[[int], list[int]], out_tokens: int):
-        self.server = server
-        self.reference_outputs = reference_outputs
-        self.out_tokens = out_tokens
-        self.verdicts: dict[int, str] = {}
-
-    def __call__(self, context: int) -> bool:
-        got = generate(self.server, prompt_ids(context - self.out_tokens, context),
-                       self.out_tokens)
-        if got is None:
-            verdict = "refused"
-        elif len(got) < self.out_tokens:
-            verdict = "truncated"  # the pool had no room for the whole output
-        elif got != self.reference_outputs(context):
-            verdict = "differs"
-        else:
-            verdict = "served"
-        self.verdicts[context] = verdict
-        return verdict == "served"
-
-    @property
-    def identical(self) -> bool:
-        """No full-length output ever differed from the reference's."""
-        return "differs" not in self.verdicts.values()
-
-
-def longest_served(served: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest c in [lo, hi] with served(c), assuming served is true up to some point and
-    false after it; lo - 1 when even lo is not served."""
-    if not served(lo):
-        return lo - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if served(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def read_trace(path: str, offset: int) -> tuple[list[dict], int]:
-    """Forward records appended to `path` since `offset`, and the new offset."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            f.seek(offset)
-            text = f.read()
-    except FileNotFoundError:
-        return [], offset
-    return [json.loads(line) for line in text.splitlines() if line.strip()], offset + len(text)
 
 
 def measure_costs(servers: dict, traces: dict, prompt_len: int, setup: Setup) -> dict:
@@ -254,32 +131,6 @@ def cost_figures(med: dict, prompt_len: int, setup: Setup) -> dict:
                      "prefill_ms_per_token_resident": re_["prefill_wall"]}}
 
 
-def model_shape(model_dir) -> dict:
-    with open(f"{model_dir}/config.json", encoding="utf-8") as f:
-        cfg = json.load(f)
-    heads = cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return {"layers": cfg["num_hidden_layers"], "row_bytes": 2 * heads * head_dim * 4}  # fp32
-
-
-def streamed_pool_log(log: str) -> dict:
-    """What the streamed server says about its own pool."""
-    m = re.search(r"KV pool of (\d+) tokens; local staging (\d+) of (\d+) layers \(([\d.]+) "
-                  r"MiB\), every layer in (.+?) \(([\d.]+) MiB\)", log)
-    if not m:
-        raise RuntimeError("the streamed server did not log its pool; is layer streaming on?")
-    return {"tokens": int(m[1]), "depth": int(m[2]), "layers": int(m[3]),
-            "local_mib": float(m[4]), "store": m[5], "store_mib": float(m[6])}
-
-
-def logged_resident_tokens(log: str) -> int:
-    """R from the streamed server's pool line ("...; R resident tokens (...)")."""
-    m = re.search(r"KV pool of \d+ tokens; .*?; (\d+) resident tokens", log)
-    if not m:
-        raise RuntimeError("the streamed server did not log its resident tokens")
-    return int(m[1])
-
-
 def donor_server(setup: Setup, model_dir, env: dict):
     """(the donor server, the control options its borrower needs): the tiny model lending half
     of a pool sized for the whole store of `setup`'s streamed server."""
@@ -297,24 +148,6 @@ def donor_server(setup: Setup, model_dir, env: dict):
                                     "--swiftcache-reclaim-watermark", "0.5", *control],
                         log_path="/tmp/bench-context-donor.log", env=env)
     return donor, control
-
-
-def wait_store_on_donor(server, timeout_s: float = 300.0) -> dict:
-    """Block until the streamed server logs every store page placed on donor memory."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        placed = re.findall(r"stream from donor memory \((\d+) of (\d+)\)", server.log_text())
-        if placed and placed[-1][0] == placed[-1][1]:
-            return {"store_pages_on_donor": int(placed[-1][0])}
-        time.sleep(1.0)  # polling another process's log
-    raise RuntimeError(f"the streamed server did not place its store on the donor within "
-                       f"{timeout_s:.0f} s; see {server.log_path}")
-
-
-def donor_reads(log: str) -> int:
-    """Store rows the streamed server read from donor memory (the largest count its stats
-    lines show; they only grow)."""
-    return max([int(n) for n in re.findall(r"'stream_rows_from_donor': (\d+)", log)] or [0])
 
 
 def run(setup: Setup, model_dir, resident_fraction: float = 0.0) -> dict:
@@ -407,27 +240,6 @@ def run(setup: Setup, model_dir, resident_fraction: float = 0.0) -> dict:
     if plan is not None:
         result["resident"] = resident
     return result
-
-
-def check_resident_pool(plan: ResidentPlan, setup: Setup, log: str, row_bytes: int) -> None:
-    """The streamed server's pool is `plan`'s (its N and R, as logged) and its local KV memory,
-    computed and logged (to 0.1 MiB), is at most the stock pool's."""
-    pool_log, resident = streamed_pool_log(log), logged_resident_tokens(log)
-    stock_mib = setup.layers * (setup.pool + 1) * row_bytes / 2**20
-    if (pool_log["tokens"], resident) != (plan.tokens, plan.resident):
-        raise RuntimeError(f"the streamed server's pool ({pool_log['tokens']} tokens, {resident} "
-                           f"resident) is not the planned {plan}")
-    if plan.local_rows * row_bytes / 2**20 > stock_mib or pool_log["local_mib"] > stock_mib + 0.05:
-        raise RuntimeError(f"the streamed server's local KV memory ({pool_log['local_mib']} MiB "
-                           f"logged) exceeds the stock pool's {stock_mib:.2f} MiB")
-    if short_prompt_len(plan.resident, setup.decode_steps) < 1:
-        raise RuntimeError(f"{plan.resident} resident tokens hold no short request with "
-                           f"{setup.decode_steps} decode steps; use a larger --pool")
-
-
-def short_prompt_len(resident: int, decode_steps: int) -> int:
-    """R/2 tokens, fewer if the output would not fit in the R resident slots as well."""
-    return min(resident // 2, resident - decode_steps - 2)
 
 
 def measure_resident(plan: ResidentPlan, twins: dict, traces: dict, long_len: int,

@@ -10,6 +10,8 @@ import urllib.error
 import pytest
 
 from sglang_swift.layer_stream import context_bench as cb
+from sglang_swift.layer_stream import context_resident as cr
+from sglang_swift.layer_stream import context_servers as cs
 from sglang_swift.layer_stream import cost_model
 
 
@@ -22,7 +24,7 @@ def test_binary_search_finds_the_largest_served_context(limit):
         calls.append(c)
         return c <= limit
 
-    assert cb.longest_served(served, 10, 512) == (limit if limit >= 10 else 9)
+    assert cs.longest_served(served, 10, 512) == (limit if limit >= 10 else 9)
     assert len(calls) <= 11
 
 
@@ -45,23 +47,23 @@ class FakeServer:
 def test_probe_tells_refused_truncated_differs_and_served_apart():
     """Each verdict is recorded; only a full-length output unequal to the reference's makes the
     run not identical."""
-    reference = lambda c: [cb.prompt_ids(c - 4, c)[0]] * 4  # noqa: E731
-    probe = cb.ContextProbe(FakeServer(100, wrong={60}), reference, 4)
+    reference = lambda c: [cs.prompt_ids(c - 4, c)[0]] * 4  # noqa: E731
+    probe = cs.ContextProbe(FakeServer(100, wrong={60}), reference, 4)
     assert probe(50) and not probe(60) and not probe(102) and not probe(120)
     assert probe.verdicts == {50: "served", 60: "differs", 102: "truncated", 120: "refused"}
     assert not probe.identical
-    clean = cb.ContextProbe(FakeServer(100), reference, 4)
-    assert cb.longest_served(clean, 5, 200) == 100 and clean.identical
+    clean = cs.ContextProbe(FakeServer(100), reference, 4)
+    assert cs.longest_served(clean, 5, 200) == 100 and clean.identical
 
 
 def test_forward_trace_is_read_from_where_the_last_read_stopped(tmp_path):
     """Records appended between two reads are returned once, in order."""
     path = tmp_path / "trace.jsonl"
     path.write_text(json.dumps({"mode": "EXTEND"}) + "\n")
-    first, offset = cb.read_trace(str(path), 0)
+    first, offset = cs.read_trace(str(path), 0)
     with open(path, "a") as f:
         f.write(json.dumps({"mode": "DECODE"}) + "\n")
-    second, _ = cb.read_trace(str(path), offset)
+    second, _ = cs.read_trace(str(path), offset)
     assert [r["mode"] for r in first] == ["EXTEND"] and [r["mode"] for r in second] == ["DECODE"]
 
 
@@ -91,31 +93,31 @@ def test_resident_plan_is_the_largest_pool_within_the_stock_memory(fraction):
     are at most the stock pool's L (P + 1), no larger pool up to the unrounded estimate fits,
     and it is near (f + (1 - f) L/D) (P + 1) - 1 tokens."""
     budget = QUICK.layers * (QUICK.pool + 1)
-    plan = cb.ResidentPlan.fit(QUICK, fraction, 512)
+    plan = cr.ResidentPlan.fit(QUICK, fraction, 512)
     assert 0 < plan.resident < plan.tokens and plan.local_rows <= budget
     estimate = int((fraction + (1 - fraction) * 4) * (QUICK.pool + 1)) - 1
     for tokens in range(plan.tokens + 1, estimate + 1):
-        assert cb.ResidentPlan.of(QUICK, fraction, tokens, 512).local_rows > budget
+        assert cr.ResidentPlan.of(QUICK, fraction, tokens, 512).local_rows > budget
     assert plan.tokens >= 0.9 * estimate
 
 
 def test_resident_plan_rounds_as_the_pool_does():
     """A 500-token pool at f = 0.5 on 512-byte rows: 100 resident tokens before rounding, 96 in
     whole 4 KiB units (what the live e2e test's server logs), 1584 local rows (1.5 MiB)."""
-    plan = cb.ResidentPlan.of(QUICK, 0.5, 500, 512)
+    plan = cr.ResidentPlan.of(QUICK, 0.5, 500, 512)
     assert (plan.resident, plan.local_rows) == (96, 8 * 96 + 2 * (504 - 96))
-    assert cb.short_prompt_len(plan.resident, 16) == 48
-    assert cb.short_prompt_len(30, 16) == 12  # the output must fit in the resident slots too
+    assert cr.short_prompt_len(plan.resident, 16) == 48
+    assert cr.short_prompt_len(30, 16) == 12  # the output must fit in the resident slots too
 
 
 def test_resident_tokens_are_read_from_the_pool_line():
     log = ("... SwiftCache layer streaming: KV pool of 319 tokens; local staging 2 of 8 layers "
            "(1.0 MiB), every layer in host memory (2.5 MiB); 56 resident tokens (every layer's "
            "rows local, in the MiB before, never streamed)\n")
-    assert cb.logged_resident_tokens(log) == 56
-    assert cb.streamed_pool_log(log)["tokens"] == 319
+    assert cs.logged_resident_tokens(log) == 56
+    assert cs.streamed_pool_log(log)["tokens"] == 319
     with pytest.raises(RuntimeError):
-        cb.logged_resident_tokens("no pool line")
+        cs.logged_resident_tokens("no pool line")
 
 
 class TracedServer:
