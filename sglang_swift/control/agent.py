@@ -260,8 +260,14 @@ class ControlAgent:
         self.link.reply(routing_id, env)
 
     def pick_donor(self, num_blocks: int) -> Peer | None:
-        best = max(self.peers.values(), key=lambda q: q.lendable, default=None)
+        best = max(list(self.peers.values()), key=lambda q: q.lendable, default=None)
         return best if best is not None and best.lendable > 0 else None
+
+    def donor_layout(self) -> p.PoolLayoutMsg | None:
+        """The pool layout (from its Hello) of the donor a request would go to now, if it lends
+        its own pool: a borrower sizes its first request in that pool's pages. Any thread."""
+        best = self.pick_donor(1)
+        return best.hello.layout if best is not None else None
 
     def notify(self) -> None:
         self._changed.notify_all()

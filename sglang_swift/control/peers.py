@@ -203,6 +203,7 @@ class PeerTable:
             reply,
             a.liveness.host,
             a.liveness.pid_start,
+            mem.layout if mem else None,
         )
 
     # ---- time ----

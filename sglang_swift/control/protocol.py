@@ -107,6 +107,9 @@ class Hello(_Msg, tag="hello"):
     reply: bool = False
     host: Name = ""
     pid_start: U64 = 0
+    # The layout of the pool this peer lends (its own KV pool), so a borrower sizes its first
+    # request in that pool's pages; None when it lends a block arena or nothing.
+    layout: PoolLayoutMsg | None = None
 
 
 class Advertise(_Msg, tag="advertise"):

@@ -33,6 +33,7 @@ from typing import Any
 from ..control import LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested
 from ..dataplane import (LeasePacking, MappingError, PoolTransferEngine, map_pool, owner_alive,
                          unlink_descriptor)
+from ..dataplane.pool_layout import PoolLayout
 from ..dataplane.streams import make_lane
 
 logger = logging.getLogger(__name__)
@@ -86,17 +87,27 @@ class Borrowing:
 
     def maybe_request(self, peers_present: bool) -> None:
         """Ask for what is missing up to `max_blocks`, once at a time, backing off after a
-        refusal. The request counts donor pages: sized from the donor's layout once a grant
-        told it, else one page per wanted block."""
+        refusal. The request counts donor pages: sized from the donor's pool layout (a grant's,
+        else the one the donor advertises in its Hello), else one page per wanted block."""
         if self._pending or not peers_present or time.monotonic() < self._retry_at:
             return
         want = self.max_blocks - self.held_blocks
         if want <= 0:
             return
-        layout = next(iter(self._layouts.values()), None)
+        layout = next(iter(self._layouts.values()), None) or self._advertised_layout()
         pages = LeasePacking.pages_for(self.geometry, layout, want) if layout else want
         self.agent.request(max(1, min(pages, 65536)))
         self._pending = True
+
+    def _advertised_layout(self) -> Any:
+        """The layout the donor a request would go to advertises, as a PoolLayout, or None."""
+        advertised = getattr(self.agent, "donor_layout", lambda: None)()
+        if advertised is None:
+            return None
+        try:
+            return PoolLayout.from_dict(advertised)  # the wire struct's fields
+        except ValueError:
+            return None
 
     def on_failed(self, donor: str, reason: str) -> None:
         self._pending = False

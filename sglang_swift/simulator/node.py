@@ -44,15 +44,6 @@ class Donation:
     reclaimed_blocks: int = 0
 
 
-def live_asks(blocks: int, own_per_block: float) -> list[int]:
-    """The grants, in borrower blocks, of the live borrower asking a donor that can lend
-    `blocks` for all of them: its first request counts one donor page per wanted block (it does
-    not know the donor's layout yet), which holds `blocks / own_per_block` blocks (donor pages
-    per borrower block: `own_per_block`); its next asks exactly for the rest."""
-    first = min(blocks, int(blocks / own_per_block))
-    return [first, blocks - first] if first < blocks else [blocks]
-
-
 class _Delayed:
     """A copy that starts after a fixed latency (`Node.copy_latency_s`); `end` as a Transfer's."""
 
@@ -118,21 +109,16 @@ class Node:
         return handle
 
     # -- donation --------------------------------------------------------------------------------
-    def lend(self, donor, borrower, lend_fraction: float, watermark: float,
-             live_requests: bool = False) -> int:
-        """`donor` offers `lend_fraction` of its KV pool; `borrower` asks for all of it.
-        Returns the blocks granted (one block = one borrower page).
-
-        `live_requests`: the borrower asks as the live one does (`Borrowing.maybe_request`), so
-        the tree gets the live lease structure: before any grant has told it the donor's
-        layout it asks for one donor page per wanted block, which holds fewer (or more) blocks
-        than it wanted; then, the layout known, for exactly the rest. False: one lease of
-        everything (the GPU sweeps of docs/simulation.md)."""
+    def lend(self, donor, borrower, lend_fraction: float, watermark: float) -> int:
+        """`donor` offers `lend_fraction` of its KV pool; `borrower` asks for all of it in one
+        request sized in the donor's pages, as the live borrower does (`Borrowing.maybe_request`
+        reads the layout the donor advertises in its Hello): one lease of everything.
+        Returns the blocks granted (one block = one borrower page)."""
         own_per_block = borrower.page_bytes / donor.page_bytes
         blocks = lend_blocks(lend_fraction, donor.cache.device_pages * donor.page_bytes, borrower.page_bytes)
         ledger = DonorLedger(create_policy("proportional"))
         ledger.offer(range(blocks))
-        asks = live_asks(blocks, own_per_block) if live_requests else [blocks]
+        asks = [blocks]
         d = None
         granted = 0
         for want in asks:

@@ -295,3 +295,16 @@ def test_copies_are_batched_per_lease_without_reordering_a_reused_block():
     items = [res(1, 5), res(1, 6), res(2, 5), res(2, 5), res(1, 7)]
     runs = runs_by_lease(items)
     assert runs == [(("d", 1), [0, 1]), (("d", 2), [2]), (("d", 2), [3]), (("d", 1), [4])]
+
+
+def test_the_first_lease_is_sized_in_the_donors_pages(pair):
+    """The donor advertises its pool's layout in its Hello, so the borrower's first request
+    counts the donor pages its blocks need (another model's shape): one lease holds every block
+    it wants, where a request of one page per block got a fraction of them and a second lease."""
+    donor, borrower = pair
+    _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+    assert len(borrower.borrowing.leases) == 1
+    (held,) = borrower.borrowing.leases.values()
+    assert held.packing.num_blocks == 16
+    advertised = borrower.agent.donor_layout()
+    assert advertised is not None and advertised.num_layers == DONOR_SHAPE["layer_num"]

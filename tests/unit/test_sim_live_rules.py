@@ -1,6 +1,6 @@
-"""The live borrower's rules the CPU-node simulation follows (simulator/node.py `live_asks`,
-`Node.lend(live_requests=True)`, server.py `alloc_per_step`), and the radix_ext behaviour that
-makes the lease structure matter (docs/simulation.md section 10)."""
+"""The live borrower's rules the CPU-node simulation follows (`Node.lend`: one lease sized in
+the donor's pages; server.py `alloc_per_step`), and the radix_ext behaviour that makes the lease
+structure matter (docs/simulation.md section 10)."""
 
 from array import array
 
@@ -9,19 +9,9 @@ import pytest
 from radix_ext import RadixTree, TreeConfig
 from sglang_swift.simulator.cpu_calibration import compute_for
 from sglang_swift.simulator.cpu_node import _node, _server
-from sglang_swift.simulator.node import live_asks
 from sglang_swift.simulator.server import SimRequest
 
 from unit.test_sim_cpu_node import _calibration
-
-
-def test_live_asks_count_the_first_request_in_donor_pages():
-    """Before a grant tells it the donor's layout the live borrower asks one donor page per
-    wanted block: 512 pages hold 128 blocks of 4 pages, the rest (384) comes in a second lease;
-    a donor page that holds a whole block or more gives everything in one."""
-    assert live_asks(512, 4.0) == [128, 384]
-    assert live_asks(512, 1.0) == [512]
-    assert live_asks(512, 0.25) == [512]
 
 
 def _cpu_pair(alloc_per_step: bool = True):
@@ -35,11 +25,11 @@ def _cpu_pair(alloc_per_step: bool = True):
 
 def test_a_live_lend_gives_the_tree_the_live_leases_and_a_reclaim_takes_all_back():
     """bench_node's sizes (busy 8 KiB per token, donor 2 KiB, half of 4096 donor tokens lent):
-    the tree gets the live run's two leases, 128 and 384 blocks (its log: lease 1 of 512
-    pages, lease 2 of 1536); a donor under pressure takes every block of both back."""
+    the tree gets the live run's one lease of 512 blocks (2048 donor pages); a donor under
+    pressure takes every block back."""
     node, busy, donor = _cpu_pair()
-    assert node.lend(donor, busy, 0.5, 0.8, live_requests=True) == 512
-    assert sorted(x.num_blocks for x in busy.cache.tree.donor.leases.values()) == [128, 384]
+    assert node.lend(donor, busy, 0.5, 0.8) == 512
+    assert sorted(x.num_blocks for x in busy.cache.tree.donor.leases.values()) == [512]
     assert len(donor.lent_pages) == 2048
     node._reclaim(node.donations["donor"], busy, len(donor.lent_pages))
     assert busy.cache.tree.donor.capacity_tokens() == 0 and not donor.lent_pages
