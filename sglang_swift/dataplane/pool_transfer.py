@@ -55,9 +55,9 @@ _here = threading.local()  # per thread: the staging buffer of the stores it run
 
 def resolve_backend(backend: str, local: torch.device, donor: torch.device) -> str:
     """`auto`: "staged" on CPU, "triton" (one pass) within one GPU, "reference" (gather, copy,
-    scatter) between two GPUs."""
+    scatter) between two devices (two GPUs, or host memory and a GPU)."""
     if backend == "auto":
-        if local.type == "cpu":
+        if local.type == "cpu" and donor.type == "cpu":
             return "staged"
         return "triton" if local == donor and sk.triton_available() else "reference"
     if backend not in sk.row_copy.BACKENDS:
@@ -293,12 +293,8 @@ class PoolTransferEngine:
         return CopyPlan(plan.unit, plan.layer_step, local, stream, plan.page_aligned)
 
     def _rows(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
-        """`flat` (1-D uint8) as [len // unit, unit] rows in the widest element that divides the
-        unit and every pointer involved (16-byte rows make the index ops run as memcpy)."""
-        width, dtype = next((w, d) for w, d in _WIDTHS
-                            if w <= self._max_width and unit % w == 0 and self._ptr_align % w == 0)
-        usable = flat.numel() // unit * unit
-        return flat[:usable].view(dtype).view(-1, unit // width)
+        """`flat` as unit rows as wide as every pointer of this engine allows (`unit_rows`)."""
+        return unit_rows(flat, unit, self._ptr_align, self._max_width)
 
     def _copy_layer(self, plan: CopyPlan, layer: int, store: bool,
                     staging: torch.Tensor | None) -> str | None:
@@ -338,6 +334,16 @@ def _to_device(t: torch.Tensor, device: torch.device, stream) -> torch.Tensor:
         return t
     with torch.cuda.stream(stream):
         return t.pin_memory().to(device, non_blocking=True)
+
+
+def unit_rows(flat: torch.Tensor, unit: int, align: int, max_width: int = 16) -> torch.Tensor:
+    """`flat` (1-D uint8) as `[len // unit, unit]` rows of the widest element (at most
+    `max_width` bytes) that divides the unit and `align` (the pointers' common alignment): wide
+    rows make index copies move words, not bytes (16-byte rows run as memcpy on CPU)."""
+    width, dtype = next((w, d) for w, d in _WIDTHS
+                        if w <= max_width and unit % w == 0 and align % w == 0)
+    usable = flat.numel() // unit * unit
+    return flat[:usable].view(dtype).view(-1, unit // width)
 
 
 def _ids(blocks) -> list[int]:

@@ -101,7 +101,7 @@ class Borrowing:
 
     def _advertised_layout(self) -> Any:
         """The layout the donor a request would go to advertises, as a PoolLayout, or None."""
-        advertised = getattr(self.agent, "donor_layout", lambda: None)()
+        advertised = self.agent.donor_layout()
         if advertised is None:
             return None
         try:

@@ -95,8 +95,6 @@ def start_copy(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks:
     return copy
 
 
-
-
 def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
               blocks: Sequence[int]) -> tuple[bool, InFlightCopy | None]:
     """Store device `slots` into lease blocks `blocks` (token i into block

@@ -115,6 +115,7 @@ class PoolLender:
         of the reserve; else lend idle pages beyond that demand. Returns whether its own
         requests need lent pages now (their demand exceeds its free and evictable room while
         pages are out): the caller may then wait briefly for them (`SwiftRuntime.lend`)."""
+        self._keep_lent_out()
         free = self.allocator.available_size()
         # pages already demanded will come back: count them as room
         short = self.reserve_tokens - (free + evictable_tokens - own_demand_tokens
@@ -139,6 +140,25 @@ class PoolLender:
         if want >= MIN_OFFER_PAGES:
             self._lend(want)
         return False
+
+    def _keep_lent_out(self) -> None:
+        """SGLang's /flush_cache (`Scheduler.flush_cache`, on an idle server) resets the tree and
+        clears the allocator, lent pages included, in the loop's request intake. `step` runs
+        later in the same loop, before anything is admitted and before SGLang's idle memory
+        check: this takes the lent pages out again through the allocator's own alloc/free, so
+        none is handed to this server's requests while a borrower holds it. O(1) when nothing
+        was cleared (free room plus lent never exceeds the pool otherwise); O(pool) once after."""
+        if self.allocator.available_size() + self.lent_tokens <= self.allocator.size:
+            return
+        slots = self.allocator.alloc(self.allocator.available_size())
+        if slots is None:  # cannot happen (alloc of what it reports available); say so if it does
+            logger.error("SwiftCache: the allocator was cleared while %d pages are lent and they "
+                         "could not be taken out again", len(self.lent))
+            return
+        lent = torch.tensor(sorted(self.lent), dtype=slots.dtype, device=slots.device)
+        self.allocator.free(slots[~torch.isin(slots // self.page_size, lent)])
+        logger.warning("SwiftCache: the KV allocator was cleared (a cache flush) while %d pages "
+                       "were lent; they were taken out of it again", len(self.lent))
 
     def _lend(self, n_pages: int) -> None:
         slots = self.allocator.alloc(n_pages * self.page_size)

@@ -134,32 +134,10 @@ class SwiftRuntime:
         borrower does (a dead one is declared so by the agent, later)."""
         if self.lender is None:
             return
-        self._keep_lent_pages_out()
         needs_lent = self.lender.step(self.tree.evictable_size(), self._peers_present,
                                       own_demand_tokens(scheduler))
         if needs_lent:
             self._await_own_pages(OWN_PAGES_WAIT_S)
-
-    def _keep_lent_pages_out(self) -> None:
-        """SGLang's /flush_cache (`Scheduler.flush_cache`, on an idle server) resets the tree and
-        clears the allocator, lent pages included, in the loop's request intake. This step runs
-        later in the same loop, before anything is admitted and before SGLang's idle memory
-        check: it takes the lent pages out again through the allocator's own alloc/free, so none
-        is handed to this server's requests while a borrower holds it. O(1) when nothing was
-        cleared (free room plus lent never exceeds the pool otherwise); O(pool) once after."""
-        if self.allocator.available_size() + self.lender.lent_tokens <= self.allocator.size:
-            return
-        import torch
-
-        slots = self.allocator.alloc(self.allocator.available_size())
-        if slots is None:  # cannot happen (alloc of what it reports available); say so if it does
-            logger.error("SwiftCache: the allocator was cleared while %d pages are lent and they "
-                         "could not be taken out again", len(self.lender.lent))
-            return
-        lent = torch.tensor(sorted(self.lender.lent), dtype=slots.dtype, device=slots.device)
-        self.allocator.free(slots[~torch.isin(slots // self.geometry.page_size, lent)])
-        logger.warning("SwiftCache: the KV allocator was cleared (a cache flush) while %d pages "
-                       "were lent; they were taken out of it again", len(self.lender.lent))
 
     def _await_own_pages(self, timeout_s: float) -> None:
         start = time.monotonic()

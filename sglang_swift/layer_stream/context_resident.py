@@ -41,16 +41,15 @@ class ResidentPlan:
     @classmethod
     def of(cls, setup: Setup, fraction: float, tokens: int, kv_row_bytes: int,
            granularity: int = 4096, page_size: int = 1) -> "ResidentPlan":
-        """The local memory of a pool of `tokens` (pool.py's `_resident_views`, in rows)."""
-        from .layer_views import aligned_rows
+        """The local memory of a pool of `tokens` (laid out by `StreamSettings.resident_split`,
+        as the pool does), in rows."""
         from .pool import StreamSettings
 
         settings = StreamSettings(depth=setup.depth, resident_fraction=fraction)
-        padded = -(-(tokens + page_size) // page_size) * page_size
-        resident, mapped = aligned_rows(settings.resident_tokens(tokens, setup.layers), padded,
-                                        kv_row_bytes, granularity, page_size)
+        resident, mapped = settings.resident_split(tokens, setup.layers, page_size, kv_row_bytes,
+                                                   granularity)
         if resident <= 0:  # the pool streams every row
-            return cls(fraction, tokens, 0, setup.depth * padded)
+            return cls(fraction, tokens, 0, setup.depth * mapped)
         return cls(fraction, tokens, resident,
                    setup.layers * resident + setup.depth * (mapped - resident))
 

@@ -22,6 +22,7 @@ import swift_kernels as sk
 from swift_kernels import K, V, KVGeometry
 
 from ..dataplane.packing import LeasePacking
+from ..dataplane.pool_transfer import resolve_backend, unit_rows
 
 FREE, GONE = -1, -2  # DonorLease.pages entries that are not a store page
 
@@ -105,28 +106,13 @@ class LeaseCopy:
             rows = self.local[h].to(buf.device)
             src, src_rows, dst, dst_rows = (local, rows, donor, where) if to_donor else \
                 (donor, where, local, rows)
-            sk.copy_rows(src, src_rows, dst, dst_rows, backend=_backend(src, dst),
-                         staging=staging, validate=False)
+            backend = resolve_backend("auto", local.device, donor.device)
+            sk.copy_rows(src, src_rows, dst, dst_rows, backend=backend, staging=staging,
+                         validate=False)
 
 
 def _unit_rows(local: torch.Tensor, region: torch.Tensor, unit: int):
-    """Both flat uint8 spaces as `[n, unit]` rows of the widest element that divides the unit
-    and both addresses (wide rows make the index copies move words, not bytes)."""
-    width, dtype = next((w, d) for w, d in ((8, torch.int64), (4, torch.int32),
-                                            (2, torch.int16), (1, torch.uint8))
-                        if unit % w == 0 and local.data_ptr() % w == 0
-                        and region.data_ptr() % w == 0)
-
-    def rows(flat: torch.Tensor) -> torch.Tensor:
-        return flat[: flat.numel() // unit * unit].view(dtype).view(-1, unit // width)
-
-    return rows(local), rows(region)
-
-
-def _backend(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """CPU: the staged copy; one GPU: one Triton pass; across devices: gather, copy, scatter."""
-    if src.device.type == "cpu" and dst.device.type == "cpu":
-        return "staged"
-    if src.device == dst.device and sk.triton_available():
-        return "triton"
-    return "reference"
+    """Both flat uint8 spaces as unit rows as wide as both addresses allow (`unit_rows`; at most
+    8 bytes, which every backend here copies)."""
+    align = math.gcd(local.data_ptr(), region.data_ptr(), 8)
+    return unit_rows(local, unit, align, 8), unit_rows(region, unit, align, 8)

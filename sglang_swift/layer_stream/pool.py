@@ -73,6 +73,19 @@ class StreamSettings:
         f, depth = self.resident_fraction, self.depth
         return int(f * depth * tokens / (layers * (1 - f) + f * depth))
 
+    def resident_split(self, tokens: int, layers: int, page_size: int, row_bytes: int,
+                       granularity: int) -> tuple[int, int]:
+        """(R, mapped rows) of a pool of `tokens` with rows of `row_bytes` (one of K or V, one
+        layer) mapped in units of `granularity` bytes, as the pool lays it out: R rounded down
+        to whole pages and units, the rows rounded up to units. R = 0: every row is streamed
+        (the rows are then the pool's, padded to a page)."""
+        padded = -(-(tokens + page_size) // page_size) * page_size
+        if self.resident_fraction <= 0:
+            return 0, padded
+        resident, mapped = aligned_rows(self.resident_tokens(tokens, layers), padded, row_bytes,
+                                        granularity, page_size)
+        return (resident, mapped) if resident > 0 else (0, padded)
+
     def tokens_per_local_token(self, layers: int) -> float:
         """Pool tokens per token of stock-pool memory: f + (1 - f) L / depth."""
         f = self.resident_fraction
@@ -105,7 +118,7 @@ class LayerStreamKVPool(MHATokenToKVPool):
         (rows, *row_shape), _ = self._kv_buffer_shapes()
         padded = -(-rows // self.page_size) * self.page_size
         device = torch.device(self.device)
-        self._views = self._resident_views(rows, padded, tuple(row_shape), device)
+        self._views = self._resident_views(tuple(row_shape), device)
         self.resident_rows = self._views.resident if self._views is not None else 0
         if self._views is not None:
             self._layer_bufs = self._views.views
@@ -136,7 +149,7 @@ class LayerStreamKVPool(MHATokenToKVPool):
                     self.layer_num, self.local_kv_bytes() / 2**20, self.layer_store.where,
                     self.layer_store.nbytes / 2**20, self.resident_rows)
 
-    def _resident_views(self, rows: int, padded: int, row_shape: tuple[int, ...],
+    def _resident_views(self, row_shape: tuple[int, ...],
                         device: torch.device) -> LayerViews | None:
         """The per-layer buffers with resident rows, or None (no resident rows asked for, too
         few to map, or the mapping failed: then every row streams, which is always correct)."""
@@ -145,9 +158,8 @@ class LayerStreamKVPool(MHATokenToKVPool):
         row_bytes = int(torch.empty(row_shape, dtype=self.store_dtype).nbytes)
         try:
             grain = granularity(device)
-            resident, mapped = aligned_rows(
-                self.settings.resident_tokens(self.size, self.layer_num), padded, row_bytes,
-                grain, self.page_size)
+            resident, mapped = self.settings.resident_split(self.size, self.layer_num,
+                                                            self.page_size, row_bytes, grain)
             if resident <= 0:
                 logger.warning("SwiftCache layer streaming: resident fraction %.2f of a %d-token "
                                "pool rounds to no whole mapping unit of %d bytes; every row is "
