@@ -34,6 +34,9 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message holds its log tail."""
 
 
+BIND_RETRIES = 2  # starts again on a fresh port when the chosen one was taken meanwhile
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -48,6 +51,7 @@ class LocalServer:
                  max_total_tokens: int | None = 4096, log_path: str | os.PathLike | None = None,
                  startup_timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.model_path = str(model_path)
+        self._port_given = port is not None
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         base = dict(os.environ if env is None else env)
@@ -79,6 +83,25 @@ class LocalServer:
         self.stop()
 
     def start(self) -> None:
+        """Start the server and wait until it is healthy. A port this object chose (`free_port`)
+        can be taken by another process before the server binds it (servers started side by
+        side, SGLang's own internal ports): the server then exits with "address already in use",
+        and it is started again on a fresh port, at most BIND_RETRIES times."""
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                return self._start_once()
+            except ServerStartError:
+                lost_port = "address already in use" in self.log_tail(200)
+                if self._port_given or not lost_port or attempt == BIND_RETRIES:
+                    raise
+                self._move_to(free_port())
+
+    def _move_to(self, port: int) -> None:
+        at = self.args.index("--port") + 1
+        self.args[at] = str(port)
+        self.port, self.base_url = port, f"http://127.0.0.1:{port}"
+
+    def _start_once(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         t0 = time.monotonic()
