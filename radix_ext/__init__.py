@@ -9,6 +9,7 @@ from radix_ext.placement import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency, DonorResidency, HostResidency
 from radix_ext.results import (
     EvictionPlan,
+    ExchangeResult,
     InsertResult,
     LoadOutcome,
     LoadSegment,
@@ -23,12 +24,15 @@ from radix_ext.results import (
 )
 from radix_ext.tiers import DonorTier, HostTier, LeasedBlocks
 from radix_ext.tree import RadixTree
-from radix_ext.admission import Admission, DevicePool, admit, evict, holding, settle
+from radix_ext.admission import (Admission, DevicePool, admit, evict, holding, settle,
+                                  should_exchange)
 
 __all__ = [
     "Admission", "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency",
-    "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "HOST",
+    "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "ExchangeResult",
+    "HOST",
     "HostResidency", "HostTier", "InsertResult", "LeasedBlocks", "LoadOutcome", "LoadSegment",
     "LoadTicket", "LostPrefix", "Match", "RadixTree", "Released", "RevokeResult", "StoreOutcome",
     "StoreTicket", "Transfer", "TreeConfig", "admit", "evict", "holding", "settle",
+    "should_exchange",
 ]

@@ -158,6 +158,15 @@ def admit(tree: Any, pool: DevicePool, key: Sequence[int], namespace: Any = None
     return Admission(True, m, anchor, ticket, slots, rematched, evicted)
 
 
+def should_exchange(tree: Any, m: Match, room: int) -> bool:
+    """Whether to swap the donor part of `m` with device victims (`RadixTree.exchange`) instead
+    of loading it into room made by demotion: that room (`room` device tokens) would be demoted
+    into the donor tier, which has less free room than that, so demoting would push other
+    prefixes out of it while the hit still holds its own blocks there."""
+    return (room > 0 and tree.donor is not None and tree.donor.available_tokens() < room
+            and tree.exchangeable(m) is not None)
+
+
 @contextmanager
 def holding(m: Match):
     """Pin the lower-tier part of `m` while room is made for it: making device room demotes

@@ -79,6 +79,19 @@ class Released:
     residency: Any
 
 
+@dataclass(frozen=True, slots=True)
+class ExchangeResult:
+    """What `exchange` did. `ok`: the hit is on the device, its path ending at `last_node` (not
+    locked), the victims hold its old donor blocks. Not `ok`: the swap failed and both sides were
+    dropped; `last_node` is the device prefix the match started from, and the caller frees
+    `device_indices_to_free` (the victims' slots). `num_tokens`: the hit's tokens."""
+
+    ok: bool
+    last_node: Any
+    num_tokens: int
+    device_indices_to_free: array = field(default_factory=lambda: array("q"))
+
+
 @dataclass(slots=True, eq=False)
 class StoreTicket:
     """A demotion in flight (two-phase, like `LoadTicket`): copy the device slots `src` into

@@ -3,7 +3,8 @@
 The public structure operations live here (match, insert, lock/unlock); node bookkeeping and
 queries in `structure.py`; moving KV between tiers
 is in `tiering.py` (evict/demote, make room), two-phase stores in `store.py`, two-phase
-load-back in `loadback.py`, donor revocation in `revoke.py`, and `check_integrity` in
+load-back in `loadback.py`, a donor hit swapped with device victims in `exchange.py`, donor
+revocation in `revoke.py`, and `check_integrity` in
 `integrity.py`. `admission.py` runs match, lock, evict, re-match and load-back for callers.
 
 Invariants (checked by `check_integrity`):
@@ -23,6 +24,7 @@ from array import array
 from typing import Any, Optional, Sequence
 
 from radix_ext.tree_config import TreeConfig
+from radix_ext.exchange import ExchangeMixin
 from radix_ext.integrity import IntegrityMixin
 from radix_ext.loadback import LoadBackMixin
 from radix_ext.node import Node
@@ -55,7 +57,8 @@ def common_len(a: array, b: array, pos: int, n: int, page: int) -> int:
     return lo - lo % page
 
 
-class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeMixin, IntegrityMixin):
+class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeMixin, ExchangeMixin,
+                IntegrityMixin):
     """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
     returns what the caller must copy and free."""
 

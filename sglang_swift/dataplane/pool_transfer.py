@@ -2,8 +2,9 @@
 
 `PoolTransferEngine` serves one lease: the borrower's per-layer K / V buffers, the donor's
 mapped region and the lease's `LeasePacking`. Two-phase, as `TransferEngine` (STYLE 3):
-`begin_store(slots, blocks)` / `begin_load(slots, blocks, counter)` validate everything and
-start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
+`begin_store(slots, blocks)` / `begin_load(slots, blocks, counter)` / `begin_exchange(slots,
+blocks)` (both directions at once, for a donor hit swapped with device victims) validate
+everything and start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
 `abort(reason)` abandons it. `blocks` are lease-local borrower blocks (0 .. num_blocks - 1).
 
 Per layer and K/V, one gather (`index_select`) on the source device and one scatter
@@ -163,7 +164,8 @@ class PoolTransferEngine:
         handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
         if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
             return _refused(handle, self._fenced_store())
-        handle._future = self._submit(plan, lambda: self._store_job(plan, handle, self._staging))
+        handle._future = self._submit(
+            plan, lambda: self._layers_job(plan, handle, self._staging, self._store_layer))
         return handle
 
     def store_here(self, slots, blocks) -> TransferResult:
@@ -171,10 +173,36 @@ class PoolTransferEngine:
         enqueues on its lane: use `begin_store`). The lane's thread may be running a load of
         this engine meanwhile, so the copy uses the calling thread's own staging buffer; the
         fence applies as to any copy (a reclaim on another thread stops it between layers)."""
+        return self._here(slots, blocks, exchange=False)
+
+    def begin_exchange(self, slots, blocks) -> PoolTransferHandle:
+        """Swap borrower tokens `slots` with lease blocks `blocks` (token i with row
+        i % page_size of block `blocks[i // page_size]`), every layer, K and V: afterwards the
+        slots hold what the blocks held and the blocks what the slots held. Per layer the
+        slots' rows are set aside, the blocks' rows copied into the slots, then the set-aside
+        rows into the blocks (one layer of the transfer held at a time, on the local device).
+        Same handle, lane and fence as `begin_store`. A failed exchange leaves both sides
+        partly swapped: layers before the failed one swapped, later ones untouched, and the
+        failed layer itself in any state (a copy that raised inside it may have written one
+        side only), so the caller trusts neither side afterwards."""
+        plan = self._plan(slots, blocks, store=False)
+        handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
+        if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
+            return _refused(handle, self._fenced_store())
+        handle._future = self._submit(
+            plan, lambda: self._layers_job(plan, handle, self._staging, self._exchange_layer))
+        return handle
+
+    def exchange_here(self, slots, blocks) -> TransferResult:
+        """`begin_exchange` run to its end on the calling thread, for a CPU engine (as
+        `store_here`)."""
+        return self._here(slots, blocks, exchange=True)
+
+    def _here(self, slots, blocks, exchange: bool) -> TransferResult:
         if self.lane.stream is not None:
-            raise ValueError("store_here runs a CPU engine's store on the caller's thread; "
-                             "a GPU engine's store is enqueued with begin_store")
-        plan = self._plan(slots, blocks, store=True)
+            raise ValueError("store_here / exchange_here run a CPU engine's copy on the caller's "
+                             "thread; a GPU engine's is enqueued with begin_store / begin_exchange")
+        plan = self._plan(slots, blocks, store=not exchange)
         if plan is None:
             return TransferResult(True, (), None)
         handle = PoolTransferHandle()
@@ -186,22 +214,27 @@ class PoolTransferEngine:
             if staging is None or staging.numel() < max(plan.unit, STAGING_BYTES):
                 staging = _here.staging = torch.empty(max(plan.unit, STAGING_BYTES),
                                                       dtype=torch.uint8)
-        return self._store_job(plan, handle, staging)
+        return self._layers_job(plan, handle, staging,
+                                self._exchange_layer if exchange else self._store_layer)
 
-    def _store_job(self, plan: CopyPlan, handle: PoolTransferHandle,
-                   staging: torch.Tensor | None) -> TransferResult:
+    def _layers_job(self, plan: CopyPlan, handle: PoolTransferHandle,
+                    staging: torch.Tensor | None, copy_layer) -> TransferResult:
         num_layers = self.packing.borrower.num_layers
         try:
             for layer in range(num_layers):
                 with handle.layer_lock:
                     reason = self._stop_reason(handle)
                     if reason is None:
-                        reason = self._copy_layer(plan, layer, store=True, staging=staging)
+                        reason = copy_layer(plan, layer, staging)
                     if reason is not None:
                         return TransferResult(False, tuple(range(layer, num_layers)), reason)
             return TransferResult(True, (), None)
         finally:
             self.copy_fence.retire(handle)
+
+    def _store_layer(self, plan: CopyPlan, layer: int,
+                     staging: torch.Tensor | None) -> str | None:
+        return self._copy_layer(plan, layer, store=True, staging=staging)
 
     def _fenced_store(self) -> TransferResult:
         return TransferResult(False, tuple(range(self.packing.borrower.num_layers)), FENCED)
@@ -310,6 +343,25 @@ class PoolTransferEngine:
                     self._move(local, plan.local[half], donor, where, staging)
                 else:
                     self._move(donor, where, local, plan.local[half], staging)
+        except Exception as exc:  # noqa: BLE001 - reported as failed layers
+            return f"copy failed: {exc}"
+        return None
+
+    def _exchange_layer(self, plan: CopyPlan, layer: int,
+                        staging: torch.Tensor | None) -> str | None:
+        """Swap layer `layer`'s K and V of the transfer's slots and blocks (see
+        `begin_exchange`); an error is returned as the reason, as `_copy_layer` does."""
+        try:
+            donor = self._rows(self.region, plan.unit)
+            for half, buffers in ((K, self.k), (V, self.v)):
+                local = self._rows(buffers[layer].view(torch.uint8).view(-1), plan.unit)
+                where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
+                                                 plan.unit)
+                rows = plan.local[half]
+                held = local.index_select(0, rows)  # the slots' rows, before they are written
+                self._move(donor, where, local, rows, staging)
+                order = torch.arange(held.shape[0], device=held.device)
+                self._move(held, order, donor, where, staging)
         except Exception as exc:  # noqa: BLE001 - reported as failed layers
             return f"copy failed: {exc}"
         return None

@@ -58,7 +58,7 @@ REPORT_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
-                "stores_started")
+                "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed")
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:

@@ -9,7 +9,7 @@ unregisters it. Nothing here waits, except `abort`, which returns once the layer
 is done (one layer's bytes: see docs/streaming.md "What the scheduler thread waits for").
 
 `store_now` is the other kind: a demotion store after which the caller frees the device slots
-at once. CPU: it runs on the caller's thread (the scheduler thread is the device there), so it
+at once (`exchange_now` likewise swaps a donor hit with device victims). CPU: it runs on the caller's thread (the scheduler thread is the device there), so it
 is finished when it returns; it takes the victim's bytes over memory bandwidth and waits for
 nothing else (not the copy thread, not a peer). GPU: it is enqueued on the lease's side stream
 and the compute stream is made to wait for it, so the host waits for the enqueue only.
@@ -105,6 +105,20 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     caller then aborts the ticket. `enqueued` is a GPU copy still running on its side stream,
     registered with the runtime so a reclaim stops it before the ack; the caller `release()`s it
     once `finished()`. On CPU it is None: the copy ran here and is done."""
+    return _copy_now(runtime, key, slots, blocks, exchange=False)
+
+
+def exchange_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
+                 blocks: Sequence[int]) -> tuple[bool, InFlightCopy | None]:
+    """Swap device `slots` with lease blocks `blocks` (`PoolTransferEngine.begin_exchange`)
+    such that both may be read and rewritten when this returns: as `store_now` (CPU: copied on
+    this thread; GPU: enqueued, and the compute stream waits for it). A failed exchange (not
+    `ok`) may have swapped some layers: the caller trusts neither side."""
+    return _copy_now(runtime, key, slots, blocks, exchange=True)
+
+
+def _copy_now(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: Sequence[int],
+              exchange: bool) -> tuple[bool, InFlightCopy | None]:
     engine = runtime.lease_engine(*key)
     if engine is None:
         return False, None
@@ -116,13 +130,16 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     handle = None
     try:
         if on_gpu:
-            handle = engine.begin_store(slot_tensor, blocks)
+            begin = engine.begin_exchange if exchange else engine.begin_store
+            handle = begin(slot_tensor, blocks)
             result = handle.result()  # the GPU job enqueued
         else:
             torch.set_num_threads(getattr(engine.lane, "threads", 1))
-            result = engine.store_here(slot_tensor, blocks)
-    except Exception:  # noqa: BLE001 - a store that fails is a lost prefix, not a dead server
-        logger.exception("SwiftCache: a store on lease %s failed", key)
+            here = engine.exchange_here if exchange else engine.store_here
+            result = here(slot_tensor, blocks)
+    except Exception:  # noqa: BLE001 - a copy that fails is a lost prefix, not a dead server
+        logger.exception("SwiftCache: %s on lease %s failed",
+                         "an exchange" if exchange else "a store", key)
         return False, None
     finally:
         if not on_gpu:
@@ -134,4 +151,3 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     streams.wait_event_on_current_stream(marker)  # later forwards rewrite the slots after it
     runtime.track(key, handle, set(blocks))
     return ok, InFlightCopy(key, handle, frozenset(blocks), len(slot_tensor), marker, runtime)
-

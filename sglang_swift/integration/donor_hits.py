@@ -16,6 +16,8 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
 from radix_ext import DONOR, RadixTree, admission
 
+from .copies import exchange_now
+
 logger = logging.getLogger(__name__)
 
 # A forward waits for its batch's donor loads at most this long after the batch started, plus
@@ -112,6 +114,7 @@ class DonorHitsMixin:
         `prepare_for_extend` (which cannot wait for a store) finds it free."""
         req = params.req
         fallback = (0, req.last_node)
+        self._owned_load = False
         if self.loads is None or params.host_hit_length <= 0:
             return fallback
         found = path_key(self.tree, params.best_match_node)
@@ -120,6 +123,9 @@ class DonorHitsMixin:
         extend = len(req.full_untruncated_fill_ids) - req.prefix_len - params.host_hit_length
         need = params.host_hit_length + max(0, extend) + self.page_size
         if self.slots.available() < need:
+            swapped = self._exchange(req, found, params.host_hit_length, need)
+            if swapped is not None:
+                return swapped
             # the room's demotions must not push the very prefix being loaded out of the donor
             # tier (it is the oldest there when its conversation comes back)
             with admission.holding(self.tree.match(found[0], found[1])):
@@ -141,6 +147,46 @@ class DonorHitsMixin:
         self.loads.queue(req, ticket, self.device)
         return len(ticket.device_indices), req.last_node
 
+    def _exchange(self, req: Any, found: tuple, hit_len: int,
+                  need: int) -> Optional[tuple[int, Any]]:
+        """Swap the donor hit with device victims (`RadixTree.exchange`) when the room for it
+        would push other prefixes out of a full donor tier (`admission.should_exchange`). The
+        hit is then on the device and the tree's: SGLang is told so through
+        `load_back_is_cache_owned`, and the room for the request's new tokens is made with the
+        hit held. None: not applicable here (the caller loads as usual); else what
+        `init_load_back` returns."""
+        m = self.tree.match(found[0], found[1])
+        if (m.last_device_node is not req.last_node or m.load_len != hit_len
+                or not admission.should_exchange(self.tree, m, need - self.slots.available())
+                or not all(self._readable(seg.source) for seg in m.loads)):
+            return None
+        res = m.loads[0].source
+
+        def swap(slots: array, blocks: array) -> bool:
+            ok, enqueued = exchange_now(self.runtime, (res.donor, res.lease), slots, blocks)
+            if enqueued is not None:
+                self.demotions.track(enqueued)
+            return ok
+
+        x = self.tree.exchange(m, swap)
+        if x is None:
+            return None
+        if not x.ok:  # both sides dropped: the hit is recomputed, the victims were evicted
+            self.slots.free(x.device_indices_to_free)
+            self.runtime.stats["exchanges_failed"] += 1
+            return self._decline(req, "its exchange with the donor tier failed")
+        self.runtime.stats["exchanges"] += 1
+        self.runtime.stats["exchanged_tokens"] += x.num_tokens
+        rest = need - x.num_tokens
+        if self.slots.available() < rest:
+            self.tree.lock(x.last_node)
+            try:
+                self.demotions.make_room(rest - self.slots.available())
+            finally:
+                self.tree.unlock(x.last_node)
+        self._owned_load = True
+        return x.num_tokens, x.last_node
+
     def _decline(self, req: Any, why: str) -> tuple[int, Any]:
         """Recompute instead of loading (SGLang re-plans the request without the donor part)."""
         self.runtime.stats["loads_declined"] += 1
@@ -148,9 +194,12 @@ class DonorHitsMixin:
         return 0, req.last_node
 
     def load_back_is_cache_owned(self) -> bool:
-        """Loaded slots belong to the request until its forward confirmed them (it then inserts
-        them like computed KV); a failed load is freed with the request."""
-        return False
+        """Whether the last `init_load_back` (SGLang asks right after it) gave the request a
+        prefix the tree owns: True after an exchange, whose hit is device-resident in the tree
+        and locked by the request like any device prefix. Streamed loads are not: their slots
+        belong to the request until its forward confirmed them (it then inserts them like
+        computed KV); a failed load is freed with the request."""
+        return getattr(self, "_owned_load", False)
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         path = self.path_device_indices(req.last_node)

@@ -31,6 +31,12 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "hits_unreadable": ("swiftcache_hits_unreadable", "matches whose donor part was not offered: "
                         "its lease was past its read deadline or its donor gone"),
     "stores_started": ("swiftcache_stores_started", "demotions stored by evictions"),
+    "exchanges": ("swiftcache_exchanges", "donor hits swapped with device victims (the donor "
+                  "tier was full)"),
+    "exchanged_tokens": ("swiftcache_exchanged_tokens", "tokens of donor hits swapped with "
+                         "device victims"),
+    "exchanges_failed": ("swiftcache_exchanges_failed", "exchanges that failed (donor gone, "
+                         "reclaimed or late); both sides were dropped and recomputed"),
     "load_wait_s": ("swiftcache_load_wait_seconds", "scheduler-thread time spent waiting on a "
                     "load copy outside the forward (expected 0)"),
     "evict_wait_s": ("swiftcache_evict_wait_seconds", "scheduler-thread time evictions spent "

@@ -5,7 +5,8 @@ SGLang allocates a request's extend tokens when it admits it and one slot per ru
 each decode step (`alloc_token_slots`), each allocation evicting only its shortfall
 (`evict_to_free_tokens`). A borrower's `init_load_back` (integration/donor_hits.py) first makes
 room for the donor hit, the extend tokens and one page, then loads the hit: all of it, or nothing
-when the room-making changed the match. The simulator's default allocates prompt and output at
+when the room-making changed the match; when that room would push prefixes out of a full donor
+tier, it first swaps the hit with device victims (`RadixTree.exchange`). The simulator's default allocates prompt and output at
 admission in one eviction; which victims go, and so what a donor tier keeps, differs.
 """
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-from radix_ext import DevicePool, admit as tree_admit, holding
+from radix_ext import (DEVICE, DONOR, DeviceResidency, DevicePool, DonorResidency, Transfer,
+                       admit as tree_admit, holding, should_exchange)
 from radix_ext.admission import Admission
 
 
@@ -29,11 +31,16 @@ def admit(cache: Any, pool: DevicePool, key: Sequence[int], prompt_pages: int,
         a = tree_admit(tree, pool, key, total=prompt_pages, load=False, match=m)
         return a if a.ok else None
     need = prompt_pages - m.device_len + 1  # the hit, the extend tokens and one page
-    cache.lock(m.last_device_node)  # SGLang pins the device prefix while it admits
+    pinned = m.last_device_node
+    cache.lock(pinned)  # SGLang pins the device prefix while it admits
+    if pool.available() < need and should_exchange(tree, m, need - pool.available()):
+        _exchange(tree, pool, m)  # as the live init_load_back: the hit swaps with victims
+        m = tree.match(key)
+        need = prompt_pages - m.device_len + 1
     if pool.available() < need:
         with holding(m):  # as the live init_load_back: its own donor part stays put
             pool.make_room(tree, need - pool.available())
-    cache.unlock(m.last_device_node)
+    cache.unlock(pinned)
     a = tree_admit(tree, pool, key, total=None, load=True)
     if not a.ok:
         return None
@@ -51,6 +58,20 @@ def admit(cache: Any, pool: DevicePool, key: Sequence[int], prompt_pages: int,
         cache.unlock(a.anchor)
         return None
     return replace(a, slots=slots)
+
+
+def _exchange(tree: Any, pool: DevicePool, m: Any) -> None:
+    """The live borrower's exchange (`RadixTree.exchange`): both directions start on the links
+    and the step's compute waits for them, as it does for a demotion; they never fail here."""
+    _, (donor, lease, epoch), _, _ = tree.exchangeable(m)
+
+    def swap(slots, blocks) -> bool:
+        there = DonorResidency(donor, lease, epoch, blocks)
+        here = DeviceResidency(slots)
+        pool.run_copies([Transfer(DONOR, there, DEVICE, here), Transfer(DEVICE, here, DONOR, there)])
+        return True
+
+    tree.exchange(m, swap)
 
 
 def decode_slots(cache: Any, pool: DevicePool, running: list, name: str) -> None:

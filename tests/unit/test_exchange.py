@@ -477,13 +477,9 @@ def test_should_exchange_only_when_the_donor_tier_cannot_take_the_room_and_the_h
     t.check_integrity()
 
 
-# ---- suspected bugs -----------------------------------------------------------------------------
+# ---- two bugs the first version had (both found by these tests) ----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "exchange.py _exchange_victims seeds its heap from _dev_leaves, which admits a device node "
-    "whose only device children are *leaving* (a store in flight); such a node becomes a donor "
-    "victim while its leaving child stays on the device, breaking device prefix-closure"))
 @pytest.mark.parametrize("page", PAGES)
 def test_a_node_with_a_leaving_device_child_is_never_a_victim(page):
     P = page
@@ -497,16 +493,12 @@ def test_a_node_with_a_leaving_device_child_is_never_a_victim(page):
     t.check_integrity()
     swap = Recorder()
     r = t.exchange(t.match(_key(100, P)), swap)
-    t.check_integrity()  # fails: the leaving child is on the device under a donor-only parent
+    t.check_integrity()  # a leaving child on the device under a donor-only parent fails here
     assert r is None and not swap.calls, "the only candidate has a device child still leaving"
     settle(t, [store], [True])
     t.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "exchange() protects the matched device prefix with lock()/unlock(); lock() on a leaving "
-    "anchor (store in flight) cancels its departure for good (_stay), so an exchange, even one "
-    "that returns None, keeps on the device a node the caller's eviction counted as evicted"))
 @pytest.mark.parametrize("page", PAGES)
 def test_an_exchange_leaves_a_leaving_anchor_leaving(page):
     P = page
