@@ -1,0 +1,332 @@
+"""A donor hit swapped with device victims in `init_load_back` (donor_hits.py `_exchange`,
+radix_ext/exchange.py, `admission.should_exchange`, `copies.exchange_now`,
+`PoolTransferEngine.exchange_here`), on test_streaming's rig: a real `SwiftRadixCache`, real
+`PoolTransferEngine`s over a donor pool region, per-layer K / V tensors as the borrower's pool.
+
+The scene: the donor tier is full of demoted prefixes A, B, C; the device holds other prefixes
+D0, D1, ... (inserted in that order, so D0 is the least recently used) with FREE slots left.
+A request for A (plus one new token) needs 10 slots: 8 for A, 1 new, 1 page of headroom.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.unit.test_streaming import ROWS, Rig
+
+from radix_ext import DONOR, admission
+
+A, B, C = (list(range(100 * i + 1, 100 * i + 9)) for i in (1, 2, 3))
+NEED = len(A) + 1 + 1  # the hit, one new token, one page
+# D0 is shorter than A, so the victims are D0 and the tail of D1 (split off)
+SIZES = (6, 8, 8, 8, 8, 8, 8, 8)
+FREE = ROWS - sum(SIZES)  # 2: room for the new tokens, none for the hit
+POISON = 7777.0
+
+
+def device_prefixes(sizes):
+    return [list(range(1000 + 100 * i, 1000 + 100 * i + n)) for i, n in enumerate(sizes)]
+
+
+def scene(pages=16, donor=(A, B, C), sizes=SIZES):
+    """The rig with `donor` demoted (pages=16: 24 donor tokens, full with A, B, C) and the
+    device holding prefixes of `sizes`; returns (rig, device prefixes, their slots)."""
+    rig = Rig(pages=pages)
+    for p in donor:
+        rig.prefix(p)
+    rig.demote_all()
+    ds = device_prefixes(sizes)
+    slots = [rig.prefix(d) for d in ds]
+    assert rig.alloc.available_size() == ROWS - sum(sizes)
+    return rig, ds, slots
+
+
+def where(rig, tokens):
+    """(device tokens, donor tokens SGLang is offered) of a match of `tokens`."""
+    m = rig.match(tokens)
+    return m.device_prefix_len, m.host_hit_length
+
+
+def load_back(rig, tokens, rid, m=None):
+    """SGLang's admission of a request for `tokens` plus one new token: match (unless given),
+    init_load_back, and what the PrefillAdder does with the answer (prefix length, last node;
+    the request's lock on it, which the test releases). Returns (req, match, out, owned)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    m = rig.match(tokens) if m is None else m
+    req = SimpleNamespace(rid=rid, last_node=m.last_device_node, prefix_len=m.device_prefix_len,
+                          full_untruncated_fill_ids=list(tokens) + [0],
+                          skip_radix_cache_insert=False, discard_output_reason=None)
+    out = rig.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length,
+                                                      req=req))
+    owned = rig.cache.load_back_is_cache_owned()
+    req.prefix_len += out[0]
+    req.last_node = out[1]
+    return req, m, out, owned
+
+
+def run_batch(rig, req):
+    """The request's batch: hooks and a forward reading every layer; returns the layers' ok."""
+    req.slots = rig.cache.prefix_device_indices(req)
+    batch = SimpleNamespace(hicache_consumer_index=-1, reqs=[req])
+    rig.cache.swift_batch_built(batch)
+    ok = rig.forward(batch, None)
+    rig.cache.swift_batch_ran(SimpleNamespace(chunked_req=None), batch)
+    rig.lane.submit(lambda: None).result()
+    rig.cache.swift_step()
+    return ok
+
+
+def poison_free(rig):
+    """Free slots hold garbage, as after other requests used them."""
+    free = torch.tensor(rig.alloc.free_slots, dtype=torch.int64)
+    for t in (*rig.k, *rig.v):
+        t[free] = POISON
+
+
+def accounted(rig):
+    """SGLang's idle check: with nothing locked every slot is free, evictable or protected."""
+    c = rig.cache
+    return rig.alloc.available_size() + c.evictable_size() + c.protected_size() == ROWS
+
+
+def admit_a(rig):
+    """Admit the request for A; returns (req, match, out, owned)."""
+    return load_back(rig, A, "ra")
+
+
+def test_a_hit_that_would_push_donor_prefixes_out_is_swapped_with_the_lru_victims():
+    """Invariant: with the donor tier full, A's hit is swapped in place with the device's least
+    recently used prefixes (D0 and D1's tail): init_load_back returns (8, A's node), the cache
+    owns the hit, A's slots are the victims' former slots and hold A's KV at once (no streamed
+    load), the donor tier loses nothing (B, C still hits, 24 of 24 tokens used) and the victims
+    are donor hits whose bytes, loaded back through the streaming path, are exactly their KV."""
+    rig, ds, slots = scene()
+    try:
+        stats = rig.runtime.stats
+        donor_before = rig.cache.tree.tier_size(DONOR)
+        assert rig.cache.tree.donor.available_tokens() == 0 and donor_before == 24
+        req, m, out, owned = admit_a(rig)
+        assert (stats["exchanges"], stats["exchanged_tokens"], stats["exchanges_failed"]) == (
+            1, 8, 0)
+        assert owned and out == (8, m.best_match_node)
+        assert where(rig, A) == (8, 0) and rig.match(A).last_device_node is out[1]
+        victim_slots = torch.cat([slots[0], slots[1][6:]])
+        assert torch.equal(rig.cache.prefix_device_indices(req), victim_slots)
+        assert rig.kv_of(req, A), "the hit's KV is not in its slots when init_load_back returns"
+        # nothing else moved: B, C stay donor hits, the victims became donor hits, D1's head and
+        # the other device prefixes stay on the device; no slot was allocated for the hit
+        assert where(rig, B) == where(rig, C) == (0, 8)
+        assert where(rig, ds[0]) == (0, 6) and where(rig, ds[1]) == (6, 2)
+        assert all(where(rig, d) == (8, 0) for d in ds[2:])
+        assert rig.cache.tree.tier_size(DONOR) == donor_before
+        assert rig.cache.tree.donor.available_tokens() == 0
+        assert rig.alloc.available_size() == FREE and accounted(rig)
+        rig.cache.check_integrity()
+        # the request's batch: its prefix is the tree's, nothing is streamed
+        rig.cache.inc_lock_ref(req.last_node)
+        started = stats["loads_started"]
+        assert all(run_batch(rig, req)) and rig.kv_of(req, A)
+        assert stats["loads_started"] == started and stats["loaded_tokens"] == 0
+        assert req.discard_output_reason is None and not req.skip_radix_cache_insert
+        rig.cache.dec_lock_ref(req.last_node)
+        assert accounted(rig)
+        _load_the_donor_tier_back(rig, ds)
+    finally:
+        rig.close()
+
+
+def _load_the_donor_tier_back(rig, ds):
+    """Make device room without losing a donor prefix (the room's victims are dropped: the
+    donor tier is full and its prefixes are held, D1's head is locked), then load each donor
+    prefix through the streaming path into poisoned slots and check its bytes."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    tree = rig.cache.tree
+    head = rig.match(ds[1]).last_device_node
+    with ExitStack() as held:
+        for p in (B, C, ds[0], ds[1]):
+            held.enter_context(admission.holding(tree.match(p)))
+        rig.cache.inc_lock_ref(head)
+        rig.cache.evict(EvictParams(num_tokens=rig.cache.evictable_size()))
+        rig.cache.dec_lock_ref(head)
+    assert where(rig, ds[1]) == (6, 2) and where(rig, ds[0]) == (0, 6)
+    assert where(rig, B) == where(rig, C) == (0, 8)
+    poison_free(rig)
+    stats = rig.runtime.stats
+    for i, tokens in enumerate((ds[0], ds[1], B, C)):
+        dev, hit = where(rig, tokens)
+        req, _, out, owned = load_back(rig, tokens, f"back{i}")
+        assert out == (hit, req.last_node) and not owned, "room was free: a plain load"
+        assert all(run_batch(rig, req)) and req.discard_output_reason is None
+        assert rig.kv_of(req, tokens), f"donor bytes of {tokens[:1]}... are not its KV"
+    assert stats["loads_started"] == 4 and stats["exchanges"] == 1
+    assert stats["loaded_tokens"] == 6 + 2 + 8 + 8
+    rig.cache.check_integrity()
+
+
+def test_without_the_exchange_the_same_hit_pushes_other_prefixes_out_of_the_donor_tier(
+        monkeypatch):
+    """What the exchange buys: with `should_exchange` off (the old behaviour), the room for A
+    is made by demoting D0 and D1 into the full donor tier, which drops B or C from it (A is
+    held); A is loaded by the streaming path."""
+    monkeypatch.setattr(admission, "should_exchange", lambda *a, **k: False)
+    rig, ds, _ = scene()
+    try:
+        req, _, out, owned = admit_a(rig)
+        assert out == (8, req.last_node) and not owned
+        assert rig.runtime.stats["exchanges"] == 0
+        lost = [p for p in (B, C) if where(rig, p) != (0, 8)]
+        assert lost, "the demotions for A's room pushed nothing out of the full donor tier"
+        assert all(run_batch(rig, req)) and rig.kv_of(req, A)
+        assert rig.runtime.stats["loads_started"] == 1
+        rig.cache.check_integrity()
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("pages,donor,sizes,exchanged", [
+    (32, (A, B, C), SIZES, False),  # 24 donor tokens free, the room needs 8
+    # 4 donor tokens free; the LRU victim D0 has 4 tokens (eviction takes whole leaves)
+    (16, (A, B, C[:4]), (4,) + SIZES[1:-1] + (6,), False),  # room 10 - 6 = 4: exactly enough
+    (16, (A, B, C[:4]), (4,) + SIZES[1:-1] + (7,), True),  # room 10 - 5 = 5: one short
+])
+def test_a_donor_tier_with_room_for_the_victims_loads_the_hit_as_usual(pages, donor, sizes,
+                                                                       exchanged):
+    """Invariant: while the donor tier's free room covers the device room the hit needs, the
+    victims are demoted into it (nothing is pushed out) and the hit is streamed under its
+    batch's forward; one token short of that, the hit is exchanged."""
+    rig, ds, _ = scene(pages, donor, sizes)
+    try:
+        stats = rig.runtime.stats
+        room = NEED - rig.alloc.available_size()
+        assert (rig.cache.tree.donor.available_tokens() < room) is exchanged
+        req, m, out, owned = admit_a(rig)
+        assert stats["exchanges"] == int(exchanged) and owned is exchanged
+        assert out == (8, m.best_match_node if exchanged else rig.cache.root_node)
+        assert all(run_batch(rig, req)) and rig.kv_of(req, A)
+        assert stats["loads_started"] == int(not exchanged)
+        assert all(where(rig, p) == (0, len(p)) for p in donor[1:]), "a donor prefix was lost"
+        assert where(rig, ds[0]) == (0, len(ds[0]))
+        rig.cache.check_integrity()
+    finally:
+        rig.close()
+
+
+def test_a_donor_dead_before_admission_neither_exchanges_nor_loads():
+    """Invariant: a hit whose donor is gone when the request is admitted (matched while alive)
+    is recomputed: no exchange (failed or not), no load queued or started, nothing left
+    allocated, locked or in flight, and SGLang's accounting holds."""
+    rig, ds, _ = scene()
+    try:
+        m = rig.match(A)
+        assert m.host_hit_length == 8
+        rig.alive["d"] = False
+        req, _, out, owned = load_back(rig, A, "ra", m)
+        stats = rig.runtime.stats
+        assert out == (0, rig.cache.root_node) and not owned
+        assert (stats["exchanges"], stats["exchanges_failed"]) == (0, 0)
+        assert stats["loads_declined"] == 1
+        run_batch(rig, req)
+        assert stats["loads_started"] == 0 and stats["loaded_tokens"] == 0
+        assert rig.cache.tree.in_flight() == 0 and accounted(rig)
+        rig.cache.check_integrity()
+    finally:
+        rig.close()
+
+
+def test_a_donor_lost_during_the_exchange_drops_both_sides_and_frees_the_victims_slots():
+    """Invariant: a donor lost after the exchange swapped its first layer: init_load_back
+    returns (0, the request's node) and counts a failed exchange; neither A's donor copy nor the
+    victims' device copy (half swapped) stays in the tree, the victims' slots are free, A's
+    donor blocks are free, the other prefixes are untouched, the tree is consistent and
+    SGLang's accounting holds."""
+    rig, ds, slots = scene()
+    try:
+        m = rig.match(A)
+        calls = {"n": 0}
+
+        def alive():  # the hit's readability check, layer 0's check; lost from layer 1 on
+            calls["n"] += 1
+            return calls["n"] <= 2
+
+        rig.runtime.engines[("d", 0)].liveness = alive
+        req, _, out, owned = load_back(rig, A, "ra", m)
+        stats = rig.runtime.stats
+        assert out == (0, rig.cache.root_node) and not owned
+        assert (stats["exchanges"], stats["exchanges_failed"]) == (0, 1)
+        victims = torch.cat([slots[0], slots[1][6:]])
+        want_a = torch.tensor(A, dtype=torch.float32) * 10
+        assert torch.equal(rig.k[0][victims][:, 0, 0], want_a), "layer 0 was not swapped"
+        assert not torch.equal(rig.k[1][victims][:, 0, 0], want_a + 1), "layer 1 was swapped"
+        tree = rig.cache.tree
+        assert tree.match(A).tokens_from(DONOR) == tree.match(A).device_len == 0
+        assert tree.match(ds[0]).tokens_from(DONOR) == tree.match(ds[0]).device_len == 0
+        d1 = tree.match(ds[1])
+        assert (d1.device_len, d1.tokens_from(DONOR)) == (6, 0), "D1's swapped tail stayed"
+        assert set(victims.tolist()) <= set(rig.alloc.free_slots)
+        assert rig.alloc.available_size() == FREE + 8
+        assert tree.donor.available_tokens() == 8, "A's donor blocks were not freed"
+        assert all(tree.match(p).tokens_from(DONOR) == 8 for p in (B, C))
+        assert all(where(rig, d) == (8, 0) for d in ds[2:])
+        assert tree.in_flight() == 0 and accounted(rig)
+        rig.cache.check_integrity()
+    finally:
+        rig.close()
+
+
+def test_the_cache_owned_answer_does_not_leak_into_the_next_load_back():
+    """Invariant: load_back_is_cache_owned() is True only right after the init_load_back that
+    exchanged: a following call with no donor hit, and a following streamed load, answer
+    False."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+
+    rig, _, _ = scene()
+    try:
+        _, _, out, owned = admit_a(rig)
+        assert owned and out[0] == 8
+        plain = SimpleNamespace(rid="plain", last_node=rig.cache.root_node, prefix_len=0,
+                                full_untruncated_fill_ids=[1, 0])
+        rig.cache.init_load_back(InitLoadBackParams(rig.cache.root_node, 0, req=plain))
+        assert not rig.cache.load_back_is_cache_owned()
+    finally:
+        rig.close()
+    rig, _, _ = scene()
+    try:
+        _, _, out, owned = admit_a(rig)
+        assert owned and out[0] == 8
+        with admission.holding(rig.cache.tree.match(B)):
+            rig.cache.evict(EvictParams(num_tokens=NEED))
+        assert rig.alloc.available_size() >= NEED and where(rig, B) == (0, 8)
+        req, _, out, owned = load_back(rig, B, "rb")
+        assert out == (8, rig.cache.root_node) and not owned
+        assert rig.runtime.stats["exchanges"] == 1
+        assert all(run_batch(rig, req)) and rig.kv_of(req, B)
+        assert rig.runtime.stats["loads_started"] == 1
+    finally:
+        rig.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "should_exchange compares the donor tier's free room with the device room the hit needs "
+    "(need - available), but the eviction that makes that room demotes whole leaves: here it "
+    "needs 2 tokens, the LRU leaf D0 has 6, the donor tier has 4 free, so D0's demotion pushes "
+    "B or C out of the donor tier although the exchange (D0 and 2 tokens of D1, split) would "
+    "have lost nothing"))
+def test_room_made_by_demoting_a_leaf_larger_than_the_room_does_not_push_donor_prefixes_out():
+    """Invariant (the exchange rule's premise): when a hit is streamed instead of exchanged,
+    making its device room pushes no other prefix out of the donor tier."""
+    rig, ds, _ = scene(16, (A, B, C[:4]), SIZES[:-1] + (2,))
+    try:
+        room = NEED - rig.alloc.available_size()
+        assert (room, rig.cache.tree.donor.available_tokens(), len(ds[0])) == (2, 4, 6)
+        req, _, out, owned = admit_a(rig)
+        assert out[0] == 8 and not owned and rig.runtime.stats["exchanges"] == 0
+        assert where(rig, B) == (0, 8) and where(rig, C[:4]) == (0, 4), (
+            "making the hit's room pushed a donor prefix out")
+    finally:
+        rig.close()
