@@ -160,11 +160,14 @@ def admit(tree: Any, pool: DevicePool, key: Sequence[int], namespace: Any = None
 
 def should_exchange(tree: Any, m: Match, room: int) -> bool:
     """Whether to swap the donor part of `m` with device victims (`RadixTree.exchange`) instead
-    of loading it into room made by demotion: that room (`room` device tokens) would be demoted
-    into the donor tier, which has less free room than that, so demoting would push other
-    prefixes out of it while the hit still holds its own blocks there."""
-    return (room > 0 and tree.donor is not None and tree.donor.available_tokens() < room
-            and tree.exchangeable(m) is not None)
+    of loading it into room made by demotion: making that room (`room` device tokens) would
+    demote more into the donor tier than it has free (`RadixTree.demotion_volume`: whole
+    leaves, those without a lower copy), so demoting would push other prefixes out of it while
+    the hit still holds its own blocks there. Otherwise the hit streams in under the forward
+    and costs the donor tier nothing."""
+    if room <= 0 or tree.donor is None or tree.exchangeable(m) is None:
+        return False
+    return tree.donor.available_tokens() < tree.demotion_volume(room)
 
 
 @contextmanager

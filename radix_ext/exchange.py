@@ -125,6 +125,28 @@ class ExchangeMixin:
                 heapq.heappush(heap, (pol.device_priority(p, self), p.id, p))
         return taken if total == num_tokens else None
 
+    def demotion_volume(self, num_tokens: int) -> int:
+        """Tokens `evict_device(num_tokens)` would demote into lower tiers now: its victims are
+        whole leaves in the eviction policy's order (more than `num_tokens` when the last is
+        larger than what is left), and those that already have a lower copy need no room there.
+        Changes nothing."""
+        pol = self.eviction
+        gone: set = set()
+        heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
+        heapq.heapify(heap)
+        evicted = demoted = 0
+        while evicted < num_tokens and heap:
+            _, _, x = heapq.heappop(heap)
+            gone.add(x)
+            evicted += len(x.key)
+            demoted += len(x.key) if len(x.res) == 1 else 0
+            p = x.parent
+            if (p is not self.root and not p.lock_ref and not p.pins and p not in self._leaving
+                    and all(c in gone or c in self._leaving or DEVICE not in c.res
+                            for c in p.children.values())):
+                heapq.heappush(heap, (pol.device_priority(p, self), p.id, p))
+        return demoted
+
     def _drop_exchanged(self, hit: tuple, victims: list) -> array:
         """A failed swap: neither H's donor blocks nor the victims' slots hold what the tree says.
         Drop both (each had no other copy); returns the device slots to free."""

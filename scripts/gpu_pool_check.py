@@ -10,6 +10,8 @@ and checks, with the engine the runtime uses:
 - pool_stream_matches_rule: the donor's pages, read in grant order chunk by chunk, hold exactly
   the borrower blocks the packing rule puts there;
 - pool_backends_agree: the one-pass Triton copy and the gather-copy-scatter path load the same;
+- pool_exchange: a donor hit swapped with device victims in place (`begin_exchange`), then
+  swapped back: each side holds the other's bytes, then its own again;
 - pool_cross_device (two GPUs only, else skipped with a message): the borrower's pool on
   another GPU than the donor's, store and load through the cross-device path;
 and the donor checks (pool_donor_sees_bytes) that its own buffers hold the borrower's stream.
@@ -135,11 +137,31 @@ def borrower_pool_checks(args, msg, device, local_pool, timer, dry_run: bool):
     seen = stream_checksum(dk, dv, mapped.layout.geometry.page_size, msg["pages"], info["used"])
     checks["pool_stream_matches_rule"] = seen == info["checksum"]
     del dk, dv, k3, v3
+    checks["pool_exchange"] = _exchange_twice(eng, k, v, slots, dst, blocks, device, same)
     _cross_device(checks, info, device, dry_run, load_into, same, k, v, slots, dst)
     row = _bandwidth(args, eng, packing, k, slots, dst, blocks, device, timer)
     eng.close()
     mapped.close()
     return checks, row, info
+
+
+def _exchange_twice(eng, k, v, slots, dst, blocks, device, same) -> bool:
+    """A donor hit swapped with device victims (`begin_exchange`, enqueued on the lane): the
+    victims' slots `dst` then hold the stored prefix (slots `slots`), and a second exchange puts
+    the victims back and the prefix into the blocks again (so the donor's own check still sees
+    the stream it expects)."""
+    import torch
+
+    before_k = [x[dst.to(x.device)].clone() for x in k]
+    before_v = [x[dst.to(x.device)].clone() for x in v]
+    ok = eng.begin_exchange(dst, blocks).wait(120).ok
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    ok = ok and same(k, k, dst, slots) and same(v, v, dst, slots)
+    ok = eng.begin_exchange(dst, blocks).wait(120).ok and ok
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    back = all(torch.equal(x[dst.to(x.device)].view(torch.int8), b.view(torch.int8))
+               for x, b in zip((*k, *v), (*before_k, *before_v)))
+    return bool(ok and back)
 
 
 def _cross_device(checks, info, device, dry_run, load_into, same, k, v, slots, dst):

@@ -461,13 +461,18 @@ def test_should_exchange_only_when_the_donor_tier_cannot_take_the_room_and_the_h
     P = page
     t = _tree(page, blocks=4)  # 4 pages of donor room
     _donor_hit(t, _key(100, P), _key(0, P))
-    _insert(t, _key(200, 2 * P), _key(1000, 2 * P))
+    _insert(t, _key(200, 2 * P), _key(1000, 2 * P))  # the oldest device leaf, then three more
+    for i, first in enumerate((300, 400, 500)):
+        _insert(t, _key(first, P), _key(2000 + 1000 * i, P))
     free = t.donor.available_tokens()
     assert free == 3 * P
     m = t.match(_key(100, P))
     assert not should_exchange(t, m, 0), "no room needed"
     assert not should_exchange(t, m, free), "the donor tier takes what the room demotes"
     assert should_exchange(t, m, free + 1) and should_exchange(t, m, free + P)
+    # the room is made of whole leaves: 1 token of room demotes the 2-page leaf, which fits
+    assert t.demotion_volume(1) == 2 * P and not should_exchange(t, m, 1)
+    assert t.demotion_volume(10 * P) == 5 * P, "no more than the device holds"
     assert not should_exchange(t, t.match(_key(200, 2 * P)), free + P), "a device hit: nothing to swap"
     with holding(m):
         assert not should_exchange(t, m, free + P), "a pinned hit cannot swap"
