@@ -87,6 +87,48 @@ async def generate(http: aiohttp.ClientSession, base_url: str, prompt: str, max_
     return rec
 
 
+async def generate_batch(http: aiohttp.ClientSession, base_url: str, input_ids: list[list[int]],
+                         max_tokens: int, recs: list[RequestRecord], t0: float) -> list[RequestRecord]:
+    """POST one /generate of several pre-tokenized prompts with streaming; fills `recs[i]` for
+    prompt i (times relative to the one send). SGLang sends a batch of token ids to its
+    scheduler as one message, so the prompts arrive there together."""
+    payload = {"input_ids": input_ids, "stream": True,
+               "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0,
+                                   "ignore_eos": True}}
+    start = time.perf_counter()
+    last_t, last_n = [None] * len(recs), [0] * len(recs)
+    for rec in recs:
+        rec.t_send = start - t0
+    try:
+        async with http.post(base_url.rstrip("/") + "/generate", json=payload) as resp:
+            if resp.status != 200:
+                error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                for rec in recs:
+                    rec.error = error
+                return recs
+            async for now, ev in _sse_events(resp):
+                i = ev.get("index", 0)
+                rec, meta = recs[i], ev.get("meta_info", {})
+                n = meta.get("completion_tokens", last_n[i] + 1)
+                text = ev.get("text", "")
+                if n <= last_n[i] and not text:
+                    continue
+                if rec.ttft is None:
+                    rec.ttft = now - start
+                elif n > last_n[i]:
+                    rec.itls.extend([(now - last_t[i]) / (n - last_n[i])] * (n - last_n[i]))
+                last_t[i], last_n[i] = now, n
+                rec.text = text
+                rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
+                rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+                rec.completion_tokens = n
+                rec.e2e = now - start
+    except aiohttp.ClientError as exc:
+        for rec in recs:
+            rec.error = f"{type(exc).__name__}: {exc}"
+    return recs
+
+
 async def chat(http: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int,
                rec: RequestRecord, t0: float, model: str = "default") -> RequestRecord:
     """POST /v1/chat/completions with streaming and usage; fills `rec`."""

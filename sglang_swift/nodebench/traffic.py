@@ -7,10 +7,13 @@ Two phases:
    whole history with the model's own answers; meanwhile the donor gets light traffic,
    `plan.donor_requests` turns of its own conversations, one every `plan.donor_interval_s` (or
    later, if the previous one is still running). The headline figures come from this phase.
-2. reclaim: once both are done, the donor gets a burst of `plan.burst_requests` concurrent
-   requests (one long ShareGPT message each, cut to `plan.burst_tokens_each` tokens) while the
-   busy model sends each conversation's next turn (`busy_reclaim`), so a reclaim meets a borrower
-   that is serving and loading.
+2. reclaim: once both are done, the donor gets a burst of `plan.burst_requests` requests (one
+   long ShareGPT message each, cut to `plan.burst_tokens_each` tokens) in one batched `/generate`
+   of token ids, which SGLang hands its scheduler as one message: every run sees the same six
+   requests arrive together, where concurrent calls reached the scheduler loop by chance in one,
+   two or three batches and that chance decided the donor's P99 (docs/node_bench.md). Meanwhile
+   the busy model sends each conversation's next turn (`busy_reclaim`), so a reclaim meets a
+   borrower that is serving and loading.
 Every request is greedy (temperature 0) with a fixed output length, so outputs can be compared
 across runs request by request.
 """
@@ -23,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..loadgen.client import RequestRecord, chat
+from ..loadgen.client import RequestRecord, chat, generate_batch
 from ..workloads.sharegpt import Conversation, load_conversations
 from .plan import NodePlan
 
@@ -34,7 +37,7 @@ BURST_SCAN = 400  # conversations searched, in file order, for messages long eno
 class Traffic:
     busy: tuple[Conversation, ...]  # plan.turns steady turns, then one for the reclaim phase
     donor: tuple[Conversation, ...]
-    burst: tuple[str, ...]  # one user message per burst request
+    burst: tuple[tuple[int, ...], ...]  # one prompt per burst request, as token ids
 
 
 def build_traffic(plan: NodePlan, tokenizer_json: Path) -> Traffic:
@@ -57,7 +60,8 @@ def build_traffic(plan: NodePlan, tokenizer_json: Path) -> Traffic:
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
     burst = long_messages(load_conversations(BURST_SCAN), taken, tokenizer,
                           plan.burst_tokens_each, plan.burst_requests)
-    return Traffic(tuple(busy), tuple(donor), tuple(burst))
+    ids = tuple(tuple(tokenizer.encode(text).ids) for text in burst)
+    return Traffic(tuple(busy), tuple(donor), ids)
 
 
 def long_messages(convs: list[Conversation], exclude: set[str], tokenizer, tokens: int,
@@ -143,11 +147,15 @@ async def _donor_light(http, url, traffic: Traffic, plan: NodePlan,
 
 async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> list[RequestRecord]:
     marks.burst_start = marks.now()
-    records = await asyncio.gather(*(
-        _send(http, url, [{"role": "user", "content": text}], plan.burst_max_tokens,
-              f"burst-{i}", 1, "burst", marks.t0) for i, text in enumerate(traffic.burst)))
+    records = [RequestRecord(session=f"burst-{i}", turn=1, server="burst", t_send=0.0)
+               for i in range(len(traffic.burst))]
+    await generate_batch(http, url, [list(ids) for ids in traffic.burst], plan.burst_max_tokens,
+                         records, marks.t0)
+    for rec in records:
+        if rec.error:
+            raise RuntimeError(f"burst request {rec.session} failed: {rec.error}")
     marks.burst_end = marks.now()
-    return list(records)
+    return records
 
 
 async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,

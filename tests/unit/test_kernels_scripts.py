@@ -83,7 +83,7 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     checks = summary["checks"]
     assert checks["ipc_roundtrip_page8"] and checks["donor_sees_borrower_bytes"]
     for name in ("pool_ipc_roundtrip", "pool_stream_matches_rule", "pool_backends_agree",
-                 "pool_cross_device", "pool_donor_sees_bytes"):
+                 "pool_exchange", "pool_cross_device", "pool_donor_sees_bytes"):
         assert checks[name] is True, name
     assert summary["pool"]["backend"] == "triton"
     assert checks["stream_load_bit_identical"] is True and summary["stream"]["ratio"] > 0

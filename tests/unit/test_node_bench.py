@@ -136,21 +136,36 @@ def _fake_chat_app(arrivals):
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
+    async def generate(request):  # one batched call of token ids: every prompt streams
+        body = await request.json()
+        arrivals.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for n in (1, 2):  # cumulative text, interleaved across the prompts
+            for i, ids in enumerate(body["input_ids"]):
+                meta = {"completion_tokens": n, "prompt_tokens": len(ids), "cached_tokens": 1}
+                ev = {"index": i, "text": f"g{len(ids)}" + "." * (n - 1), "meta_info": meta}
+                await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/generate", generate)
     return app
 
 
 def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
     """Steady phase: busy turns round-robin with growing histories (the model's answers
     included) and the donor's light turns alternating its conversations. Only when both are
-    done does the burst go, concurrently, one message each, beside each busy conversation's next
-    turn (which continues its history); marks are in order."""
+    done does the burst go, as one batched /generate of token ids (so its requests reach the
+    donor's scheduler together in every run), beside each busy conversation's next turn (which
+    continues its history); marks are in order."""
     busy = tuple(Conversation(f"b{i}", tuple(Turn(f"u{i}{t}", ".") for t in range(3)))
                  for i in range(2))
     donor = tuple(Conversation(f"d{i}", tuple(Turn(f"v{i}{t}", ".") for t in range(2)))
                   for i in range(2))
-    tr = traffic.Traffic(busy, donor, ("long one", "long two"))
+    tr = traffic.Traffic(busy, donor, ((1, 2, 3), (4, 5)))
     p = plan.NodePlan(conversations=2, turns=2, donor_conversations=2, donor_requests=3,
                       donor_interval_s=0.0, burst_requests=2)
     arrivals_busy, arrivals_donor = [], []
@@ -183,13 +198,17 @@ def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
     assert [len(b["messages"]) for b in arrivals_busy] == [1, 1, 3, 3, 5, 5]
     assert arrivals_busy[2]["messages"][1] == {"role": "assistant", "content": "m1."}
     assert [(r.session, r.turn) for r in records["donor"]] == [("d0", 1), ("d1", 1), ("d0", 2)]
-    assert sorted(r.session for r in records["burst"]) == ["burst-0", "burst-1"]
+    assert [r.session for r in records["burst"]] == ["burst-0", "burst-1"]
+    (batched,) = [b for b in arrivals_donor if "input_ids" in b]
+    assert batched["input_ids"] == [[1, 2, 3], [4, 5]] and len(arrivals_donor) == 4
+    assert [(r.text, r.prompt_tokens, r.completion_tokens) for r in records["burst"]] == [
+        ("g3.", 3, 2), ("g2.", 2, 2)]
     assert all(r.cached_tokens == 1 and r.ttft is not None for s in records.values() for r in s)
     steady_end = max(r.t_send + r.e2e for r in records["busy"] + records["donor"])
     assert marks.burst_start >= steady_end
     assert all(r.t_send >= marks.burst_start for r in records["burst"] + records["busy_reclaim"])
     assert marks.burst_start <= marks.burst_end <= marks.traffic_end
-    assert phases == [("reclaim", 4, 3), ("end", 6, 5)]
+    assert phases == [("reclaim", 4, 3), ("end", 6, 4)]
 
 
 def test_thread_cpu_readings_name_the_threads_of_a_process_tree_that_did_the_work(tmp_path):
