@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens; donor: pool "
           f"{plan.donor_pool} tokens, lends {plan.lend_fraction:.0%} (= {max_borrow} busy "
           f"tokens), {plan.donor_requests} light requests, a burst of {plan.burst_requests} x "
-          f"{plan.burst_tokens_each} tokens", flush=True)
+          f"{plan.burst_tokens_each} tokens in one batched call", flush=True)
 
     def run(spec):
         print(f"[{spec.key}] {spec.name}: busy pool {spec.busy_pool}, donor pool "
