@@ -1,5 +1,6 @@
 """The borrower's side of `SwiftRadixCache`: donor hits offered to SGLang's admission and
-streamed under the forward (`streaming.py`), demotions beside the scheduler (`demotion.py`).
+streamed under the forward (`streaming.py`) or, when the donor tier is full, swapped in place
+with device victims (the exchange), demotions beside the scheduler (`demotion.py`).
 
 A mixin of the cache class (it uses the cache's tree, slots, runtime and device); every method
 here is a no-op or the stock behaviour while the server does not borrow (`self.loads` is None).
@@ -51,6 +52,8 @@ def path_key(tree: RadixTree, node: Any) -> Optional[tuple[array, Any]]:
 
 class DonorHitsMixin:
     """Mixed into `SwiftRadixCache`; see the module docstring."""
+
+    _owned_load = False  # the last init_load_back gave the request a tree-owned prefix
 
     def _start_streaming(self, config: Any, kv_pool: Any, tp_worker: Any,
                          load_trace: Optional[str]) -> None:
@@ -199,7 +202,7 @@ class DonorHitsMixin:
         and locked by the request like any device prefix. Streamed loads are not: their slots
         belong to the request until its forward confirmed them (it then inserts them like
         computed KV); a failed load is freed with the request."""
-        return getattr(self, "_owned_load", False)
+        return self._owned_load
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         path = self.path_device_indices(req.last_node)
