@@ -41,33 +41,12 @@ from swift_kernels import K, V
 
 from .copy_fence import CopyFence
 from .packing import CopyPlan, LeasePacking
+from .pool_rows import (STAGING_BYTES, check_buffers, index_to_device, resolve_backend,
+                        unit_rows)
 from .streams import make_lane
 from .transfer import TransferHandle, TransferResult
 
-_WIDTHS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16),
-           (1, torch.uint8))
-# CPU: a layer moves through a staging buffer this big, reused, so the gathered rows are still in
-# cache when they are scattered and no fresh (page-faulting) temporary is allocated per layer.
-# Measured on the 2-core CI machine, 256 MiB moved in 32 KiB units: one temporary per op
-# 1.0 GB/s, 1 MiB staging 5.8, 4 MiB 6.2 (a plain copy 9.2).
-STAGING_BYTES = 2 << 20
 _here = threading.local()  # per thread: the staging buffer of the stores it runs (store_here)
-
-
-def resolve_backend(backend: str, local: torch.device, donor: torch.device) -> str:
-    """`auto`: "staged" on CPU, "triton" (one pass) within one GPU, "reference" (gather, copy,
-    scatter) between two devices (two GPUs, or host memory and a GPU)."""
-    if backend == "auto":
-        if local.type == "cpu" and donor.type == "cpu":
-            return "staged"
-        return "triton" if local == donor and sk.triton_available() else "reference"
-    if backend not in sk.row_copy.BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; use auto or one of "
-                         f"{sk.row_copy.BACKENDS}")
-    if backend == "triton" and local != donor:
-        raise ValueError(f"backend 'triton' needs both pools on one device, got {local} and "
-                         f"{donor}")
-    return backend
 
 
 class PoolTransferHandle(TransferHandle):
@@ -104,7 +83,7 @@ class PoolTransferEngine:
                  clock: Callable[[], float] = time.monotonic, lane=None, cpu_threads: int = 1,
                  backend: str = "auto"):
         g = packing.borrower
-        _check_buffers(g, k_buffers, v_buffers)
+        check_buffers(g, k_buffers, v_buffers)
         if region.dtype != torch.uint8 or region.dim() != 1:
             raise ValueError(f"region must be the donor pool's flat uint8 bytes, got "
                              f"{region.dtype} {tuple(region.shape)}")
@@ -321,8 +300,8 @@ class PoolTransferEngine:
             self._staging = torch.empty(plan.unit, dtype=torch.uint8)  # a unit above 2 MiB
         lane_stream = getattr(self.lane, "stream", None)
         peer_stream = getattr(self.lane, "peer_stream", None) or lane_stream
-        local = tuple(_to_device(t, self.local_device, lane_stream) for t in plan.local)
-        stream = tuple(_to_device(t, self.donor_device, peer_stream) for t in plan.stream)
+        local = tuple(index_to_device(t, self.local_device, lane_stream) for t in plan.local)
+        stream = tuple(index_to_device(t, self.donor_device, peer_stream) for t in plan.stream)
         return CopyPlan(plan.unit, plan.layer_step, local, stream, plan.page_aligned)
 
     def _rows(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
@@ -376,28 +355,6 @@ class PoolTransferEngine:
 FENCED = "blocks fenced: reclaimed by the donor"
 
 
-def _to_device(t: torch.Tensor, device: torch.device, stream) -> torch.Tensor:
-    """An index tensor onto `device` for the lane stream `stream` that will read it. GPU: copied
-    from pinned memory on that stream without blocking, so the host does not wait for the
-    compute stream to reach a pageable copy, and the copy is ordered before the lane's reads
-    by the stream itself (torch's pinned allocator keeps the host block until the copy ran,
-    and the device tensor belongs to `stream`, so its memory is not reused before)."""
-    if device.type != "cuda":
-        return t
-    with torch.cuda.stream(stream):
-        return t.pin_memory().to(device, non_blocking=True)
-
-
-def unit_rows(flat: torch.Tensor, unit: int, align: int, max_width: int = 16) -> torch.Tensor:
-    """`flat` (1-D uint8) as `[len // unit, unit]` rows of the widest element (at most
-    `max_width` bytes) that divides the unit and `align` (the pointers' common alignment): wide
-    rows make index copies move words, not bytes (16-byte rows run as memcpy on CPU)."""
-    width, dtype = next((w, d) for w, d in _WIDTHS
-                        if w <= max_width and unit % w == 0 and align % w == 0)
-    usable = flat.numel() // unit * unit
-    return flat[:usable].view(dtype).view(-1, unit // width)
-
-
 def _ids(blocks) -> list[int]:
     return torch.as_tensor(blocks, dtype=torch.int64).reshape(-1).tolist()
 
@@ -407,21 +364,3 @@ def _refused(handle: PoolTransferHandle, result: TransferResult) -> PoolTransfer
     handle._future = Future()
     handle._future.set_result(result)
     return handle
-
-
-def _check_buffers(g, k_buffers, v_buffers) -> None:
-    if len(k_buffers) != g.num_layers or len(v_buffers) != g.num_layers:
-        raise ValueError(f"the borrower's geometry has {g.num_layers} layers, got "
-                         f"{len(k_buffers)} K and {len(v_buffers)} V buffers")
-    k0 = k_buffers[0]
-    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-        want = ((k0.shape[0], g.num_kv_heads, g.head_dim), (k0.shape[0], g.num_kv_heads,
-                                                            g.v_head_dim))
-        if (tuple(k.shape), tuple(v.shape)) != want or {k.dtype, v.dtype} != {g.dtype}:
-            raise ValueError(f"layer {layer}: buffers {k.dtype} K {tuple(k.shape)} / V "
-                             f"{tuple(v.shape)} do not match {g} with {k0.shape[0]} rows")
-        if not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError(f"layer {layer}: K and V must be contiguous NHD buffers")
-        if k.device != k0.device or v.device != k0.device:
-            raise ValueError(f"layer {layer}'s buffers are on {k.device} / {v.device}, layer "
-                             f"0's on {k0.device}; every layer must be on one device")

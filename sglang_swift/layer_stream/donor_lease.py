@@ -22,7 +22,7 @@ import swift_kernels as sk
 from swift_kernels import K, V, KVGeometry
 
 from ..dataplane.packing import LeasePacking
-from ..dataplane.pool_transfer import resolve_backend, unit_rows
+from ..dataplane.pool_rows import resolve_backend, unit_rows
 
 FREE, GONE = -1, -2  # DonorLease.pages entries that are not a store page
 
