@@ -139,13 +139,7 @@ class PoolTransferEngine:
         """Copy borrower tokens `slots` (all layers, K and V) into lease blocks `blocks`: token
         i goes to row i % page_size of block `blocks[i // page_size]`. The caller keeps those
         blocks locked (not evictable, not released) until the handle completes."""
-        plan = self._plan(slots, blocks, store=True)
-        handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
-        if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
-            return _refused(handle, self._fenced_store())
-        handle._future = self._submit(
-            plan, lambda: self._layers_job(plan, handle, self._staging, self._store_layer))
-        return handle
+        return self._begin(slots, blocks, exchange=False)
 
     def store_here(self, slots, blocks) -> TransferResult:
         """`begin_store` run to its end on the calling thread, for a CPU engine (a GPU engine
@@ -164,12 +158,17 @@ class PoolTransferEngine:
         partly swapped: layers before the failed one swapped, later ones untouched, and the
         failed layer itself in any state (a copy that raised inside it may have written one
         side only), so the caller trusts neither side afterwards."""
-        plan = self._plan(slots, blocks, store=False)
+        return self._begin(slots, blocks, exchange=True)
+
+    def _begin(self, slots, blocks, exchange: bool) -> PoolTransferHandle:
+        """A store or an exchange started on the lane (GPU: enqueued from this thread)."""
+        plan = self._plan(slots, blocks, store=not exchange)
         handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
         if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
             return _refused(handle, self._fenced_store())
+        copy_layer = self._exchange_layer if exchange else self._store_layer
         handle._future = self._submit(
-            plan, lambda: self._layers_job(plan, handle, self._staging, self._exchange_layer))
+            plan, lambda: self._layers_job(plan, handle, self._staging, copy_layer))
         return handle
 
     def exchange_here(self, slots, blocks) -> TransferResult:
