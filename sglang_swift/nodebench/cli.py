@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ..tools.tiny_model import ensure_tiny_model
 from .plan import ModelFacts, NodePlan, ideal_run, stock_run, swiftcache_run
-from .report import (compare_outputs, format_run, plot_capacity, reclaim_view, run_tables,
+from .report import (burst_forwards, burst_split, compare_outputs, format_run, plot_capacity, reclaim_view, run_tables,
                      summarize)
-from .runner import run_one
+from .runner import forward_trace_path, run_one
 from .traffic import build_traffic
 
 OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction",
@@ -61,6 +61,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     except ValueError as exc:
         ap.error(str(exc))
     return args, plan
+
+
+def _burst_splits(runs: dict, tables: dict, out: Path) -> dict:
+    """--diagnose: each run's donor burst TTFT P99 split into its prefill passes and the rest."""
+    split = {}
+    for key, r in runs.items():
+        path = forward_trace_path(out, r.spec, "donor")
+        trace = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+            if path.exists() else []
+        burst = tables[key]["burst"]
+        split[key] = burst_split(burst["ttft_p99_ms"], burst_forwards(
+            trace, burst["prompt_tokens"] - burst["cached_tokens"]))
+    return split
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -125,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         for role, lines in r.alerts.items():
             for line in lines:
                 print(f"  log alert ({role}): {line}")
+    if args.diagnose:
+        split = _burst_splits(runs, tables, args.out)
+        summary["donor_burst_split"] = split
+        for key, v in split.items():
+            print(f"donor burst ({key}): TTFT P99 {v['ttft_p99_ms']} ms = {v['forwards']} "
+                  f"prefill pass(es) {v['forward_wall_ms']} ms wall ({v['forward_cpu_ms']} ms "
+                  f"CPU) + {v['outside_ms']} ms outside them" if v else
+                  f"donor burst ({key}): its prefill passes not found in the trace")
     print(f"donor reclaim in (b): {b.reclaims} reclaim(s), latency {latency} s (demand to last "
           f"page back); lent at the burst {reclaim['lent_at_burst']}, usable back to the whole "
           f"pool {reclaim['full_after_s']} s after the burst began (sampled)")

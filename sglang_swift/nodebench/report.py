@@ -70,6 +70,37 @@ def reclaim_view(sampler: Any, burst_start: float | None) -> dict:
     return view
 
 
+def burst_forwards(trace: list[dict], burst_tokens: int) -> list[dict]:
+    """The donor's burst in a --diagnose forward trace (one dict per forward pass, in order):
+    the trailing prefill (EXTEND) passes whose new tokens add up to the burst's prompt tokens.
+    The burst is the donor's last traffic, so only its decode steps come after it. Empty when
+    the trailing prefills do not add up to exactly `burst_tokens` (the burst's prompt tokens
+    less its cached ones), e.g. a trace cut short."""
+    found, total = [], 0
+    for rec in reversed(trace):
+        if rec.get("mode") != "EXTEND":
+            continue
+        found.append(rec)
+        total += int(rec["new_tokens"])
+        if total >= burst_tokens:
+            break
+    return found[::-1] if total == burst_tokens else []
+
+
+def burst_split(ttft_p99_ms: float | None, forwards: list[dict]) -> dict | None:
+    """The donor's burst TTFT P99 split into its prefill passes (wall and thread CPU ms) and the
+    rest (`outside_ms`: queueing, scheduling, a wait for lent pages, the HTTP path). The same
+    forward's CPU time moves by up to 2x between runs on this shared 2-core machine
+    (docs/node_bench.md), so `outside_ms` is where SwiftCache's own cost to the donor shows."""
+    if ttft_p99_ms is None or not forwards:
+        return None
+    wall = sum(f["wall_ms"] for f in forwards)
+    return {"ttft_p99_ms": round(ttft_p99_ms, 1), "forwards": len(forwards),
+            "forward_wall_ms": round(wall, 1),
+            "forward_cpu_ms": round(sum(f["cpu_ms"] for f in forwards), 1),
+            "outside_ms": round(ttft_p99_ms - wall, 1)}
+
+
 def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
               reclaim_latency_s: float | None) -> dict:
     """The JSON summary. `tables`, `outputs` are keyed by run ("a" stock, "b" SwiftCache,
@@ -83,7 +114,8 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
     donor_ttft_p99_ratio  TTFT P99 over all donor requests (light and burst), (b) / (a)
     reclaimed             in (b) the donor had pages lent when its burst began, and its usable
                           capacity was back to its whole pool at a sample after that
-    The busy model's reclaim-phase figures are beside them (`busy_reclaim_*`), not in them."""
+    The busy model's reclaim-phase figures (its turns after the burst) are beside them
+    (`busy_reclaim_*`), not in them."""
     busy = {k: t["busy"] for k, t in tables.items()}
     donor = {k: t["donor_all"] for k, t in tables.items()}
     identical = {"b", "c"} <= outputs.keys() and all(

@@ -18,10 +18,10 @@ from pathlib import Path
 from ..layer_stream.hooks import FORWARD_TRACE_ENV
 from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
-from ..tools.local_server import LocalServer, start_all
+from ..tools.local_server import LocalServer
 from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
 from .plan import NodePlan, RunSpec
-from .traffic import Marks, Traffic, drive
+from .traffic import Marks, Traffic, drive, warm_up_donor
 
 LEASE_TIMEOUT_S = 180.0
 STARTUP_TIMEOUT_S = 600.0  # two servers starting side by side took 85-100 s each at load ~10
@@ -122,7 +122,8 @@ class CpuPhases:
 def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
             traffic: Traffic, out_dir: Path, max_borrow_blocks: int,
             diagnose: bool = False) -> RunResult:
-    """One run; with `diagnose`, every server also traces its forward passes
+    """One run: the donor starts and is warmed (`warm_up_donor`), then the busy server starts,
+    then the traffic. With `diagnose`, every server also traces its forward passes
     (`forward_trace_path`), its threads' CPU per phase goes to OUT/<run>-cpu.json (`CpuPhases`),
     and its log has DIAGNOSE_ARGS' lines."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,9 @@ def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
         stack.callback(shutil.rmtree, rendezvous, True)
         stack.callback(donor.stop)
         stack.callback(busy.stop)
-        start_all([busy, donor])
+        donor.start()  # first, and warmed before the busy server exists (`warm_up_donor`)
+        warm_up_donor(donor.base_url, traffic)
+        busy.start()
         t_ready = time.monotonic()
         if spec.swiftcache:
             wait_for_lease(rendezvous, timeout_s=LEASE_TIMEOUT_S)

@@ -11,9 +11,13 @@ Two phases:
    long ShareGPT message each, cut to `plan.burst_tokens_each` tokens) in one batched `/generate`
    of token ids, which SGLang hands its scheduler as one message: every run sees the same six
    requests arrive together, where concurrent calls reached the scheduler loop by chance in one,
-   two or three batches and that chance decided the donor's P99 (docs/node_bench.md). Meanwhile
-   the busy model sends each conversation's next turn (`busy_reclaim`), so a reclaim meets a
-   borrower that is serving and loading.
+   two or three batches and that chance decided the donor's P99 (docs/node_bench.md). The busy
+   model is idle meanwhile, so the burst's one forward does not share the machine's two cores
+   with the other server's (which moved its time 30% either way between runs); then it sends
+   each conversation's next turn (`busy_reclaim`): the borrower serving once its loan is gone.
+   (A reclaim that meets a copy in flight is `tests/unit/test_runtime.py`'s
+   `test_reclaim_is_acked_from_the_agent_thread_once_the_copy_in_flight_stopped`, and the
+   layer stream's `test_reclaim_and_dead_donor_mid_forward_leave_every_read_unchanged`.)
 Every request is greedy (temperature 0) with a fixed output length, so outputs can be compared
 across runs request by request.
 """
@@ -21,8 +25,11 @@ across runs request by request.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +152,32 @@ async def _donor_light(http, url, traffic: Traffic, plan: NodePlan,
     return records
 
 
+def warm_up_donor(url: str, traffic: Traffic, timeout_s: float = 300.0) -> None:
+    """Before any traffic (and before the busy server starts, so nothing is lent yet): one
+    batched /generate of the burst's shape (its prompts, each rotated by one token, one output
+    token), then /flush_cache so nothing of it stays cached. The first forward of a size a
+    process has not run before touches fresh memory (7,000 page faults and +30 ms for the
+    burst's 6 x 409 tokens on this machine, by an amount that varies from run to run), and
+    the burst was each run's first; so every run's donor, stock or not, has run one."""
+    prompts = [list(ids[1:] + ids[:1]) for ids in traffic.burst]
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    req = urllib.request.Request(url.rstrip("/") + "/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read()
+    deadline = time.monotonic() + 30.0
+    while True:  # SGLang flushes only an idle server; the last request may still be finishing
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/flush_cache", data=b"",
+                                        timeout=30) as r:
+                r.read()
+            return
+        except urllib.error.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> list[RequestRecord]:
     marks.burst_start = marks.now()
     records = [RequestRecord(session=f"burst-{i}", turn=1, server="burst", t_send=0.0)
@@ -161,7 +194,7 @@ async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> l
 async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
                 marks: Marks, on_phase=None) -> dict[str, list[RequestRecord]]:
     """Send the whole traffic; records per stream: `busy` (steady phase), `donor` (light),
-    `burst`, `busy_reclaim` (the busy turns sent during the burst). `on_phase(name)`, if given,
+    `burst`, `busy_reclaim` (the busy turns sent after the burst). `on_phase(name)`, if given,
     is called as the reclaim phase begins ("reclaim") and as the traffic ends ("end")."""
     import aiohttp
 
@@ -173,9 +206,8 @@ async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
                                            _donor_light(http, donor_url, traffic, plan, marks.t0))
         if on_phase is not None:
             on_phase("reclaim")
-        burst, busy_reclaim = await asyncio.gather(
-            _burst(http, donor_url, traffic, plan, marks),
-            replay.turns(plan.turns, plan.turns + 1))
+        burst = await _burst(http, donor_url, traffic, plan, marks)
+        busy_reclaim = await replay.turns(plan.turns, plan.turns + 1)
     marks.traffic_end = marks.now()
     if on_phase is not None:
         on_phase("end")

@@ -155,12 +155,12 @@ def _fake_chat_app(arrivals):
     return app
 
 
-def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
+def test_drive_runs_the_steady_phase_then_the_burst_alone_then_the_next_busy_turn():
     """Steady phase: busy turns round-robin with growing histories (the model's answers
     included) and the donor's light turns alternating its conversations. Only when both are
     done does the burst go, as one batched /generate of token ids (so its requests reach the
-    donor's scheduler together in every run), beside each busy conversation's next turn (which
-    continues its history); marks are in order."""
+    donor's scheduler together in every run), with the busy server idle; then each busy
+    conversation's next turn (which continues its history); marks are in order."""
     busy = tuple(Conversation(f"b{i}", tuple(Turn(f"u{i}{t}", ".") for t in range(3)))
                  for i in range(2))
     donor = tuple(Conversation(f"d{i}", tuple(Turn(f"v{i}{t}", ".") for t in range(2)))
@@ -206,7 +206,8 @@ def test_drive_runs_the_steady_phase_then_the_burst_beside_the_next_busy_turn():
     assert all(r.cached_tokens == 1 and r.ttft is not None for s in records.values() for r in s)
     steady_end = max(r.t_send + r.e2e for r in records["busy"] + records["donor"])
     assert marks.burst_start >= steady_end
-    assert all(r.t_send >= marks.burst_start for r in records["burst"] + records["busy_reclaim"])
+    assert all(r.t_send >= marks.burst_start for r in records["burst"])
+    assert all(r.t_send >= marks.burst_end for r in records["busy_reclaim"])
     assert marks.burst_start <= marks.burst_end <= marks.traffic_end
     assert phases == [("reclaim", 4, 3), ("end", 6, 4)]
 
@@ -336,3 +337,57 @@ def test_cli_quick_and_overrides():
     assert args.quick and p.turns == 3 and p.donor_requests == plan.NodePlan.quick().donor_requests
     with pytest.raises(SystemExit):
         cli.parse_args(["--lend-fraction", "1.5"])
+
+
+def test_burst_forwards_are_the_trailing_prefills_that_add_up_to_the_burst():
+    from sglang_swift.nodebench.report import burst_forwards, burst_split
+
+    def ext(n, wall=10.0):
+        return {"mode": "EXTEND", "new_tokens": n, "wall_ms": wall, "cpu_ms": wall - 1}
+
+    dec = {"mode": "DECODE", "new_tokens": 6, "wall_ms": 5.0, "cpu_ms": 5.0}
+    trace = [ext(300), dec, ext(40), ext(600, 50.0), dec, ext(400, 30.0), dec, dec]
+    found = burst_forwards(trace, 1000)
+    assert [f["new_tokens"] for f in found] == [600, 400]  # in trace order, decodes skipped
+    assert burst_forwards(trace, 900) == []  # 400 + 600 overshoots: not the burst
+    assert burst_forwards([dec, dec], 10) == []
+    split = burst_split(120.0, found)
+    assert split == {"ttft_p99_ms": 120.0, "forwards": 2, "forward_wall_ms": 80.0,
+                     "forward_cpu_ms": 78.0, "outside_ms": 40.0}
+    assert burst_split(None, found) is None and burst_split(120.0, []) is None
+
+
+def test_warm_up_donor_runs_the_bursts_shape_then_flushes_once_the_server_is_idle():
+    import http.server
+    import json as _json
+    import threading
+
+    from sglang_swift.nodebench.traffic import Traffic, warm_up_donor
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n)
+            seen.append((self.path, _json.loads(body) if body else None))
+            busy = self.path == "/flush_cache" and \
+                sum(p == "/flush_cache" for p, _ in seen) == 1  # not idle yet, the first time
+            self.send_response(400 if busy else 200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        traffic = Traffic(busy=(), donor=(), burst=((1, 2, 3), (4, 5, 6, 7)))
+        warm_up_donor(f"http://127.0.0.1:{server.server_port}", traffic)
+    finally:
+        server.shutdown()
+    assert [p for p, _ in seen] == ["/generate", "/flush_cache", "/flush_cache"]
+    gen = seen[0][1]
+    assert gen["input_ids"] == [[2, 3, 1], [5, 6, 7, 4]]  # the burst's shape, not its prompts
+    assert gen["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0}
