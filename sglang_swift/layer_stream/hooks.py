@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 from typing import Any
 
@@ -192,6 +193,7 @@ def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
     if begin is None and _forward_trace is None:
         return orig(runner, forward_batch, *args, **kwargs)
     wall, cpu = time.perf_counter(), time.thread_time()
+    faults = _minor_faults() if _forward_trace is not None else 0
     traced_copies = begin is not None and _forward_trace is not None
     before = dict(pool.stream_stats()) if traced_copies else None
     if begin is not None:
@@ -206,22 +208,33 @@ def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
             if traced_copies:
                 after = pool.stream_stats()
                 copies = {k: after[k] - before[k] for k in ("copy_s", "rows_loaded", "rows_saved")}
+            copies["minor_faults"] = _minor_faults() - faults
             _trace_forward(forward_batch, begin is not None, time.perf_counter() - wall,
                            time.thread_time() - cpu, copies)
+
+
+def _minor_faults() -> int:
+    """Minor page faults of the calling thread so far (first touches of memory)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def _trace_forward(forward_batch, streamed: bool, wall_s: float, cpu_s: float,
                    copies: dict) -> None:
     """One JSON line per forward (benchmarks, tests): its mode, tokens, wall and thread CPU time,
     and for a streamed pool the thread CPU time of the layer copies within it and the rows
-    (token-layers) they loaded from and wrote through to the store."""
+    (token-layers) they loaded from and wrote through to the store; the thread's minor page
+    faults in it, and in how many runs of consecutive slots its new tokens' KV was written
+    (`slot_runs`: 1 when contiguous, `new_tokens` when no two are adjacent)."""
     seq = forward_batch.seq_lens_cpu
+    loc = forward_batch.out_cache_loc
+    slot_runs = int((loc[1:] - loc[:-1] != 1).sum()) + 1 if loc.numel() else 0
     record = {"mode": forward_batch.forward_mode.name, "bs": int(forward_batch.batch_size),
               "new_tokens": int(forward_batch.out_cache_loc.numel()),
               "seq_tokens": int(seq.sum()) if seq is not None else None, "streamed": streamed,
               "wall_ms": wall_s * 1e3, "cpu_ms": cpu_s * 1e3,
               "copy_ms": copies.get("copy_s", 0.0) * 1e3,
-              "rows_loaded": copies.get("rows_loaded", 0), "rows_saved": copies.get("rows_saved", 0)}
+              "rows_loaded": copies.get("rows_loaded", 0), "rows_saved": copies.get("rows_saved", 0),
+              "minor_faults": copies.get("minor_faults", 0), "slot_runs": slot_runs}
     with open(_forward_trace, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -93,6 +93,17 @@ def alerts_in(log_text: str, limit: int = 20) -> list[str]:
 DIAGNOSE_ARGS = ("--enable-request-time-stats-logging", "--gc-warning-threshold-secs", "0.05")
 
 
+# Every server's glibc malloc keeps the memory its forwards free (a fixed mmap threshold, so
+# activations up to 32 MiB come from the heap; a trim threshold no heap reaches, so none is given
+# back), as PyTorch's caching allocator does on a GPU. With glibc's defaults a forward re-faulted
+# whatever earlier frees had given back to the kernel, by an amount that depended on the heap's
+# history: the donor's burst took 4,186 page faults in one stock run and 11,191 in the SwiftCache
+# run beside it (+28 ms of its 152 ms), and none with these (docs/node_bench.md). Legacy variables,
+# not GLIBC_TUNABLES: glibc rewrites that one in the environment a process passes on, so SGLang's
+# scheduler processes would not see all of it.
+MALLOC_KEEPS_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
 def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
     """Where a server of a --diagnose run appends one JSON line per forward pass (its wall and
     thread CPU time: `layer_stream.hooks`, SWIFTCACHE_FORWARD_TRACE)."""
@@ -128,7 +139,7 @@ def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
     and its log has DIAGNOSE_ARGS' lines."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rendezvous = tempfile.mkdtemp(prefix=f"nodebench-{spec.key}-")  # private, 0700
-    env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
     extra = list(DIAGNOSE_ARGS) if diagnose else []
 
     def env_of(role: str) -> dict[str, str]:

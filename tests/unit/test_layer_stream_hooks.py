@@ -231,3 +231,30 @@ def test_forward_trace_records_every_forward_streamed_or_not(tmp_path, monkeypat
     assert (lines[0]["rows_loaded"], lines[0]["rows_saved"]) == (7, 2)
     assert (lines[1]["rows_loaded"], lines[1]["rows_saved"]) == (0, 0)
     assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in lines)
+    assert [r["slot_runs"] for r in lines] == [1, 1]  # slots 3, 4: one run
+
+
+def test_forward_trace_counts_slot_runs_and_the_threads_page_faults(tmp_path, monkeypatch):
+    """`slot_runs`: in how many runs of consecutive slots the new tokens' KV went; and the
+    forward thread's minor page faults: a forward that touches fresh memory shows them."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(hooks, "_forward_trace", str(path))
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1,
+                                  out_cache_loc=torch.tensor([5, 6, 7, 20, 21, 9]),
+                                  seq_lens_cpu=torch.tensor([6]))
+    stock = types.SimpleNamespace(token_to_kv_pool=object(),
+                                  req_to_token_pool=types.SimpleNamespace(req_to_token=None))
+
+    def touch_fresh_memory(runner, fb):
+        import mmap
+        with mmap.mmap(-1, 64 * 4096) as m:  # anonymous: each page faults on its first write
+            for i in range(0, len(m), 4096):
+                m[i] = 1
+
+    hooks.around_model_forward(touch_fresh_memory, stock, batch)
+    hooks.around_model_forward(lambda r, fb: None, stock, batch)
+    touched, idle = [json.loads(x) for x in path.read_text().splitlines()]
+    assert touched["slot_runs"] == idle["slot_runs"] == 3  # 5-7, 20-21, 9
+    assert touched["minor_faults"] >= 64 > idle["minor_faults"]
