@@ -307,20 +307,26 @@ class PoolTransferEngine:
         """`flat` as unit rows as wide as every pointer of this engine allows (`unit_rows`)."""
         return unit_rows(flat, unit, self._ptr_align, self._max_width)
 
+    def _layer_halves(self, plan: CopyPlan, layer: int):
+        """For K then V of layer `layer`: (local rows, the transfer's slots among them, donor
+        rows, the transfer's units among them), all as `_rows` views."""
+        donor = self._rows(self.region, plan.unit)
+        for half, buffers in ((K, self.k), (V, self.v)):
+            local = self._rows(buffers[layer].view(torch.uint8).view(-1), plan.unit)
+            where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
+                                             plan.unit)
+            yield local, plan.local[half], donor, where
+
     def _copy_layer(self, plan: CopyPlan, layer: int, store: bool,
                     staging: torch.Tensor | None) -> str | None:
         """Move layer `layer`'s K and V of the whole transfer; an error is returned as the
         reason (reported as failed layers) rather than raised on the lane."""
         try:
-            donor = self._rows(self.region, plan.unit)
-            for half, buffers in ((K, self.k), (V, self.v)):
-                local = self._rows(buffers[layer].view(torch.uint8).view(-1), plan.unit)
-                where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
-                                                 plan.unit)
+            for local, rows, donor, where in self._layer_halves(plan, layer):
                 if store:
-                    self._move(local, plan.local[half], donor, where, staging)
+                    self._move(local, rows, donor, where, staging)
                 else:
-                    self._move(donor, where, local, plan.local[half], staging)
+                    self._move(donor, where, local, rows, staging)
         except Exception as exc:  # noqa: BLE001 - reported as failed layers
             return f"copy failed: {exc}"
         return None
@@ -330,12 +336,7 @@ class PoolTransferEngine:
         """Swap layer `layer`'s K and V of the transfer's slots and blocks (see
         `begin_exchange`); an error is returned as the reason, as `_copy_layer` does."""
         try:
-            donor = self._rows(self.region, plan.unit)
-            for half, buffers in ((K, self.k), (V, self.v)):
-                local = self._rows(buffers[layer].view(torch.uint8).view(-1), plan.unit)
-                where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
-                                                 plan.unit)
-                rows = plan.local[half]
+            for local, rows, donor, where in self._layer_halves(plan, layer):
                 held = local.index_select(0, rows)  # the slots' rows, before they are written
                 self._move(donor, where, local, rows, staging)
                 order = torch.arange(held.shape[0], device=held.device)
