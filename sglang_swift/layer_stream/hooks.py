@@ -233,7 +233,8 @@ def _trace_forward(forward_batch, streamed: bool, wall_s: float, cpu_s: float,
               "seq_tokens": int(seq.sum()) if seq is not None else None, "streamed": streamed,
               "wall_ms": wall_s * 1e3, "cpu_ms": cpu_s * 1e3,
               "copy_ms": copies.get("copy_s", 0.0) * 1e3,
-              "rows_loaded": copies.get("rows_loaded", 0), "rows_saved": copies.get("rows_saved", 0),
+              "rows_loaded": copies.get("rows_loaded", 0),
+              "rows_saved": copies.get("rows_saved", 0),
               "minor_faults": copies.get("minor_faults", 0), "slot_runs": slot_runs}
     with open(_forward_trace, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from ..tools.tiny_model import ensure_tiny_model
 from .plan import ModelFacts, NodePlan, ideal_run, stock_run, swiftcache_run
-from .report import (burst_forwards, burst_split, compare_outputs, format_run, plot_capacity, reclaim_view, run_tables,
-                     summarize)
+from .report import (burst_forwards, burst_split, compare_outputs, format_run, plot_capacity,
+                     reclaim_view, run_tables, summarize)
 from .runner import forward_trace_path, run_one
 from .traffic import build_traffic
 

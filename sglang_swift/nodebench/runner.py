@@ -98,10 +98,11 @@ DIAGNOSE_ARGS = ("--enable-request-time-stats-logging", "--gc-warning-threshold-
 # back), as PyTorch's caching allocator does on a GPU. With glibc's defaults a forward re-faulted
 # whatever earlier frees had given back to the kernel, by an amount that depended on the heap's
 # history: the donor's burst took 4,186 page faults in one stock run and 11,191 in the SwiftCache
-# run beside it (+28 ms of its 152 ms), and none with these (docs/node_bench.md). Legacy variables,
-# not GLIBC_TUNABLES: glibc rewrites that one in the environment a process passes on, so SGLang's
-# scheduler processes would not see all of it.
-MALLOC_KEEPS_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+# run beside it (its prefill 179 ms against 152), and none with these (docs/node_bench.md).
+# Legacy variables, not GLIBC_TUNABLES: glibc rewrites that one in the environment a process
+# passes on, so SGLang's scheduler processes would not see all of it.
+MALLOC_KEEPS_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+                       "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
 def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
