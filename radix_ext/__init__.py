@@ -29,10 +29,9 @@ from radix_ext.admission import (Admission, DevicePool, admit, evict, holding, s
 
 __all__ = [
     "Admission", "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency",
-    "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan", "ExchangeResult",
-    "HOST",
-    "HostResidency", "HostTier", "InsertResult", "LeasedBlocks", "LoadOutcome", "LoadSegment",
-    "LoadTicket", "LostPrefix", "Match", "RadixTree", "Released", "RevokeResult", "StoreOutcome",
-    "StoreTicket", "Transfer", "TreeConfig", "admit", "evict", "holding", "settle",
-    "should_exchange",
+    "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan",
+    "ExchangeResult", "HOST", "HostResidency", "HostTier", "InsertResult", "LeasedBlocks",
+    "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match", "RadixTree", "Released",
+    "RevokeResult", "StoreOutcome", "StoreTicket", "Transfer", "TreeConfig", "admit", "evict",
+    "holding", "settle", "should_exchange",
 ]

@@ -8,7 +8,8 @@ tokens go to the victims' device slots and the victims' tokens to H's donor bloc
 position, so neither tier gains or loses a token and nothing else is pushed out.
 
 `exchange(m, swap)` picks the victims (unlocked, unpinned device leaves that have no lower copy
-and no device child still leaving, never the hit's device parent, in the eviction policy's order; the last one split so that they hold exactly |H| tokens), calls
+and no device child still leaving, never the hit's device parent, in the eviction policy's
+order; the last one split so that they hold exactly |H| tokens), calls
 `swap(slots, blocks)`, the caller's data path, which must exchange device slot `slots[i]` with
 row `i % page_size` of donor block `blocks[i // page_size]` for every layer before anything
 reads either side, and records the outcome. Nothing else runs on the tree meanwhile: the swap is
@@ -41,7 +42,8 @@ class ExchangeMixin:
         nodes, blocks, lease = [], array("q"), None
         for seg in m.loads:
             res, node = seg.source, seg.node
-            if seg.tier != DONOR or node.pins or node.res.get(DONOR) is not res or len(node.res) > 1:
+            if (seg.tier != DONOR or node.pins or node.res.get(DONOR) is not res
+                    or len(node.res) > 1):
                 return None
             key = (res.donor, res.lease, res.epoch)
             if lease is not None and key != lease:
@@ -88,7 +90,8 @@ class ExchangeMixin:
         for v in victims:
             n = len(v.key)
             self._pop_res(v, DEVICE)
-            self._add_res(v, DonorResidency(donor, lease, epoch, blocks[pos // page : (pos + n) // page]))
+            self._add_res(v, DonorResidency(donor, lease, epoch,
+                                            blocks[pos // page : (pos + n) // page]))
             pos += n
         for x in (*victims, *(v.parent for v in victims), *hit, anchor):
             self._refresh_leaf(x)
@@ -99,53 +102,63 @@ class ExchangeMixin:
         order (a parent becomes one once its device children are all taken); the last one is
         split so the sum is exact. Never `anchor` (the hit's device parent), so never its path.
         None when the device has too few."""
-        pol = self.eviction
-        chosen: set = set()
 
-        def free_leaf(x: Any) -> bool:
-            """On the device only, unheld, not leaving, no device child but chosen ones."""
-            return (x is not anchor and x is not self.root and not x.lock_ref and not x.pins
-                    and len(x.res) == 1 and DEVICE in x.res and x not in self._leaving
-                    and all(c in chosen or DEVICE not in c.res for c in x.children.values()))
+        def free_leaf(x: Any, taken: set) -> bool:
+            """On the device only, unheld, not leaving, no device child but taken ones."""
+            return (x is not anchor and not x.lock_ref and not x.pins and len(x.res) == 1
+                    and DEVICE in x.res and x not in self._leaving
+                    and all(c in taken or DEVICE not in c.res for c in x.children.values()))
 
-        heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves if free_leaf(x)]
-        heapq.heapify(heap)
-        taken: list = []
+        victims: list = []
         total = 0
-        while total < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
+        for x in self._eviction_order(free_leaf):
+            if total >= num_tokens:
+                break
             need = num_tokens - total
             if len(x.key) > need:
                 self._split(x, len(x.key) - need)  # `x` keeps its tail: exactly `need` tokens
-            taken.append(x)
-            chosen.add(x)
+            victims.append(x)
             total += len(x.key)
-            if free_leaf(x.parent):
-                p = x.parent
-                heapq.heappush(heap, (pol.device_priority(p, self), p.id, p))
-        return taken if total == num_tokens else None
+        return victims if total == num_tokens else None
 
     def demotion_volume(self, num_tokens: int) -> int:
         """Tokens `evict_device(num_tokens)` would demote into lower tiers now: its victims are
         whole leaves in the eviction policy's order (more than `num_tokens` when the last is
         larger than what is left), and those that already have a lower copy need no room there.
         Changes nothing."""
-        pol = self.eviction
-        gone: set = set()
-        heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
-        heapq.heapify(heap)
+
+        def leaf(x: Any, gone: set) -> bool:
+            """As `evict_device` finds leaves: unheld, not leaving, device children gone or
+            leaving."""
+            return (not x.lock_ref and not x.pins and x not in self._leaving
+                    and all(c in gone or c in self._leaving or DEVICE not in c.res
+                            for c in x.children.values()))
+
         evicted = demoted = 0
-        while evicted < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
-            gone.add(x)
+        for x in self._eviction_order(leaf):
+            if evicted >= num_tokens:
+                break
             evicted += len(x.key)
             demoted += len(x.key) if len(x.res) == 1 else 0
-            p = x.parent
-            if (p is not self.root and not p.lock_ref and not p.pins and p not in self._leaving
-                    and all(c in gone or c in self._leaving or DEVICE not in c.res
-                            for c in p.children.values())):
-                heapq.heappush(heap, (pol.device_priority(p, self), p.id, p))
         return demoted
+
+    def _eviction_order(self, is_leaf: Callable[[Any, set], bool]):
+        """Device leaves for which `is_leaf(x, taken)` holds, in the eviction policy's order,
+        as an eviction would take them without changing the tree: each one yielded counts as
+        taken, and its parent joins once `is_leaf(parent, taken)` holds. The consumer may split
+        a yielded node (its head becomes the parent considered next)."""
+        pol = self.eviction
+        taken: set = set()
+        heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves
+                if is_leaf(x, taken)]
+        heapq.heapify(heap)
+        while heap:
+            _, _, x = heapq.heappop(heap)
+            yield x
+            taken.add(x)
+            p = x.parent
+            if p is not self.root and is_leaf(p, taken):
+                heapq.heappush(heap, (pol.device_priority(p, self), p.id, p))
 
     def _drop_exchanged(self, hit: tuple, victims: list) -> array:
         """A failed swap: neither H's donor blocks nor the victims' slots hold what the tree says.

@@ -1,10 +1,10 @@
 """Copies between a borrower's own SGLang pool and the pool pages a donor lent it (a pool lease).
 
-`PoolTransferEngine` serves one lease: the borrower's per-layer K / V buffers, the donor's
-mapped region and the lease's `LeasePacking`. Two-phase, as `TransferEngine` (STYLE 3):
+`PoolTransferEngine` serves one lease: the borrower's per-layer K / V buffers, the donor's mapped
+region and the lease's `LeasePacking`. Two-phase, as `TransferEngine` (STYLE 3):
 `begin_store(slots, blocks)` / `begin_load(slots, blocks, counter)` / `begin_exchange(slots,
-blocks)` (both directions at once, for a donor hit swapped with device victims) validate
-everything and start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
+blocks)` (both directions at once, for a donor hit swapped with device victims) validate everything
+and start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
 `abort(reason)` abandons it. `blocks` are lease-local borrower blocks (0 .. num_blocks - 1).
 
 Per layer and K/V, one gather (`index_select`) on the source device and one scatter

@@ -8,11 +8,12 @@ job returned; GPU: the lane's stream passed a marker recorded after it), and `re
 unregisters it. Nothing here waits, except `abort`, which returns once the layer being copied
 is done (one layer's bytes: see docs/streaming.md "What the scheduler thread waits for").
 
-`store_now` is the other kind: a demotion store after which the caller frees the device slots
-at once (`exchange_now` likewise swaps a donor hit with device victims). CPU: it runs on the caller's thread (the scheduler thread is the device there), so it
-is finished when it returns; it takes the victim's bytes over memory bandwidth and waits for
-nothing else (not the copy thread, not a peer). GPU: it is enqueued on the lease's side stream
-and the compute stream is made to wait for it, so the host waits for the enqueue only.
+`store_now` is the other kind: a demotion store after which the caller frees the device slots at
+once (`exchange_now` likewise swaps a donor hit with device victims). CPU: it runs on the caller's
+thread (the scheduler thread is the device there), so it is finished when it returns; it takes the
+victim's bytes over memory bandwidth and waits for nothing else (not the copy thread, not a peer).
+GPU: it is enqueued on the lease's side stream and the compute stream is made to wait for it, so
+the host waits for the enqueue only.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ divided by the tokens each event added when the server reports counts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -55,44 +56,27 @@ async def _sse_events(resp: aiohttp.ClientResponse):
 async def generate(http: aiohttp.ClientSession, base_url: str, prompt: str, max_tokens: int,
                    rec: RequestRecord, t0: float) -> RequestRecord:
     """POST /generate with streaming; fills `rec` (times relative to the send)."""
-    payload = {"text": prompt, "stream": True,
-               "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0,
-                                   "ignore_eos": True}}
-    start = time.perf_counter()
-    rec.t_send = start - t0
-    last_t, last_n = None, 0
-    try:
-        async with http.post(base_url.rstrip("/") + "/generate", json=payload) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return rec
-            async for now, ev in _sse_events(resp):
-                meta = ev.get("meta_info", {})
-                n = meta.get("completion_tokens", last_n + 1)
-                text = ev.get("text", "")
-                if n <= last_n and not text:
-                    continue
-                if rec.ttft is None:
-                    rec.ttft = now - start
-                elif n > last_n:
-                    rec.itls.extend([(now - last_t) / (n - last_n)] * (n - last_n))
-                last_t, last_n = now, n
-                rec.text = text
-                rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
-                rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
-                rec.completion_tokens = n
-    except aiohttp.ClientError as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"
+    start = await _stream_generate(http, base_url, {"text": prompt}, max_tokens, [rec], t0)
     rec.e2e = time.perf_counter() - start
     return rec
 
 
-async def generate_batch(http: aiohttp.ClientSession, base_url: str, input_ids: list[list[int]],
-                         max_tokens: int, recs: list[RequestRecord], t0: float) -> list[RequestRecord]:
+async def generate_batch(http: aiohttp.ClientSession, base_url: str,
+                         input_ids: list[list[int]], max_tokens: int, recs: list[RequestRecord],
+                         t0: float) -> list[RequestRecord]:
     """POST one /generate of several pre-tokenized prompts with streaming; fills `recs[i]` for
     prompt i (times relative to the one send). SGLang sends a batch of token ids to its
     scheduler as one message, so the prompts arrive there together."""
-    payload = {"input_ids": input_ids, "stream": True,
+    await _stream_generate(http, base_url, {"input_ids": input_ids}, max_tokens, recs, t0)
+    return recs
+
+
+async def _stream_generate(http: aiohttp.ClientSession, base_url: str, prompt: dict,
+                           max_tokens: int, recs: list[RequestRecord], t0: float) -> float:
+    """POST /generate of `prompt` (`text` or `input_ids`, one prompt or a batch) with streaming,
+    greedy; each event fills `recs[its index]` (`e2e`: to that prompt's last event). Returns the
+    send time (`time.perf_counter()`); an HTTP or connection error goes into every record."""
+    payload = {**prompt, "stream": True,
                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0,
                                    "ignore_eos": True}}
     start = time.perf_counter()
@@ -105,7 +89,7 @@ async def generate_batch(http: aiohttp.ClientSession, base_url: str, input_ids: 
                 error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 for rec in recs:
                     rec.error = error
-                return recs
+                return start
             async for now, ev in _sse_events(resp):
                 i = ev.get("index", 0)
                 rec, meta = recs[i], ev.get("meta_info", {})
@@ -126,7 +110,20 @@ async def generate_batch(http: aiohttp.ClientSession, base_url: str, input_ids: 
     except aiohttp.ClientError as exc:
         for rec in recs:
             rec.error = f"{type(exc).__name__}: {exc}"
-    return recs
+    return start
+
+
+async def flush_when_idle(http: aiohttp.ClientSession, base_url: str, timeout_s: float,
+                          poll_s: float = 0.5) -> float:
+    """Flush the server's cache; SGLang refuses while requests run, so retry every `poll_s`
+    until it is idle. Returns the seconds it took; raises after `timeout_s`."""
+    t0 = time.monotonic()
+    while not await flush_cache(http, base_url):
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"{base_url}: /flush_cache refused for {timeout_s:.0f}s (the "
+                               f"server never went idle)")
+        await asyncio.sleep(poll_s)  # polling the server's idleness
+    return time.monotonic() - t0
 
 
 async def chat(http: aiohttp.ClientSession, base_url: str, messages: list[dict], max_tokens: int,

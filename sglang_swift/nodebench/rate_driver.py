@@ -145,15 +145,9 @@ def running_nodes(nodes: list[Node]) -> Iterator[list[Node]]:
 
 
 async def _flush_when_idle(http: aiohttp.ClientSession, url: str) -> float:
-    """Flush the busy server's cache; SGLang refuses while requests run, so retry until it is
-    idle. Returns the seconds it took."""
-    t0 = time.monotonic()
-    while not await client.flush_cache(http, url):
-        if time.monotonic() - t0 > FLUSH_TIMEOUT_S:
-            raise RuntimeError(f"{url}: /flush_cache refused for {FLUSH_TIMEOUT_S:.0f}s (the "
-                               f"server never went idle after the cut requests)")
-        await asyncio.sleep(0.5)  # polling the server's idleness
-    return time.monotonic() - t0
+    """Flush the busy server's cache once the cut requests are gone (`client.flush_when_idle`).
+    Returns the seconds it took."""
+    return await client.flush_when_idle(http, url, FLUSH_TIMEOUT_S)
 
 
 async def _session(http, url: str, sess: Session, offset: float, max_tokens: int, t0: float,

@@ -25,15 +25,12 @@ across runs request by request.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..loadgen.client import RequestRecord, chat, generate_batch
+from ..loadgen.client import RequestRecord, chat, flush_when_idle, generate_batch
 from ..workloads.sharegpt import Conversation, load_conversations
 from .plan import NodePlan
 
@@ -159,23 +156,20 @@ def warm_up_donor(url: str, traffic: Traffic, timeout_s: float = 300.0) -> None:
     process has not run before touches fresh memory (7,000 page faults and +30 ms for the
     burst's 6 x 409 tokens on this machine, by an amount that varies from run to run), and
     the burst was each run's first; so every run's donor, stock or not, has run one."""
+    asyncio.run(_warm_up_donor(url, traffic, timeout_s))
+
+
+async def _warm_up_donor(url: str, traffic: Traffic, timeout_s: float) -> None:
+    import aiohttp
+
     prompts = [list(ids[1:] + ids[:1]) for ids in traffic.burst]
     body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    req = urllib.request.Request(url.rstrip("/") + "/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        r.read()
-    deadline = time.monotonic() + 30.0
-    while True:  # SGLang flushes only an idle server; the last request may still be finishing
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/flush_cache", data=b"",
-                                        timeout=30) as r:
-                r.read()
-            return
-        except urllib.error.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+        async with http.post(url.rstrip("/") + "/generate", json=body) as resp:
+            resp.raise_for_status()
+            await resp.read()
+        # SGLang flushes only an idle server; the last request may still be finishing
+        await flush_when_idle(http, url, timeout_s=30.0, poll_s=0.2)
 
 
 async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> list[RequestRecord]:

@@ -6,8 +6,9 @@ each decode step (`alloc_token_slots`), each allocation evicting only its shortf
 (`evict_to_free_tokens`). A borrower's `init_load_back` (integration/donor_hits.py) first makes
 room for the donor hit, the extend tokens and one page, then loads the hit: all of it, or nothing
 when the room-making changed the match; when that room would push prefixes out of a full donor
-tier, it first swaps the hit with device victims (`RadixTree.exchange`). The simulator's default allocates prompt and output at
-admission in one eviction; which victims go, and so what a donor tier keeps, differs.
+tier, it first swaps the hit with device victims (`RadixTree.exchange`). The simulator's default
+allocates prompt and output at admission in one eviction; which victims go, and so what a donor
+tier keeps, differs.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def _exchange(tree: Any, pool: DevicePool, m: Any) -> None:
     def swap(slots, blocks) -> bool:
         there = DonorResidency(donor, lease, epoch, blocks)
         here = DeviceResidency(slots)
-        pool.run_copies([Transfer(DONOR, there, DEVICE, here), Transfer(DEVICE, here, DONOR, there)])
+        pool.run_copies([Transfer(DONOR, there, DEVICE, here),
+                         Transfer(DEVICE, here, DONOR, there)])
         return True
 
     tree.exchange(m, swap)
