@@ -4,9 +4,11 @@
 
 Two models on one node, three runs of the same traffic (see plan.py and traffic.py): (a) stock
 SGLang, (b) SwiftCache with the donor lending from its pool, (c) stock SGLang with what (b) lent
-moved into the busy server's own pool. Prints per run and model the cached tokens and TTFT (per
-turn for the busy model), whether every output equals stock's, the donor's reclaim, and last a
-JSON object (keys defined in report.summarize). Exit status 1 when an output differs from stock.
+moved into the busy server's own pool; the three runs' servers stay up together, each run's
+steady phase goes alone, the donors' bursts go in rounds, the three back to back. Prints per run
+and model the cached tokens and TTFT (per turn for the busy model), whether every output equals
+stock's, the donor's reclaims, and last a JSON object (keys defined in report.summarize). Exit
+status 1 when an output differs from stock.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from pathlib import Path
 
 from ..tools.tiny_model import ensure_tiny_model
 from .plan import ModelFacts, NodePlan, ideal_run, stock_run, swiftcache_run
-from .report import (burst_forwards, burst_split, compare_outputs, format_run, plot_capacity,
-                     reclaim_view, run_tables, summarize)
-from .runner import forward_trace_path, run_one
+from .report import (burst_rounds_in_trace, burst_split, compare_outputs, format_run,
+                     plot_capacity, reclaim_view, run_tables, summarize)
+from .runner import forward_trace_path, run_node
 from .traffic import build_traffic
 
 OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction",
-             "burst_requests", "burst_fraction", "donor_requests", "server_threads")
+             "burst_requests", "burst_fraction", "burst_rounds", "donor_requests",
+             "server_threads")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
@@ -63,17 +66,28 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     return args, plan
 
 
-def _burst_splits(runs: dict, tables: dict, out: Path) -> dict:
-    """--diagnose: each run's donor burst TTFT P99 split into its prefill passes and the rest."""
+def _burst_splits(runs: dict, out: Path) -> dict:
+    """--diagnose: each run's bursts, round by round, split into their prefill passes and the
+    rest (report.burst_split)."""
     split = {}
     for key, r in runs.items():
         path = forward_trace_path(out, r.spec, "donor")
         trace = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
             if path.exists() else []
-        burst = tables[key]["burst"]
-        split[key] = burst_split(burst["ttft_p99_ms"], burst_forwards(
-            trace, burst["prompt_tokens"] - burst["cached_tokens"]))
+        by_round: dict[int, list] = {}
+        for rec in r.records["burst"]:
+            by_round.setdefault(rec.turn, []).append(rec)
+        rounds = [by_round[t] for t in sorted(by_round)]
+        tokens = [sum((x.prompt_tokens or 0) - (x.cached_tokens or 0) for x in recs)
+                  for recs in rounds]
+        split[key] = [burst_split(_slowest_ttft_ms(recs), passes)
+                      for recs, passes in zip(rounds, burst_rounds_in_trace(trace, tokens))]
     return split
+
+
+def _slowest_ttft_ms(records: list) -> float | None:
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    return 1e3 * max(ttfts) if ttfts else None
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -91,31 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     traffic = build_traffic(plan, donor_model / "tokenizer.json")
     max_borrow = plan.lendable_busy_tokens(facts["busy"], facts["donor"])
     print(f"busy: {len(traffic.busy)} ShareGPT conversations x {plan.turns} turns "
-          f"({plan.busy_requests} requests) + 1 turn during the burst, pool {plan.busy_pool} "
+          f"({plan.busy_requests} requests) + 1 turn after the bursts, pool {plan.busy_pool} "
           f"tokens; donor: pool "
           f"{plan.donor_pool} tokens, lends {plan.lend_fraction:.0%} (= {max_borrow} busy "
-          f"tokens), {plan.donor_requests} light requests, a burst of {plan.burst_requests} x "
-          f"{plan.burst_tokens_each} tokens in one batched call", flush=True)
+          f"tokens), {plan.donor_requests} light requests, {plan.burst_rounds} bursts of "
+          f"{plan.burst_requests} x {plan.burst_tokens_each} tokens, each in one batched call",
+          flush=True)
 
-    def run(spec):
-        print(f"[{spec.key}] {spec.name}: busy pool {spec.busy_pool}, donor pool "
-              f"{spec.donor_pool} ...", flush=True)
-        result = run_one(spec, plan, busy_model, donor_model, traffic, args.out, max_borrow,
-                         diagnose=args.diagnose)
-        print(f"[{spec.key}] done in {result.wall_s:.0f}s (start-up {result.startup_s}, lease "
-              f"wait {result.lease_wait_s:.1f}s, load average {result.loadavg[1][0]:.2f})",
-              flush=True)
-        return result
-
-    runs = {"a": run(stock_run(plan)), "b": run(swiftcache_run(plan))}
+    runs = run_node(plan, busy_model, donor_model, traffic, args.out, max_borrow,
+                    diagnose=args.diagnose, log=lambda line: print(line, flush=True))
     b = runs["b"]
-    runs["c"] = run(ideal_run(plan,
-                              int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
-                              int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)))
 
     tables = {k: run_tables(r.records) for k, r in runs.items()}
     outputs = {k: compare_outputs(runs["a"].records, r.records) for k, r in runs.items()}
-    reclaim = reclaim_view(b.sampler, b.marks.burst_start)
+    reclaim = reclaim_view(b.sampler, b.marks.bursts)
     latency = round(b.reclaim_latency_sum_s / b.reclaims, 4) if b.reclaims else None
     summary = summarize(tables, outputs, reclaim, latency)
     summary.update(
@@ -139,16 +142,18 @@ def main(argv: list[str] | None = None) -> int:
             for line in lines:
                 print(f"  log alert ({role}): {line}")
     if args.diagnose:
-        split = _burst_splits(runs, tables, args.out)
+        split = _burst_splits(runs, args.out)
         summary["donor_burst_split"] = split
-        for key, v in split.items():
-            print(f"donor burst ({key}): TTFT P99 {v['ttft_p99_ms']} ms = {v['forwards']} "
-                  f"prefill pass(es) {v['forward_wall_ms']} ms wall ({v['forward_cpu_ms']} ms "
-                  f"CPU) + {v['outside_ms']} ms outside them" if v else
-                  f"donor burst ({key}): its prefill passes not found in the trace")
-    print(f"donor reclaim in (b): {b.reclaims} reclaim(s), latency {latency} s (demand to last "
-          f"page back); lent at the burst {reclaim['lent_at_burst']}, usable back to the whole "
-          f"pool {reclaim['full_after_s']} s after the burst began (sampled)")
+        print("donor bursts, round by round: TTFT ms = prefill passes' wall ms (their CPU ms) "
+              "+ ms outside them")
+        for key, rounds in split.items():
+            print(f"  ({key}) " + "; ".join(
+                f"{v['ttft_ms']:.0f} = {v['forward_wall_ms']:.0f} ({v['forward_cpu_ms']:.0f}) "
+                f"+ {v['outside_ms']:.0f}" if v else "-" for v in rounds))
+    print(f"donor reclaim in (b): {b.reclaims} reclaim(s) in {plan.burst_rounds} rounds, mean "
+          f"latency {latency} s (demand to last page back); lent at each burst "
+          f"{[r['lent_at_burst'] for r in reclaim['rounds']]}, usable back to the whole pool "
+          f"{[r['full_after_s'] for r in reclaim['rounds']]} s after each burst began (sampled)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     plot = args.plot or args.out / "capacity.png"

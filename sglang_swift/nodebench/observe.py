@@ -58,15 +58,20 @@ class CapacitySampler:
         self.samples: dict[str, list[tuple[float, dict[str, float]]]] = {k: [] for k in urls}
         self.missed = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="capacity-sampler", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "CapacitySampler":
+        """Starts sampling; a sampler can be entered again after it exited (the samples of each
+        period are appended to the same series)."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="capacity-sampler", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -80,7 +80,7 @@ class NodePlan:
     lend_fraction: float = 0.5
     reclaim_watermark: float = 0.8  # SwiftCache's default
     conversations: int = 8  # busy model: ShareGPT conversations, interleaved turn by turn
-    turns: int = 6  # in the steady phase; one more turn each is sent during the donor's burst
+    turns: int = 6  # in the steady phase; one more turn each is sent after the donor's bursts
     max_tokens: int = 16
     max_chars: int = 600  # per message, so prompts stay within what a CPU serves in seconds
     donor_conversations: int = 2  # donor: light traffic, one request every donor_interval_s
@@ -90,6 +90,10 @@ class NodePlan:
     burst_requests: int = 6  # donor: concurrent long requests, after the steady phase
     burst_fraction: float = 0.6  # their prompt tokens together, as a fraction of the donor pool
     burst_max_tokens: int = 16
+    # bursts per donor, in rounds that put the three runs' bursts back to back: two stock servers
+    # side by side over 8 rounds had burst P99s within 3% of each other, where single bursts of
+    # one server ranged 100-160 ms (measured 2026-12-01, docs/node_bench.md)
+    burst_rounds: int = 8
     # torch threads per server (OMP_NUM_THREADS): two servers share this machine's two cores;
     # with torch's default (one per core each) their OpenMP threads spin against each other and
     # a 400-token chat turn took 8-17 s instead of 1.4-3.8 s here (measured 2026-11-30, load ~9)
@@ -100,7 +104,7 @@ class NodePlan:
     def __post_init__(self) -> None:
         for name in ("busy_pool", "donor_pool", "conversations", "turns", "max_tokens",
                      "max_chars", "donor_conversations", "server_threads", "donor_requests",
-                     "donor_max_tokens", "burst_requests", "burst_max_tokens"):
+                     "donor_max_tokens", "burst_requests", "burst_max_tokens", "burst_rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.lend_fraction < 1 or not 0 < self.reclaim_watermark <= 1:

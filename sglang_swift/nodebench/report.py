@@ -8,7 +8,7 @@ from typing import Any
 from ..loadgen.stats import pct
 from ..tools.demo import per_turn_table
 
-STREAMS = ("busy", "donor", "burst", "busy_reclaim")  # traffic.drive's record streams
+STREAMS = ("busy", "donor", "burst", "busy_reclaim")  # a run's record streams (traffic.py)
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -49,56 +49,69 @@ def run_tables(records: dict[str, list]) -> dict:
     return out
 
 
-def reclaim_view(sampler: Any, burst_start: float | None) -> dict:
-    """The donor's capacity around the burst, from its sampled gauges: what it had lent when the
-    burst began, whether its usable capacity came back to its whole pool afterwards, and when
-    (sampled: gauges are updated once a second, so this is an upper bound with ~1 s slack)."""
+def reclaim_view(sampler: Any, bursts: list[tuple[float, float]]) -> dict:
+    """The donor's capacity around each of its bursts (`bursts`: (start, end) per round, in
+    time order), from its sampled gauges: what it had lent when the burst began, and how soon
+    after it a sample showed its whole pool usable again, before its next burst (sampled: the
+    gauges are updated once a second, so an upper bound with ~1 s slack). `lent_at_burst` and
+    `full_after_s` of the view are the first round's and the slowest round's."""
     pool = sampler.peak("donor", "swiftcache_kv_pool_tokens")
     lent = sampler.series("donor", "swiftcache_lent_tokens")
     usable = sampler.series("donor", "swiftcache_usable_tokens")
     view = {"pool_tokens": pool, "lent_at_burst": None, "full_after_burst": False,
-            "full_after_s": None,
+            "full_after_s": None, "rounds": [],
             "max_lent_tokens": sampler.peak("donor", "swiftcache_lent_tokens")}
-    if pool is None or burst_start is None:
+    if pool is None or not bursts:
         return view
-    before = [v for t, v in lent if t <= burst_start]
-    view["lent_at_burst"] = before[-1] if before else None
-    back = [t for t, v in usable if t >= burst_start and v >= pool]
-    if back:
+    starts = [start for start, _ in bursts]
+    for start, nxt in zip(starts, starts[1:] + [float("inf")]):
+        before = [v for t, v in lent if t <= start]
+        back = [t for t, v in usable if start <= t < nxt and v >= pool]
+        view["rounds"].append({"lent_at_burst": before[-1] if before else None,
+                               "full_after_s": round(back[0] - start, 2) if back else None})
+    view["lent_at_burst"] = view["rounds"][0]["lent_at_burst"]
+    backs = [r["full_after_s"] for r in view["rounds"]]
+    if None not in backs:
         view["full_after_burst"] = True
-        view["full_after_s"] = round(back[0] - burst_start, 2)
+        view["full_after_s"] = max(backs)
     return view
 
 
-def burst_forwards(trace: list[dict], burst_tokens: int) -> list[dict]:
-    """The donor's burst in a --diagnose forward trace (one dict per forward pass, in order):
-    the trailing prefill (EXTEND) passes whose new tokens add up to the burst's prompt tokens.
-    The burst is the donor's last traffic, so only its decode steps come after it. Empty when
-    the trailing prefills do not add up to exactly `burst_tokens` (the burst's prompt tokens
-    less its cached ones), e.g. a trace cut short."""
-    found, total = [], 0
-    for rec in reversed(trace):
-        if rec.get("mode") != "EXTEND":
-            continue
-        found.append(rec)
-        total += int(rec["new_tokens"])
-        if total >= burst_tokens:
+def burst_rounds_in_trace(trace: list[dict], tokens_per_round: list[int]) -> list[list[dict]]:
+    """The donor's bursts in a --diagnose forward trace (one dict per forward pass, in order):
+    walking back from the end, each round's prefill (EXTEND) passes, whose new tokens add up to
+    that round's prompt tokens less its cached ones (`tokens_per_round`, first round first).
+    The bursts are the donor's last traffic and only their decode steps lie between them. A
+    round whose passes do not add up exactly (a trace cut short) is [], and so is every round
+    before it."""
+    found: list[list[dict]] = []
+    i = len(trace)
+    for tokens in reversed(tokens_per_round):
+        passes, total = [], 0
+        while i > 0 and total < tokens:
+            i -= 1
+            if trace[i].get("mode") == "EXTEND":
+                passes.append(trace[i])
+                total += int(trace[i]["new_tokens"])
+        if total != tokens:
             break
-    return found[::-1] if total == burst_tokens else []
+        found.append(passes[::-1])
+    found += [[]] * (len(tokens_per_round) - len(found))
+    return found[::-1]
 
 
-def burst_split(ttft_p99_ms: float | None, forwards: list[dict]) -> dict | None:
-    """The donor's burst TTFT P99 split into its prefill passes (wall and thread CPU ms) and the
-    rest (`outside_ms`: queueing, scheduling, a wait for lent pages, the HTTP path). The same
-    forward's CPU time moves by up to 2x between runs on this shared 2-core machine
+def burst_split(ttft_ms: float | None, forwards: list[dict]) -> dict | None:
+    """One burst's TTFT (its slowest request's) split into its prefill passes (wall and thread
+    CPU ms) and the rest (`outside_ms`: queueing, scheduling, a wait for lent pages, the HTTP
+    path). The same forward's CPU time moves 10-20% within seconds on this shared 2-core machine
     (docs/node_bench.md), so `outside_ms` is where SwiftCache's own cost to the donor shows."""
-    if ttft_p99_ms is None or not forwards:
+    if ttft_ms is None or not forwards:
         return None
     wall = sum(f["wall_ms"] for f in forwards)
-    return {"ttft_p99_ms": round(ttft_p99_ms, 1), "forwards": len(forwards),
+    return {"ttft_ms": round(ttft_ms, 1), "forwards": len(forwards),
             "forward_wall_ms": round(wall, 1),
             "forward_cpu_ms": round(sum(f["cpu_ms"] for f in forwards), 1),
-            "outside_ms": round(ttft_p99_ms - wall, 1)}
+            "outside_ms": round(ttft_ms - wall, 1)}
 
 
 def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
@@ -111,9 +124,10 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
     busy_cached_vs_ideal  the same, (b) / (c)
     busy_ttft_p99_ratio   TTFT P99 over the busy model's steady-phase requests, (b) / (a)
     busy_ttft_p99_vs_ideal  the same, (b) / (c)
-    donor_ttft_p99_ratio  TTFT P99 over all donor requests (light and burst), (b) / (a)
-    reclaimed             in (b) the donor had pages lent when its burst began, and its usable
-                          capacity was back to its whole pool at a sample after that
+    donor_ttft_p99_ratio  TTFT P99 over all donor requests (light and every round's burst),
+                          (b) / (a)
+    reclaimed             in (b) the donor had pages lent when each of its bursts began, and its
+                          usable capacity was back to its whole pool at a sample after each
     The busy model's reclaim-phase figures (its turns after the burst) are beside them
     (`busy_reclaim_*`), not in them."""
     busy = {k: t["busy"] for k, t in tables.items()}
@@ -135,7 +149,8 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
                                         get(busy, "c", "ttft_p99_ms")),
         "donor_ttft_p99_ratio": ratio(get(donor, "b", "ttft_p99_ms"),
                                       get(donor, "a", "ttft_p99_ms")),
-        "reclaimed": bool(reclaim.get("lent_at_burst")) and reclaim.get("full_after_burst", False),
+        "reclaimed": bool(reclaim.get("rounds")) and reclaim.get("full_after_burst", False)
+        and all(r["lent_at_burst"] for r in reclaim["rounds"]),
         "reclaim_latency_s": reclaim_latency_s,
         "busy_cached_tokens": {k: v["cached_tokens"] for k, v in busy.items()},
         "busy_reclaim_cached_tokens": {k: t["busy_reclaim"]["cached_tokens"]
@@ -173,7 +188,8 @@ def _num(v) -> str:
 
 def plot_capacity(path, runs: dict[str, Any], facts: dict[str, Any]) -> None:
     """Donor usable / lent tokens over time in (b) against the donor pools of (a) and (c), and the
-    busy server's borrowed and donor-tier tokens (its own tokens); the burst shaded."""
+    busy server's borrowed and donor-tier tokens (its own tokens); the bursts shaded. The
+    sampler is off while the other runs serve their steady phase (a gap in the lines)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,10 +209,10 @@ def plot_capacity(path, runs: dict[str, Any], facts: dict[str, Any]) -> None:
                         ("swiftcache_donor_tier_tokens", "busy: cached in donor memory (b)")):
         pts = b.sampler.series("busy", name)
         bottom.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label)
-    if b.marks.burst_start is not None and b.marks.burst_end is not None:
+    for i, (start, end) in enumerate(b.marks.bursts):
         for ax in (top, bottom):
-            ax.axvspan(b.marks.burst_start, b.marks.burst_end, color="orange", alpha=0.2,
-                       label="donor burst")
+            ax.axvspan(start, max(end, start + 0.3), color="orange", alpha=0.3,
+                       label=None if i else "donor bursts (b)")
     top.set_ylabel(f"donor tokens ({facts['donor'].kv_bytes_per_token} B)")
     bottom.set_ylabel(f"busy tokens ({facts['busy'].kv_bytes_per_token} B)")
     bottom.set_xlabel("seconds since the traffic started")

@@ -1,5 +1,7 @@
-"""One run of the node benchmark: start both servers, wait for the lease (SwiftCache), drive the
-traffic while a sampler watches `/metrics`, keep watching `plan.settle_s` more, stop both."""
+"""The node benchmark's three runs: each run's two servers (a `Node`) start and serve their
+steady phase in turn, then stay up for the rounds of donor bursts and the reclaim-phase turns
+(traffic.py says why), while a sampler watches the SwiftCache run's `/metrics`; then every
+server stops."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
 from ..tools.local_server import LocalServer
 from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
-from .plan import NodePlan, RunSpec
-from .traffic import Marks, Traffic, drive, warm_up_donor
+from .plan import NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
+from .traffic import (BusyReplay, Marks, Traffic, burst, flush_donors, round_order, session,
+                      steady, warm_up_donor)
 
 LEASE_TIMEOUT_S = 180.0
 STARTUP_TIMEOUT_S = 600.0  # two servers starting side by side took 85-100 s each at load ~10
@@ -113,7 +116,8 @@ def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
 
 class CpuPhases:
     """--diagnose: CPU seconds per thread of each server's processes in each traffic phase
-    (`steady`: from the start to the reclaim phase; `reclaim`: from there to the end)."""
+    (`steady`: the run's steady phase; `bursts and reclaim`: from there to the end, the other
+    runs' bursts and turns included, during which this run's servers are idle)."""
 
     def __init__(self, servers: dict[str, LocalServer]) -> None:
         self.servers = servers
@@ -126,81 +130,199 @@ class CpuPhases:
         self.readings.append((phase, self._read()))
 
     def deltas(self) -> dict[str, dict[str, dict[str, float]]]:
-        names = {"reclaim": "steady", "end": "reclaim"}
+        names = {"bursts": "steady", "end": "bursts and reclaim"}
         return {names.get(p1, p1): {role: cpu_delta(r0[role], r1[role]) for role in r1}
                 for (_, r0), (p1, r1) in zip(self.readings, self.readings[1:])}
 
 
-def run_one(spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
-            traffic: Traffic, out_dir: Path, max_borrow_blocks: int,
-            diagnose: bool = False) -> RunResult:
-    """One run: the donor starts and is warmed (`warm_up_donor`), then the busy server starts,
-    then the traffic. With `diagnose`, every server also traces its forward passes
-    (`forward_trace_path`), its threads' CPU per phase goes to OUT/<run>-cpu.json (`CpuPhases`),
-    and its log has DIAGNOSE_ARGS' lines."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rendezvous = tempfile.mkdtemp(prefix=f"nodebench-{spec.key}-")  # private, 0700
-    env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
-    extra = list(DIAGNOSE_ARGS) if diagnose else []
+class Node:
+    """One run's two servers, from their start to the end of the benchmark. The donor starts
+    first and is warmed (`warm_up_donor`) before the busy server starts; with SwiftCache, the
+    busy server has borrowed before any traffic. With `diagnose`, every server also traces its
+    forward passes (`forward_trace_path`), its threads' CPU per traffic phase goes to
+    OUT/<run>-cpu.json (`CpuPhases`), and its log has DIAGNOSE_ARGS' lines."""
 
-    def env_of(role: str) -> dict[str, str]:
-        if not diagnose:
-            return env
-        path = forward_trace_path(out_dir, spec, role)
-        path.unlink(missing_ok=True)  # the server appends
-        return {**env, FORWARD_TRACE_ENV: str(path.resolve())}
+    def __init__(self, spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
+                 traffic: Traffic, out_dir: Path, max_borrow_blocks: int,
+                 diagnose: bool = False) -> None:
+        self.spec, self.plan, self.traffic, self.out_dir = spec, plan, traffic, out_dir
+        self.diagnose = diagnose
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.rendezvous = tempfile.mkdtemp(prefix=f"nodebench-{spec.key}-")  # private, 0700
+        env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
+        extra = list(DIAGNOSE_ARGS) if diagnose else []
 
-    busy = LocalServer(busy_model, swiftcache=spec.swiftcache, max_total_tokens=spec.busy_pool,
-                       extra_args=spec.busy_args(plan, rendezvous, max_borrow_blocks) + extra,
-                       log_path=out_dir / f"{spec.name}-busy.log", env=env_of("busy"),
-                       startup_timeout_s=STARTUP_TIMEOUT_S)
-    donor = LocalServer(donor_model, swiftcache=spec.swiftcache,
-                        max_total_tokens=spec.donor_pool,
-                        extra_args=spec.donor_args(plan, rendezvous) + extra,
-                        log_path=out_dir / f"{spec.name}-donor.log", env=env_of("donor"),
-                        startup_timeout_s=STARTUP_TIMEOUT_S)
-    t_start = time.monotonic()
-    with ExitStack() as stack:
-        stack.callback(shutil.rmtree, rendezvous, True)
-        stack.callback(donor.stop)
-        stack.callback(busy.stop)
-        donor.start()  # first, and warmed before the busy server exists (`warm_up_donor`)
-        warm_up_donor(donor.base_url, traffic)
-        busy.start()
+        def env_of(role: str) -> dict[str, str]:
+            if not diagnose:
+                return env
+            path = forward_trace_path(out_dir, spec, role)
+            path.unlink(missing_ok=True)  # the server appends
+            return {**env, FORWARD_TRACE_ENV: str(path.resolve())}
+
+        self.busy = LocalServer(
+            busy_model, swiftcache=spec.swiftcache, max_total_tokens=spec.busy_pool,
+            extra_args=spec.busy_args(plan, self.rendezvous, max_borrow_blocks) + extra,
+            log_path=out_dir / f"{spec.name}-busy.log", env=env_of("busy"),
+            startup_timeout_s=STARTUP_TIMEOUT_S)
+        self.donor = LocalServer(
+            donor_model, swiftcache=spec.swiftcache, max_total_tokens=spec.donor_pool,
+            extra_args=spec.donor_args(plan, self.rendezvous) + extra,
+            log_path=out_dir / f"{spec.name}-donor.log", env=env_of("donor"),
+            startup_timeout_s=STARTUP_TIMEOUT_S)
+        self.records: dict[str, list[RequestRecord]] = {"burst": []}
+        self.marks: Marks | None = None
+        self.replay: BusyReplay | None = None
+        self.sampler: CapacitySampler | None = None
+        self.cpu: CpuPhases | None = None
+        self.pools: dict[str, int] = {}
+        self.lease_wait_s = 0.0
+        self.loadavg: list[tuple[float, float, float]] = []
+        self._t_start = time.monotonic()
+
+    def start(self, stack: ExitStack) -> None:
+        """Starts both servers; `stack` stops them (and removes the rendezvous) when it closes."""
+        stack.callback(shutil.rmtree, self.rendezvous, True)
+        stack.callback(self.donor.stop)
+        stack.callback(self.busy.stop)
+        self._t_start = time.monotonic()
+        self.donor.start()  # first, and warmed before the busy server exists
+        warm_up_donor(self.donor.base_url, self.traffic)
+        self.busy.start()
         t_ready = time.monotonic()
-        if spec.swiftcache:
-            wait_for_lease(rendezvous, timeout_s=LEASE_TIMEOUT_S)
-            _wait_borrowed(busy, LEASE_TIMEOUT_S)
-        lease_wait_s = time.monotonic() - t_ready
-        pools = {"busy": _pool_of(busy), "donor": _pool_of(donor)}
-        load_before = os.getloadavg()
-        cpu = CpuPhases({"busy": busy, "donor": donor}) if diagnose else None
-        marks = Marks(t0=time.perf_counter())
-        with CapacitySampler({"busy": busy.base_url, "donor": donor.base_url},
-                             plan.sample_interval_s, marks.t0) as sampler:
-            records = asyncio.run(drive(busy.base_url, donor.base_url, traffic, plan, marks,
-                                        on_phase=cpu.mark if cpu else None))
-            time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
-        if cpu is not None:
-            (out_dir / f"{spec.name}-cpu.json").write_text(json.dumps(cpu.deltas(), indent=1))
-        for server in (busy, donor):
+        if self.spec.swiftcache:
+            wait_for_lease(self.rendezvous, timeout_s=LEASE_TIMEOUT_S)
+            _wait_borrowed(self.busy, LEASE_TIMEOUT_S)
+        self.lease_wait_s = time.monotonic() - t_ready
+        self.pools = {"busy": _pool_of(self.busy), "donor": _pool_of(self.donor)}
+
+    def steady(self) -> None:
+        """Phase 1 (traffic.steady) while this run's sampler watches its two servers."""
+        self.loadavg.append(os.getloadavg())
+        servers = {"busy": self.busy, "donor": self.donor}
+        self.cpu = CpuPhases(servers) if self.diagnose else None
+        self.marks = Marks(t0=time.perf_counter())
+        self.replay = BusyReplay(self.busy.base_url, self.traffic, self.plan, self.marks.t0)
+        self.sampler = CapacitySampler({k: s.base_url for k, s in servers.items()},
+                                       self.plan.sample_interval_s, self.marks.t0)
+        with self.sampler:
+            self.records.update(asyncio.run(steady(self.busy.base_url, self.donor.base_url,
+                                                   self.traffic, self.plan, self.replay,
+                                                   self.marks)))
+        if self.cpu is not None:
+            self.cpu.mark("bursts")
+
+    async def burst(self, http, round_no: int) -> None:
+        self.records["burst"] += await burst(http, self.donor.base_url, self.traffic, self.plan,
+                                             self.marks, round_no)
+
+    def busy_reclaim(self) -> None:
+        """Phase 3: each busy conversation's next turn."""
+        async def turns():
+            async with session() as http:
+                return await self.replay.turns(http, self.plan.turns, self.plan.turns + 1)
+
+        self.records["busy_reclaim"] = asyncio.run(turns())
+        self.marks.traffic_end = self.marks.now()
+
+    def wait_lent(self, tokens: float, timeout_s: float = LEASE_TIMEOUT_S) -> bool:
+        """SwiftCache: until the donor lends `tokens` again (its relend follows a reclaim by its
+        cooldown, all at once) and the busy server holds a lease; False when it did not."""
+        deadline = time.monotonic() + timeout_s
+        for server, name, least in ((self.donor, "swiftcache_lent_tokens", tokens),
+                                    (self.busy, "swiftcache_borrowed_tokens", 1.0)):
+            while (scrape(server.base_url) or {}).get(name, 0.0) < least:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.25)  # polling a gauge the server updates once a second
+        return True
+
+    def result(self) -> RunResult:
+        if self.cpu is not None:
+            self.cpu.mark("end")
+            (self.out_dir / f"{self.spec.name}-cpu.json").write_text(
+                json.dumps(self.cpu.deltas(), indent=1))
+        for server in (self.busy, self.donor):
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{server.log_path.name}: the server exited during the run "
                                    f"(code {server.proc.returncode}):\n{server.log_tail(40)}")
-        final = scrape(donor.base_url) or {}
+        final = scrape(self.donor.base_url) or {}
         status = []
-        if spec.swiftcache:
+        if self.spec.swiftcache:
             try:
-                status = json.loads(ctl(rendezvous, json_out=True))
+                status = json.loads(ctl(self.rendezvous, json_out=True))
             except ValueError:
                 status = []
-        result = RunResult(
-            spec=spec, records=records, marks=marks, sampler=sampler, pools=pools,
-            startup_s={"busy": busy.startup_s, "donor": donor.startup_s},
-            lease_wait_s=lease_wait_s, wall_s=time.monotonic() - t_start,
-            loadavg=(load_before, os.getloadavg()),
+        self.loadavg.append(os.getloadavg())
+        return RunResult(
+            spec=self.spec, records=self.records, marks=self.marks, sampler=self.sampler,
+            pools=self.pools, startup_s={"busy": self.busy.startup_s,
+                                         "donor": self.donor.startup_s},
+            lease_wait_s=self.lease_wait_s, wall_s=time.monotonic() - self._t_start,
+            loadavg=(self.loadavg[0], self.loadavg[-1]),
             reclaims=int(final.get("swiftcache_reclaim_latency_seconds_count", 0)),
             reclaim_latency_sum_s=final.get("swiftcache_reclaim_latency_seconds_sum", 0.0),
             ctl_status=status,
-            alerts={"busy": alerts_in(busy.log_text()), "donor": alerts_in(donor.log_text())})
-    return result
+            alerts={"busy": alerts_in(self.busy.log_text()),
+                    "donor": alerts_in(self.donor.log_text())})
+
+
+def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traffic,
+             out_dir: Path, max_borrow_blocks: int, diagnose: bool = False,
+             log=print) -> dict[str, RunResult]:
+    """The three runs (plan.py): (a) and (b) start and serve their steady phase in turn, then
+    (c), sized by what (b) moved; then `plan.burst_rounds` rounds of donor bursts, the three
+    back to back in `round_order`, every donor flushed and the SwiftCache donor lending again
+    between rounds; then each run's reclaim-phase turns; `plan.settle_s` of observation; every
+    server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase has the machine
+    to itself but for the idle servers' control threads."""
+    nodes: dict[str, Node] = {}
+
+    def start(spec: RunSpec, stack: ExitStack) -> Node:
+        log(f"[{spec.key}] {spec.name}: busy pool {spec.busy_pool}, donor pool "
+            f"{spec.donor_pool}: starting ...")
+        node = Node(spec, plan, busy_model, donor_model, traffic, out_dir, max_borrow_blocks,
+                    diagnose)
+        node.start(stack)
+        t = time.monotonic()
+        node.steady()
+        log(f"[{spec.key}] steady phase done in {time.monotonic() - t:.0f}s (start-up "
+            f"{node.busy.startup_s}, {node.donor.startup_s}; lease wait "
+            f"{node.lease_wait_s:.1f}s; load average {os.getloadavg()[0]:.2f})")
+        nodes[spec.key] = node
+        return node
+
+    with ExitStack() as stack:
+        start(stock_run(plan), stack)
+        b = start(swiftcache_run(plan), stack)
+        start(ideal_run(plan, int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
+                        int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)), stack)
+        lent = (scrape(b.donor.base_url) or {}).get("swiftcache_lent_tokens", 0.0)
+        with b.sampler:  # the reclaims and the relends, for the capacity plot and reclaim_view
+            _burst_rounds(nodes, lent, log)
+            for node in nodes.values():
+                node.busy_reclaim()
+            time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
+        return {k: node.result() for k, node in nodes.items()}
+
+
+def _burst_rounds(nodes: dict[str, Node], lent: float, log) -> None:
+    """The donors' bursts (traffic.py, phase 2); before each round after the first, every donor
+    is flushed and the SwiftCache donor lends `lent` tokens again."""
+    plan = next(iter(nodes.values())).plan
+    keys = list(nodes)
+    t = time.monotonic()
+    for r in range(plan.burst_rounds):
+        if r:
+            asyncio.run(flush_donors([n.donor.base_url for n in nodes.values()]))
+            for node in nodes.values():
+                if node.spec.swiftcache and lent and not node.wait_lent(lent):
+                    log(f"[{node.spec.key}] the donor did not lend {lent:.0f} tokens again "
+                        f"before round {r + 1}; the round goes without a loan")
+
+        async def one_round(r=r):
+            async with session() as http:
+                for key in round_order(keys, r):
+                    await nodes[key].burst(http, r)
+
+        asyncio.run(one_round())
+    log(f"{plan.burst_rounds} rounds of donor bursts done in {time.monotonic() - t:.0f}s")

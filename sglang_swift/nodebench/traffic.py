@@ -1,21 +1,27 @@
-"""The node benchmark's traffic: the same requests in every run, sent by one async driver.
+"""The node benchmark's traffic: the same requests in every run, sent by async phases.
 
-Two phases:
-1. steady: the busy model gets turns 1..`plan.turns` of `plan.conversations` real ShareGPT
-   conversations, interleaved turn by turn (each conversation's history is evicted before its
-   next turn once the histories outgrow the pool), one request at a time, each turn carrying the
-   whole history with the model's own answers; meanwhile the donor gets light traffic,
-   `plan.donor_requests` turns of its own conversations, one every `plan.donor_interval_s` (or
-   later, if the previous one is still running). The headline figures come from this phase.
-2. reclaim: once both are done, the donor gets a burst of `plan.burst_requests` requests (one
-   long ShareGPT message each, cut to `plan.burst_tokens_each` tokens) in one batched `/generate`
-   of token ids, which SGLang hands its scheduler as one message: every run sees the same six
-   requests arrive together, where concurrent calls reached the scheduler loop by chance in one,
-   two or three batches and that chance decided the donor's P99 (docs/node_bench.md). The busy
-   model is idle meanwhile, so the burst's one forward does not share the machine's two cores
-   with the other server's (which moved its time 30% either way between runs); then it sends
-   each conversation's next turn (`busy_reclaim`): the borrower serving once its loan is gone.
-   (A reclaim that meets a copy in flight is `tests/unit/test_runtime.py`'s
+The three runs' servers stay up together (runner.run_node); each run's traffic goes in phases:
+1. steady (each run in turn, the other runs' servers idle): the busy model gets turns
+   1..`plan.turns` of `plan.conversations` real ShareGPT conversations, interleaved turn by turn
+   (each conversation's history is evicted before its next turn once the histories outgrow the
+   pool), one request at a time, each turn carrying the whole history with the model's own
+   answers; meanwhile the donor gets light traffic, `plan.donor_requests` turns of its own
+   conversations, one every `plan.donor_interval_s` (or later, if the previous one is still
+   running). The busy model's headline figures come from this phase.
+2. bursts (`plan.burst_rounds` rounds, the runs' bursts back to back in each round, in an order
+   that rotates by one each round): the donor gets `plan.burst_requests` requests (one long
+   ShareGPT message each, cut to `plan.burst_tokens_each` tokens) in one batched `/generate` of
+   token ids, which SGLang hands its scheduler as one message (concurrent calls reached the
+   scheduler loop by chance in one, two or three batches, and that chance decided the donor's
+   P99). Every busy server is idle meanwhile. The round structure is what makes the donor's
+   P99 comparable: one forward's time on this shared machine moves 10-20% within seconds
+   whatever runs (docs/node_bench.md), so one burst per run, minutes apart, was a coin toss;
+   rounds put the three runs' bursts under the same conditions and the P99 over several rounds
+   is their upper tail, not one sample of it. Between rounds every donor's cache is flushed
+   (the burst's prompts would otherwise stay cached) and the SwiftCache donor lends again.
+3. reclaim: each run's busy conversations get their next turn (`busy_reclaim`): the borrower
+   serving once its loan is gone. (A reclaim that meets a copy in flight is
+   `tests/unit/test_runtime.py`'s
    `test_reclaim_is_acked_from_the_agent_thread_once_the_copy_in_flight_stopped`, and the
    layer stream's `test_reclaim_and_dead_donor_mid_forward_leave_every_read_unchanged`.)
 Every request is greedy (temperature 0) with a fixed output length, so outputs can be compared
@@ -27,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..loadgen.client import RequestRecord, chat, flush_when_idle, generate_batch
@@ -93,8 +99,8 @@ class Marks:
     """Seconds since the run's t0 (the sampler's clock too) of the traffic's phases."""
 
     t0: float
-    burst_start: float | None = None
-    burst_end: float | None = None
+    steady_end: float | None = None
+    bursts: list[tuple[float, float]] = field(default_factory=list)  # (start, end) per round
     traffic_end: float | None = None
 
     def now(self) -> float:
@@ -114,17 +120,17 @@ class BusyReplay:
     """The busy model's conversations, interleaved turn by turn; histories carry over between
     calls, so the reclaim phase continues the steady phase's conversations."""
 
-    def __init__(self, http, url: str, traffic: Traffic, plan: NodePlan, t0: float) -> None:
-        self.http, self.url, self.traffic, self.plan, self.t0 = http, url, traffic, plan, t0
+    def __init__(self, url: str, traffic: Traffic, plan: NodePlan, t0: float) -> None:
+        self.url, self.traffic, self.plan, self.t0 = url, traffic, plan, t0
         self.histories: list[list[dict]] = [[] for _ in traffic.busy]
 
-    async def turns(self, first: int, stop: int) -> list[RequestRecord]:
+    async def turns(self, http, first: int, stop: int) -> list[RequestRecord]:
         """Turns first+1..stop (1-based in the records) of every conversation, round-robin."""
         records: list[RequestRecord] = []
         for i in range(first, stop):
             for conv, messages in zip(self.traffic.busy, self.histories):
                 messages.append({"role": "user", "content": conv.turns[i].user})
-                rec = await _send(self.http, self.url, list(messages), self.plan.max_tokens,
+                rec = await _send(http, self.url, list(messages), self.plan.max_tokens,
                                   conv.id, i + 1, "busy", self.t0)
                 messages.append({"role": "assistant", "content": rec.text})
                 records.append(rec)
@@ -172,37 +178,49 @@ async def _warm_up_donor(url: str, traffic: Traffic, timeout_s: float) -> None:
         await flush_when_idle(http, url, timeout_s=30.0, poll_s=0.2)
 
 
-async def _burst(http, url, traffic: Traffic, plan: NodePlan, marks: Marks) -> list[RequestRecord]:
-    marks.burst_start = marks.now()
-    records = [RequestRecord(session=f"burst-{i}", turn=1, server="burst", t_send=0.0)
-               for i in range(len(traffic.burst))]
+def session():
+    """The aiohttp session every phase sends through (no connection limit, 15 min timeout)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
+async def steady(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
+                 replay: BusyReplay, marks: Marks) -> dict[str, list[RequestRecord]]:
+    """Phase 1: the busy turns 1..plan.turns and the donor's light traffic, side by side."""
+    async with session() as http:
+        busy, donor = await asyncio.gather(replay.turns(http, 0, plan.turns),
+                                           _donor_light(http, donor_url, traffic, plan, marks.t0))
+    marks.steady_end = marks.now()
+    return {"busy": busy, "donor": donor}
+
+
+async def burst(http, url: str, traffic: Traffic, plan: NodePlan, marks: Marks,
+                round_no: int) -> list[RequestRecord]:
+    """One round's burst on one donor: records `burst-<i>`, turn `round_no + 1`."""
+    start = marks.now()
+    records = [RequestRecord(session=f"burst-{i}", turn=round_no + 1, server="burst",
+                             t_send=0.0) for i in range(len(traffic.burst))]
     await generate_batch(http, url, [list(ids) for ids in traffic.burst], plan.burst_max_tokens,
                          records, marks.t0)
     for rec in records:
         if rec.error:
-            raise RuntimeError(f"burst request {rec.session} failed: {rec.error}")
-    marks.burst_end = marks.now()
+            raise RuntimeError(f"burst request {rec.session} (round {round_no + 1}) failed: "
+                               f"{rec.error}")
+    marks.bursts.append((start, marks.now()))
     return records
 
 
-async def drive(busy_url: str, donor_url: str, traffic: Traffic, plan: NodePlan,
-                marks: Marks, on_phase=None) -> dict[str, list[RequestRecord]]:
-    """Send the whole traffic; records per stream: `busy` (steady phase), `donor` (light),
-    `burst`, `busy_reclaim` (the busy turns sent after the burst). `on_phase(name)`, if given,
-    is called as the reclaim phase begins ("reclaim") and as the traffic ends ("end")."""
-    import aiohttp
+def round_order(keys: list[str], round_no: int) -> list[str]:
+    """The runs' order in a round: rotated by one each round, so no run always goes first."""
+    k = round_no % len(keys)
+    return keys[k:] + keys[:k]
 
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as http:
-        replay = BusyReplay(http, busy_url, traffic, plan, marks.t0)
-        busy, donor = await asyncio.gather(replay.turns(0, plan.turns),
-                                           _donor_light(http, donor_url, traffic, plan, marks.t0))
-        if on_phase is not None:
-            on_phase("reclaim")
-        burst = await _burst(http, donor_url, traffic, plan, marks)
-        busy_reclaim = await replay.turns(plan.turns, plan.turns + 1)
-    marks.traffic_end = marks.now()
-    if on_phase is not None:
-        on_phase("end")
-    return {"busy": busy, "donor": donor, "burst": burst, "busy_reclaim": busy_reclaim}
+
+async def flush_donors(urls: list[str]) -> None:
+    """Between rounds: every donor's cache flushed once it is idle (its last decode may still be
+    finishing), so the next burst is computed again and a SwiftCache donor has room to lend."""
+    async with session() as http:
+        for url in urls:
+            await flush_when_idle(http, url, timeout_s=30.0, poll_s=0.2)

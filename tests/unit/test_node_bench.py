@@ -1,9 +1,12 @@
 """The node benchmark's pieces, without SGLang servers: sizes and FLOPs per KV byte, the runs'
-arguments, Prometheus parsing, burst prompts, the traffic driver against a fake streaming server,
+arguments, Prometheus parsing, burst prompts, the traffic phases against a fake streaming server, the burst rounds,
 output comparison, the reclaim view and the JSON summary's keys."""
 
 import asyncio
+import contextlib
+import http.server
 import json
+import threading
 import time
 
 import pytest
@@ -12,6 +15,18 @@ from aiohttp import web
 from sglang_swift.loadgen.client import RequestRecord
 from sglang_swift.nodebench import cli, observe, plan, report, runner, traffic
 from sglang_swift.workloads.sharegpt import Conversation, Turn
+
+
+@contextlib.contextmanager
+def _http_server(handler):
+    """An http.server fake on a free port (threads), quiet; yields its base URL."""
+    handler.log_message = lambda *args: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}"
+    finally:
+        srv.shutdown()
 
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=2048,
@@ -155,12 +170,25 @@ def _fake_chat_app(arrivals):
     return app
 
 
-def test_drive_runs_the_steady_phase_then_the_burst_alone_then_the_next_busy_turn():
+async def _fake_servers(*logs):
+    """One fake streaming server per arrivals list; returns (runners, base URLs)."""
+    runners, urls = [], []
+    for log in logs:
+        r = web.AppRunner(_fake_chat_app(log))
+        await r.setup()
+        site = web.TCPSite(r, "127.0.0.1", 0)
+        await site.start()
+        runners.append(r)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    return runners, urls
+
+
+def test_steady_phase_then_bursts_then_the_next_busy_turn_continue_the_histories():
     """Steady phase: busy turns round-robin with growing histories (the model's answers
-    included) and the donor's light turns alternating its conversations. Only when both are
-    done does the burst go, as one batched /generate of token ids (so its requests reach the
-    donor's scheduler together in every run), with the busy server idle; then each busy
-    conversation's next turn (which continues its history); marks are in order."""
+    included) and the donor's light turns alternating its conversations, side by side. A burst
+    is one batched /generate of token ids (so its requests reach the donor's scheduler together
+    in every run), its records named by round; the reclaim-phase turn continues each busy
+    history; marks are in order."""
     busy = tuple(Conversation(f"b{i}", tuple(Turn(f"u{i}{t}", ".") for t in range(3)))
                  for i in range(2))
     donor = tuple(Conversation(f"d{i}", tuple(Turn(f"v{i}{t}", ".") for t in range(2)))
@@ -169,24 +197,20 @@ def test_drive_runs_the_steady_phase_then_the_burst_alone_then_the_next_busy_tur
     p = plan.NodePlan(conversations=2, turns=2, donor_conversations=2, donor_requests=3,
                       donor_interval_s=0.0, burst_requests=2)
     arrivals_busy, arrivals_donor = [], []
-    phases = []  # (phase, busy and donor requests arrived by then): --diagnose's CPU readings
 
     async def main():
-        runners = []
-        urls = []
-        for log in (arrivals_busy, arrivals_donor):
-            r = web.AppRunner(_fake_chat_app(log))
-            await r.setup()
-            site = web.TCPSite(r, "127.0.0.1", 0)
-            await site.start()
-            runners.append(r)
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        runners, (busy_url, donor_url) = await _fake_servers(arrivals_busy, arrivals_donor)
         marks = traffic.Marks(t0=time.perf_counter())
+        replay = traffic.BusyReplay(busy_url, tr, p, marks.t0)
         try:
-            return await traffic.drive(
-                urls[0], urls[1], tr, p, marks,
-                on_phase=lambda name: phases.append(
-                    (name, len(arrivals_busy), len(arrivals_donor)))), marks
+            records = await traffic.steady(busy_url, donor_url, tr, p, replay, marks)
+            async with traffic.session() as http:
+                records["burst"] = [
+                    *await traffic.burst(http, donor_url, tr, p, marks, 0),
+                    *await traffic.burst(http, donor_url, tr, p, marks, 1)]
+                records["busy_reclaim"] = await replay.turns(http, p.turns, p.turns + 1)
+            marks.traffic_end = marks.now()
+            return records, marks
         finally:
             for r in runners:
                 await r.cleanup()
@@ -198,18 +222,52 @@ def test_drive_runs_the_steady_phase_then_the_burst_alone_then_the_next_busy_tur
     assert [len(b["messages"]) for b in arrivals_busy] == [1, 1, 3, 3, 5, 5]
     assert arrivals_busy[2]["messages"][1] == {"role": "assistant", "content": "m1."}
     assert [(r.session, r.turn) for r in records["donor"]] == [("d0", 1), ("d1", 1), ("d0", 2)]
-    assert [r.session for r in records["burst"]] == ["burst-0", "burst-1"]
-    (batched,) = [b for b in arrivals_donor if "input_ids" in b]
-    assert batched["input_ids"] == [[1, 2, 3], [4, 5]] and len(arrivals_donor) == 4
-    assert [(r.text, r.prompt_tokens, r.completion_tokens) for r in records["burst"]] == [
+    assert [(r.session, r.turn) for r in records["burst"]] == [
+        ("burst-0", 1), ("burst-1", 1), ("burst-0", 2), ("burst-1", 2)]
+    batched = [b for b in arrivals_donor if "input_ids" in b]
+    assert [b["input_ids"] for b in batched] == [[[1, 2, 3], [4, 5]]] * 2
+    assert len(arrivals_donor) == 5
+    assert [(r.text, r.prompt_tokens, r.completion_tokens) for r in records["burst"][:2]] == [
         ("g3.", 3, 2), ("g2.", 2, 2)]
     assert all(r.cached_tokens == 1 and r.ttft is not None for s in records.values() for r in s)
     steady_end = max(r.t_send + r.e2e for r in records["busy"] + records["donor"])
-    assert marks.burst_start >= steady_end
-    assert all(r.t_send >= marks.burst_start for r in records["burst"])
-    assert all(r.t_send >= marks.burst_end for r in records["busy_reclaim"])
-    assert marks.burst_start <= marks.burst_end <= marks.traffic_end
-    assert phases == [("reclaim", 4, 3), ("end", 6, 4)]
+    assert marks.steady_end >= steady_end
+    (s0, e0), (s1, e1) = marks.bursts
+    assert marks.steady_end <= s0 <= e0 <= s1 <= e1 <= marks.traffic_end
+    assert all(r.t_send >= e1 for r in records["busy_reclaim"])
+
+
+def test_rounds_rotate_the_runs_order():
+    """No run's burst always goes first (or last) in its round."""
+    keys = ["a", "b", "c"]
+    orders = [traffic.round_order(keys, r) for r in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert {o[0] for o in orders[:3]} == set(keys)
+
+
+def test_flush_donors_flushes_each_once_it_is_idle():
+    """Between rounds every donor's /flush_cache is posted, and retried while SGLang answers
+    that the server is busy."""
+    hits: list[tuple[int, str]] = []
+
+    def handler(busy_answers):
+        left = [busy_answers]
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                hits.append((self.server.server_port, self.path))
+                ok = left[0] == 0
+                left[0] = max(0, left[0] - 1)
+                self.send_response(200 if ok else 400)
+                self.end_headers()
+                self.wfile.write(b"ok" if ok else b"not idle")
+
+        return H
+
+    with _http_server(handler(0)) as u0, _http_server(handler(2)) as u1:
+        asyncio.run(traffic.flush_donors([u0, u1]))
+    ports = [int(u.rsplit(":", 1)[1]) for u in (u0, u1)]
+    assert hits == [(ports[0], "/flush_cache")] + [(ports[1], "/flush_cache")] * 3
 
 
 def test_thread_cpu_readings_name_the_threads_of_a_process_tree_that_did_the_work(tmp_path):
@@ -278,22 +336,33 @@ class _FakeSampler(observe.CapacitySampler):
         self.samples = samples
 
 
-def test_reclaim_view_needs_lent_pages_at_the_burst_and_a_full_pool_after():
-    """`reclaimed` is true only when pages were lent when the burst began and a later sample
-    shows the donor's whole pool usable again."""
+def test_reclaim_view_needs_lent_pages_at_each_burst_and_a_full_pool_after_each():
+    """`reclaimed` is true only when pages were lent when every burst began and, before the
+    next burst, a sample shows the donor's whole pool usable again."""
     g = lambda lent: {"swiftcache_kv_pool_tokens": 4096.0,  # noqa: E731
                       "swiftcache_lent_tokens": lent, "swiftcache_usable_tokens": 4096.0 - lent}
-    back = _FakeSampler({"donor": [(0.0, g(2048)), (5.0, g(2048)), (6.0, g(0)), (9.0, g(2048))]})
-    view = report.reclaim_view(back, burst_start=5.5)
+    two = [(0.0, g(2048)), (5.0, g(2048)), (6.0, g(0)), (9.0, g(2048)), (12.0, g(0))]
+    view = report.reclaim_view(_FakeSampler({"donor": two}), [(5.5, 5.7), (10.0, 10.2)])
+    assert view["rounds"] == [{"lent_at_burst": 2048, "full_after_s": 0.5},
+                              {"lent_at_burst": 2048, "full_after_s": 2.0}]
     assert view["lent_at_burst"] == 2048 and view["full_after_burst"]
-    assert view["full_after_s"] == 0.5
-    never = _FakeSampler({"donor": [(0.0, g(2048)), (6.0, g(2048))]})
-    assert not report.reclaim_view(never, burst_start=5.5)["full_after_burst"]
-    nothing_lent = _FakeSampler({"donor": [(0.0, g(0)), (6.0, g(0))]})
-    view = report.reclaim_view(nothing_lent, burst_start=5.5)
+    assert view["full_after_s"] == 2.0  # the slowest round
     tables = {k: report.run_tables({"busy": [_rec("c", 1, "x")]}) for k in "abc"}
     outputs = {k: {"matched": 1, "compared": 1} for k in "abc"}
+    assert report.summarize(tables, outputs, view, None)["reclaimed"] is True
+    # the pool came back only after the second burst: the first round's full sample is missing
+    late = [(0.0, g(2048)), (5.0, g(2048)), (9.0, g(2048)), (12.0, g(0))]
+    view = report.reclaim_view(_FakeSampler({"donor": late}), [(5.5, 5.7), (10.0, 10.2)])
+    assert view["rounds"][0]["full_after_s"] is None and not view["full_after_burst"]
     assert report.summarize(tables, outputs, view, None)["reclaimed"] is False
+    never = _FakeSampler({"donor": [(0.0, g(2048)), (6.0, g(2048))]})
+    assert not report.reclaim_view(never, [(5.5, 5.7)])["full_after_burst"]
+    # nothing lent at the second burst: that round reclaimed nothing
+    unlent = [(0.0, g(2048)), (6.0, g(0)), (9.0, g(0)), (12.0, g(0))]
+    view = report.reclaim_view(_FakeSampler({"donor": unlent}), [(5.5, 5.7), (10.0, 10.2)])
+    assert view["full_after_burst"] and view["rounds"][1]["lent_at_burst"] == 0
+    assert report.summarize(tables, outputs, view, None)["reclaimed"] is False
+    assert report.reclaim_view(never, [])["rounds"] == []
 
 
 def test_summary_keys_are_the_stated_ratios():
@@ -306,7 +375,8 @@ def test_summary_keys_are_the_stated_ratios():
 
     t = {"a": tables(100, 50, 10), "b": tables(300, 40, 11), "c": tables(320, 80, 9)}
     ok = {k: {"matched": 2, "compared": 2} for k in "abc"}
-    view = {"lent_at_burst": 2048, "full_after_burst": True}
+    view = {"lent_at_burst": 2048, "full_after_burst": True,
+            "rounds": [{"lent_at_burst": 2048, "full_after_s": 0.5}]}
     s = report.summarize(t, ok, view, 0.01)
     assert s["identical"] is True and s["reclaimed"] is True
     assert s["busy_cached_ratio"] == 3.0 and s["busy_cached_vs_ideal"] == pytest.approx(0.938)
@@ -339,29 +409,54 @@ def test_cli_quick_and_overrides():
         cli.parse_args(["--lend-fraction", "1.5"])
 
 
-def test_burst_forwards_are_the_trailing_prefills_that_add_up_to_the_burst():
-    from sglang_swift.nodebench.report import burst_forwards, burst_split
+def test_burst_rounds_in_trace_are_the_trailing_prefills_that_add_up_round_by_round():
+    from sglang_swift.nodebench.report import burst_rounds_in_trace, burst_split
 
     def ext(n, wall=10.0):
         return {"mode": "EXTEND", "new_tokens": n, "wall_ms": wall, "cpu_ms": wall - 1}
 
     dec = {"mode": "DECODE", "new_tokens": 6, "wall_ms": 5.0, "cpu_ms": 5.0}
-    trace = [ext(300), dec, ext(40), ext(600, 50.0), dec, ext(400, 30.0), dec, dec]
-    found = burst_forwards(trace, 1000)
-    assert [f["new_tokens"] for f in found] == [600, 400]  # in trace order, decodes skipped
-    assert burst_forwards(trace, 900) == []  # 400 + 600 overshoots: not the burst
-    assert burst_forwards([dec, dec], 10) == []
-    split = burst_split(120.0, found)
-    assert split == {"ttft_p99_ms": 120.0, "forwards": 2, "forward_wall_ms": 80.0,
+    # light traffic, then round 1 (one pass), then round 2 split by a decode (partial admission)
+    trace = [ext(300), dec, ext(1000, 70.0), dec, dec, ext(600, 50.0), dec, ext(400, 30.0),
+             dec, dec]
+    r1, r2 = burst_rounds_in_trace(trace, [1000, 1000])
+    assert [f["new_tokens"] for f in r1] == [1000]
+    assert [f["new_tokens"] for f in r2] == [600, 400]  # in trace order, decodes skipped
+    # 400 + 600 overshoots 900: not the burst, and nothing before it is trusted
+    assert burst_rounds_in_trace(trace, [1000, 900]) == [[], []]
+    assert burst_rounds_in_trace(trace, [5000, 1000]) == [[], r2]  # the trace ran out
+    assert burst_rounds_in_trace([dec, dec], [10]) == [[]]
+    split = burst_split(120.0, r2)
+    assert split == {"ttft_ms": 120.0, "forwards": 2, "forward_wall_ms": 80.0,
                      "forward_cpu_ms": 78.0, "outside_ms": 40.0}
-    assert burst_split(None, found) is None and burst_split(120.0, []) is None
+    assert burst_split(None, r2) is None and burst_split(120.0, []) is None
+
+
+def test_sampler_can_watch_again_after_it_stopped():
+    """The SwiftCache run's sampler watches its steady phase, stops while the other runs serve
+    theirs, and watches again for the bursts: both periods land in one series."""
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"swiftcache_lent_tokens 7\n")
+
+    with _http_server(H) as url:
+        sampler = observe.CapacitySampler({"donor": url}, 0.05, time.perf_counter())
+        with sampler:
+            time.sleep(0.2)
+        first = len(sampler.series("donor", "swiftcache_lent_tokens"))
+        time.sleep(0.3)
+        assert len(sampler.series("donor", "swiftcache_lent_tokens")) == first  # stopped
+        with sampler:
+            time.sleep(0.2)
+    pts = sampler.series("donor", "swiftcache_lent_tokens")
+    assert first >= 1 and len(pts) > first and all(v == 7 for _, v in pts)
+    gap = max(b - a for (a, _), (b, _) in zip(pts, pts[1:]))
+    assert gap >= 0.3  # the stopped period shows as a gap, not as samples
 
 
 def test_warm_up_donor_runs_the_bursts_shape_then_flushes_once_the_server_is_idle():
-    import http.server
-    import json as _json
-    import threading
-
     from sglang_swift.nodebench.traffic import Traffic, warm_up_donor
 
     seen = []
@@ -370,24 +465,39 @@ def test_warm_up_donor_runs_the_bursts_shape_then_flushes_once_the_server_is_idl
         def do_POST(self):  # noqa: N802 - http.server's name
             n = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(n)
-            seen.append((self.path, _json.loads(body) if body else None))
+            seen.append((self.path, json.loads(body) if body else None))
             busy = self.path == "/flush_cache" and \
                 sum(p == "/flush_cache" for p, _ in seen) == 1  # not idle yet, the first time
             self.send_response(400 if busy else 200)
             self.end_headers()
             self.wfile.write(b"{}")
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        traffic = Traffic(busy=(), donor=(), burst=((1, 2, 3), (4, 5, 6, 7)))
-        warm_up_donor(f"http://127.0.0.1:{server.server_port}", traffic)
-    finally:
-        server.shutdown()
+    with _http_server(Handler) as url:
+        warm_up_donor(url, Traffic(busy=(), donor=(), burst=((1, 2, 3), (4, 5, 6, 7))))
     assert [p for p, _ in seen] == ["/generate", "/flush_cache", "/flush_cache"]
     gen = seen[0][1]
     assert gen["input_ids"] == [[2, 3, 1], [5, 6, 7, 4]]  # the burst's shape, not its prompts
     assert gen["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0}
+
+
+def test_burst_noise_rounds_visit_every_server_in_rotated_order_and_flush_between(monkeypatch):
+    """scripts/burst_noise.py's rounds: each round one burst per server, in round_order, every
+    server flushed after the round; the TTFT recorded is the burst's slowest request's."""
+    from sglang_swift.nodebench import burst_noise
+
+    calls: list[str] = []
+
+    async def fake_burst(http, url, tr, p):
+        calls.append(url)
+        return float(len(calls))
+
+    async def fake_flush(urls):
+        calls.append("flush " + ",".join(urls))
+
+    monkeypatch.setattr(burst_noise, "_burst_ms", fake_burst)
+    monkeypatch.setattr(burst_noise, "flush_donors", fake_flush)
+    got = burst_noise._rounds({"s0": "u0", "s1": "u1"}, None, plan.NodePlan.quick(), 2)
+    assert calls == ["u0", "u1", "flush u0,u1", "u1", "u0", "flush u0,u1"]
+    assert got == {"s0": [1.0, 5.0], "s1": [2.0, 4.0]}
+    with pytest.raises(SystemExit):
+        burst_noise.main(["--servers", "0"])
