@@ -1,6 +1,6 @@
 """The node benchmark's pieces, without SGLang servers: sizes and FLOPs per KV byte, the runs'
-arguments, Prometheus parsing, burst prompts, the traffic phases against a fake streaming server, the burst rounds,
-output comparison, the reclaim view and the JSON summary's keys."""
+arguments, Prometheus parsing, burst prompts, the traffic phases against a fake streaming server,
+the burst rounds, output comparison, the reclaim view and the JSON summary's keys."""
 
 import asyncio
 import contextlib
