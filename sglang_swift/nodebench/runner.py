@@ -224,16 +224,25 @@ class Node:
         self.records["busy_reclaim"] = asyncio.run(turns())
         self.marks.traffic_end = self.marks.now()
 
-    def wait_lent(self, tokens: float, timeout_s: float = LEASE_TIMEOUT_S) -> bool:
-        """SwiftCache: until the donor lends `tokens` again (its relend follows a reclaim by its
-        cooldown, all at once) and the busy server holds a lease; False when it did not."""
+    def wait_lent(self, tokens: float, reclaims: float,
+                  timeout_s: float = LEASE_TIMEOUT_S) -> bool:
+        """SwiftCache: until the donor shows `reclaims` reclaims done and lends `tokens` again
+        (its relend follows a reclaim by its cooldown, all at once), then until the busy server
+        holds a lease; False when that did not happen in time. The gauges are updated once a
+        second, so a lent reading alone can still be the one from before the last burst's
+        reclaim; the reclaim count in the same reading says it is not."""
         deadline = time.monotonic() + timeout_s
-        for server, name, least in ((self.donor, "swiftcache_lent_tokens", tokens),
-                                    (self.busy, "swiftcache_borrowed_tokens", 1.0)):
-            while (scrape(server.base_url) or {}).get(name, 0.0) < least:
+
+        def relent(m: dict) -> bool:
+            return (m.get("swiftcache_reclaim_latency_seconds_count", 0.0) >= reclaims
+                    and m.get("swiftcache_lent_tokens", 0.0) >= tokens)
+
+        for server, ready in ((self.donor, relent),
+                              (self.busy, lambda m: m.get("swiftcache_borrowed_tokens", 0) > 0)):
+            while not ready(scrape(server.base_url) or {}):
                 if time.monotonic() > deadline:
                     return False
-                time.sleep(0.25)  # polling a gauge the server updates once a second
+                time.sleep(0.25)  # polling gauges the server updates once a second
         return True
 
     def result(self) -> RunResult:
@@ -296,18 +305,20 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
         b = start(swiftcache_run(plan), stack)
         start(ideal_run(plan, int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
                         int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)), stack)
-        lent = (scrape(b.donor.base_url) or {}).get("swiftcache_lent_tokens", 0.0)
+        before = scrape(b.donor.base_url) or {}
         with b.sampler:  # the reclaims and the relends, for the capacity plot and reclaim_view
-            _burst_rounds(nodes, lent, log)
+            _burst_rounds(nodes, before.get("swiftcache_lent_tokens", 0.0),
+                          before.get("swiftcache_reclaim_latency_seconds_count", 0.0), log)
             for node in nodes.values():
                 node.busy_reclaim()
             time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
         return {k: node.result() for k, node in nodes.items()}
 
 
-def _burst_rounds(nodes: dict[str, Node], lent: float, log) -> None:
+def _burst_rounds(nodes: dict[str, Node], lent: float, reclaims: float, log) -> None:
     """The donors' bursts (traffic.py, phase 2); before each round after the first, every donor
-    is flushed and the SwiftCache donor lends `lent` tokens again."""
+    is flushed and the SwiftCache donor, `reclaims` reclaims done before the first, lends `lent`
+    tokens again once the previous rounds' reclaims are done."""
     plan = next(iter(nodes.values())).plan
     keys = list(nodes)
     t = time.monotonic()
@@ -315,7 +326,7 @@ def _burst_rounds(nodes: dict[str, Node], lent: float, log) -> None:
         if r:
             asyncio.run(flush_donors([n.donor.base_url for n in nodes.values()]))
             for node in nodes.values():
-                if node.spec.swiftcache and lent and not node.wait_lent(lent):
+                if node.spec.swiftcache and lent and not node.wait_lent(lent, reclaims + r):
                     log(f"[{node.spec.key}] the donor did not lend {lent:.0f} tokens again "
                         f"before round {r + 1}; the round goes without a loan")
 

@@ -501,3 +501,38 @@ def test_burst_noise_rounds_visit_every_server_in_rotated_order_and_flush_betwee
     assert got == {"s0": [1.0, 5.0], "s1": [2.0, 4.0]}
     with pytest.raises(SystemExit):
         burst_noise.main(["--servers", "0"])
+
+
+def test_wait_lent_does_not_take_the_gauge_from_before_the_reclaim():
+    """Between rounds the SwiftCache donor's lent gauge can still show the loan from before the
+    last burst (gauges are updated once a second): wait_lent goes on only once the reclaim count
+    shows that burst's reclaim and the loan is back, and the busy server holds a lease."""
+    from types import SimpleNamespace
+
+    donor_readings = [(2048, 1), (0, 2), (0, 2), (2048, 2)]  # stale, reclaimed, relent
+    seen = {"donor": 0, "busy": 0}
+
+    def handler(role):
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                k = seen[role]
+                seen[role] += 1
+                if role == "donor":
+                    lent, count = donor_readings[min(k, len(donor_readings) - 1)]
+                    body = (f"swiftcache_lent_tokens {lent}\n"
+                            f"swiftcache_reclaim_latency_seconds_count {count}\n")
+                else:
+                    body = f"swiftcache_borrowed_tokens {0 if k == 0 else 512}\n"
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+        return H
+
+    with _http_server(handler("donor")) as d, _http_server(handler("busy")) as b:
+        node = SimpleNamespace(donor=SimpleNamespace(base_url=d), busy=SimpleNamespace(base_url=b))
+        assert runner.Node.wait_lent(node, 2048, 2, timeout_s=30) is True
+    assert seen == {"donor": 4, "busy": 2}
+    with _http_server(handler("donor")) as d, _http_server(handler("busy")) as b:
+        node = SimpleNamespace(donor=SimpleNamespace(base_url=d), busy=SimpleNamespace(base_url=b))
+        assert runner.Node.wait_lent(node, 2048, 3, timeout_s=0.6) is False  # never 3 reclaims
