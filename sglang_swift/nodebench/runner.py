@@ -306,28 +306,31 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
         start(ideal_run(plan, int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
                         int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)), stack)
         before = scrape(b.donor.base_url) or {}
-        with b.sampler:  # the reclaims and the relends, for the capacity plot and reclaim_view
-            _burst_rounds(nodes, before.get("swiftcache_lent_tokens", 0.0),
-                          before.get("swiftcache_reclaim_latency_seconds_count", 0.0), log)
+        _burst_rounds(nodes, b, before.get("swiftcache_lent_tokens", 0.0),
+                      before.get("swiftcache_reclaim_latency_seconds_count", 0.0), log)
+        with b.sampler:  # the last reclaim and the relend, for the plot and reclaim_view
             for node in nodes.values():
                 node.busy_reclaim()
             time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
         return {k: node.result() for k, node in nodes.items()}
 
 
-def _burst_rounds(nodes: dict[str, Node], lent: float, reclaims: float, log) -> None:
-    """The donors' bursts (traffic.py, phase 2); before each round after the first, every donor
-    is flushed and the SwiftCache donor, `reclaims` reclaims done before the first, lends `lent`
-    tokens again once the previous rounds' reclaims are done."""
-    plan = next(iter(nodes.values())).plan
+def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float, log) -> None:
+    """The donors' bursts (traffic.py, phase 2). Before each round after the first, every donor
+    is flushed and the SwiftCache donor `b`, `reclaims` reclaims done before the first, lends
+    `lent` tokens again once the previous rounds' reclaims are done; `b`'s sampler watches
+    those waits (its reclaims and relends) but not the bursts: a `/metrics` scrape costs a
+    SwiftCache server's HTTP process 10-20 ms of CPU (SGLang's multiprocess collection), and
+    one that met (b)'s burst in that process would delay only (b)'s first tokens."""
+    plan = b.plan
     keys = list(nodes)
     t = time.monotonic()
     for r in range(plan.burst_rounds):
         if r:
             asyncio.run(flush_donors([n.donor.base_url for n in nodes.values()]))
-            for node in nodes.values():
-                if node.spec.swiftcache and lent and not node.wait_lent(lent, reclaims + r):
-                    log(f"[{node.spec.key}] the donor did not lend {lent:.0f} tokens again "
+            with b.sampler:
+                if lent and not b.wait_lent(lent, reclaims + r):
+                    log(f"[{b.spec.key}] the donor did not lend {lent:.0f} tokens again "
                         f"before round {r + 1}; the round goes without a loan")
 
         async def one_round(r=r):

@@ -536,3 +536,53 @@ def test_wait_lent_does_not_take_the_gauge_from_before_the_reclaim():
     with _http_server(handler("donor")) as d, _http_server(handler("busy")) as b:
         node = SimpleNamespace(donor=SimpleNamespace(base_url=d), busy=SimpleNamespace(base_url=b))
         assert runner.Node.wait_lent(node, 2048, 3, timeout_s=0.6) is False  # never 3 reclaims
+
+
+def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_bursts(monkeypatch):
+    """Each round sends every run's burst in round_order; before each round after the first the
+    donors are flushed and the SwiftCache run waits for its loan (reclaims counted from the
+    count before the first round) with its sampler on; no burst goes while it samples."""
+    from types import SimpleNamespace
+
+    log: list = []
+
+    class Sampler:
+        on = False
+
+        def __enter__(self):
+            Sampler.on = True
+            log.append("sample")
+
+        def __exit__(self, *exc):
+            Sampler.on = False
+
+    def node(key, swift):
+        async def burst(http, r):
+            assert not Sampler.on
+            log.append((key, r))
+
+        def wait_lent(tokens, reclaims):
+            assert Sampler.on
+            log.append(("wait", tokens, reclaims))
+            return True
+
+        return SimpleNamespace(spec=SimpleNamespace(key=key, swiftcache=swift),
+                               donor=SimpleNamespace(base_url=f"u{key}"), burst=burst,
+                               wait_lent=wait_lent, sampler=Sampler(),
+                               plan=plan.NodePlan(burst_rounds=3))
+
+    async def flush(urls):
+        log.append(("flush", tuple(urls)))
+
+    @contextlib.asynccontextmanager
+    async def session():
+        yield None
+
+    monkeypatch.setattr(runner, "flush_donors", flush)
+    monkeypatch.setattr(runner, "session", session)
+    nodes = {k: node(k, k == "b") for k in "abc"}
+    runner._burst_rounds(nodes, nodes["b"], 2048.0, 4.0, lambda line: None)
+    flushed = ("flush", ("ua", "ub", "uc"))
+    assert log == [("a", 0), ("b", 0), ("c", 0),
+                   flushed, "sample", ("wait", 2048.0, 5.0), ("b", 1), ("c", 1), ("a", 1),
+                   flushed, "sample", ("wait", 2048.0, 6.0), ("c", 2), ("a", 2), ("b", 2)]
