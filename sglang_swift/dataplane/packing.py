@@ -14,7 +14,7 @@ The rule ("pack"; docs/dataplane.md "Lending the donor's own pool" has a worked 
   straddles anything and one index tensor per (layer, K/V) names every unit of a transfer.
 
 Reclaim: donor page at grant position j holds stream bytes [j x D, (j+1) x D), so the borrower
-blocks it overlaps are a range computed in O(1) (`blocks_touching`, O(pages) in all).
+blocks it overlaps are a range computed in O(1) (`blocks_touching`, vectorized over the pages).
 This module is arithmetic only: it holds no memory and never copies.
 """
 
@@ -72,6 +72,10 @@ class LeasePacking:
         self.unused_bytes = self.stream_bytes - self.num_blocks * self.block_bytes
         self.unit = math.gcd(*self.chunk, *self.piece, donor.data_offset)
         self._pages_on: dict[torch.device, torch.Tensor] = {}
+        # blocks_touching's lookup (the lease's pages sorted, and their grant positions), built
+        # here on the grant path, not on the reclaim path
+        self._held, self._position_of = torch.sort(torch.tensor(self.donor_pages,
+                                                                dtype=torch.int64))
 
     def __repr__(self) -> str:
         return (f"LeasePacking({self.num_blocks} blocks of {self.block_bytes} B in "
@@ -109,23 +113,30 @@ class LeasePacking:
     def blocks_touching(self, pages: Iterable[int], strict: bool = True) -> list[int]:
         """Sorted borrower blocks whose bytes lie (partly) in any of `pages` (donor page ids of
         this lease, e.g. a `Reclaim.blocks`): they become unreadable once those pages go back.
-        O(len(pages) + blocks returned). A page this lease does not hold raises ValueError, or
-        is skipped with `strict=False`."""
-        out: set[int] = set()
-        unknown = []
-        for p in pages:
-            j = self._position.get(int(p))
-            if j is None:
-                unknown.append(p)
-                continue
-            first = j * self.donor_page_bytes // self.block_bytes
-            last = min(((j + 1) * self.donor_page_bytes - 1) // self.block_bytes,
-                       self.num_blocks - 1)
-            out.update(range(first, last + 1))
-        if unknown and strict:
-            raise ValueError(f"donor pages {unknown[:8]} are not in this lease "
+        Vectorized, O(len(pages) log(lease pages) + blocks): it runs on the borrower's agent
+        thread while a donor waits for a reclaim (a Python loop took 2.2 ms for 2048 pages on
+        this CPU). A page this lease does not hold raises ValueError, or is skipped with
+        `strict=False`."""
+        want = torch.as_tensor(pages if isinstance(pages, torch.Tensor) else list(pages),
+                               dtype=torch.int64).reshape(-1).cpu()
+        if want.numel() == 0:
+            return []
+        held, position = self._held, self._position_of
+        at = torch.searchsorted(held, want).clamp_(max=max(held.numel() - 1, 0))
+        known = held[at] == want if held.numel() else torch.zeros_like(want, dtype=torch.bool)
+        if strict and not bool(known.all()):
+            raise ValueError(f"donor pages {want[~known][:8].tolist()} are not in this lease "
                              f"({len(self.donor_pages)} pages)")
-        return sorted(out)
+        j = position[at[known]]
+        first = j * self.donor_page_bytes // self.block_bytes
+        last = (((j + 1) * self.donor_page_bytes - 1) // self.block_bytes).clamp_(
+            max=self.num_blocks - 1)
+        some = first <= last  # a page wholly in the unused tail touches no block
+        first, last = first[some], last[some]
+        edges = torch.zeros(self.num_blocks + 1, dtype=torch.int64)
+        edges.index_add_(0, first, torch.ones_like(first))
+        edges.index_add_(0, last + 1, -torch.ones_like(last))
+        return torch.nonzero(edges[:-1].cumsum(0) > 0).reshape(-1).tolist()
 
     def pages_of_block(self, block: int) -> list[int]:
         """Donor page ids (grant order) holding some byte of borrower block `block`."""

@@ -169,3 +169,40 @@ def test_bad_leases_are_refused_with_the_reason():
     assert empty.num_blocks == 0 and empty.unused_bytes == 0
     with pytest.raises(IndexError):
         empty.block_span(0)
+
+
+def _touching_by_loop(lease: LeasePacking, pages) -> list[int]:
+    """The reference: each page's byte range [j x D, (j+1) x D) mapped to blocks one by one."""
+    out: set[int] = set()
+    where = {p: j for j, p in enumerate(lease.donor_pages)}
+    for p in pages:
+        j = where[int(p)]
+        first = j * lease.donor_page_bytes // lease.block_bytes
+        last = min(((j + 1) * lease.donor_page_bytes - 1) // lease.block_bytes,
+                   lease.num_blocks - 1)
+        out.update(range(first, last + 1))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_blocks_touching_matches_the_page_by_page_loop_for_large_unsorted_leases(name):
+    """The vectorized lookup equals the per-page arithmetic for leases of scattered pages in
+    any order (pages in the unused tail included), lists or tensors, duplicates in the request
+    and the whole lease at once; an unknown page is named."""
+    donor_page, borrower = PAIRS[name]
+    rng = random.Random(11)
+    pages = rng.sample(range(600), 257)  # scattered, unsorted; 257 leaves an unused tail
+    lease = LeasePacking(borrower, pool_of(donor_page, 600), pages)
+    for k in (1, 2, 17, 100, 257):
+        chosen = rng.sample(pages, k)
+        assert lease.blocks_touching(chosen) == _touching_by_loop(lease, chosen)
+        assert lease.blocks_touching(torch.tensor(chosen + chosen[:3])) == \
+            _touching_by_loop(lease, chosen)
+    tail = [p for j, p in enumerate(pages)
+            if j * lease.donor_page_bytes >= lease.num_blocks * lease.block_bytes]
+    assert lease.blocks_touching(tail) == []  # bytes only in the unused tail
+    assert lease.blocks_touching(pages) == list(range(lease.num_blocks))
+    assert lease.blocks_touching([]) == []
+    missing = next(p for p in range(600) if p not in set(pages))
+    with pytest.raises(ValueError, match=f"donor pages \\[{missing}\\] are not in this lease"):
+        lease.blocks_touching([pages[0], missing])
