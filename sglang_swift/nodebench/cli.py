@@ -85,6 +85,19 @@ def _burst_splits(runs: dict, out: Path) -> dict:
     return split
 
 
+def _burst_cpu(out: Path) -> dict[str, dict[str, float]]:
+    """--diagnose: per run, the mean CPU ms of every server during that run's bursts
+    (runner._server_cpu_s readings around each burst, OUT/burst-cpu.json)."""
+    path = out / "burst-cpu.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    means: dict[str, dict[str, float]] = {}
+    for key in sorted({row["run"] for row in rows}):
+        mine = [row["cpu_ms"] for row in rows if row["run"] == key]
+        means[key] = {server: round(sum(m[server] for m in mine) / len(mine), 1)
+                      for server in mine[0]}
+    return means
+
+
 def _slowest_ttft_ms(records: list) -> float | None:
     ttfts = [r.ttft for r in records if r.ttft is not None]
     return 1e3 * max(ttfts) if ttfts else None
@@ -150,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ({key}) " + "; ".join(
                 f"{v['ttft_ms']:.0f} = {v['forward_wall_ms']:.0f} ({v['forward_cpu_ms']:.0f}) "
                 f"+ {v['outside_ms']:.0f}" if v else "-" for v in rounds))
+        beside = _burst_cpu(args.out)
+        summary["burst_cpu_ms"] = beside
+        print("CPU ms of each server during a run's burst (mean over its rounds):")
+        for key, per_server in beside.items():
+            print(f"  ({key}) " + ", ".join(f"{k} {v:.1f}" for k, v in per_server.items()))
     print(f"donor reclaim in (b): {b.reclaims} reclaim(s) in {plan.burst_rounds} rounds, mean "
           f"latency {latency} s (demand to last page back); lent at each burst "
           f"{[r['lent_at_burst'] for r in reclaim['rounds']]}, usable back to the whole pool "

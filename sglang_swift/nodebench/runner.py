@@ -306,8 +306,11 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
         start(ideal_run(plan, int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
                         int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)), stack)
         before = scrape(b.donor.base_url) or {}
-        _burst_rounds(nodes, b, before.get("swiftcache_lent_tokens", 0.0),
-                      before.get("swiftcache_reclaim_latency_seconds_count", 0.0), log)
+        burst_cpu = _burst_rounds(nodes, b, before.get("swiftcache_lent_tokens", 0.0),
+                                  before.get("swiftcache_reclaim_latency_seconds_count", 0.0),
+                                  log)
+        if burst_cpu:
+            (out_dir / "burst-cpu.json").write_text(json.dumps(burst_cpu, indent=1))
         with b.sampler:  # the last reclaim and the relend, for the plot and reclaim_view
             for node in nodes.values():
                 node.busy_reclaim()
@@ -315,15 +318,19 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
         return {k: node.result() for k, node in nodes.items()}
 
 
-def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float, log) -> None:
+def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float,
+                  log) -> list[dict]:
     """The donors' bursts (traffic.py, phase 2). Before each round after the first, every donor
     is flushed and the SwiftCache donor `b`, `reclaims` reclaims done before the first, lends
     `lent` tokens again once the previous rounds' reclaims are done; `b`'s sampler watches
     those waits (its reclaims and relends) but not the bursts: a `/metrics` scrape costs a
     SwiftCache server's HTTP process 10-20 ms of CPU (SGLang's multiprocess collection), and
-    one that met (b)'s burst in that process would delay only (b)'s first tokens."""
+    one that met (b)'s burst in that process would delay only (b)'s first tokens. With
+    --diagnose, returns each burst's CPU ms of every server (`_server_cpu_s`): which process
+    ran beside the donor's forward."""
     plan = b.plan
     keys = list(nodes)
+    burst_cpu: list[dict] = []
     t = time.monotonic()
     for r in range(plan.burst_rounds):
         if r:
@@ -336,7 +343,20 @@ def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float,
         async def one_round(r=r):
             async with session() as http:
                 for key in round_order(keys, r):
+                    before = _server_cpu_s(nodes) if b.diagnose else None
                     await nodes[key].burst(http, r)
+                    if before is not None:
+                        after = _server_cpu_s(nodes)
+                        burst_cpu.append({"round": r + 1, "run": key, "cpu_ms": {
+                            k: round(1e3 * (after[k] - before[k]), 1) for k in after}})
 
         asyncio.run(one_round())
     log(f"{plan.burst_rounds} rounds of donor bursts done in {time.monotonic() - t:.0f}s")
+    return burst_cpu
+
+
+def _server_cpu_s(nodes: dict[str, Node]) -> dict[str, float]:
+    """--diagnose: CPU seconds so far of each server's process tree, "<run>-<role>"."""
+    return {f"{key}-{role}": sum(thread_cpu_s(server.proc.pid).values())
+            for key, node in nodes.items()
+            for role, server in (("busy", node.busy), ("donor", node.donor))}

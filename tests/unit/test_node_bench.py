@@ -568,7 +568,7 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
 
         return SimpleNamespace(spec=SimpleNamespace(key=key, swiftcache=swift),
                                donor=SimpleNamespace(base_url=f"u{key}"), burst=burst,
-                               wait_lent=wait_lent, sampler=Sampler(),
+                               wait_lent=wait_lent, sampler=Sampler(), diagnose=False,
                                plan=plan.NodePlan(burst_rounds=3))
 
     async def flush(urls):
@@ -581,8 +581,20 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
     monkeypatch.setattr(runner, "flush_donors", flush)
     monkeypatch.setattr(runner, "session", session)
     nodes = {k: node(k, k == "b") for k in "abc"}
-    runner._burst_rounds(nodes, nodes["b"], 2048.0, 4.0, lambda line: None)
+    assert runner._burst_rounds(nodes, nodes["b"], 2048.0, 4.0, lambda line: None) == []
     flushed = ("flush", ("ua", "ub", "uc"))
     assert log == [("a", 0), ("b", 0), ("c", 0),
                    flushed, "sample", ("wait", 2048.0, 5.0), ("b", 1), ("c", 1), ("a", 1),
                    flushed, "sample", ("wait", 2048.0, 6.0), ("c", 2), ("a", 2), ("b", 2)]
+
+
+def test_burst_cpu_means_per_run_and_server(tmp_path):
+    """--diagnose: the CPU ms every server spent during each run's bursts, averaged over the
+    rounds, read back from OUT/burst-cpu.json."""
+    rows = [{"round": 1, "run": "a", "cpu_ms": {"a-donor": 100.0, "b-busy": 1.0}},
+            {"round": 1, "run": "b", "cpu_ms": {"a-donor": 0.0, "b-busy": 30.0}},
+            {"round": 2, "run": "a", "cpu_ms": {"a-donor": 120.0, "b-busy": 3.0}}]
+    (tmp_path / "burst-cpu.json").write_text(json.dumps(rows))
+    assert cli._burst_cpu(tmp_path) == {"a": {"a-donor": 110.0, "b-busy": 2.0},
+                                        "b": {"a-donor": 0.0, "b-busy": 30.0}}
+    assert cli._burst_cpu(tmp_path / "missing") == {}
