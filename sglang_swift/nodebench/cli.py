@@ -26,7 +26,7 @@ from pathlib import Path
 from ..tools.tiny_model import ensure_tiny_model
 from .plan import ModelFacts, NodePlan, ideal_run, stock_run, swiftcache_run
 from .report import (burst_rounds_in_trace, burst_split, compare_outputs, format_run,
-                     plot_capacity, reclaim_view, run_tables, summarize)
+                     noise_floor, plot_capacity, reclaim_view, run_tables, summarize)
 from .runner import forward_trace_path, run_node
 from .traffic import build_traffic
 
@@ -38,8 +38,11 @@ OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="4 steady turns, 16 light donor requests (8 minutes at a load of "
-                         "10-17 on 2 cores; start-ups take most of it)")
+                    help="4 steady turns, 16 light donor requests (about 7 minutes on this "
+                         "2-core machine; the seven servers' start-ups take 3 of them)")
+    ap.add_argument("--no-twin", action="store_true",
+                    help="without the second stock donor (t) whose bursts measure the noise "
+                         "floor (donor_ttft_p99_noise)")
     ap.add_argument("--out", type=Path, default=Path("runs/node_bench"),
                     help="server logs and node_bench.json (every request) go here")
     ap.add_argument("--diagnose", action="store_true",
@@ -66,16 +69,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     return args, plan
 
 
-def _burst_splits(runs: dict, out: Path) -> dict:
-    """--diagnose: each run's bursts, round by round, split into their prefill passes and the
-    rest (report.burst_split)."""
+def _burst_splits(sides: dict, out: Path) -> dict:
+    """--diagnose: each donor's bursts (`sides`: {key: (RunSpec, records)}), round by round,
+    split into their prefill passes and the rest (report.burst_split)."""
     split = {}
-    for key, r in runs.items():
-        path = forward_trace_path(out, r.spec, "donor")
+    for key, (spec, records) in sides.items():
+        path = forward_trace_path(out, spec, "donor")
         trace = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
             if path.exists() else []
         by_round: dict[int, list] = {}
-        for rec in r.records["burst"]:
+        for rec in records["burst"]:
             by_round.setdefault(rec.turn, []).append(rec)
         rounds = [by_round[t] for t in sorted(by_round)]
         tokens = [sum((x.prompt_tokens or 0) - (x.cached_tokens or 0) for x in recs)
@@ -125,16 +128,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan.burst_requests} x {plan.burst_tokens_each} tokens, each in one batched call",
           flush=True)
 
-    runs = run_node(plan, busy_model, donor_model, traffic, args.out, max_borrow,
-                    diagnose=args.diagnose, log=lambda line: print(line, flush=True))
+    runs, twin = run_node(plan, busy_model, donor_model, traffic, args.out, max_borrow,
+                          diagnose=args.diagnose, twin=not args.no_twin,
+                          log=lambda line: print(line, flush=True))
     b = runs["b"]
 
     tables = {k: run_tables(r.records) for k, r in runs.items()}
     outputs = {k: compare_outputs(runs["a"].records, r.records) for k, r in runs.items()}
-    reclaim = reclaim_view(b.sampler, b.marks.bursts)
+    reclaim = reclaim_view(b.sampler, b.marks.bursts, b.round_reclaims or None)
     latency = round(b.reclaim_latency_sum_s / b.reclaims, 4) if b.reclaims else None
     summary = summarize(tables, outputs, reclaim, latency)
+    summary.update(noise_floor(tables, twin))
     summary.update(
+        donor_own_pages_wait_ms=b.own_pages_wait_ms,
         reclaims=b.reclaims, donor_full_after_burst_s=reclaim["full_after_s"],
         pools={k: r.pools for k, r in runs.items()},
         busy_flops_per_kv_byte=round(facts["busy"].flops_per_kv_byte),
@@ -154,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         for role, lines in r.alerts.items():
             for line in lines:
                 print(f"  log alert ({role}): {line}")
+    if twin is not None:
+        print(f"(t) {twin.spec.name}: donor pool {twin.spec.donor_pool}, bursts only: burst TTFT "
+              f"P99 {summary['donor_burst_p99_ms']['t']} ms against (a)'s "
+              f"{summary['donor_burst_p99_ms']['a']} ms: donor_ttft_p99_noise "
+              f"{summary['donor_ttft_p99_noise']}")
     if args.diagnose:
-        split = _burst_splits(runs, args.out)
+        sides = {k: (r.spec, r.records) for k, r in runs.items()}
+        if twin is not None:
+            sides["t"] = (twin.spec, twin.records)
+        split = _burst_splits(sides, args.out)
         summary["donor_burst_split"] = split
         print("donor bursts, round by round: TTFT ms = prefill passes' wall ms (their CPU ms) "
               "+ ms outside them")
@@ -169,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, per_server in beside.items():
             print(f"  ({key}) " + ", ".join(f"{k} {v:.1f}" for k, v in per_server.items()))
     print(f"donor reclaim in (b): {b.reclaims} reclaim(s) in {plan.burst_rounds} rounds, mean "
-          f"latency {latency} s (demand to last page back); lent at each burst "
+          f"latency {latency} s (demand to last page back); the donor's scheduler waited "
+          f"{b.own_pages_wait_ms} ms for its lent pages, round by round; lent at each burst "
           f"{[r['lent_at_burst'] for r in reclaim['rounds']]}, usable back to the whole pool "
           f"{[r['full_after_s'] for r in reclaim['rounds']]} s after each burst began (sampled)")
 
@@ -183,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
               "marks": {k: r.marks.__dict__ for k, r in runs.items()},
               "records": {k: {s: [x.to_json() for x in recs] for s, recs in r.records.items()}
                           for k, r in runs.items()},
-              "ctl_status": b.ctl_status}
+              "ctl_status": b.ctl_status,
+              "twin_records": {s: [x.to_json() for x in recs]
+                               for s, recs in (twin.records.items() if twin else ())}}
     (args.out / "node_bench.json").write_text(json.dumps(detail, indent=1, default=str))
     print(f"plot: {plot}; every request: {args.out / 'node_bench.json'}")
     print(json.dumps(summary))

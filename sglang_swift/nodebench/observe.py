@@ -16,7 +16,8 @@ GAUGES = ("swiftcache_kv_pool_tokens", "swiftcache_lent_tokens", "swiftcache_bor
           "swiftcache_usable_tokens", "swiftcache_donor_tier_tokens")
 RECLAIM = "swiftcache_reclaim_latency_seconds"
 COUNTERS = ("swiftcache_stored_tokens_total", "swiftcache_loaded_tokens_total",
-            "swiftcache_revoked_tokens_total", "swiftcache_refused_loads_total")
+            "swiftcache_revoked_tokens_total", "swiftcache_refused_loads_total",
+            "swiftcache_own_pages_wait_seconds_total")
 WANTED = GAUGES + COUNTERS + (RECLAIM + "_sum", RECLAIM + "_count")
 
 

@@ -130,6 +130,24 @@ class NodePlan:
         lent_bytes = int(self.donor_pool * self.lend_fraction) * donor.kv_bytes_per_token
         return lent_bytes // busy.kv_bytes_per_token
 
+    @property
+    def lent_donor_tokens(self) -> int:
+        """Donor tokens an idle SwiftCache donor lends (`integration.lending.PoolLender`, with
+        SGLang's CPU page of one token): its lend fraction of the pool, or less where its free
+        room above the reserve and the headroom is smaller."""
+        room = self.donor_pool - int(self.donor_pool * (1.0 - self.reclaim_watermark)) \
+            - max(1, self.donor_pool // 16)
+        return max(0, min(int(self.donor_pool * self.lend_fraction), room))
+
+    def planned_loan(self, busy: ModelFacts, donor: ModelFacts) -> tuple[int, int]:
+        """(busy tokens borrowed, donor tokens lent) in (b) before its traffic: the lent bytes
+        packed into busy tokens (exact for one-token pages: the pack rule leaves less than one
+        busy token unused), capped by the borrower's limit, `lendable_busy_tokens`. The ideal
+        run (c) is sized by this and checked against what (b) moved (`runner.check_ideal`)."""
+        lent = self.lent_donor_tokens
+        packed = lent * donor.kv_bytes_per_token // busy.kv_bytes_per_token
+        return min(packed, self.lendable_busy_tokens(busy, donor)), lent
+
 
 @dataclass(frozen=True)
 class RunSpec:

@@ -49,12 +49,19 @@ def run_tables(records: dict[str, list]) -> dict:
     return out
 
 
-def reclaim_view(sampler: Any, bursts: list[tuple[float, float]]) -> dict:
+def reclaim_view(sampler: Any, bursts: list[tuple[float, float]],
+                 reclaims_done: list[float | None] | None = None) -> dict:
     """The donor's capacity around each of its bursts (`bursts`: (start, end) per round, in
-    time order), from its sampled gauges: what it had lent when the burst began, and how soon
-    after it a sample showed its whole pool usable again, before its next burst (sampled: the
-    gauges are updated once a second, so an upper bound with ~1 s slack). `lent_at_burst` and
-    `full_after_s` of the view are the first round's and the slowest round's."""
+    time order): what it had lent when the burst began (sampled gauge), and whether its whole
+    pool was usable again before its next burst. That shows either in a sample (`full_after_s`:
+    the first sample after the burst began with the whole pool usable; the gauges are updated
+    once a second, so an upper bound with ~1 s slack) or in `reclaims_done[r]`, the reclaims the
+    donor completed between the readings of its reclaim counter before round r and before the
+    next (`swiftcache_reclaim_latency_seconds_count`: it counts one when the last page it
+    demanded is back in its pool, nothing lent, the whole pool usable), since the sampler is
+    off during the other donors' bursts and can miss the window before the relend.
+    `lent_at_burst` and `full_after_s` of the view are the first round's and the slowest
+    sampled round's."""
     pool = sampler.peak("donor", "swiftcache_kv_pool_tokens")
     lent = sampler.series("donor", "swiftcache_lent_tokens")
     usable = sampler.series("donor", "swiftcache_usable_tokens")
@@ -64,16 +71,21 @@ def reclaim_view(sampler: Any, bursts: list[tuple[float, float]]) -> dict:
     if pool is None or not bursts:
         return view
     starts = [start for start, _ in bursts]
-    for start, nxt in zip(starts, starts[1:] + [float("inf")]):
+    done = list(reclaims_done or []) + [None] * len(starts)
+    backs = []
+    for r, (start, nxt) in enumerate(zip(starts, starts[1:] + [float("inf")])):
         before = [v for t, v in lent if t <= start]
         back = [t for t, v in usable if start <= t < nxt and v >= pool]
-        view["rounds"].append({"lent_at_burst": before[-1] if before else None,
-                               "full_after_s": round(back[0] - start, 2) if back else None})
+        row = {"lent_at_burst": before[-1] if before else None,
+               "full_after_s": round(back[0] - start, 2) if back else None}
+        if reclaims_done is not None:
+            row["reclaims"] = done[r]
+        view["rounds"].append(row)
+        backs.append(bool(back) or bool(done[r]))
     view["lent_at_burst"] = view["rounds"][0]["lent_at_burst"]
-    backs = [r["full_after_s"] for r in view["rounds"]]
-    if None not in backs:
-        view["full_after_burst"] = True
-        view["full_after_s"] = max(backs)
+    view["full_after_burst"] = all(backs)
+    sampled = [r["full_after_s"] for r in view["rounds"] if r["full_after_s"] is not None]
+    view["full_after_s"] = max(sampled) if sampled else None
     return view
 
 
@@ -127,7 +139,8 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
     donor_ttft_p99_ratio  TTFT P99 over all donor requests (light and every round's burst),
                           (b) / (a)
     reclaimed             in (b) the donor had pages lent when each of its bursts began, and its
-                          usable capacity was back to its whole pool at a sample after each
+                          usable capacity was back to its whole pool before its next burst (a
+                          sample showed it, or its reclaim counter: `reclaim_view`)
     The busy model's reclaim-phase figures (its turns after the burst) are beside them
     (`busy_reclaim_*`), not in them."""
     busy = {k: t["busy"] for k, t in tables.items()}
@@ -161,6 +174,20 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
         "donor_ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in donor.items()},
         "outputs_matched": {k: f"{o['matched']}/{o['compared']}" for k, o in outputs.items()},
     }
+
+
+def noise_floor(tables: dict[str, dict], twin: Any | None) -> dict:
+    """The donor bursts' TTFT P99 per donor (runs a, b, c, and the twin t when there is one) and
+    `donor_ttft_p99_noise`: the twin's burst TTFT P99 / (a)'s. The twin is a second stock donor
+    identical to (a)'s whose bursts went in the same rounds (`runner.DonorTwin`), so the ratio is
+    what two identical servers differ by here: `donor_ttft_p99_ratio` is within the machine's
+    noise where it is no further from 1 than this (None without a twin)."""
+    p99 = {k: t["burst"]["ttft_p99_ms"] for k, t in tables.items()}
+    noise = None
+    if twin is not None:
+        p99["t"] = stream_stats(twin.records.get("burst", []))["ttft_p99_ms"]
+        noise = ratio(p99["t"], p99.get("a"))
+    return {"donor_burst_p99_ms": p99, "donor_ttft_p99_noise": noise}
 
 
 def format_run(name: str, tables: dict) -> str:

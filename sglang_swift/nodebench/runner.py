@@ -1,7 +1,7 @@
-"""The node benchmark's three runs: each run's two servers (a `Node`) start and serve their
-steady phase in turn, then stay up for the rounds of donor bursts and the reclaim-phase turns
-(traffic.py says why), while a sampler watches the SwiftCache run's `/metrics`; then every
-server stops."""
+"""The node benchmark's three runs and the donor twin: every server starts (the donors first,
+side by side, then the busy servers), each run's two servers (a `Node`) serve their steady phase
+in turn, then all stay up for the rounds of donor bursts and the reclaim-phase turns (traffic.py
+says why), while a sampler watches the SwiftCache run's `/metrics`; then every server stops."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..layer_stream.hooks import FORWARD_TRACE_ENV
 from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
-from ..tools.local_server import LocalServer
+from ..tools.local_server import LocalServer, start_all
 from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
-from .plan import NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
+from .plan import ModelFacts, NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
 from .traffic import (BusyReplay, Marks, Traffic, burst, flush_donors, round_order, session,
                       steady, warm_up_donor)
 
@@ -46,6 +47,8 @@ class RunResult:
     reclaims: int = 0
     reclaim_latency_sum_s: float = 0.0
     ctl_status: list = field(default_factory=list)
+    own_pages_wait_ms: list = field(default_factory=list)  # (b)'s donor, per round
+    round_reclaims: list = field(default_factory=list)  # (b)'s donor, reclaims done per round
     alerts: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -136,9 +139,9 @@ class CpuPhases:
 
 
 class Node:
-    """One run's two servers, from their start to the end of the benchmark. The donor starts
-    first and is warmed (`warm_up_donor`) before the busy server starts; with SwiftCache, the
-    busy server has borrowed before any traffic. With `diagnose`, every server also traces its
+    """One run's two servers, from their start to the end of the benchmark (`start_servers`
+    starts them: the donor first, warmed by `warm_up_donor` before the busy server starts; with
+    SwiftCache, the busy server has borrowed before any traffic). With `diagnose`, every server also traces its
     forward passes (`forward_trace_path`), its threads' CPU per traffic phase goes to
     OUT/<run>-cpu.json (`CpuPhases`), and its log has DIAGNOSE_ARGS' lines."""
 
@@ -179,15 +182,16 @@ class Node:
         self.loadavg: list[tuple[float, float, float]] = []
         self._t_start = time.monotonic()
 
-    def start(self, stack: ExitStack) -> None:
-        """Starts both servers; `stack` stops them (and removes the rendezvous) when it closes."""
+    def register(self, stack: ExitStack) -> None:
+        """`stack` stops both servers (and removes the rendezvous) when it closes."""
         stack.callback(shutil.rmtree, self.rendezvous, True)
         stack.callback(self.donor.stop)
         stack.callback(self.busy.stop)
         self._t_start = time.monotonic()
-        self.donor.start()  # first, and warmed before the busy server exists
-        warm_up_donor(self.donor.base_url, self.traffic)
-        self.busy.start()
+
+    def await_lease(self) -> None:
+        """SwiftCache: until the busy server holds its lease, borrowed tokens settled; then
+        both servers' pools as they report them."""
         t_ready = time.monotonic()
         if self.spec.swiftcache:
             wait_for_lease(self.rendezvous, timeout_s=LEASE_TIMEOUT_S)
@@ -275,62 +279,154 @@ class Node:
                     "donor": alerts_in(self.donor.log_text())})
 
 
+class DonorTwin:
+    """A second stock donor, the same as (a)'s (model, pool, arguments, warm-up, malloc), that
+    serves only the rounds' bursts, in the same rounds as the three runs' donors: what two
+    identical servers' burst TTFT P99s differ by on this machine (`donor_ttft_p99_noise`), the
+    floor under any donor ratio the benchmark reports. No busy server, no light traffic."""
+
+    busy = None
+
+    def __init__(self, plan: NodePlan, donor_model: Path, traffic: Traffic, out_dir: Path,
+                 diagnose: bool = False) -> None:
+        self.spec = RunSpec("t", "stock-twin", 0, plan.donor_pool, swiftcache=False)
+        self.plan, self.traffic, self.diagnose = plan, traffic, diagnose
+        env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
+        extra: list[str] = []
+        if diagnose:
+            path = forward_trace_path(out_dir, self.spec, "donor")
+            path.unlink(missing_ok=True)
+            env, extra = {**env, FORWARD_TRACE_ENV: str(path.resolve())}, list(DIAGNOSE_ARGS)
+        self.donor = LocalServer(
+            donor_model, swiftcache=False, max_total_tokens=plan.donor_pool,
+            extra_args=[*self.spec.donor_args(plan, ""), *extra],
+            log_path=out_dir / f"{self.spec.name}-donor.log", env=env,
+            startup_timeout_s=STARTUP_TIMEOUT_S)
+        self.records: dict[str, list[RequestRecord]] = {"burst": []}
+        self.marks = Marks(t0=time.perf_counter())
+
+    def register(self, stack: ExitStack) -> None:
+        stack.callback(self.donor.stop)
+
+    async def burst(self, http, round_no: int) -> None:
+        self.records["burst"] += await burst(http, self.donor.base_url, self.traffic, self.plan,
+                                             self.marks, round_no)
+
+
+def start_servers(nodes: list[Node], twin: DonorTwin | None, stack: ExitStack, log) -> None:
+    """Every donor side by side (`start_all`: start-up is mostly imports, on both cores), each
+    warmed one after another; then every busy server side by side; then each SwiftCache run's
+    lease. So each donor has run its warm-up before any busy server exists, as when one run's
+    servers started alone, and nothing is lent or cached before the traffic."""
+    donors = [n.donor for n in nodes] + ([twin.donor] if twin is not None else [])
+    for n in nodes + ([twin] if twin is not None else []):
+        n.register(stack)
+    t = time.monotonic()
+    start_all(donors)
+    for n in nodes + ([twin] if twin is not None else []):
+        warm_up_donor(n.donor.base_url, n.traffic)
+    log(f"{len(donors)} donors up and warmed in {time.monotonic() - t:.0f}s")
+    t = time.monotonic()
+    start_all([n.busy for n in nodes])
+    for n in nodes:
+        n.await_lease()
+    log(f"{len(nodes)} busy servers up in {time.monotonic() - t:.0f}s (lease wait "
+        + ", ".join(f"{n.spec.key} {n.lease_wait_s:.1f}s" for n in nodes) + ")")
+
+
+def check_ideal(ideal: RunSpec, plan: NodePlan, b: Node) -> None:
+    """(c) starts with the other runs, sized by the plan's loan (`NodePlan.planned_loan`); once
+    (b)'s steady phase is done, what (b) moved must be that loan (the most the busy server
+    borrowed, its tokens; the most the donor lent, its tokens), or (c) is not the capacity-equal
+    ideal of this run: raises, naming both."""
+    moved = (int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
+             int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0))
+    sized = (ideal.busy_pool - plan.busy_pool, plan.donor_pool - ideal.donor_pool)
+    if moved != sized:
+        raise RuntimeError(
+            f"(b) moved {moved[0]} busy tokens borrowed / {moved[1]} donor tokens lent, but the "
+            f"ideal run (c) was sized for the plan's loan, {sized[0]} / {sized[1]}: (c) would not "
+            f"hold (b)'s memory; see {b.busy.log_path} and {b.donor.log_path}")
+
+
 def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traffic,
-             out_dir: Path, max_borrow_blocks: int, diagnose: bool = False,
-             log=print) -> dict[str, RunResult]:
-    """The three runs (plan.py): (a) and (b) start and serve their steady phase in turn, then
-    (c), sized by what (b) moved; then `plan.burst_rounds` rounds of donor bursts, the three
-    back to back in `round_order`, every donor flushed and the SwiftCache donor lending again
-    between rounds; then each run's reclaim-phase turns; `plan.settle_s` of observation; every
-    server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase has the machine
-    to itself but for the idle servers' control threads."""
-    nodes: dict[str, Node] = {}
-
-    def start(spec: RunSpec, stack: ExitStack) -> Node:
-        log(f"[{spec.key}] {spec.name}: busy pool {spec.busy_pool}, donor pool "
-            f"{spec.donor_pool}: starting ...")
-        node = Node(spec, plan, busy_model, donor_model, traffic, out_dir, max_borrow_blocks,
-                    diagnose)
-        node.start(stack)
-        t = time.monotonic()
-        node.steady()
-        log(f"[{spec.key}] steady phase done in {time.monotonic() - t:.0f}s (start-up "
-            f"{node.busy.startup_s}, {node.donor.startup_s}; lease wait "
-            f"{node.lease_wait_s:.1f}s; load average {os.getloadavg()[0]:.2f})")
-        nodes[spec.key] = node
-        return node
-
+             out_dir: Path, max_borrow_blocks: int, diagnose: bool = False, twin: bool = True,
+             log=print) -> tuple[dict[str, RunResult], DonorTwin | None]:
+    """The three runs (plan.py) and the donor twin: every server starts (`start_servers`), (c)
+    sized by the plan's loan; (a), (b), (c) serve their steady phase in turn, (b)'s loan then
+    checked against (c)'s sizes (`check_ideal`); then `plan.burst_rounds` rounds of donor
+    bursts, the four donors back to back in `round_order`, every donor flushed and the SwiftCache
+    donor lending again between rounds; then each run's reclaim-phase turns; `plan.settle_s` of
+    observation; every server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase
+    has the machine to itself but for the idle servers' control threads."""
+    busy_loan, donor_loan = plan.planned_loan(ModelFacts.from_dir(busy_model),
+                                              ModelFacts.from_dir(donor_model))
+    specs = (stock_run(plan), swiftcache_run(plan), ideal_run(plan, busy_loan, donor_loan))
     with ExitStack() as stack:
-        start(stock_run(plan), stack)
-        b = start(swiftcache_run(plan), stack)
-        start(ideal_run(plan, int(b.sampler.peak("busy", "swiftcache_borrowed_tokens") or 0),
-                        int(b.sampler.peak("donor", "swiftcache_lent_tokens") or 0)), stack)
+        nodes = {s.key: Node(s, plan, busy_model, donor_model, traffic, out_dir,
+                             max_borrow_blocks, diagnose) for s in specs}
+        extra = DonorTwin(plan, donor_model, traffic, out_dir, diagnose) if twin else None
+        for s in specs:
+            log(f"[{s.key}] {s.name}: busy pool {s.busy_pool}, donor pool {s.donor_pool}")
+        if extra is not None:
+            log(f"[{extra.spec.key}] {extra.spec.name}: donor pool {extra.spec.donor_pool}, "
+                f"bursts only")
+        start_servers(list(nodes.values()), extra, stack, log)
+        b = nodes["b"]
+        for node in nodes.values():
+            t = time.monotonic()
+            node.steady()
+            log(f"[{node.spec.key}] steady phase done in {time.monotonic() - t:.0f}s (start-up "
+                f"{node.busy.startup_s:.0f}s, {node.donor.startup_s:.0f}s; load average "
+                f"{os.getloadavg()[0]:.2f})")
+            if node is b:
+                check_ideal(nodes["c"].spec, plan, b)
         before = scrape(b.donor.base_url) or {}
-        burst_cpu = _burst_rounds(nodes, b, before.get("swiftcache_lent_tokens", 0.0),
-                                  before.get("swiftcache_reclaim_latency_seconds_count", 0.0),
-                                  log)
+        bursters = {**nodes, **({extra.spec.key: extra} if extra is not None else {})}
+        burst_cpu, readings = _burst_rounds(
+            bursters, b, before.get("swiftcache_lent_tokens", 0.0),
+            before.get("swiftcache_reclaim_latency_seconds_count", 0.0), log)
         if burst_cpu:
             (out_dir / "burst-cpu.json").write_text(json.dumps(burst_cpu, indent=1))
         with b.sampler:  # the last reclaim and the relend, for the plot and reclaim_view
             for node in nodes.values():
                 node.busy_reclaim()
             time.sleep(plan.settle_s)  # the observation window after the traffic, not a sync
-        return {k: node.result() for k, node in nodes.items()}
+        readings.append(scrape(b.donor.base_url) if readings else None)
+        results = {k: node.result() for k, node in nodes.items()}
+        results["b"].own_pages_wait_ms = [None if d is None else round(1e3 * d, 1)
+                                          for d in per_round(readings, OWN_WAIT)]
+        results["b"].round_reclaims = per_round(readings, RECLAIMS)
+        return results, extra
 
 
-def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float,
-                  log) -> list[dict]:
+OWN_WAIT = "swiftcache_own_pages_wait_seconds_total"
+RECLAIMS = "swiftcache_reclaim_latency_seconds_count"
+
+
+def per_round(readings: list[dict | None], name: str) -> list[float | None]:
+    """How much counter `name` grew in each round, from scrapes of a server before each round
+    and once after the last (None where a scrape or the counter is missing)."""
+    values = [None if m is None else m.get(name) for m in readings]
+    return [None if x is None or y is None else y - x for x, y in zip(values, values[1:])]
+
+
+def _burst_rounds(nodes: dict[str, Any], b: Node, lent: float, reclaims: float,
+                  log) -> tuple[list[dict], list[dict | None]]:
     """The donors' bursts (traffic.py, phase 2). Before each round after the first, every donor
     is flushed and the SwiftCache donor `b`, `reclaims` reclaims done before the first, lends
     `lent` tokens again once the previous rounds' reclaims are done; `b`'s sampler watches
     those waits (its reclaims and relends) but not the bursts: a `/metrics` scrape costs a
     SwiftCache server's HTTP process 10-20 ms of CPU (SGLang's multiprocess collection), and
-    one that met (b)'s burst in that process would delay only (b)'s first tokens. With
-    --diagnose, returns each burst's CPU ms of every server (`_server_cpu_s`): which process
-    ran beside the donor's forward."""
+    one that met (b)'s burst in that process would delay only (b)'s first tokens. Returns, with
+    --diagnose, each burst's CPU ms of every server (`_server_cpu_s`: which process ran beside
+    the donor's forward), and a scrape of `b`'s donor before each round, its loan back (its
+    counters OWN_WAIT and RECLAIMS; `per_round` takes the differences, the caller adds a
+    reading after the last). Without a loan (`lent` 0) nothing is read."""
     plan = b.plan
     keys = list(nodes)
     burst_cpu: list[dict] = []
+    readings: list[dict | None] = []
     t = time.monotonic()
     for r in range(plan.burst_rounds):
         if r:
@@ -339,6 +435,8 @@ def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float,
                 if lent and not b.wait_lent(lent, reclaims + r):
                     log(f"[{b.spec.key}] the donor did not lend {lent:.0f} tokens again "
                         f"before round {r + 1}; the round goes without a loan")
+        if lent:
+            readings.append(scrape(b.donor.base_url))
 
         async def one_round(r=r):
             async with session() as http:
@@ -352,11 +450,12 @@ def _burst_rounds(nodes: dict[str, Node], b: Node, lent: float, reclaims: float,
 
         asyncio.run(one_round())
     log(f"{plan.burst_rounds} rounds of donor bursts done in {time.monotonic() - t:.0f}s")
-    return burst_cpu
+    return burst_cpu, readings
 
 
-def _server_cpu_s(nodes: dict[str, Node]) -> dict[str, float]:
+def _server_cpu_s(nodes: dict[str, Any]) -> dict[str, float]:
     """--diagnose: CPU seconds so far of each server's process tree, "<run>-<role>"."""
     return {f"{key}-{role}": sum(thread_cpu_s(server.proc.pid).values())
             for key, node in nodes.items()
-            for role, server in (("busy", node.busy), ("donor", node.donor))}
+            for role, server in (("busy", node.busy), ("donor", node.donor))
+            if server is not None}

@@ -338,7 +338,8 @@ class _FakeSampler(observe.CapacitySampler):
 
 def test_reclaim_view_needs_lent_pages_at_each_burst_and_a_full_pool_after_each():
     """`reclaimed` is true only when pages were lent when every burst began and, before the
-    next burst, a sample shows the donor's whole pool usable again."""
+    next burst, a sample shows the donor's whole pool usable again or its reclaim counter shows
+    the round's reclaim completed (its last lent page back)."""
     g = lambda lent: {"swiftcache_kv_pool_tokens": 4096.0,  # noqa: E731
                       "swiftcache_lent_tokens": lent, "swiftcache_usable_tokens": 4096.0 - lent}
     two = [(0.0, g(2048)), (5.0, g(2048)), (6.0, g(0)), (9.0, g(2048)), (12.0, g(0))]
@@ -363,6 +364,16 @@ def test_reclaim_view_needs_lent_pages_at_each_burst_and_a_full_pool_after_each(
     assert view["full_after_burst"] and view["rounds"][1]["lent_at_burst"] == 0
     assert report.summarize(tables, outputs, view, None)["reclaimed"] is False
     assert report.reclaim_view(never, [])["rounds"] == []
+    # no sample caught the first round's full pool, but the reclaim counter did: reclaimed
+    view = report.reclaim_view(_FakeSampler({"donor": late}), [(5.5, 5.7), (10.0, 10.2)],
+                               [1.0, 1.0])
+    assert view["rounds"][0] == {"lent_at_burst": 2048, "full_after_s": None, "reclaims": 1.0}
+    assert view["full_after_burst"] and view["full_after_s"] == 2.0
+    assert report.summarize(tables, outputs, view, None)["reclaimed"] is True
+    # neither: the round's reclaim did not complete before the next reading
+    view = report.reclaim_view(_FakeSampler({"donor": late}), [(5.5, 5.7), (10.0, 10.2)],
+                               [0.0, None])
+    assert not view["full_after_burst"]
 
 
 def test_summary_keys_are_the_stated_ratios():
@@ -541,7 +552,9 @@ def test_wait_lent_does_not_take_the_gauge_from_before_the_reclaim():
 def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_bursts(monkeypatch):
     """Each round sends every run's burst in round_order; before each round after the first the
     donors are flushed and the SwiftCache run waits for its loan (reclaims counted from the
-    count before the first round) with its sampler on; no burst goes while it samples."""
+    count before the first round) with its sampler on; no burst goes while it samples. The
+    SwiftCache donor's wait counter is read before each round, after its loan is back, never
+    during a burst: the differences are each round's wait for lent pages."""
     from types import SimpleNamespace
 
     log: list = []
@@ -578,14 +591,26 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
     async def session():
         yield None
 
+    waited = iter([0.0, 0.05, 0.056])
+
+    def scrape(url):
+        assert url == "ub" and not Sampler.on
+        log.append("read")
+        return {runner.OWN_WAIT: next(waited)}
+
     monkeypatch.setattr(runner, "flush_donors", flush)
     monkeypatch.setattr(runner, "session", session)
+    monkeypatch.setattr(runner, "scrape", scrape)
     nodes = {k: node(k, k == "b") for k in "abc"}
-    assert runner._burst_rounds(nodes, nodes["b"], 2048.0, 4.0, lambda line: None) == []
+    cpu, readings = runner._burst_rounds(nodes, nodes["b"], 2048.0, 4.0, lambda line: None)
+    assert cpu == [] and [m[runner.OWN_WAIT] for m in readings] == [0.0, 0.05, 0.056]
     flushed = ("flush", ("ua", "ub", "uc"))
-    assert log == [("a", 0), ("b", 0), ("c", 0),
-                   flushed, "sample", ("wait", 2048.0, 5.0), ("b", 1), ("c", 1), ("a", 1),
-                   flushed, "sample", ("wait", 2048.0, 6.0), ("c", 2), ("a", 2), ("b", 2)]
+    assert log == ["read", ("a", 0), ("b", 0), ("c", 0),
+                   flushed, "sample", ("wait", 2048.0, 5.0), "read", ("b", 1), ("c", 1), ("a", 1),
+                   flushed, "sample", ("wait", 2048.0, 6.0), "read", ("c", 2), ("a", 2), ("b", 2)]
+    counts = [{runner.RECLAIMS: c} for c in (4.0, 5.0, 6.0, 7.0)]
+    assert runner.per_round(counts, runner.RECLAIMS) == [1.0, 1.0, 1.0]
+    assert runner.per_round([counts[0], None, {}], runner.RECLAIMS) == [None, None]
 
 
 def test_burst_cpu_means_per_run_and_server(tmp_path):
@@ -598,3 +623,92 @@ def test_burst_cpu_means_per_run_and_server(tmp_path):
     assert cli._burst_cpu(tmp_path) == {"a": {"a-donor": 110.0, "b-busy": 2.0},
                                         "b": {"a-donor": 0.0, "b-busy": 30.0}}
     assert cli._burst_cpu(tmp_path / "missing") == {}
+
+
+def test_planned_loan_is_what_an_idle_donor_lends_packed_into_busy_tokens():
+    """The ideal run is sized before (b) runs: the donor lends its lend fraction (2048 of 4096
+    tokens), or less when its room above the reserve (20%) and the headroom (1/16) is smaller;
+    the lent bytes packed into busy tokens (4 donor tokens of 2 KiB per 8 KiB busy token),
+    capped by the borrower's limit."""
+    busy = plan.ModelFacts.from_config("small", SMALL)
+    donor = plan.ModelFacts.from_config("tiny", TINY)
+    p = plan.NodePlan()
+    assert p.lent_donor_tokens == 2048
+    assert p.planned_loan(busy, donor) == (512, 2048)
+    greedy = plan.NodePlan(lend_fraction=0.9)  # room: 4096 - 819 - 256 = 3021 tokens
+    assert greedy.lent_donor_tokens == 3021
+    assert greedy.planned_loan(busy, donor) == (755, 3021)
+
+
+def test_check_ideal_refuses_an_ideal_run_that_does_not_hold_what_b_moved():
+    """(c) is started with the others from the planned loan; if (b)'s peaks differ, the run
+    stops with both figures named instead of comparing against a wrong-sized ideal."""
+    from types import SimpleNamespace
+
+    p = plan.NodePlan()
+    ideal = plan.ideal_run(p, 512, 2048)
+
+    def b_with(borrowed, lent):
+        peaks = {("busy", "swiftcache_borrowed_tokens"): borrowed,
+                 ("donor", "swiftcache_lent_tokens"): lent}
+        return SimpleNamespace(sampler=SimpleNamespace(peak=lambda r, n: peaks[(r, n)]),
+                               busy=SimpleNamespace(log_path="busy.log"),
+                               donor=SimpleNamespace(log_path="donor.log"))
+
+    runner.check_ideal(ideal, p, b_with(512.0, 2048.0))
+    with pytest.raises(RuntimeError, match="moved 508 busy tokens borrowed / 2048 donor"):
+        runner.check_ideal(ideal, p, b_with(508.0, 2048.0))
+    with pytest.raises(RuntimeError, match="moved 0 busy"):
+        runner.check_ideal(ideal, p, b_with(None, None))
+
+
+def test_noise_floor_is_the_twins_burst_p99_over_stock():
+    """donor_ttft_p99_noise = the twin's burst TTFT P99 / (a)'s; the per-donor burst P99s
+    beside it; None without a twin."""
+    from types import SimpleNamespace
+
+    def recs(ms):
+        return [RequestRecord(session=f"burst-{i}", turn=1, server="burst", t_send=0.0,
+                              ttft=v / 1e3) for i, v in enumerate(ms)]
+
+    tables = {k: report.run_tables({"burst": recs(ms)})
+              for k, ms in (("a", [400.0] * 6), ("b", [440.0] * 6))}
+    twin = SimpleNamespace(records={"burst": recs([500.0] * 6)})
+    out = report.noise_floor(tables, twin)
+    assert out == {"donor_burst_p99_ms": {"a": 400.0, "b": 440.0, "t": 500.0},
+                   "donor_ttft_p99_noise": 1.25}
+    assert report.noise_floor(tables, None)["donor_ttft_p99_noise"] is None
+
+
+def test_start_servers_starts_every_donor_and_warms_it_before_any_busy_server(monkeypatch):
+    """All donors start side by side, each is warmed, then the busy servers start side by
+    side, then each run waits for its lease: no busy server exists before every donor ran its
+    warm-up."""
+    from types import SimpleNamespace
+
+    log: list = []
+
+    def fake(key):
+        def register(stack):
+            log.append(("register", key))
+
+        node = SimpleNamespace(spec=SimpleNamespace(key=key), register=register,
+                               donor=SimpleNamespace(base_url=f"d{key}", name=f"d{key}"),
+                               busy=SimpleNamespace(name=f"b{key}"), traffic=None,
+                               lease_wait_s=0.0)
+        node.await_lease = lambda: log.append(("lease", key))
+        return node
+
+    monkeypatch.setattr(runner, "start_all",
+                        lambda servers: log.append(("start", [s.name for s in servers])))
+    monkeypatch.setattr(runner, "warm_up_donor", lambda url, traffic: log.append(("warm", url)))
+    nodes = [fake(k) for k in "abc"]
+    twin = fake("t")
+    twin.busy = None
+    with contextlib.ExitStack() as stack:
+        runner.start_servers(nodes, twin, stack, lambda line: None)
+    assert log == [("register", "a"), ("register", "b"), ("register", "c"), ("register", "t"),
+                   ("start", ["da", "db", "dc", "dt"]),
+                   ("warm", "da"), ("warm", "db"), ("warm", "dc"), ("warm", "dt"),
+                   ("start", ["ba", "bb", "bc"]),
+                   ("lease", "a"), ("lease", "b"), ("lease", "c")]
