@@ -141,9 +141,9 @@ class CpuPhases:
 class Node:
     """One run's two servers, from their start to the end of the benchmark (`start_servers`
     starts them: the donor first, warmed by `warm_up_donor` before the busy server starts; with
-    SwiftCache, the busy server has borrowed before any traffic). With `diagnose`, every server also traces its
-    forward passes (`forward_trace_path`), its threads' CPU per traffic phase goes to
-    OUT/<run>-cpu.json (`CpuPhases`), and its log has DIAGNOSE_ARGS' lines."""
+    SwiftCache, the busy server has borrowed before any traffic). With `diagnose`, every server
+    also traces its forward passes (`forward_trace_path`), its threads' CPU per traffic phase
+    goes to OUT/<run>-cpu.json (`CpuPhases`), and its log has DIAGNOSE_ARGS' lines."""
 
     def __init__(self, spec: RunSpec, plan: NodePlan, busy_model: Path, donor_model: Path,
                  traffic: Traffic, out_dir: Path, max_borrow_blocks: int,
