@@ -56,8 +56,22 @@ class BorrowedLease:
         return self.packing.num_blocks - len(self.gone)
 
 
+@dataclass(frozen=True)
+class FenceSteps:
+    """What one `Borrowing.fence` did: the lease blocks it fenced, the ms it took to find them
+    (`LeasePacking.blocks_touching`) and to fence and stop the copies on them
+    (`PoolTransferEngine.fence`), and how many copies in flight it aborted."""
+
+    blocks: int
+    blocks_ms: float
+    copies_ms: float
+    aborted: int
+
+
 class Borrowing:
     """All leases this server holds; runs on the scheduler thread (`fence`: any thread)."""
+
+    last_fence: FenceSteps | None = None  # the latest fence's steps (runtime's log line)
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
                  stats: dict) -> None:
@@ -153,7 +167,13 @@ class Borrowing:
         held = self.leases.get((ev.key.donor, ev.key.lease_id))
         if held is None:
             return False
-        held.engine.fence(held.packing.blocks_touching(ev.blocks, strict=False))
+        start = time.perf_counter()
+        blocks = held.packing.blocks_touching(ev.blocks, strict=False)
+        mid = time.perf_counter()
+        aborted = held.engine.fence(blocks)
+        # the steps of this fence, for the runtime's log line (read on the thread that fenced)
+        self.last_fence = FenceSteps(len(blocks), (mid - start) * 1e3,
+                                     (time.perf_counter() - mid) * 1e3, aborted)
         return True
 
     def _map(self, memory: Any) -> Any:

@@ -90,3 +90,97 @@ def test_a_failing_handler_leaves_the_reclaim_to_the_owner(pair):
     assert not [e for e in donor.poll_events() if isinstance(e, BlocksReturned)]
     borrower.ack_reclaim(rec)
     assert len(next_event(donor, BlocksReturned).blocks) == 4
+
+
+def test_each_reclaims_ack_leaves_before_the_next_handler_runs(tmp_path):
+    """Two reclaims delivered in one I/O step: the first's ack is sent as soon as its handler
+    returns, not after the second handler (a donor reclaiming two leases waits for the slower
+    fence only on that lease); what a handler defers (its logging) runs after both acks."""
+    agent = ControlAgent(_cfg(str(tmp_path), "borrower"))  # not started: no I/O thread
+    order = []
+    agent.borrower.ack = lambda key, rid: order.append(("ack", rid))
+
+    def handler(ev: ReclaimRequested) -> None:
+        order.append(("handler", ev.reclaim_id))
+        agent.ack_reclaim(ev)
+        agent.defer(order.append, ("log", ev.reclaim_id))
+
+    agent.on_reclaim(handler)
+    key = ("donor", 1, 7)
+    for rid in (1, 2):
+        agent._reclaims.append(ReclaimRequested(key, rid, (rid,), 0.0))
+    agent._deliver_reclaims()
+    agent._drain_commands()
+    agent._run_deferred()
+    assert order == [("handler", 1), ("ack", 1), ("handler", 2), ("ack", 2), ("log", 1),
+                     ("log", 2)]
+    assert [e.reclaim_id for e in agent.poll_events()] == [1, 2]  # the owner still gets both
+
+
+def test_a_handlers_deferred_work_runs_after_its_ack_was_sent(pair):
+    """A live agent: the ReclaimAck the handler queued is on the wire before the work the
+    handler deferred (the runtime's log line) runs, and a deferred failure is only logged."""
+    donor, borrower = pair
+    order = []
+    send = borrower.link.send
+
+    def recording_send(endpoint, env):
+        order.append(type(env.body).__name__)
+        return send(endpoint, env)
+
+    borrower.link.send = recording_send
+
+    def handler(ev: ReclaimRequested) -> None:
+        borrower.ack_reclaim(ev)
+        borrower.defer(lambda: 1 / 0)  # logged, not fatal
+        borrower.defer(order.append, "deferred")
+
+    borrower.on_reclaim(handler)
+    donor.demand(4)
+    assert len(next_event(donor, BlocksReturned).blocks) == 4
+    assert borrower.wait_until(lambda a: "deferred" in order, 5)
+    assert "ReclaimAck" in order[:order.index("deferred")]
+    assert borrower.is_alive()
+    next_event(borrower, ReclaimRequested)
+
+
+def test_no_garbage_collection_runs_between_a_reclaim_and_its_ack(tmp_path):
+    """A collection that comes due while the handler fences (its allocations cross the
+    threshold) waits until the ack was sent: the donor's wait never holds one (a full collection
+    walks every object not frozen: tens of ms after traffic). It runs right after instead, and
+    the collector is left enabled."""
+    import gc
+
+    agent = ControlAgent(_cfg(str(tmp_path), "borrower"))
+    window = [False]
+    during, after = [], []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            (during if window[0] else after).append(info["generation"])
+
+    def ack(key, rid):
+        window[0] = False  # the ack is on its way: the donor waits no longer
+
+    def handler(ev: ReclaimRequested) -> None:
+        window[0] = True
+        kept = [[i] for i in range(5000)]  # the fence's allocations, far past the threshold
+        agent.ack_reclaim(ev)
+        assert len(kept) == 5000
+
+    agent.borrower.ack = ack
+    agent.on_reclaim(handler)
+    agent._reclaims.append(ReclaimRequested(("donor", 1, 7), 1, (1,), 0.0))
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100, 10, 10)
+    gc.callbacks.append(on_gc)
+    try:
+        agent._deliver_reclaims()
+        assert not window[0] and gc.isenabled()
+        junk = [[i] for i in range(1000)]  # the next allocations after: the due one runs
+        del junk
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.set_threshold(*thresholds)
+    assert during == []
+    assert after, "no collection ran after the ack"

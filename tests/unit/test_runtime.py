@@ -308,3 +308,26 @@ def test_the_first_lease_is_sized_in_the_donors_pages(pair):
     assert held.packing.num_blocks == 16
     advertised = borrower.agent.donor_layout()
     assert advertised is not None and advertised.num_layers == DONOR_SHAPE["layer_num"]
+
+
+def test_the_agent_thread_ack_logs_where_the_fence_spent_its_time(pair, caplog):
+    """The borrower's acknowledgement from its agent thread is logged after the ack left, with
+    the fence's steps and where the thread's time went (CPU, runnable, blocked, collections)."""
+    import logging
+
+    donor, borrower = pair
+    _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+    caplog.set_level(logging.INFO, logger="sglang_swift.integration.runtime")
+    assert donor.allocator.alloc(donor.allocator.available_size()) is not None
+    _pump_until([donor], lambda: donor.lent_tokens == 0)  # the borrower's scheduler never pumps
+
+    def acked():
+        return [r.getMessage() for r in caplog.records if "of fencing" in r.getMessage()]
+
+    deadline = time.monotonic() + 5
+    while not acked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (line,) = acked()
+    assert "from the agent thread" in line and "blocks found in" in line
+    assert "on a CPU" in line and "blocked" in line and "gen0/1/2" in line
+    assert borrower.borrowing.last_fence.blocks == 16
