@@ -1,4 +1,4 @@
-"""Where a borrower's reclaim fence spends its time (`runtime.ThreadSpan`, `Borrowing.fence`'s
+"""Where a borrower's reclaim fence spends its time (`thread_span.ThreadSpan`, `Borrowing.fence`'s
 steps), so a slow acknowledgement in a live run says which step or which wait it was.
 
 Invariants: a span splits the thread's wall time into CPU, runnable-but-waiting and blocked
@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 
 from sglang_swift.control import LeaseKey, ReclaimRequested
 from sglang_swift.integration.borrowing import Borrowing, FenceSteps
-from sglang_swift.integration.runtime import ThreadSpan
+from sglang_swift.integration.thread_span import ThreadSpan
 
 
 def test_a_span_splits_wall_time_and_counts_collections():
