@@ -117,6 +117,22 @@ def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
     return out_dir / f"{spec.name}-{role}.forward.jsonl"
 
 
+def bench_server(model: Path, spec: RunSpec, role: str, pool: int, args: list[str],
+                 plan: NodePlan, out_dir: Path, diagnose: bool) -> LocalServer:
+    """One benchmark server: `plan.server_threads` torch threads, malloc keeping what its
+    forwards free (MALLOC_KEEPS_MEMORY), its log in OUT/<run>-<role>.log; with `diagnose` also
+    DIAGNOSE_ARGS and a fresh forward trace (`forward_trace_path`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
+    extra: list[str] = []
+    if diagnose:
+        path = forward_trace_path(out_dir, spec, role)
+        path.unlink(missing_ok=True)  # the server appends
+        env, extra = {**env, FORWARD_TRACE_ENV: str(path.resolve())}, list(DIAGNOSE_ARGS)
+    return LocalServer(model, swiftcache=spec.swiftcache, max_total_tokens=pool,
+                       extra_args=[*args, *extra], log_path=out_dir / f"{spec.name}-{role}.log",
+                       env=env, startup_timeout_s=STARTUP_TIMEOUT_S)
+
+
 class CpuPhases:
     """--diagnose: CPU seconds per thread of each server's processes in each traffic phase
     (`steady`: the run's steady phase; `bursts and reclaim`: from there to the end, the other
@@ -152,26 +168,11 @@ class Node:
         self.diagnose = diagnose
         out_dir.mkdir(parents=True, exist_ok=True)
         self.rendezvous = tempfile.mkdtemp(prefix=f"nodebench-{spec.key}-")  # private, 0700
-        env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
-        extra = list(DIAGNOSE_ARGS) if diagnose else []
-
-        def env_of(role: str) -> dict[str, str]:
-            if not diagnose:
-                return env
-            path = forward_trace_path(out_dir, spec, role)
-            path.unlink(missing_ok=True)  # the server appends
-            return {**env, FORWARD_TRACE_ENV: str(path.resolve())}
-
-        self.busy = LocalServer(
-            busy_model, swiftcache=spec.swiftcache, max_total_tokens=spec.busy_pool,
-            extra_args=spec.busy_args(plan, self.rendezvous, max_borrow_blocks) + extra,
-            log_path=out_dir / f"{spec.name}-busy.log", env=env_of("busy"),
-            startup_timeout_s=STARTUP_TIMEOUT_S)
-        self.donor = LocalServer(
-            donor_model, swiftcache=spec.swiftcache, max_total_tokens=spec.donor_pool,
-            extra_args=spec.donor_args(plan, self.rendezvous) + extra,
-            log_path=out_dir / f"{spec.name}-donor.log", env=env_of("donor"),
-            startup_timeout_s=STARTUP_TIMEOUT_S)
+        self.busy = bench_server(busy_model, spec, "busy", spec.busy_pool,
+                                 spec.busy_args(plan, self.rendezvous, max_borrow_blocks),
+                                 plan, out_dir, diagnose)
+        self.donor = bench_server(donor_model, spec, "donor", spec.donor_pool,
+                                  spec.donor_args(plan, self.rendezvous), plan, out_dir, diagnose)
         self.records: dict[str, list[RequestRecord]] = {"burst": []}
         self.marks: Marks | None = None
         self.replay: BusyReplay | None = None
@@ -291,17 +292,8 @@ class DonorTwin:
                  diagnose: bool = False) -> None:
         self.spec = RunSpec("t", "stock-twin", 0, plan.donor_pool, swiftcache=False)
         self.plan, self.traffic, self.diagnose = plan, traffic, diagnose
-        env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
-        extra: list[str] = []
-        if diagnose:
-            path = forward_trace_path(out_dir, self.spec, "donor")
-            path.unlink(missing_ok=True)
-            env, extra = {**env, FORWARD_TRACE_ENV: str(path.resolve())}, list(DIAGNOSE_ARGS)
-        self.donor = LocalServer(
-            donor_model, swiftcache=False, max_total_tokens=plan.donor_pool,
-            extra_args=[*self.spec.donor_args(plan, ""), *extra],
-            log_path=out_dir / f"{self.spec.name}-donor.log", env=env,
-            startup_timeout_s=STARTUP_TIMEOUT_S)
+        self.donor = bench_server(donor_model, self.spec, "donor", plan.donor_pool,
+                                  self.spec.donor_args(plan, ""), plan, out_dir, diagnose)
         self.records: dict[str, list[RequestRecord]] = {"burst": []}
         self.marks = Marks(t0=time.perf_counter())
 
