@@ -95,7 +95,8 @@ class SwiftRuntime:
                 self.lender = PoolLender(self.allocator, self.geometry.page_size,
                                          lend_fraction=self.config.lend_fraction,
                                          reclaim_watermark=self.config.reclaim_watermark,
-                                         agent=self.agent)
+                                         agent=self.agent,
+                                         relend_cooldown_s=self.config.relend_cooldown_s)
         if self.borrowing is not None:
             self.agent.on_reclaim(self._fence_reclaim)
         self.agent.start()

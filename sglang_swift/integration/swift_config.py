@@ -80,6 +80,10 @@ class SwiftConfig:
         _number("reclaim-watermark", float, 0.0, 1.0, lo_open=True),
         "donor: keeps (1 - watermark) of its pool free for its own traffic; lends only above that "
         "and takes every lent page back when its free (or evictable) room falls below it"))
+    relend_cooldown_s: float = field(default=5.0, metadata=_opt(
+        _number("relend-cooldown-s", float, 0.0, 3600.0),
+        "donor: after a reclaim, nothing is lent again for this long (no lend/reclaim "
+        "oscillation while its own traffic is high)"))
     max_borrow_blocks: int = field(default=0, metadata=_opt(_number("max-borrow-blocks", int, 0),
         "borrower: most blocks (pages of this server's own model) it keeps in donor memory "
         "(0: no donor tier)"))

@@ -40,6 +40,7 @@ def test_every_config_field_has_a_flag_and_defaults_round_trip():
     ({"role": "lender"}, "role"), ({"lend_fraction": 1.5}, "lend-fraction"),
     ({"max_borrow_blocks": -1}, "max-borrow-blocks"), ({"eviction_policy": "fifo"}, "eviction-policy"),
     ({"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 1.0}, "heartbeat-timeout-s"),
+    ({"relend_cooldown_s": -1.0}, "relend-cooldown-s"),
 ])
 def test_config_rejects_bad_values_naming_the_option(kwargs, word):
     """A bad value raises ValueError whose message names the option."""

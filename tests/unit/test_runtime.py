@@ -331,3 +331,34 @@ def test_the_agent_thread_ack_logs_where_the_fence_spent_its_time(pair, caplog):
     assert "from the agent thread" in line and "blocks found in" in line
     assert "on a CPU" in line and "blocked" in line and "gen0/1/2" in line
     assert borrower.borrowing.last_fence.blocks == 16
+
+
+def test_the_relend_cooldown_is_the_donors_option(tmp_path, monkeypatch):
+    """`--swiftcache-relend-cooldown-s`: after a reclaim, the donor lends again once that long
+    has passed, not before (the default is 5 s; here 0.3 s)."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    cooldown = 0.3
+    donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
+                     lend_fraction=0.5, relend_cooldown_s=cooldown)
+    borrower = _runtime(tmp_path, monkeypatch, "borrower", BORROWER_SHAPE, role="borrower",
+                        max_borrow_blocks=16)
+    pair = (donor.start(), borrower.start())
+    try:
+        assert donor.lender.relend_cooldown_s == cooldown
+        _pump_until(pair, lambda: borrower.borrowed_tokens() > 0)
+        burst = NS(waiting_queue=[Req("b", "", list(range(donor.allocator.available_size() + 8)),
+                                      SamplingParams(max_new_tokens=4))],
+                   running_batch=NS(reqs=[]), new_token_ratio_tracker=NS(current=1.0))
+        donor.pump()
+        demanded = time.monotonic()  # the cooldown counts from the demand, inside lend()
+        donor.lend(burst)
+        assert donor.lent_tokens == 0
+        _pump_until(pair, lambda: donor.lent_tokens > 0, timeout_s=4.0)  # the default: 5 s
+        assert time.monotonic() - demanded >= cooldown
+    finally:
+        borrower.stop()
+        donor.stop()
