@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import pytest
 
+from sglang_swift.loadgen.client import flush_when_idle
 from sglang_swift.testing.peer_process import SimGroup
+from sglang_swift.tools.local_server import LocalServer
 
 
 @pytest.fixture
@@ -50,3 +55,53 @@ def borrow(donor, borrower, n: int) -> dict:
     start = len(borrower.events)
     borrower.send("request", n=n, donor=donor.agent_id)
     return borrower.wait_for(event("LeaseGranted"), 10, start)
+
+
+class StockServers:
+    """Stock SGLang reference servers, one per (model, KV pool, arguments), started on first use
+    and shared by every test that asks for the same one: a start is ~25 s of this machine's two
+    cores, and a reference needs no fresh process, only an empty cache. `get` flushes the cache
+    of a server it hands out again (SGLang's /flush_cache resets the radix tree and the pool), so
+    each test meets the state of a fresh server. The shared servers sleep when idle
+    (--sleep-on-idle: no scheduler spinning on a core through later tests) and run no SwiftCache
+    agent (stock), so they cannot join another test's node."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+        self._servers: dict[tuple, LocalServer] = {}
+
+    def get(self, model, pool: int, args) -> LocalServer:
+        key = (str(model), pool, tuple(args))
+        server = self._servers.get(key)
+        if server is not None and server.proc.poll() is None:
+            self._flush(server)
+            return server
+        server = LocalServer(model, swiftcache=False, max_total_tokens=pool,
+                             extra_args=[*args, "--sleep-on-idle"],
+                             log_path=self.log_dir / f"stock-{len(self._servers)}.log")
+        server.start()
+        self._servers[key] = server
+        return server
+
+    @staticmethod
+    def _flush(server: LocalServer, timeout_s: float = 60.0) -> None:
+        async def flush():
+            async with aiohttp.ClientSession() as http:
+                await flush_when_idle(http, server.base_url, timeout_s)
+
+        asyncio.run(flush())
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
+@pytest.fixture(scope="session")
+def stock_servers(tmp_path_factory):
+    """The session's shared stock reference servers (`StockServers.get(model, pool, args)`)."""
+    servers = StockServers(tmp_path_factory.mktemp("stock-servers"))
+    try:
+        yield servers
+    finally:
+        servers.close()

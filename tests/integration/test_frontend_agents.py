@@ -23,18 +23,24 @@ AGENT = AgentWorkload(output_min=8, output_max=8, tool_latency_mean_s=0.0, share
                       tool_max=40)
 
 
-def test_agent_programs_give_identical_greedy_outputs_on_stock_and_swiftcache(tiny_model, tmp_path):
+def test_agent_programs_give_identical_greedy_outputs_on_stock_and_swiftcache(tiny_model, tmp_path,
+                                                                            stock_servers):
     """Two agent programs (5 tool results, 2 parallel calls per step) run one after the other on
     each server: identical greedy outputs, all finished, transcript cache hits on SwiftCache."""
     programs = agent_programs(AGENT, 2, fanout=2)
     records, logs = {}, {}
-    for label, on in (("stock", False), ("swiftcache", True)):  # one server at a time: 2 CPU cores
-        args = ["--enable-cache-report", "--dtype", "float32"] + (["--swiftcache-role", "borrower"] if on else [])
-        with LocalServer(tiny_model, swiftcache=on, extra_args=args, log_path=tmp_path / f"{label}.log") as s:
-            backend = frontend.endpoint(s.base_url, chat_template="chatml")
-            t0 = time.perf_counter()
-            records[label] = [frontend.run_program(backend, p, label, t0) for p in programs]
-            logs[label] = s.log_text()
+    args = ["--enable-cache-report", "--dtype", "float32"]
+
+    def run(label, server):
+        backend = frontend.endpoint(server.base_url, chat_template="chatml")
+        t0 = time.perf_counter()
+        records[label] = [frontend.run_program(backend, p, label, t0) for p in programs]
+        logs[label] = server.log_text()
+
+    run("stock", stock_servers.get(tiny_model, 4096, args))  # one server at a time: 2 CPU cores
+    with LocalServer(tiny_model, extra_args=[*args, "--swiftcache-role", "borrower"],
+                     log_path=tmp_path / "swiftcache.log") as s:
+        run("swiftcache", s)
     for label, recs in records.items():
         assert all(r.error is None for r in recs), [r.error for r in recs]
         assert all(set(r.outputs) == {"plan", "note0", "step0", "note1", "step1"} for r in recs), label

@@ -45,15 +45,14 @@ def _control(rendezvous: str) -> list[str]:
 
 
 def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_reclaim(
-        tiny_model, tmp_path):
+        tiny_model, tmp_path, stock_servers):
     model = ensure_tiny_model(shape="small")
     long_prompt = _prompt(4 * LOCAL_POOL - NEW_TOKENS)  # context = 4 x LOCAL_POOL
     hit_prompt = long_prompt[:500] + _prompt(150, salt=1)
     during_reclaim = _prompt(700, salt=5)  # with RECLAIM_TOKENS: time for the reclaim to land
-    with LocalServer(model, swiftcache=False, max_total_tokens=4096, extra_args=COMMON,
-                     log_path=tmp_path / "stock.log") as stock:
-        want = [_generate(stock, long_prompt), _generate(stock, hit_prompt),
-                _generate(stock, during_reclaim, new=RECLAIM_TOKENS)]
+    stock = stock_servers.get(model, 4096, COMMON)
+    want = [_generate(stock, long_prompt), _generate(stock, hit_prompt),
+            _generate(stock, during_reclaim, new=RECLAIM_TOKENS)]
 
     rendezvous = str(tmp_path / "rv")
     donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",

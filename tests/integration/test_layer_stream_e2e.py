@@ -51,15 +51,13 @@ def _both(server, prompts) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
 
-def test_streamed_server_serves_four_times_its_local_pool_token_identical():
+def test_streamed_server_serves_four_times_its_local_pool_token_identical(stock_servers):
     model = ensure_tiny_model(shape="small")
     long_prompt = _prompt(4 * LOCAL_POOL - NEW_TOKENS)  # context = 4 x LOCAL_POOL
     hit_prompt = long_prompt[:500] + _prompt(150, salt=1)
     side_by_side = [_prompt(330, salt=2), _prompt(330, salt=3)]
-    with LocalServer(model, swiftcache=False, max_total_tokens=4096, extra_args=COMMON,
-                     log_path="/tmp/swift-ls-stock.log") as stock:
-        want = [_generate(stock, long_prompt), _generate(stock, hit_prompt),
-                *_both(stock, side_by_side)]
+    stock = stock_servers.get(model, 4096, COMMON)
+    want = [_generate(stock, long_prompt), _generate(stock, hit_prompt), *_both(stock, side_by_side)]
     streamed_args = [*COMMON, "--swiftcache-layer-stream", "host",
                      "--swiftcache-layer-stream-depth", str(DEPTH),
                      "--swiftcache-layer-stream-resident-fraction", "0"]  # every row streamed

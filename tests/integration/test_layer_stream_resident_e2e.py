@@ -39,12 +39,11 @@ def _trace(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_requests_that_fit_locally_are_not_streamed(tmp_path):
+def test_requests_that_fit_locally_are_not_streamed(tmp_path, stock_servers):
     model = ensure_tiny_model(shape="small")
     short, long = _prompt(SHORT, salt=5), _prompt(LONG, salt=6)
-    with LocalServer(model, swiftcache=False, max_total_tokens=4096, extra_args=COMMON,
-                     log_path=tmp_path / "stock.log") as stock:
-        want = [_generate(stock, short, new=NEW), _generate(stock, long, new=NEW)]
+    stock = stock_servers.get(model, 4096, COMMON)
+    want = [_generate(stock, short, new=NEW), _generate(stock, long, new=NEW)]
     trace = str(tmp_path / "forwards.jsonl")
     args = [*COMMON, "--swiftcache-layer-stream", "host", "--swiftcache-layer-stream-depth",
             str(DEPTH)]

@@ -18,37 +18,39 @@ MAX_TOKENS = 12
 TURNS = 4
 
 
-def replay(model_dir, swiftcache: bool, log_path, max_total_tokens: int, conversations: int,
-           chars: int) -> tuple[list[str], list[int], str]:
+ARGS = ["--enable-cache-report", "--dtype", "float32"]
+
+
+def replay(server, conversations: int, chars: int) -> tuple[list[str], list[int]]:
     """Turn-by-turn replay, conversations interleaved so they share and evict each other's KV."""
     convs = load_conversations(conversations, min_turns=TURNS, max_chars_per_message=chars)
     history: list[list[dict]] = [[] for _ in convs]
     outputs, cached = [], []
-    args = ["--enable-cache-report", "--dtype", "float32"]
-    with LocalServer(model_dir, swiftcache=swiftcache, extra_args=args, log_path=log_path,
-                     max_total_tokens=max_total_tokens) as s:
-        for t in range(TURNS):
-            for conv, messages in zip(convs, history):
-                messages.append({"role": "user", "content": conv.turns[t].user})
-                resp = chat(s, messages, MAX_TOKENS)
-                text = resp["choices"][0]["message"]["content"]
-                details = resp["usage"].get("prompt_tokens_details") or {}
-                outputs.append(text)
-                cached.append(details.get("cached_tokens", 0))
-                messages.append({"role": "assistant", "content": text})
-        log = s.log_text()
-    return outputs, cached, log
+    for t in range(TURNS):
+        for conv, messages in zip(convs, history):
+            messages.append({"role": "user", "content": conv.turns[t].user})
+            resp = chat(server, messages, MAX_TOKENS)
+            text = resp["choices"][0]["message"]["content"]
+            details = resp["usage"].get("prompt_tokens_details") or {}
+            outputs.append(text)
+            cached.append(details.get("cached_tokens", 0))
+            messages.append({"role": "assistant", "content": text})
+    return outputs, cached
 
 
 # (KV pool tokens, conversations, chars per message): a pool that holds everything; and one
 # smaller than the three conversations' histories, so both trees must evict the same prefixes.
 @pytest.mark.parametrize("pool,conversations,chars", [(4096, 2, 300), (512, 3, 150)],
                          ids=["roomy", "evicting"])
-def test_swiftcache_tree_matches_stock_sglang(tiny_model, tmp_path, pool, conversations, chars):
-    swift_out, swift_cached, swift_log = replay(tiny_model, True, tmp_path / "swift.log",
-                                                pool, conversations, chars)
-    stock_out, stock_cached, _ = replay(tiny_model, False, tmp_path / "stock.log",
-                                        pool, conversations, chars)
+def test_swiftcache_tree_matches_stock_sglang(tiny_model, tmp_path, stock_servers, pool,
+                                              conversations, chars):
+    with LocalServer(tiny_model, extra_args=ARGS, log_path=tmp_path / "swift.log",
+                     max_total_tokens=pool) as swift:
+        swift_out, swift_cached = replay(swift, conversations, chars)
+        swift_log = swift.log_text()
+    # a fresh stock server, or a shared one with its cache flushed (conftest.StockServers)
+    stock_out, stock_cached = replay(stock_servers.get(tiny_model, pool, ARGS), conversations,
+                                     chars)
     print(f"cached tokens per turn: swiftcache {swift_cached}, stock {stock_cached}")
     assert "SwiftCache: radix_ext tree" in swift_log
     assert swift_out == stock_out
