@@ -2,7 +2,8 @@
 between SwiftCache servers on one node. Imports neither SGLang nor torch.
 
 Map of the package:
-  agent.py     ControlAgent, the owner-facing API and its I/O thread (start here)
+  agent.py     ControlAgent, the owner-facing API and its state (start here);
+               agent_io.py its I/O thread's step and what the sides call on that thread
   protocol.py  every wire message (msgspec structs, msgpack, HMAC-signed frames)
   peers.py     membership: hello, heartbeats, dispatch; status.py the operator view
   liveness.py  suspicion and death of peers, lease re-validation (docs/liveness.md)
