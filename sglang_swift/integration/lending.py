@@ -38,9 +38,11 @@ from typing import Any, Callable
 
 import torch
 
+from .swift_config import SwiftConfig
+
 logger = logging.getLogger(__name__)
 
-RELEND_COOLDOWN_S = 5.0
+RELEND_COOLDOWN_S = SwiftConfig.relend_cooldown_s  # --swiftcache-relend-cooldown-s's default
 MIN_OFFER_PAGES = 1
 
 

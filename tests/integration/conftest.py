@@ -73,9 +73,11 @@ class StockServers:
     def get(self, model, pool: int, args) -> LocalServer:
         key = (str(model), pool, tuple(args))
         server = self._servers.get(key)
-        if server is not None and server.proc.poll() is None:
-            self._flush(server)
-            return server
+        if server is not None:
+            if server.proc.poll() is None:
+                self._flush(server)
+                return server
+            server.stop()  # it died: its process group goes before a new one takes its place
         server = LocalServer(model, swiftcache=False, max_total_tokens=pool,
                              extra_args=[*args, "--sleep-on-idle"],
                              log_path=self.log_dir / f"stock-{len(self._servers)}.log")
