@@ -8,12 +8,14 @@ the reference. Invariants:
 - the two SwiftCache servers find each other and agree on a lease; the lent pages come out of
   the donor's own pool (`ctl status`: lent > 0, usable = pool - lent);
 - the borrower's greedy outputs equal stock SGLang's, turn by turn: donated memory never changes
-  a token;
+  a token (`same_greedy`: but for a near-tie that stock SGLang's own CPU kernels can flip between
+  two runs, at most MAX_TIES per phase; each turn's history carries stock's answer);
 - prefixes evicted from the borrower's pool come back from the donor's pool: the borrower
   reports more cached tokens than stock SGLang with the same pool;
 - a burst of the donor's own traffic takes its memory back: every lent page returns to its pool
   (usable = pool) and the borrower, having dropped what it kept there, stays token-identical;
-- after the donor is killed with SIGKILL, the borrower keeps serving, still token-identical.
+- the donor lends again after its cooldown; killed with SIGKILL while lending, the borrower
+  declares the lease lost and keeps serving, still token-identical.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 
 import pytest
 
-from integration.harness import LocalServer, chat, metric, wait_for
+from integration.harness import LocalServer, chat, metric, same_greedy, wait_for
 from sglang_swift.tools.demo import ctl, wait_for_lease
 from sglang_swift.tools.tiny_model import ensure_tiny_model
 from sglang_swift.workloads.sharegpt import load_conversations
@@ -31,6 +33,10 @@ from sglang_swift.workloads.sharegpt import load_conversations
 pytestmark = pytest.mark.integration
 SMALL_POOL = 450  # tokens: five conversations' histories do not fit, so the tree must evict
 MAX_TOKENS = 8
+TOP_LOGPROBS = 5
+# stock SGLang's own answer moved once in the eighth session's runs of this test (a fresh stock
+# server replaying the same turns answered what the borrower had)
+MAX_TIES = 1
 
 
 def _args(rendezvous: str, role: str, *extra: str) -> list[str]:
@@ -41,23 +47,37 @@ def _args(rendezvous: str, role: str, *extra: str) -> list[str]:
             *extra]
 
 
-def _replay(server, convs, turns) -> tuple[list[str], list[int]]:
-    """Interleave conversations turn by turn, so each one's prefix is evicted before it returns."""
+def _replay(server, convs, turns, forced: list[dict] | None = None) -> list[dict]:
+    """Interleave conversations turn by turn, so each one's prefix is evicted before it returns.
+    Each history carries the answers in `forced` (a reference replay's responses) where given,
+    else the server's own: one turn's near-tie (`same_greedy`) does not change later prompts."""
     histories = [[] for _ in convs]
-    texts, cached = [], []
+    responses = []
     for t in range(turns):
         for conv, msgs in zip(convs, histories):
             if t >= len(conv.turns):
                 continue
             msgs.append({"role": "user", "content": conv.turns[t].user})
-            resp = chat(server, msgs, MAX_TOKENS)
-            text = resp["choices"][0]["message"]["content"]
-            texts.append(text)
-            cached.append((resp["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-            msgs.append({"role": "assistant", "content": text})
-    return texts, cached
+            resp = chat(server, msgs, MAX_TOKENS, top_logprobs=TOP_LOGPROBS)
+            source = forced[len(responses)] if forced is not None else resp
+            responses.append(resp)
+            msgs.append({"role": "assistant", "content": _text(source)})
+    return responses
 
 
+def _text(resp: dict) -> str:
+    return resp["choices"][0]["message"]["content"]
+
+
+def _cached(responses: list[dict]) -> int:
+    return sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+               for r in responses)
+
+
+def _check(got: list[dict], want: list[dict]) -> None:
+    """Token-identical to stock SGLang's, but for at most MAX_TIES near-ties (`same_greedy`)."""
+    ties = same_greedy(got, want)
+    assert len(ties) <= MAX_TIES, f"near-ties at requests {ties}: more than float noise explains"
 
 
 DONOR_POOL = 4096
@@ -91,13 +111,14 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
     with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
                      extra_args=["--enable-cache-report", "--dtype", "float32"],
                      log_path=tmp_path / "stock.log") as stock:
-        ref_texts, ref_cached = _replay(stock, convs, 3)
-        ref_tail, _ = _replay(stock, convs[:2], 4)
+        ref = _replay(stock, convs, 3)
+        ref_tail = _replay(stock, convs[:2], 4)
 
     # the donor keeps half its pool free for itself (watermark 0.5), so its own burst reclaims
     donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
                         extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
                                          "--swiftcache-reclaim-watermark", "0.5",
+                                         "--swiftcache-relend-cooldown-s", "2",
                                          "--enable-metrics"))
     borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
                            extra_args=_args(rendezvous, "borrower", "--enable-metrics",
@@ -109,10 +130,12 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
                      "the donor to report lent pages of its own pool")
         cap = _capacity(rendezvous, "tiny-llama")
         assert cap["kv_pool_tokens"] == DONOR_POOL and cap["usable_tokens"] == DONOR_POOL - lent
-        assert _capacity(rendezvous, "small-llama")["borrowed_tokens"] > 0
-        texts, cached = _replay(borrower, convs, 3)
-        assert texts == ref_texts
-        assert sum(cached) > sum(ref_cached), (cached, ref_cached)
+        # an idle scheduler (--sleep-on-idle) takes its lease in within a second
+        wait_for(lambda: _capacity(rendezvous, "small-llama").get("borrowed_tokens"), 30,
+                 "the borrower to report the pages it borrowed")
+        got = _replay(borrower, convs, 3, forced=ref)
+        _check(got, ref)
+        assert _cached(got) > _cached(ref), (_cached(got), _cached(ref))
         loaded = wait_for(lambda: metric(borrower, "swiftcache_loaded_tokens_total"), 30,
                        "swiftcache metrics on the borrower's /metrics")
         assert loaded > 0
@@ -124,17 +147,19 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
               "the donor's usable capacity to return to its whole pool")
         wait_for(lambda: "reclaimed" in borrower.log_text(), 30, "the borrower to see the reclaim")
-        tail, _ = _replay(borrower, convs[:2], 4)
-        assert tail == ref_tail
+        _check(_replay(borrower, convs[:2], 4, forced=ref_tail), ref_tail)
 
+        # After its cooldown the idle donor lends again and the borrower takes the new lease:
+        # the donor dies while lending.
+        wait_for(lambda: _capacity(rendezvous, "small-llama").get("borrowed_tokens"), 30,
+                 "the donor to lend again after its relend cooldown")
         donor_pid = donor.proc.pid
         os.killpg(donor_pid, 9)  # SIGKILL the donor server, scheduler included
         donor.proc.wait(30)
-        tail, _ = _replay(borrower, convs[:2], 4)
-        assert tail == ref_tail
+        _check(_replay(borrower, convs[:2], 4, forced=ref_tail), ref_tail)
         wait_for(lambda: "lost (" in borrower.log_text(), 30, "the borrower to detect the lost donor")
-        tail, _ = _replay(borrower, convs[:2], 4)  # and again, with the donor tier gone
-        assert tail == ref_tail
+        # and again, with the donor tier gone
+        _check(_replay(borrower, convs[:2], 4, forced=ref_tail), ref_tail)
         assert borrower.proc.poll() is None, borrower.log_tail()
     pids = _pids_in(tmp_path / "donor.log")
     leaked = [f for f in os.listdir("/dev/shm") if f.startswith("swift")
