@@ -99,9 +99,16 @@ class NodePlan:
     # a 400-token chat turn took 8-17 s instead of 1.4-3.8 s here (measured 2026-11-30, load ~9)
     server_threads: int = 1
     sample_interval_s: float = 0.5  # the servers update their gauges once a second
-    settle_s: float = 8.0  # observed after the traffic: the donor relends after a 5 s cooldown
+    # (b)'s donor waits this long after a reclaim before it lends again
+    # (--swiftcache-relend-cooldown-s; SwiftCache's default is 5 s). Its burst is one batch that
+    # is over in a second, so 2 s is past it; the rounds wait for the relend (runner.py), so a
+    # shorter cooldown is a shorter run, not a relend during another donor's burst
+    relend_cooldown_s: float = 2.0
+    settle_s: float = 6.0  # observed after the traffic: the last reclaim's relend, and after it
 
     def __post_init__(self) -> None:
+        if self.relend_cooldown_s < 0 or self.settle_s < 0:
+            raise ValueError("relend_cooldown_s and settle_s must not be negative")
         for name in ("busy_pool", "donor_pool", "conversations", "turns", "max_tokens",
                      "max_chars", "donor_conversations", "server_threads", "donor_requests",
                      "donor_max_tokens", "burst_requests", "burst_max_tokens", "burst_rounds"):
@@ -114,7 +121,7 @@ class NodePlan:
 
     @classmethod
     def quick(cls) -> "NodePlan":
-        return replace(cls(), turns=4, donor_requests=16, settle_s=7.0)
+        return replace(cls(), turns=4, donor_requests=16, settle_s=5.0)
 
     @property
     def busy_requests(self) -> int:
@@ -172,7 +179,8 @@ class RunSpec:
         return [*COMMON_ARGS, *HEARTBEAT_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
                 "--swiftcache-role", "donor",
                 "--swiftcache-lend-fraction", str(plan.lend_fraction),
-                "--swiftcache-reclaim-watermark", str(plan.reclaim_watermark)]
+                "--swiftcache-reclaim-watermark", str(plan.reclaim_watermark),
+                "--swiftcache-relend-cooldown-s", str(plan.relend_cooldown_s)]
 
 
 def stock_run(plan: NodePlan) -> RunSpec:

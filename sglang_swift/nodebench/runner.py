@@ -1,5 +1,5 @@
-"""The node benchmark's three runs and the donor twin: every server starts (the donors first,
-side by side, then the busy servers), each run's two servers (a `Node`) serve their steady phase
+"""The node benchmark's three runs and the donor twin: every server starts (the donors and the
+stock busy servers side by side, then the SwiftCache busy server), each run's two servers (a `Node`) serve their steady phase
 in turn, then all stay up for the rounds of donor bursts and the reclaim-phase turns (traffic.py
 says why), while a sampler watches the SwiftCache run's `/metrics`; then every server stops."""
 
@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from ..layer_stream.hooks import FORWARD_TRACE_ENV
-from ..loadgen.client import RequestRecord
+from ..loadgen.client import RequestRecord, flush_when_idle
 from ..tools.demo import ctl, wait_for_lease
 from ..tools.local_server import LocalServer, start_all
 from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
 from .plan import ModelFacts, NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
-from .traffic import (BusyReplay, Marks, Traffic, burst, flush_donors, round_order, session,
-                      steady, warm_up_donor)
+from .traffic import (BusyReplay, Marks, Traffic, burst, round_order, session, steady,
+                      warm_up_donor)
 
 LEASE_TIMEOUT_S = 180.0
 STARTUP_TIMEOUT_S = 600.0  # two servers starting side by side took 85-100 s each at load ~10
@@ -306,23 +306,25 @@ class DonorTwin:
 
 
 def start_servers(nodes: list[Node], twin: DonorTwin | None, stack: ExitStack, log) -> None:
-    """Every donor side by side (`start_all`: start-up is mostly imports, on both cores), each
-    warmed one after another; then every busy server side by side; then each SwiftCache run's
-    lease. So each donor has run its warm-up before any busy server exists, as when one run's
-    servers started alone, and nothing is lent or cached before the traffic."""
+    """Every donor and every stock busy server side by side (`start_all`: start-up is mostly
+    imports, on both cores), each donor then warmed one after another; then the SwiftCache busy
+    servers, and each SwiftCache run's lease. So a SwiftCache donor has run its warm-up before
+    its borrower exists (nothing is lent or cached before the traffic), every donor runs its
+    warm-up beside idle servers only, and the last step starts only what must wait for it."""
     donors = [n.donor for n in nodes] + ([twin.donor] if twin is not None else [])
     for n in nodes + ([twin] if twin is not None else []):
         n.register(stack)
     t = time.monotonic()
-    start_all(donors)
+    start_all(donors + [n.busy for n in nodes if not n.spec.swiftcache])
     for n in nodes + ([twin] if twin is not None else []):
         warm_up_donor(n.donor.base_url, n.traffic)
-    log(f"{len(donors)} donors up and warmed in {time.monotonic() - t:.0f}s")
+    log(f"{len(donors)} donors and the stock busy servers up, the donors warmed, in "
+        f"{time.monotonic() - t:.0f}s")
     t = time.monotonic()
-    start_all([n.busy for n in nodes])
+    start_all([n.busy for n in nodes if n.spec.swiftcache])
     for n in nodes:
         n.await_lease()
-    log(f"{len(nodes)} busy servers up in {time.monotonic() - t:.0f}s (lease wait "
+    log(f"the SwiftCache busy server up in {time.monotonic() - t:.0f}s (lease wait "
         + ", ".join(f"{n.spec.key} {n.lease_wait_s:.1f}s" for n in nodes) + ")")
 
 
@@ -347,8 +349,8 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
     """The three runs (plan.py) and the donor twin: every server starts (`start_servers`), (c)
     sized by the plan's loan; (a), (b), (c) serve their steady phase in turn, (b)'s loan then
     checked against (c)'s sizes (`check_ideal`); then `plan.burst_rounds` rounds of donor
-    bursts, the four donors back to back in `round_order`, every donor flushed and the SwiftCache
-    donor lending again between rounds; then each run's reclaim-phase turns; `plan.settle_s` of
+    bursts, the four donors one after another in `round_order`, each flushed after its burst
+    and the SwiftCache donor lending again before the next one (`_burst_rounds`); then each run's reclaim-phase turns; `plan.settle_s` of
     observation; every server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase
     has the machine to itself but for the idle servers' control threads."""
     busy_loan, donor_loan = plan.planned_loan(ModelFacts.from_dir(busy_model),
@@ -405,11 +407,14 @@ def per_round(readings: list[dict | None], name: str) -> list[float | None]:
 
 def _burst_rounds(nodes: dict[str, Any], b: Node, lent: float, reclaims: float,
                   log) -> tuple[list[dict], list[dict | None]]:
-    """The donors' bursts (traffic.py, phase 2). Before each round after the first, every donor
-    is flushed and the SwiftCache donor `b`, `reclaims` reclaims done before the first, lends
-    `lent` tokens again once the previous rounds' reclaims are done; `b`'s sampler watches
-    those waits (its reclaims and relends) but not the bursts: a `/metrics` scrape costs a
-    SwiftCache server's HTTP process 10-20 ms of CPU (SGLang's multiprocess collection), and
+    """The donors' bursts (traffic.py, phase 2), one after another in each round's order. After
+    its burst in every round but the last, each donor's cache is flushed (so the next burst is
+    computed again); the SwiftCache donor `b`, `reclaims` reclaims done before the first round,
+    is then waited for until it lends `lent` tokens again (its cooldown after the burst's
+    reclaim) and its borrower holds the loan, before the next burst of any donor: every burst of
+    `b` meets a loan to reclaim, and no relend runs beside another donor's burst. `b`'s sampler
+    watches those waits (its reclaims and relends) but not the bursts: a `/metrics` scrape costs
+    a SwiftCache server's HTTP process 10-20 ms of CPU (SGLang's multiprocess collection), and
     one that met (b)'s burst in that process would delay only (b)'s first tokens. Returns, with
     --diagnose, each burst's CPU ms of every server (`_server_cpu_s`: which process ran beside
     the donor's forward), and a scrape of `b`'s donor before each round, its loan back (its
@@ -421,24 +426,28 @@ def _burst_rounds(nodes: dict[str, Any], b: Node, lent: float, reclaims: float,
     readings: list[dict | None] = []
     t = time.monotonic()
     for r in range(plan.burst_rounds):
-        if r:
-            asyncio.run(flush_donors([n.donor.base_url for n in nodes.values()]))
-            with b.sampler:
-                if lent and not b.wait_lent(lent, reclaims + r):
-                    log(f"[{b.spec.key}] the donor did not lend {lent:.0f} tokens again "
-                        f"before round {r + 1}; the round goes without a loan")
         if lent:
             readings.append(scrape(b.donor.base_url))
 
         async def one_round(r=r):
             async with session() as http:
                 for key in round_order(keys, r):
+                    node = nodes[key]
                     before = _server_cpu_s(nodes) if b.diagnose else None
-                    await nodes[key].burst(http, r)
+                    await node.burst(http, r)
                     if before is not None:
                         after = _server_cpu_s(nodes)
                         burst_cpu.append({"round": r + 1, "run": key, "cpu_ms": {
                             k: round(1e3 * (after[k] - before[k]), 1) for k in after}})
+                    if r + 1 == plan.burst_rounds:
+                        continue
+                    await flush_when_idle(http, node.donor.base_url, timeout_s=30.0, poll_s=0.2)
+                    if node is b and lent:
+                        with b.sampler:
+                            ok = await asyncio.to_thread(b.wait_lent, lent, reclaims + r + 1)
+                        if not ok:
+                            log(f"[{b.spec.key}] the donor did not lend {lent:.0f} tokens again "
+                                f"after round {r + 1}; its next burst goes without a loan")
 
         asyncio.run(one_round())
     log(f"{plan.burst_rounds} rounds of donor bursts done in {time.monotonic() - t:.0f}s")

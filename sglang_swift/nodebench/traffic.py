@@ -17,8 +17,9 @@ The three runs' servers stay up together (runner.run_node); each run's traffic g
    P99 comparable: one forward's time on this shared machine moves 10-20% within seconds
    whatever runs (docs/node_bench.md), so one burst per run, minutes apart, was a coin toss;
    rounds put the three runs' bursts under the same conditions and the P99 over several rounds
-   is their upper tail, not one sample of it. Between rounds every donor's cache is flushed
-   (the burst's prompts would otherwise stay cached) and the SwiftCache donor lends again.
+   is their upper tail, not one sample of it. After its burst (but in the last round) each
+   donor's cache is flushed (the burst's prompts would otherwise stay cached), and the
+   SwiftCache donor lends again before the next burst of any donor goes (runner._burst_rounds).
 3. reclaim: each run's busy conversations get their next turn (`busy_reclaim`): the borrower
    serving once its loan is gone. (A reclaim that meets a copy in flight is
    `tests/unit/test_runtime.py`'s

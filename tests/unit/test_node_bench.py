@@ -550,11 +550,12 @@ def test_wait_lent_does_not_take_the_gauge_from_before_the_reclaim():
 
 
 def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_bursts(monkeypatch):
-    """Each round sends every run's burst in round_order; before each round after the first the
-    donors are flushed and the SwiftCache run waits for its loan (reclaims counted from the
-    count before the first round) with its sampler on; no burst goes while it samples. The
-    SwiftCache donor's wait counter is read before each round, after its loan is back, never
-    during a burst: the differences are each round's wait for lent pages."""
+    """Each round sends every run's burst in round_order; in every round but the last, each
+    donor is flushed after its burst, and after the SwiftCache donor's the run waits for its
+    loan (reclaims counted from the count before the first round) with its sampler on, before
+    any other burst; no burst goes while it samples. The SwiftCache donor's wait counter is read
+    before each round, never during a burst: the differences are each round's wait for lent
+    pages."""
     from types import SimpleNamespace
 
     log: list = []
@@ -584,8 +585,8 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
                                wait_lent=wait_lent, sampler=Sampler(), diagnose=False,
                                plan=plan.NodePlan(burst_rounds=3))
 
-    async def flush(urls):
-        log.append(("flush", tuple(urls)))
+    async def flush(http, url, timeout_s, poll_s):
+        log.append(("flush", url))
 
     @contextlib.asynccontextmanager
     async def session():
@@ -598,16 +599,17 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
         log.append("read")
         return {runner.OWN_WAIT: next(waited)}
 
-    monkeypatch.setattr(runner, "flush_donors", flush)
+    monkeypatch.setattr(runner, "flush_when_idle", flush)
     monkeypatch.setattr(runner, "session", session)
     monkeypatch.setattr(runner, "scrape", scrape)
     nodes = {k: node(k, k == "b") for k in "abc"}
     cpu, readings = runner._burst_rounds(nodes, nodes["b"], 2048.0, 4.0, lambda line: None)
     assert cpu == [] and [m[runner.OWN_WAIT] for m in readings] == [0.0, 0.05, 0.056]
-    flushed = ("flush", ("ua", "ub", "uc"))
-    assert log == ["read", ("a", 0), ("b", 0), ("c", 0),
-                   flushed, "sample", ("wait", 2048.0, 5.0), "read", ("b", 1), ("c", 1), ("a", 1),
-                   flushed, "sample", ("wait", 2048.0, 6.0), "read", ("c", 2), ("a", 2), ("b", 2)]
+    assert log == ["read", ("a", 0), ("flush", "ua"), ("b", 0), ("flush", "ub"),
+                   "sample", ("wait", 2048.0, 5.0), ("c", 0), ("flush", "uc"),
+                   "read", ("b", 1), ("flush", "ub"), "sample", ("wait", 2048.0, 6.0),
+                   ("c", 1), ("flush", "uc"), ("a", 1), ("flush", "ua"),
+                   "read", ("c", 2), ("a", 2), ("b", 2)]  # the last round: no flush, no wait
     counts = [{runner.RECLAIMS: c} for c in (4.0, 5.0, 6.0, 7.0)]
     assert runner.per_round(counts, runner.RECLAIMS) == [1.0, 1.0, 1.0]
     assert runner.per_round([counts[0], None, {}], runner.RECLAIMS) == [None, None]
@@ -680,10 +682,10 @@ def test_noise_floor_is_the_twins_burst_p99_over_stock():
     assert report.noise_floor(tables, None)["donor_ttft_p99_noise"] is None
 
 
-def test_start_servers_starts_every_donor_and_warms_it_before_any_busy_server(monkeypatch):
-    """All donors start side by side, each is warmed, then the busy servers start side by
-    side, then each run waits for its lease: no busy server exists before every donor ran its
-    warm-up."""
+def test_start_servers_warms_every_donor_before_the_swiftcache_busy_server_starts(monkeypatch):
+    """All donors and the stock busy servers start side by side, each donor is warmed, then the
+    SwiftCache busy server starts, then each run waits for its lease: no borrower exists before
+    every donor ran its warm-up."""
     from types import SimpleNamespace
 
     log: list = []
@@ -692,7 +694,8 @@ def test_start_servers_starts_every_donor_and_warms_it_before_any_busy_server(mo
         def register(stack):
             log.append(("register", key))
 
-        node = SimpleNamespace(spec=SimpleNamespace(key=key), register=register,
+        node = SimpleNamespace(spec=SimpleNamespace(key=key, swiftcache=key == "b"),
+                               register=register,
                                donor=SimpleNamespace(base_url=f"d{key}", name=f"d{key}"),
                                busy=SimpleNamespace(name=f"b{key}"), traffic=None,
                                lease_wait_s=0.0)
@@ -708,7 +711,7 @@ def test_start_servers_starts_every_donor_and_warms_it_before_any_busy_server(mo
     with contextlib.ExitStack() as stack:
         runner.start_servers(nodes, twin, stack, lambda line: None)
     assert log == [("register", "a"), ("register", "b"), ("register", "c"), ("register", "t"),
-                   ("start", ["da", "db", "dc", "dt"]),
+                   ("start", ["da", "db", "dc", "dt", "ba", "bc"]),
                    ("warm", "da"), ("warm", "db"), ("warm", "dc"), ("warm", "dt"),
-                   ("start", ["ba", "bb", "bc"]),
+                   ("start", ["bb"]),
                    ("lease", "a"), ("lease", "b"), ("lease", "c")]
