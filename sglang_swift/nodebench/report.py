@@ -30,14 +30,15 @@ def compare_outputs(base: dict[str, list], other: dict[str, list]) -> dict:
 
 
 def stream_stats(records: list) -> dict:
-    """Requests, prompt and cached tokens, TTFT P50 / P99 in ms (None without requests)."""
+    """Requests, prompt and cached tokens, TTFT P50 / P99 / mean in ms (None without requests)."""
     ttft = [r.ttft * 1e3 for r in records if r.ttft is not None]
     p50, p99 = pct(ttft, 50), pct(ttft, 99)
     return {"requests": len(records),
             "prompt_tokens": sum(r.prompt_tokens or 0 for r in records),
             "cached_tokens": sum(r.cached_tokens or 0 for r in records),
             "ttft_p50_ms": None if p50 is None else round(p50, 1),
-            "ttft_p99_ms": None if p99 is None else round(p99, 1)}
+            "ttft_p99_ms": None if p99 is None else round(p99, 1),
+            "ttft_mean_ms": round(sum(ttft) / len(ttft), 1) if ttft else None}
 
 
 def run_tables(records: dict[str, list]) -> dict:
@@ -177,17 +178,25 @@ def summarize(tables: dict[str, dict], outputs: dict[str, dict], reclaim: dict,
 
 
 def noise_floor(tables: dict[str, dict], twin: Any | None) -> dict:
-    """The donor bursts' TTFT P99 per donor (runs a, b, c, and the twin t when there is one) and
-    `donor_ttft_p99_noise`: the twin's burst TTFT P99 / (a)'s. The twin is a second stock donor
-    identical to (a)'s whose bursts went in the same rounds (`runner.DonorTwin`), so the ratio is
-    what two identical servers differ by here: `donor_ttft_p99_ratio` is within the machine's
-    noise where it is no further from 1 than this (None without a twin)."""
+    """The donor bursts' TTFT P99 and mean per donor (runs a, b, c, and the twin t when there is
+    one) and `donor_ttft_p99_noise`: the twin's burst TTFT P99 / (a)'s. The twin is a second
+    stock donor identical to (a)'s whose bursts went in the same rounds (`runner.DonorTwin`), so
+    the ratio is what two identical servers differ by here: `donor_ttft_p99_ratio` is within the
+    machine's noise where it is no further from 1 than this (None without a twin). A burst's
+    requests share one prefill, so a P99 over the rounds is about their slowest burst; the mean
+    over every burst request is beside it, with the same two ratios: `donor_burst_mean_ratio`
+    ((b) / (a)) and `donor_burst_mean_noise` ((t) / (a))."""
     p99 = {k: t["burst"]["ttft_p99_ms"] for k, t in tables.items()}
-    noise = None
+    mean = {k: t["burst"].get("ttft_mean_ms") for k, t in tables.items()}
+    noise = mean_noise = None
     if twin is not None:
-        p99["t"] = stream_stats(twin.records.get("burst", []))["ttft_p99_ms"]
-        noise = ratio(p99["t"], p99.get("a"))
-    return {"donor_burst_p99_ms": p99, "donor_ttft_p99_noise": noise}
+        stats = stream_stats(twin.records.get("burst", []))
+        p99["t"], mean["t"] = stats["ttft_p99_ms"], stats["ttft_mean_ms"]
+        noise, mean_noise = ratio(p99["t"], p99.get("a")), ratio(mean["t"], mean.get("a"))
+    return {"donor_burst_p99_ms": p99, "donor_ttft_p99_noise": noise,
+            "donor_burst_mean_ms": mean,
+            "donor_burst_mean_ratio": ratio(mean.get("b"), mean.get("a")),
+            "donor_burst_mean_noise": mean_noise}
 
 
 def format_run(name: str, tables: dict) -> str:

@@ -665,8 +665,9 @@ def test_check_ideal_refuses_an_ideal_run_that_does_not_hold_what_b_moved():
 
 
 def test_noise_floor_is_the_twins_burst_p99_over_stock():
-    """donor_ttft_p99_noise = the twin's burst TTFT P99 / (a)'s; the per-donor burst P99s
-    beside it; None without a twin."""
+    """donor_ttft_p99_noise = the twin's burst TTFT P99 / (a)'s; the per-donor burst P99s and
+    means beside it, with the mean's (b) / (a) and (t) / (a); the twin's ratios None without a
+    twin."""
     from types import SimpleNamespace
 
     def recs(ms):
@@ -678,8 +679,15 @@ def test_noise_floor_is_the_twins_burst_p99_over_stock():
     twin = SimpleNamespace(records={"burst": recs([500.0] * 6)})
     out = report.noise_floor(tables, twin)
     assert out == {"donor_burst_p99_ms": {"a": 400.0, "b": 440.0, "t": 500.0},
-                   "donor_ttft_p99_noise": 1.25}
-    assert report.noise_floor(tables, None)["donor_ttft_p99_noise"] is None
+                   "donor_ttft_p99_noise": 1.25,
+                   "donor_burst_mean_ms": {"a": 400.0, "b": 440.0, "t": 500.0},
+                   "donor_burst_mean_ratio": 1.1, "donor_burst_mean_noise": 1.25}
+    alone = report.noise_floor(tables, None)
+    assert alone["donor_ttft_p99_noise"] is None and alone["donor_burst_mean_noise"] is None
+    # one slow burst moves the P99 (about the slowest burst) more than the mean
+    tables["b"] = report.run_tables({"burst": recs([400.0] * 5 + [640.0])})
+    out = report.noise_floor(tables, twin)
+    assert out["donor_burst_p99_ms"]["b"] > 600 and out["donor_burst_mean_ratio"] == 1.1
 
 
 def test_start_servers_warms_every_donor_before_the_swiftcache_busy_server_starts(monkeypatch):
