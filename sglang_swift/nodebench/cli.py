@@ -38,9 +38,9 @@ OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="4 steady turns, 16 light donor requests (5.5-6 minutes on a 2-core "
-                         "machine of this project's kind, 7-8 on its slowest; the seven "
-                         "servers' start-ups take half or more)")
+                    help="4 steady turns, 16 light donor requests (4 min 47 s - 4 min 55 s "
+                         "on a 2-core machine of this project's kind, 2026-12-02; more on a "
+                         "slower one; the seven servers' start-ups take about half)")
     ap.add_argument("--no-twin", action="store_true",
                     help="without the second stock donor (t) whose bursts measure the noise "
                          "floor (donor_ttft_p99_noise)")
