@@ -38,7 +38,7 @@ OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="4 steady turns, 16 light donor requests (4 min 47 s - 4 min 55 s "
+                    help="4 steady turns, 16 light donor requests (4 min 40 s - 4 min 55 s "
                          "on a 2-core machine of this project's kind, 2026-12-02; more on a "
                          "slower one; the seven servers' start-ups take about half)")
     ap.add_argument("--no-twin", action="store_true",
