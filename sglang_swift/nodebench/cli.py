@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['donor_burst_p99_ms']['a']} ms: donor_ttft_p99_noise "
               f"{summary['donor_ttft_p99_noise']}")
     means = summary["donor_burst_mean_ms"]
-    print(f"donor burst TTFT mean, ms: " + ", ".join(f"({k}) {v}" for k, v in means.items())
+    print("donor burst TTFT mean, ms: " + ", ".join(f"({k}) {v}" for k, v in means.items())
           + f"; (b) / (a) {summary['donor_burst_mean_ratio']}"
           + (f", twin (t) / (a) {summary['donor_burst_mean_noise']}" if twin is not None else ""))
     if args.diagnose:

@@ -1,7 +1,8 @@
 """The node benchmark's three runs and the donor twin: every server starts (the donors and the
-stock busy servers side by side, then the SwiftCache busy server), each run's two servers (a `Node`) serve their steady phase
-in turn, then all stay up for the rounds of donor bursts and the reclaim-phase turns (traffic.py
-says why), while a sampler watches the SwiftCache run's `/metrics`; then every server stops."""
+stock busy servers side by side, then the SwiftCache busy server), each run's two servers (a
+`Node`) serve their steady phase in turn, then all stay up for the rounds of donor bursts and the
+reclaim-phase turns (traffic.py says why), while a sampler watches the SwiftCache run's
+`/metrics`; then every server stops."""
 
 from __future__ import annotations
 
@@ -350,8 +351,8 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
     sized by the plan's loan; (a), (b), (c) serve their steady phase in turn, (b)'s loan then
     checked against (c)'s sizes (`check_ideal`); then `plan.burst_rounds` rounds of donor
     bursts, the four donors one after another in `round_order`, each flushed after its burst
-    and the SwiftCache donor lending again before the next one (`_burst_rounds`); then each run's reclaim-phase turns; `plan.settle_s` of
-    observation; every server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase
+    and the SwiftCache donor lending again before the next one (`_burst_rounds`); then each
+    run's reclaim-phase turns; `plan.settle_s` of observation; every server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase
     has the machine to itself but for the idle servers' control threads."""
     busy_loan, donor_loan = plan.planned_loan(ModelFacts.from_dir(busy_model),
                                               ModelFacts.from_dir(donor_model))

@@ -157,7 +157,8 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         os.killpg(donor_pid, 9)  # SIGKILL the donor server, scheduler included
         donor.proc.wait(30)
         _check(_replay(borrower, convs[:2], 4, forced=ref_tail), ref_tail)
-        wait_for(lambda: "lost (" in borrower.log_text(), 30, "the borrower to detect the lost donor")
+        wait_for(lambda: "lost (" in borrower.log_text(), 30,
+                 "the borrower to detect the lost donor")
         # and again, with the donor tier gone
         _check(_replay(borrower, convs[:2], 4, forced=ref_tail), ref_tail)
         assert borrower.proc.poll() is None, borrower.log_tail()
