@@ -19,10 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# every server: the cache report (cached_tokens per request), fp32 (the models' dtype), no idle
-# spinning (two schedulers on two shared cores), /metrics for the capacity sampler
-COMMON_ARGS = ("--enable-cache-report", "--dtype", "float32", "--sleep-on-idle",
-               "--enable-metrics")
+# every server: the cache report (cached_tokens per request), fp32 (the models' dtype), /metrics
+# for the capacity sampler (no idle spinning on the CPU engine: LocalServer's CPU_ARGS)
+COMMON_ARGS = ("--enable-cache-report", "--dtype", "float32", "--enable-metrics")
 # a loaded 2-core machine can starve a control agent's thread for a second or more
 HEARTBEAT_ARGS = ("--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s",
                   "0.3")

@@ -187,7 +187,7 @@ def noise_floor(tables: dict[str, dict], twin: Any | None) -> dict:
     over every burst request is beside it, with the same two ratios: `donor_burst_mean_ratio`
     ((b) / (a)) and `donor_burst_mean_noise` ((t) / (a))."""
     p99 = {k: t["burst"]["ttft_p99_ms"] for k, t in tables.items()}
-    mean = {k: t["burst"].get("ttft_mean_ms") for k, t in tables.items()}
+    mean = {k: t["burst"]["ttft_mean_ms"] for k, t in tables.items()}
     noise = mean_noise = None
     if twin is not None:
         stats = stream_stats(twin.records.get("burst", []))

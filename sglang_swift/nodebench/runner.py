@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from ..layer_stream.hooks import FORWARD_TRACE_ENV
-from ..loadgen.client import RequestRecord, flush_when_idle
+from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
 from ..tools.local_server import LocalServer, start_all
 from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
 from .plan import ModelFacts, NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
-from .traffic import (BusyReplay, Marks, Traffic, burst, round_order, session, steady,
-                      warm_up_donor)
+from .traffic import (BusyReplay, Marks, Traffic, burst, flush_donor, round_order, session,
+                      steady, warm_up_donor)
 
 LEASE_TIMEOUT_S = 180.0
 STARTUP_TIMEOUT_S = 600.0  # two servers starting side by side took 85-100 s each at load ~10
@@ -352,8 +352,9 @@ def run_node(plan: NodePlan, busy_model: Path, donor_model: Path, traffic: Traff
     checked against (c)'s sizes (`check_ideal`); then `plan.burst_rounds` rounds of donor
     bursts, the four donors one after another in `round_order`, each flushed after its burst
     and the SwiftCache donor lending again before the next one (`_burst_rounds`); then each
-    run's reclaim-phase turns; `plan.settle_s` of observation; every server stops. Idle servers sleep (--sleep-on-idle): a run's steady phase
-    has the machine to itself but for the idle servers' control threads."""
+    run's reclaim-phase turns; `plan.settle_s` of observation; every server stops. Idle servers
+    sleep (--sleep-on-idle, LocalServer's CPU args): a run's steady phase has the machine to
+    itself but for the idle servers' control threads."""
     busy_loan, donor_loan = plan.planned_loan(ModelFacts.from_dir(busy_model),
                                               ModelFacts.from_dir(donor_model))
     specs = (stock_run(plan), swiftcache_run(plan), ideal_run(plan, busy_loan, donor_loan))
@@ -442,7 +443,7 @@ def _burst_rounds(nodes: dict[str, Any], b: Node, lent: float, reclaims: float,
                             k: round(1e3 * (after[k] - before[k]), 1) for k in after}})
                     if r + 1 == plan.burst_rounds:
                         continue
-                    await flush_when_idle(http, node.donor.base_url, timeout_s=30.0, poll_s=0.2)
+                    await flush_donor(http, node.donor.base_url)
                     if node is b and lent:
                         with b.sampler:
                             ok = await asyncio.to_thread(b.wait_lent, lent, reclaims + r + 1)

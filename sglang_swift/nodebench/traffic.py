@@ -219,9 +219,14 @@ def round_order(keys: list[str], round_no: int) -> list[str]:
     return keys[k:] + keys[:k]
 
 
+async def flush_donor(http, url: str) -> None:
+    """A donor's cache flushed once it is idle (its last decode may still be finishing), so its
+    next burst is computed again and a SwiftCache donor has room to lend."""
+    await flush_when_idle(http, url, timeout_s=30.0, poll_s=0.2)
+
+
 async def flush_donors(urls: list[str]) -> None:
-    """Between rounds: every donor's cache flushed once it is idle (its last decode may still be
-    finishing), so the next burst is computed again and a SwiftCache donor has room to lend."""
+    """Every donor flushed (`flush_donor`), one after another."""
     async with session() as http:
         for url in urls:
-            await flush_when_idle(http, url, timeout_s=30.0, poll_s=0.2)
+            await flush_donor(http, url)

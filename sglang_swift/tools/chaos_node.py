@@ -27,8 +27,7 @@ from ..control.auth import read_secret
 from .ctl import query
 from .local_server import LocalServer
 
-SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32", "--sleep-on-idle",
-               "--enable-metrics"]
+SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32", "--enable-metrics"]
 
 
 def read_metrics(server: LocalServer, prefix: str = "swiftcache_") -> dict[str, float]:

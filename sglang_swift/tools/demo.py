@@ -81,8 +81,8 @@ def format_table(label: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# --sleep-on-idle: an idle scheduler must not spin on a 2-core machine shared by two servers
-SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32", "--sleep-on-idle"]
+# (an idle scheduler does not spin on the CPU engine: --sleep-on-idle is in LocalServer's CPU_ARGS)
+SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32"]
 
 
 def replay_on(server: LocalServer, label: str, convs, args) -> dict:

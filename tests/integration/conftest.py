@@ -63,8 +63,8 @@ class StockServers:
     cores, and a reference needs no fresh process, only an empty cache. `get` flushes the cache
     of a server it hands out again (SGLang's /flush_cache resets the radix tree and the pool), so
     each test meets the state of a fresh server. The shared servers sleep when idle
-    (--sleep-on-idle: no scheduler spinning on a core through later tests) and run no SwiftCache
-    agent (stock), so they cannot join another test's node."""
+    (LocalServer's CPU args: no scheduler spinning on a core through later tests) and run no
+    SwiftCache agent (stock), so they cannot join another test's node."""
 
     def __init__(self, log_dir):
         self.log_dir = log_dir
@@ -79,7 +79,7 @@ class StockServers:
                 return server
             server.stop()  # it died: its process group goes before a new one takes its place
         server = LocalServer(model, swiftcache=False, max_total_tokens=pool,
-                             extra_args=[*args, "--sleep-on-idle"],
+                             extra_args=list(args),
                              log_path=self.log_dir / f"stock-{len(self._servers)}.log")
         server.start()
         self._servers[key] = server

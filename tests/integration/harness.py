@@ -42,6 +42,11 @@ def chat(server: LocalServer, messages: list[dict], max_tokens: int = 12,
 TIE_NATS = 2e-3
 
 
+def reply_text(resp: dict) -> str:
+    """The assistant's text in a /v1/chat/completions response."""
+    return resp["choices"][0]["message"]["content"]
+
+
 def _steps(resp: dict) -> list[tuple[str, dict[str, float]]]:
     content = resp["choices"][0]["logprobs"]["content"]
     return [(e["token"], {c["token"]: c["logprob"] for c in e["top_logprobs"]}) for e in content]
@@ -60,7 +65,7 @@ def same_greedy(got: list[dict], want: list[dict], tie_nats: float = TIE_NATS) -
         if [t for t, _ in gs] == [t for t, _ in ws]:
             continue
         k = next((j for j, (a, b) in enumerate(zip(gs, ws)) if a[0] != b[0]), None)
-        text = (g["choices"][0]["message"]["content"], w["choices"][0]["message"]["content"])
+        text = (reply_text(g), reply_text(w))
         assert k is not None, f"request {i}: {len(gs)} tokens against {len(ws)}: {text}"
         (gt, gc), (wt, wc) = gs[k], ws[k]
         near = (gc[gt] - gc.get(wt, float("-inf")) <= tie_nats

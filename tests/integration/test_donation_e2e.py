@@ -25,7 +25,8 @@ import os
 
 import pytest
 
-from integration.harness import LocalServer, chat, metric, same_greedy, wait_for
+from integration.harness import (LocalServer, chat, metric, reply_text, same_greedy,
+                                 wait_for)
 from sglang_swift.tools.demo import ctl, wait_for_lease
 from sglang_swift.tools.tiny_model import ensure_tiny_model
 from sglang_swift.workloads.sharegpt import load_conversations
@@ -61,12 +62,8 @@ def _replay(server, convs, turns, forced: list[dict] | None = None) -> list[dict
             resp = chat(server, msgs, MAX_TOKENS, top_logprobs=TOP_LOGPROBS)
             source = forced[len(responses)] if forced is not None else resp
             responses.append(resp)
-            msgs.append({"role": "assistant", "content": _text(source)})
+            msgs.append({"role": "assistant", "content": reply_text(source)})
     return responses
-
-
-def _text(resp: dict) -> str:
-    return resp["choices"][0]["message"]["content"]
 
 
 def _cached(responses: list[dict]) -> int:
@@ -131,8 +128,10 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
         cap = _capacity(rendezvous, "tiny-llama")
         assert cap["kv_pool_tokens"] == DONOR_POOL and cap["usable_tokens"] == DONOR_POOL - lent
         # an idle scheduler (--sleep-on-idle) takes its lease in within a second
-        wait_for(lambda: _capacity(rendezvous, "small-llama").get("borrowed_tokens"), 30,
-                 "the borrower to report the pages it borrowed")
+        def borrowed():
+            return _capacity(rendezvous, "small-llama").get("borrowed_tokens")
+
+        wait_for(borrowed, 30, "the borrower to report the pages it borrowed")
         got = _replay(borrower, convs, 3, forced=ref)
         _check(got, ref)
         assert _cached(got) > _cached(ref), (_cached(got), _cached(ref))
@@ -151,8 +150,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
 
         # After its cooldown the idle donor lends again and the borrower takes the new lease:
         # the donor dies while lending.
-        wait_for(lambda: _capacity(rendezvous, "small-llama").get("borrowed_tokens"), 30,
-                 "the donor to lend again after its relend cooldown")
+        wait_for(borrowed, 30, "the donor to lend again after its relend cooldown")
         donor_pid = donor.proc.pid
         os.killpg(donor_pid, 9)  # SIGKILL the donor server, scheduler included
         donor.proc.wait(30)

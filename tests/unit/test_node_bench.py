@@ -585,7 +585,7 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
                                wait_lent=wait_lent, sampler=Sampler(), diagnose=False,
                                plan=plan.NodePlan(burst_rounds=3))
 
-    async def flush(http, url, timeout_s, poll_s):
+    async def flush(http, url):
         log.append(("flush", url))
 
     @contextlib.asynccontextmanager
@@ -599,7 +599,7 @@ def test_burst_rounds_flush_wait_for_the_loan_and_keep_the_sampler_off_the_burst
         log.append("read")
         return {runner.OWN_WAIT: next(waited)}
 
-    monkeypatch.setattr(runner, "flush_when_idle", flush)
+    monkeypatch.setattr(runner, "flush_donor", flush)
     monkeypatch.setattr(runner, "session", session)
     monkeypatch.setattr(runner, "scrape", scrape)
     nodes = {k: node(k, k == "b") for k in "abc"}
