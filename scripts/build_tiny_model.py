@@ -1,12 +1,15 @@
-"""Build a small local Llama used by the demo, tests and benchmarks (see sglang_swift/tools/tiny_model.py)."""
+"""Build a small local Llama used by the demo, tests and benchmarks (see benchmarks/tools/tiny_model.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from sglang_swift.tools.tiny_model import MODEL_SHAPES, STAMP, ensure_tiny_model, model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tools.tiny_model import MODEL_SHAPES, STAMP, ensure_tiny_model, model_dir  # noqa: E402
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ and one torch thread each, as bench_node starts them), side by side, and measure
   answer's token ids (the workload, not a result: no timing or cache figure of it is kept);
 then, with the servers stopped, the donor-tier copy bandwidth of `PoolTransferEngine` between the
 two models' pool geometries (scripts/bench_transfer.py's pool-lease path).
-Writes one JSON (sglang_swift/simulator/cpu_calibration.py reads it). About 2-3 minutes here,
+Writes one JSON (benchmarks/simulator/cpu_calibration.py reads it). About 2-3 minutes here,
 most of it server start-up.
 """
 
@@ -33,12 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from sglang_swift.loadgen.client import RequestRecord, chat  # noqa: E402
-from sglang_swift.nodebench.plan import COMMON_ARGS, ModelFacts, NodePlan  # noqa: E402
-from sglang_swift.nodebench.traffic import build_traffic  # noqa: E402
-from sglang_swift.simulator.cpu_calibration import SCHEMA, fit_decode, fit_prefill  # noqa: E402
-from sglang_swift.tools.local_server import LocalServer, start_all  # noqa: E402
-from sglang_swift.tools.tiny_model import ensure_tiny_model  # noqa: E402
+from benchmarks.loadgen.client import RequestRecord, chat  # noqa: E402
+from benchmarks.nodebench.plan import COMMON_ARGS, ModelFacts, NodePlan  # noqa: E402
+from benchmarks.nodebench.traffic import build_traffic  # noqa: E402
+from benchmarks.simulator.cpu_calibration import SCHEMA, fit_decode, fit_prefill  # noqa: E402
+from benchmarks.tools.local_server import LocalServer, start_all  # noqa: E402
+from benchmarks.tools.tiny_model import ensure_tiny_model  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point number group problem fact river stone light paper music garden "

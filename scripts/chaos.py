@@ -1,4 +1,4 @@
-"""Chaos run against live SwiftCache servers; see sglang_swift/tools/chaos.py and docs/chaos.md.
+"""Chaos run against live SwiftCache servers; see benchmarks/tools/chaos.py and docs/chaos.md.
 
     python scripts/chaos.py --quick          # one fault cycle (about 5 minutes on 2 cores)
     python scripts/chaos.py --cycles 10      # a longer soak
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_swift.tools.chaos import main  # noqa: E402
+from benchmarks.tools.chaos import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -35,6 +35,9 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import sglang_swift.cpu_compat.site_hook as _swift_site; _swift_site.activate()" \
     > "$SITE/swiftcache_cpu_compat.pth"
+# Development checkout: the measuring apparatus (benchmarks/) and tests/ import from the repository
+# root; they are not part of the installed package.
+echo "$ROOT" > "$SITE/swiftcache_dev.pth"
 "$VENV/bin/python" -c 'import torch, sglang, transformers, zmq, msgspec' \
     || { echo "setup: dependency install failed (see pip output above)" >&2; exit 1; }
 

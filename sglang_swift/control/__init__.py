@@ -11,7 +11,7 @@ Map of the package:
   borrower.py  borrowing: held leases, read deadlines, reclaim acknowledgements
   link.py      ZMQ sockets; discovery.py rendezvous records; auth.py the node secret
   control_config.py  ControlConfig; events.py what the owner receives
-(A standalone agent process for tests and benchmarks lives in `sglang_swift.testing`.)
+(A standalone agent process for tests and benchmarks lives in `benchmarks.peers`.)
 
 Invariants: a donor hands a reclaimed block back to its owner only after the borrower
 acknowledged (or released) it, or was declared dead; a peer is declared dead only when its

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from .swift_config import SwiftConfig
+from ..config import SwiftConfig
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..layer_stream.hooks import HOOK_TARGETS as LAYER_STREAM_TARGETS
-from .swift_config import CONFIG_ENV, SwiftConfig, cli_options
+from ..config import CONFIG_ENV, SwiftConfig, cli_options
 
 logger = logging.getLogger(__name__)
 

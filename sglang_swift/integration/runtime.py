@@ -29,10 +29,10 @@ from typing import Any
 from ..control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseLost,
                        PeerChanged, ReclaimRequested, RequestFailed)
 from ..dataplane import pool_geometry
-from .borrowing import Borrowing
+from ..dataplane.borrowing import Borrowing
 from .lending import PoolLender, own_demand_tokens
 from .shared_kv_pool import shared_region_of
-from .swift_config import SwiftConfig
+from ..config import SwiftConfig
 from .thread_span import ThreadSpan
 
 logger = logging.getLogger(__name__)

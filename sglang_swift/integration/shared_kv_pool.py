@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..dataplane.pool_layout import KVGeometry, PoolLayout, dtype_name
 from ..dataplane.pool_lease import why_layout_unshareable
-from .swift_config import CONFIG_ENV, SwiftConfig
+from ..config import CONFIG_ENV, SwiftConfig
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ _forward_trace: str | None = None  # set at registration from FORWARD_TRACE_ENV
 
 def stream_config() -> Any:
     """This server's SwiftConfig if it streams layers, else None."""
-    from ..integration.swift_config import CONFIG_ENV, SwiftConfig
+    from ..config import CONFIG_ENV, SwiftConfig
 
     text = os.environ.get(CONFIG_ENV)
     if not text:

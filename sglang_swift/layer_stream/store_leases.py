@@ -1,7 +1,7 @@
 """`StoreLeases`: the borrower side of a server streaming from donors (`--swiftcache-layer-stream
 donor`): leases of donor pool pages for its streamed pool's store, not for its radix tree.
 
-It is `integration.borrowing.Borrowing` (asking for leases up to a limit, backing off after a
+It is `dataplane.borrowing.Borrowing` (asking for leases up to a limit, backing off after a
 refusal, mapping each donor's pool once, unlinking a dead donor's shared memory) with the lease
 events going to a `DonorLayerStore` instead of the tree's donor tier, which this mode does not
 have:
@@ -26,7 +26,7 @@ from typing import Any
 
 from ..control import LeaseGranted, LeaseLost, ReclaimRequested
 from ..dataplane import LeasePacking, MappingError, owner_alive
-from ..integration.borrowing import Borrowing
+from ..dataplane.borrowing import Borrowing
 from .donor_store import DonorLayerStore
 
 logger = logging.getLogger(__name__)

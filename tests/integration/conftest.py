@@ -7,9 +7,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from sglang_swift.loadgen.client import flush_when_idle
-from sglang_swift.testing.peer_process import SimGroup
-from sglang_swift.tools.local_server import LocalServer
+from benchmarks.loadgen.client import flush_when_idle
+from benchmarks.peers.peer_process import SimGroup
+from benchmarks.tools.local_server import LocalServer
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sglang_swift.tools.local_server import LocalServer, ServerStartError, free_port  # noqa: F401
+from benchmarks.tools.local_server import LocalServer, ServerStartError, free_port  # noqa: F401
 
 
 
 def tiny_model_dir() -> Path:
     """Build (once) and return the tiny Llama used by every integration test and the demo."""
-    from sglang_swift.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
+    from benchmarks.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
 
     return ensure_tiny_model(DEFAULT_DIR, seed=0)
 

@@ -1,4 +1,4 @@
-"""A short chaos run against live servers (sglang_swift/tools/chaos.py; docs/chaos.md).
+"""A short chaos run against live servers (benchmarks/tools/chaos.py; docs/chaos.md).
 
 Real SGLang CPU servers: a busy borrower (small model, 384-token pool), one donor (tiny model)
 and stock SGLang on the borrower's model and pool as the reference. One fault cycle: the donor
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_swift.tools.chaos import ChaosOptions, run_chaos
+from benchmarks.tools.chaos import ChaosOptions, run_chaos
 
 pytestmark = pytest.mark.integration
 

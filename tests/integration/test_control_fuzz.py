@@ -17,7 +17,7 @@ import zmq
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import read_secret
 from sglang_swift.control.discovery import read_records
-from sglang_swift.testing.peer_process import SimGroup
+from benchmarks.peers.peer_process import SimGroup
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_swift.testing.peer_process import SimGroup
+from benchmarks.peers.peer_process import SimGroup
 
 pytestmark = pytest.mark.integration
 

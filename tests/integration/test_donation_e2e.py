@@ -27,9 +27,9 @@ import pytest
 
 from integration.harness import (LocalServer, chat, metric, reply_text, same_greedy,
                                  wait_for)
-from sglang_swift.tools.demo import ctl, wait_for_lease
-from sglang_swift.tools.tiny_model import ensure_tiny_model
-from sglang_swift.workloads.sharegpt import load_conversations
+from benchmarks.tools.demo import ctl, wait_for_lease
+from benchmarks.tools.tiny_model import ensure_tiny_model
+from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
 SMALL_POOL = 450  # tokens: five conversations' histories do not fit, so the tree must evict

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from integration.harness import LocalServer
-from sglang_swift.loadgen import frontend
-from sglang_swift.workloads.frontend_programs import agent_programs
-from sglang_swift.workloads.specs import AgentWorkload
+from benchmarks.loadgen import frontend
+from benchmarks.workloads.frontend_programs import agent_programs
+from benchmarks.workloads.specs import AgentWorkload
 
 pytestmark = pytest.mark.integration
 AGENT = AgentWorkload(output_min=8, output_max=8, tool_latency_mean_s=0.0, shared_system_prompt=False, seed=0,

@@ -30,8 +30,8 @@ from integration.harness import LocalServer, metric, wait_for
 from integration.test_donation_e2e import _donor_burst, _pids_in
 from integration.test_layer_stream_e2e import COMMON, DEPTH, LOCAL_POOL, NEW_TOKENS, \
     STREAMED_POOL, _generate, _prompt
-from sglang_swift.layer_stream.context_servers import donor_reads
-from sglang_swift.tools.tiny_model import ensure_tiny_model
+from benchmarks.layer_stream.context_servers import donor_reads
+from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
 RECLAIM_TOKENS = 80

@@ -22,7 +22,7 @@ import urllib.error
 import pytest
 
 from integration.harness import LocalServer
-from sglang_swift.tools.tiny_model import ensure_tiny_model
+from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
 LAYERS, DEPTH = 8, 2

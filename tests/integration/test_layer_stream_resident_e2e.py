@@ -25,7 +25,7 @@ from integration.harness import LocalServer
 from integration.test_layer_stream_e2e import COMMON, DEPTH, LAYERS, LOCAL_POOL, ROW_BYTES, \
     _generate, _prompt
 from sglang_swift.layer_stream.hooks import FORWARD_TRACE_ENV
-from sglang_swift.tools.tiny_model import ensure_tiny_model
+from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
 POOL = 500  # f = 0.5: R = f D N / (L (1 - f) + f D) = 100, on 512-byte rows: 96 resident

@@ -12,7 +12,7 @@ import functools
 import pytest
 
 from integration.harness import LocalServer, chat
-from sglang_swift.workloads.sharegpt import load_conversations
+from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 12

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from integration.harness import LocalServer
-from sglang_swift.loadgen import sglang_tools
+from benchmarks.loadgen import sglang_tools
 
 pytestmark = pytest.mark.integration
 BENCH_MULTITURN = os.environ.get("SGLANG_BENCH_MULTITURN")  # path of SGLang's benchmark/hicache/bench_multiturn.py

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from integration.harness import LocalServer, metric, wait_for
-from sglang_swift.tools.demo import wait_for_lease
+from benchmarks.tools.demo import wait_for_lease
 
 pytestmark = pytest.mark.integration
 SMALL_POOL = 450

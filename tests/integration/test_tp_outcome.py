@@ -20,7 +20,7 @@ import pytest
 
 from integration.harness import LocalServer, ServerStartError, chat
 from integration.test_server_e2e import hf_greedy
-from sglang_swift.workloads.sharegpt import load_conversations
+from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank; without it SGLang refuses

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from integration.harness import LocalServer, chat
-from sglang_swift.workloads.sharegpt import load_conversations
+from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 12

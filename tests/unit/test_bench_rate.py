@@ -9,10 +9,10 @@ import json
 import pytest
 from aiohttp import web
 
-from sglang_swift.loadgen.client import RequestRecord
-from sglang_swift.nodebench import rate_cli, rate_driver, rates
-from sglang_swift.nodebench.plan import NodePlan
-from sglang_swift.workloads.sharegpt import Conversation, Turn
+from benchmarks.loadgen.client import RequestRecord
+from benchmarks.nodebench import rate_cli, rate_driver, rates
+from benchmarks.nodebench.plan import NodePlan
+from benchmarks.workloads.sharegpt import Conversation, Turn
 
 
 def _convs(n, turns=3):
@@ -210,7 +210,7 @@ def test_last_error_line_names_what_stopped_a_server():
 def test_the_sweep_systems_map_to_the_node_benchmark_runs():
     """stock and hicache use stock pools, swiftcache borrows, ideal moves the lendable share
     (512 busy tokens, 2048 donor tokens) into the busy pool for good."""
-    from sglang_swift.nodebench.plan import ModelFacts
+    from benchmarks.nodebench.plan import ModelFacts
     from tests.unit.test_node_bench import SMALL, TINY
 
     node = NodePlan()
@@ -227,7 +227,7 @@ class _FakeServer:
 
     def start(self):
         if self.fail:
-            from sglang_swift.tools.local_server import ServerStartError
+            from benchmarks.tools.local_server import ServerStartError
             raise ServerStartError("server exited with code 1:\nAssertionError: no CUDA")
         self.started = True
 

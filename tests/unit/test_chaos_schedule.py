@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_swift.tools.chaos_plan import (BORROWER, Step, StepRecord, build_plan, consistency,
+from benchmarks.tools.chaos_plan import (BORROWER, Step, StepRecord, build_plan, consistency,
                                            dead_after_s, fault_counts, faults_on_empty_tier,
                                            lost_while_alive, total_requests, validate)
 
@@ -127,7 +127,7 @@ def test_ask_tells_a_failed_donor_load_from_other_http_errors():
     import io
     import urllib.error
 
-    from sglang_swift.tools.chaos_replay import LOAD_FAILED, ask
+    from benchmarks.tools.chaos_replay import LOAD_FAILED, ask
 
     class Server:
         def __init__(self, code, message):
@@ -185,8 +185,8 @@ def test_faults_on_empty_tier_names_faults_that_put_no_data_at_risk():
 def test_replay_orders_groups_round_robin_and_carries_stock_answers():
     """Within a group conversations alternate turn by turn, groups follow one another (histories
     never grow past `turns`), and a request's history holds stock's answers to earlier turns."""
-    from sglang_swift.tools.chaos_replay import Replay
-    from sglang_swift.workloads.sharegpt import Conversation, Turn
+    from benchmarks.tools.chaos_replay import Replay
+    from benchmarks.workloads.sharegpt import Conversation, Turn
 
     convs = [Conversation(str(i), tuple(Turn(f"c{i}t{t}", "") for t in range(3)))
              for i in range(3)]

@@ -9,10 +9,10 @@ import urllib.error
 
 import pytest
 
-from sglang_swift.layer_stream import context_bench as cb
-from sglang_swift.layer_stream import context_resident as cr
-from sglang_swift.layer_stream import context_servers as cs
-from sglang_swift.layer_stream import cost_model
+from benchmarks.layer_stream import context_bench as cb
+from benchmarks.layer_stream import context_resident as cr
+from benchmarks.layer_stream import context_servers as cs
+from benchmarks.layer_stream import cost_model
 
 
 @pytest.mark.parametrize("limit", [9, 10, 57, 300, 511])

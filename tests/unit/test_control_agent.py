@@ -12,7 +12,7 @@ import time
 import pytest
 import zmq
 
-from sglang_swift.tools import ctl
+from sglang_swift import ctl
 from sglang_swift.control import (
     BlocksReturned,
     ControlAgent,

@@ -14,7 +14,7 @@ import time
 from types import SimpleNamespace as NS
 
 from sglang_swift.control import LeaseKey, ReclaimRequested
-from sglang_swift.integration.borrowing import Borrowing, FenceSteps
+from sglang_swift.dataplane.borrowing import Borrowing, FenceSteps
 from sglang_swift.integration.thread_span import ThreadSpan
 
 

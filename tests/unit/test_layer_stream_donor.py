@@ -189,7 +189,7 @@ def test_a_streaming_runtime_borrows_for_its_store_and_gives_pages_back_on_recla
 
     from radix_ext import RadixTree
     from sglang_swift.integration.runtime import SwiftRuntime
-    from sglang_swift.integration.swift_config import SwiftConfig
+    from sglang_swift.config import SwiftConfig
     from sglang.srt.plugins import load_plugins
 
     from tests.unit.test_runtime import DONOR_SHAPE, _pump_until, _runtime
@@ -230,7 +230,7 @@ def test_a_streaming_runtime_borrows_for_its_store_and_gives_pages_back_on_recla
 def test_bench_context_sizes_the_donor_for_the_store_and_reads_either_pool_line():
     """bench_context's donor lends the whole store (7/16 of its pool lendable at watermark 0.5)
     and the streamed server's pool line is read for both tiers, naming where layers live."""
-    from sglang_swift.layer_stream import context_bench as cb
+    from benchmarks.layer_stream import context_bench as cb
 
     setup = cb.Setup(pool=128, layers=8, depth=2, out_tokens=8, chunk=256, decode_steps=16,
                      repeats=3, backing="donor")
@@ -275,7 +275,7 @@ def test_a_dead_donors_leases_all_leave_the_store_before_its_pool_is_unmapped(do
 
     from sglang_swift.control import LeaseGranted, LeaseKey, LeaseLost
     from sglang_swift.control.protocol import MemoryDescriptor
-    from sglang_swift.integration import borrowing
+    from sglang_swift.dataplane import borrowing
     from sglang_swift.layer_stream import store_leases
     from sglang_swift.layer_stream.slots import SlotSet
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig
+from sglang_swift.config import CONFIG_ENV, SwiftConfig
 from sglang_swift.layer_stream import hooks
 
 STREAMING = SwiftConfig(enabled=True, layer_stream="host", layer_stream_host_gb=1.0)

@@ -11,10 +11,10 @@ import os
 import pytest
 from aiohttp import web
 
-from sglang_swift.loadgen import frontend, runner, stats
-from sglang_swift.workloads.frontend_programs import agent_programs
-from sglang_swift.workloads.specs import AgentWorkload, ChatWorkload
-from sglang_swift.workloads.text_sessions import agent_sessions, chat_sessions
+from benchmarks.loadgen import frontend, runner, stats
+from benchmarks.workloads.frontend_programs import agent_programs
+from benchmarks.workloads.specs import AgentWorkload, ChatWorkload
+from benchmarks.workloads.text_sessions import agent_sessions, chat_sessions
 
 
 def test_summary_percentiles_and_per_turn_hit_rate():
@@ -117,7 +117,7 @@ def test_chat_client_reads_usage_and_sends_history():
 
 
 def test_cli_runs_two_servers_and_writes_json_and_plots(tmp_path):
-    from sglang_swift.loadgen import cli
+    from benchmarks.loadgen import cli
 
     async def go(url):
         a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",
@@ -181,7 +181,7 @@ def test_frontend_summary_counts_errors_and_latency_percentiles():
 def test_cli_agent_frontend_reports_program_latency_and_identical_outputs(tmp_path):
     """--workload agent-frontend runs the programs against both servers, prints latency ratios and
     whether the greedy outputs matched, and plots P99 program latency against rate."""
-    from sglang_swift.loadgen import cli
+    from benchmarks.loadgen import cli
 
     async def go(url):
         a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_swift.tools import local_server
-from sglang_swift.tools.local_server import LocalServer, ServerStartError
+from benchmarks.tools import local_server
+from benchmarks.tools.local_server import LocalServer, ServerStartError
 
 
 def _server(tmp_path, port=None) -> LocalServer:

@@ -12,9 +12,9 @@ import time
 import pytest
 from aiohttp import web
 
-from sglang_swift.loadgen.client import RequestRecord
-from sglang_swift.nodebench import cli, observe, plan, report, runner, traffic
-from sglang_swift.workloads.sharegpt import Conversation, Turn
+from benchmarks.loadgen.client import RequestRecord
+from benchmarks.nodebench import cli, observe, plan, report, runner, traffic
+from benchmarks.workloads.sharegpt import Conversation, Turn
 
 
 @contextlib.contextmanager
@@ -421,7 +421,7 @@ def test_cli_quick_and_overrides():
 
 
 def test_burst_rounds_in_trace_are_the_trailing_prefills_that_add_up_round_by_round():
-    from sglang_swift.nodebench.report import burst_rounds_in_trace, burst_split
+    from benchmarks.nodebench.report import burst_rounds_in_trace, burst_split
 
     def ext(n, wall=10.0):
         return {"mode": "EXTEND", "new_tokens": n, "wall_ms": wall, "cpu_ms": wall - 1}
@@ -468,7 +468,7 @@ def test_sampler_can_watch_again_after_it_stopped():
 
 
 def test_warm_up_donor_runs_the_bursts_shape_then_flushes_once_the_server_is_idle():
-    from sglang_swift.nodebench.traffic import Traffic, warm_up_donor
+    from benchmarks.nodebench.traffic import Traffic, warm_up_donor
 
     seen = []
 
@@ -494,7 +494,7 @@ def test_warm_up_donor_runs_the_bursts_shape_then_flushes_once_the_server_is_idl
 def test_burst_noise_rounds_visit_every_server_in_rotated_order_and_flush_between(monkeypatch):
     """scripts/burst_noise.py's rounds: each round one burst per server, in round_order, every
     server flushed after the round; the TTFT recorded is the burst's slowest request's."""
-    from sglang_swift.nodebench import burst_noise
+    from benchmarks.nodebench import burst_noise
 
     calls: list[str] = []
 

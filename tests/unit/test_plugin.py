@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from sglang_swift.integration import plugin
-from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig, cli_options
+from sglang_swift.config import CONFIG_ENV, SwiftConfig, cli_options
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from radix_ext import DONOR, RadixTree
 from sglang_swift.dataplane import make_layer_counter
 from sglang_swift.integration.copies import start_copy
 from sglang_swift.integration.runtime import SwiftRuntime
-from sglang_swift.integration.swift_config import CONFIG_ENV, SwiftConfig
+from sglang_swift.config import CONFIG_ENV, SwiftConfig
 from unit.copy_helpers import hold_in_layer
 
 SLOTS = 64

@@ -3,8 +3,8 @@
 import json
 from dataclasses import replace
 
-from sglang_swift.simulator import cli
-from sglang_swift.simulator.scenario import PAPER
+from benchmarks.simulator import cli
+from benchmarks.simulator.scenario import PAPER
 
 
 def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_path, monkeypatch, capsys):

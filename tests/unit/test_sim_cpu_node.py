@@ -6,9 +6,9 @@ import copy
 
 import pytest
 
-from sglang_swift.simulator import cpu_calibration as cc
-from sglang_swift.simulator import validate as val
-from sglang_swift.simulator.cpu_node import simulate_node, steady_order
+from benchmarks.simulator import cpu_calibration as cc
+from benchmarks.simulator import validate as val
+from benchmarks.simulator.cpu_node import simulate_node, steady_order
 
 PREFILL = {"a_s": 0.05, "b_s_per_token": 0.001, "c_s_per_token_ctx": 2e-6}
 DECODE = {"d0_s": 0.01, "d1_s_per_token": 1e-5}
@@ -137,7 +137,7 @@ def test_validate_reports_relative_errors_per_run_and_overall(tmp_path, capsys):
     0.5 and 0.2 in every run."""
     import json
 
-    from sglang_swift.simulator import cli
+    from benchmarks.simulator import cli
 
     cal, plan = _calibration()
     live = _live_from(simulate_node(cal, plan), plan, cached_scale=2.0, ttft_scale=1.25)
@@ -160,7 +160,7 @@ def test_long_context_cli_prints_the_stepwise_figures(capsys, tmp_path):
     slower than resident)."""
     import json
 
-    from sglang_swift.simulator import cli
+    from benchmarks.simulator import cli
 
     assert cli.main(["--long-context", "--out", str(tmp_path)]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

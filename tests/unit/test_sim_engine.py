@@ -2,10 +2,10 @@
 
 import pytest
 
-from sglang_swift.simulator.clock import EventLoop
-from sglang_swift.simulator.links import Network
-from sglang_swift.simulator.params import MODELS, gpu, kv_pool_bytes, reserved_mem_bytes, assumptions_table
-from sglang_swift.simulator.roofline import Roofline
+from benchmarks.simulator.clock import EventLoop
+from benchmarks.simulator.links import Network
+from benchmarks.simulator.params import MODELS, gpu, kv_pool_bytes, reserved_mem_bytes, assumptions_table
+from benchmarks.simulator.roofline import Roofline
 
 
 def test_events_run_in_time_order_and_fifo_on_ties():

@@ -3,12 +3,12 @@
 import pytest
 from dataclasses import replace
 
-from sglang_swift.simulator import experiments as ex
-from sglang_swift.simulator import goodput as gp
-from sglang_swift.simulator import params
-from sglang_swift.simulator.roofline import Roofline
-from sglang_swift.simulator.scenario import PAPER, master_memory_bytes, run_point
-from sglang_swift.workloads.token_traces import TokenSession, TokenTurn
+from benchmarks.simulator import experiments as ex
+from benchmarks.simulator import goodput as gp
+from benchmarks.simulator import params
+from benchmarks.simulator.roofline import Roofline
+from benchmarks.simulator.scenario import PAPER, master_memory_bytes, run_point
+from benchmarks.workloads.token_traces import TokenSession, TokenTurn
 
 
 def _capacity(cap: float):

@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_swift.simulator import long_context as lc
-from sglang_swift.simulator import params
-from sglang_swift.simulator.layer_stream import StreamedRequest, StreamSetup, run_request
-from sglang_swift.simulator.roofline import Roofline
+from benchmarks.simulator import long_context as lc
+from benchmarks.simulator import params
+from benchmarks.simulator.layer_stream import StreamedRequest, StreamSetup, run_request
+from benchmarks.simulator.roofline import Roofline
 
 HUGE = 1e30  # bytes/s: a link that moves anything in no time
 

@@ -7,9 +7,9 @@ from array import array
 import pytest
 
 from radix_ext import RadixTree, TreeConfig
-from sglang_swift.simulator.cpu_calibration import compute_for
-from sglang_swift.simulator.cpu_node import _node, _server
-from sglang_swift.simulator.server import SimRequest
+from benchmarks.simulator.cpu_calibration import compute_for
+from benchmarks.simulator.cpu_node import _node, _server
+from benchmarks.simulator.server import SimRequest
 
 from unit.test_sim_cpu_node import _calibration
 

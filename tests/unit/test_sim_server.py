@@ -5,11 +5,11 @@ from array import array
 import pytest
 
 import radix_ext
-from sglang_swift.simulator.cache_adapter import TreeCache
-from sglang_swift.simulator.node import Node
-from sglang_swift.simulator.params import MODELS, gpu
-from sglang_swift.simulator.roofline import Roofline
-from sglang_swift.simulator.server import ModelServer, SimRequest
+from benchmarks.simulator.cache_adapter import TreeCache
+from benchmarks.simulator.node import Node
+from benchmarks.simulator.params import MODELS, gpu
+from benchmarks.simulator.roofline import Roofline
+from benchmarks.simulator.server import ModelServer, SimRequest
 
 P = 64
 H20 = gpu("H20")
@@ -134,7 +134,7 @@ def test_donor_steps_slow_down_while_its_hbm_serves_a_copy():
 def test_the_simulator_really_drives_radix_ext(monkeypatch):
     from dataclasses import replace
 
-    from sglang_swift.simulator.scenario import PAPER, run_point
+    from benchmarks.simulator.scenario import PAPER, run_point
 
     seen = {"match": 0, "evict": 0, "begin": 0, "revoke": 0}
     orig = {k: getattr(radix_ext.RadixTree, k) for k in ("match", "evict_device", "begin_load_back")}

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_swift.workloads.specs import AgentWorkload, Arrivals, ChatWorkload, tokens_in
-from sglang_swift.workloads.text_sessions import agent_sessions, chat_sessions, start_offsets
-from sglang_swift.workloads.token_traces import CONTEXT_WINDOW, agent_traces, chat_traces, page_ids
+from benchmarks.workloads.specs import AgentWorkload, Arrivals, ChatWorkload, tokens_in
+from benchmarks.workloads.text_sessions import agent_sessions, chat_sessions, start_offsets
+from benchmarks.workloads.token_traces import CONTEXT_WINDOW, agent_traces, chat_traces, page_ids
 
 # the load generator's agent defaults before the workloads were merged
 LOADGEN_AGENT = AgentWorkload(output_min=48, output_max=48, tool_latency_mean_s=0.5, shared_system_prompt=False)
@@ -119,7 +119,7 @@ def test_text_agent_sessions_share_the_system_prompt_only_when_asked():
 def test_frontend_programs_group_the_text_sessions_tool_results_into_parallel_steps():
     """Agent programs carry the text session's system prompt, task and every tool result in order,
     `fanout` per step; each step waits for its slowest call; gen_calls counts plan, notes, decisions."""
-    from sglang_swift.workloads.frontend_programs import agent_programs
+    from benchmarks.workloads.frontend_programs import agent_programs
 
     spec = replace(LOADGEN_AGENT, steps_min=6, steps_max=6, seed=2)
     sess = agent_sessions(spec, 1)[0]

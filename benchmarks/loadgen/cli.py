@@ -82,8 +82,8 @@ def agent_workload(a: argparse.Namespace) -> AgentWorkload:
 
 def _launch_specs():
     """The CPU demo servers: the tiny model with SwiftCache off, then on."""
-    from sglang_swift.tools.local_server import LocalServer
-    from sglang_swift.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
+    from benchmarks.tools.local_server import LocalServer
+    from benchmarks.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model
 
     model = ensure_tiny_model(DEFAULT_DIR, seed=0)
     for label, on in (("swiftcache-off", False), ("swiftcache-on", True)):

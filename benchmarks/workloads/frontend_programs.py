@@ -1,4 +1,4 @@
-"""Agent sessions as the arguments of an SGLang frontend program (sglang_swift/loadgen/frontend.py).
+"""Agent sessions as the arguments of an SGLang frontend program (benchmarks/loadgen/frontend.py).
 
 Rendered from an AgentWorkload through text_sessions.agent_sessions, so the sizes and the seed are
 those of the load generator's text agent sessions: the task is the first turn, and the tool results

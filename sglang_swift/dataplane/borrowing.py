@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..control import LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested
-from ..dataplane import (LeasePacking, MappingError, PoolTransferEngine, map_pool, owner_alive,
-                         unlink_descriptor)
-from ..dataplane.pool_layout import PoolLayout
-from ..dataplane.streams import make_lane
+from . import (LeasePacking, MappingError, PoolTransferEngine, map_pool, owner_alive,
+               unlink_descriptor)
+from .pool_layout import PoolLayout
+from .streams import make_lane
 
 logger = logging.getLogger(__name__)
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0  # back-off between failed lease requests

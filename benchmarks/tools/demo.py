@@ -1,6 +1,6 @@
 """The main job's demo: two different models on one node, one lending idle KV memory to the other.
 
-    python -m sglang_swift.tools.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
+    python -m benchmarks.tools.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
 
 It starts two SGLang servers with --enable-swiftcache (SGLang's CPU engine here): a donor serving
 the `tiny` model (4 layers) that lends idle pages of its own 4096-token KV pool, and a busy
@@ -129,8 +129,8 @@ def run_swiftcache(model: Path, donor_model: Path, convs, args) -> dict:
 
 
 def ctl(rendezvous: str, json_out: bool) -> str:
-    """What `python -m sglang_swift.tools.ctl status` prints for `rendezvous`."""
-    cmd = [sys.executable, "-m", "sglang_swift.tools.ctl", "status", "--rendezvous-dir", rendezvous]
+    """What `python -m sglang_swift.ctl status` prints for `rendezvous`."""
+    cmd = [sys.executable, "-m", "sglang_swift.ctl", "status", "--rendezvous-dir", rendezvous]
     out = subprocess.run(cmd + (["--json"] if json_out else []), capture_output=True, text=True,
                          timeout=60)
     return out.stdout if out.returncode == 0 else f"ctl failed: {out.stderr.strip()}"

@@ -18,7 +18,7 @@ class PeerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "sglang_swift.testing.control_peer",
+            "benchmarks.peers.control_peer",
             "--agent-id",
             agent_id,
             "--rendezvous-dir",

@@ -2,7 +2,7 @@
 
 `P(value, unit, source)` keeps the citation next to the value; `assumptions_table()` renders all of
 them for docs/simulation.md. Workload shapes (rates, think times, tool-result sizes) are stated
-distributions of the scenario, not hardware parameters; they are in sglang_swift/workloads/specs.py
+distributions of the scenario, not hardware parameters; they are in benchmarks/workloads/specs.py
 and, as chosen for the simulated node, in scenario.py.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..integration.swift_config import SwiftConfig
+from sglang_swift.config import SwiftConfig
 from ..workloads import specs as workload_specs
 
 GB = 1e9

@@ -198,7 +198,7 @@ class SwiftConfig:
         """The rendezvous directory; by default the control channel's (what `ctl` reads)."""
         if self.rendezvous_dir:
             return self.rendezvous_dir
-        from ..control.control_config import default_rendezvous_dir
+        from .control.control_config import default_rendezvous_dir
 
         return default_rendezvous_dir()
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..layer_stream.hooks import FORWARD_TRACE_ENV
+from sglang_swift.layer_stream.hooks import FORWARD_TRACE_ENV
 from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
 from ..tools.local_server import LocalServer, start_all

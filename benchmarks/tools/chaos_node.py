@@ -21,10 +21,10 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..control import discovery
-from ..control import protocol as p
-from ..control.auth import read_secret
-from .ctl import query
+from sglang_swift.control import discovery
+from sglang_swift.control import protocol as p
+from sglang_swift.control.auth import read_secret
+from sglang_swift.ctl import query
 from .local_server import LocalServer
 
 SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32", "--enable-metrics"]

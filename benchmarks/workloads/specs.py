@@ -1,8 +1,8 @@
 """Chat and agent traffic, described once for the load generator and the simulator.
 
 A workload holds distributions and a seed. Two renderers turn it into sessions:
-  text_sessions.py  prompts and output budgets, replayed against real servers (sglang_swift/loadgen)
-  token_traces.py   token counts with start times, run by the node simulator (sglang_swift/simulator)
+  text_sessions.py  prompts and output budgets, replayed against real servers (benchmarks/loadgen)
+  token_traces.py   token counts with start times, run by the node simulator (benchmarks/simulator)
 The draws are made here, so both renderers sample the same distributions in the same order; they
 differ only in what they make of a draw (text, or a token count) and in how their sessions start.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field, replace
 
-from sglang_swift.integration.swift_config import SwiftConfig
+from sglang_swift.config import SwiftConfig
 
 from . import params
 from .cache_adapter import TreeCache

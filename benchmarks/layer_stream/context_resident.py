@@ -43,7 +43,7 @@ class ResidentPlan:
            granularity: int = 4096, page_size: int = 1) -> "ResidentPlan":
         """The local memory of a pool of `tokens` (laid out by `StreamSettings.resident_split`,
         as the pool does), in rows."""
-        from .pool import StreamSettings
+        from sglang_swift.layer_stream.pool import StreamSettings
 
         settings = StreamSettings(depth=setup.depth, resident_fraction=fraction)
         resident, mapped = settings.resident_split(tokens, setup.layers, page_size, kv_row_bytes,

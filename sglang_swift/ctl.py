@@ -1,7 +1,7 @@
 """Operator view of the donation control channel, in the spirit of kvcached's ``kvctl``.
 
-    python -m sglang_swift.tools.ctl status [--rendezvous-dir DIR] [--secret-file FILE] [--json]
-    python -m sglang_swift.tools.ctl sweep [--rendezvous-dir DIR]
+    python -m sglang_swift.ctl status [--rendezvous-dir DIR] [--secret-file FILE] [--json]
+    python -m sglang_swift.ctl sweep [--rendezvous-dir DIR]
 
 `status` lists every agent published in the rendezvous directory with its lending state (peers
 it suspects are counted apart), then every lease (donor, borrower, blocks, blocks being
@@ -170,7 +170,7 @@ def sweep(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m sglang_swift.tools.ctl", description=__doc__.split("\n")[0]
+        prog="python -m sglang_swift.ctl", description=__doc__.split("\n")[0]
     )
     sub = ap.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="peers, leases, lent and borrowed blocks")

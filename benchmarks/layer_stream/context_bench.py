@@ -46,7 +46,7 @@ from .context_resident import ResidentPlan, check_resident_pool, short_prompt_le
 from .context_servers import (ContextProbe, donor_reads, flush_cache, generate, longest_served,
                               model_shape, prompt_ids, read_trace, streamed_pool_log,
                               wait_store_on_donor)
-from .hooks import FORWARD_TRACE_ENV
+from sglang_swift.layer_stream.hooks import FORWARD_TRACE_ENV
 
 @dataclass(frozen=True)
 class Setup:

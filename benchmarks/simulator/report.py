@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_swift.loadgen import plots
+from benchmarks.loadgen import plots
 
 from .params import assumptions_table
 

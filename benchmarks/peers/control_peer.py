@@ -1,5 +1,5 @@
 """A standalone agent process for tests, benchmarks and operators trying the channel without
-a model server: ``python -m sglang_swift.testing.control_peer --agent-id a --rendezvous-dir DIR ...``.
+a model server: ``python -m benchmarks.peers.control_peer --agent-id a --rendezvous-dir DIR ...``.
 
 It speaks JSON lines: commands on stdin (``{"op": "request", "n": 4}``), events on stdout
 (``{"ev": "LeaseGranted", "t": <monotonic>, ...}``). A donor lends a real shared-memory arena
@@ -31,7 +31,7 @@ import msgspec
 from sglang_swift.control import events as ev
 from sglang_swift.control.agent import ControlAgent
 from sglang_swift.control.control_config import ControlConfig
-from sglang_swift.testing.peer_borrower import PeerBorrower
+from benchmarks.peers.peer_borrower import PeerBorrower
 
 _out_lock = threading.Lock()
 

@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from ..cpu_compat import cpu_env
-from ..cpu_compat.engine_choice import choose_engine
+from sglang_swift.cpu_compat import cpu_env
+from sglang_swift.cpu_compat.engine_choice import choose_engine
 
 # --sleep-on-idle: an idle SGLang scheduler otherwise polls its sockets without pause, a whole core
 # each; with two or three servers on this 2-core machine, a third one starting beside two idle

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Run a benchmark and keep its result as a record under docs/records/ (the pages render from these).
+
+    python scripts/record_run.py NAME -- python scripts/bench_node.py --quick
+
+The benchmark's last output line must be a JSON object (every benchmark under scripts/ ends so).
+The record holds that object with the command, its start time (UTC), the commit and whether the
+tree had uncommitted changes, the machine, the load average before and after, and the wall time;
+the benchmark's whole output goes beside it as NAME.log. `scripts/render_results.py` turns the
+records into docs/results.md and the README's results table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "docs" / "records"
+
+
+def git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def last_json_line(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            return json.loads(line)
+    raise ValueError("the command printed no JSON object on a line of its own")
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("name", help="record name: docs/records/NAME.json (letters, digits, _ and -)")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    args = ap.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        ap.error("no command given (put it after --)")
+    if not args.name.replace("_", "").replace("-", "").isalnum():
+        ap.error(f"record name {args.name!r}: use letters, digits, _ and - only")
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now(dt.timezone.utc)
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    wall = time.monotonic() - t0
+    (RECORDS / f"{args.name}.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], file=sys.stderr)
+        print(f"record_run: {shlex.join(cmd)} exited {proc.returncode}; no record written",
+              file=sys.stderr)
+        return proc.returncode
+    record = {
+        "name": args.name,
+        "command": shlex.join(cmd),
+        "started_utc": started.strftime("%Y-%m-%d %H:%M"),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": round(wall, 1),
+        "result": last_json_line(proc.stdout),
+    }
+    path = RECORDS / f"{args.name}.json"
+    path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    print(f"record_run: {path.relative_to(ROOT)} ({wall:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
