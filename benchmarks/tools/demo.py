@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({cached[0] / max(1, cached[1]):.2f}x); summed TTFT ratio SwiftCache/stock "
               f"{ttft[0] / ttft[1]:.2f} (CPU, small model at ~5 kFLOP per KV byte: mechanism, not GPU performance)")
         summary.update(identical_outputs=same_text, requests=len(a), cached_tokens=cached,
-                       cached_ratio=round(cached[0] / max(1, cached[1]), 3))
+                       cached_ratio=round(cached[0] / max(1, cached[1]), 3),
+                       ttft_sum_ratio=round(ttft[0] / ttft[1], 3))
     result = {"summary": summary, "runs": [
         {"label": r["label"], "startup_s": r["startup_s"], "per_turn": r["per_turn"],
          "records": [x.to_json() for x in r["records"]]} for r in runs]}

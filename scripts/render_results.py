@@ -1,0 +1,443 @@
+#!/usr/bin/env python3
+"""Render docs/results.md and the README's generated tables from the records in docs/records/.
+
+    python scripts/render_results.py            # rewrite the pages
+    python scripts/render_results.py --check    # exit 1 when a page differs from what it renders
+
+A record is what `scripts/record_run.py NAME -- CMD...` wrote: the command, its start (UTC), the
+commit, the machine, the load average before and after, and the benchmark's last-line JSON object
+(`result`). docs/results.md is docs/results.template.md with each `{{record NAME}}` replaced by
+that record's citation and every key of its result with its meaning (RECORDS below), and each
+`{{headlines}}` by the table of headline figures. In README.md the text between
+`<!-- results:begin -->` and `<!-- results:end -->` is that table, and the text between
+`<!-- options:begin -->` and `<!-- options:end -->` is the options table built from
+`sglang_swift.config.cli_options()`. A record that does not exist renders as "not yet recorded".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_RECORDED = "not yet recorded"
+LONG_VALUE = 160  # characters: a longer value is left in the record, not printed on the page
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One figure of the README's results table: a label and how to read it from a result."""
+
+    label: str
+    read: Callable[[dict], Any]
+    readme: bool = True  # also in the README's one-row summary of its record
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    title: str
+    short: str  # the README's name for it
+    command: str  # how to make the record (run from the repository root)
+    doc: str  # where the method is described
+    keys: dict[str, str]  # result key -> its meaning; dotted keys name nested values
+    headlines: list[Headline] = field(default_factory=list)
+    simulated: bool = False
+
+
+def key(path: str) -> Callable[[dict], Any]:
+    def read(result: dict) -> Any:
+        value: Any = result
+        for part in path.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+        return value
+
+    return read
+
+
+def of(num: str, den: str) -> Callable[[dict], Any]:
+    """`num/den` read from two keys, e.g. identical outputs of all compared."""
+    def read(result: dict) -> Any:
+        a, b = key(num)(result), key(den)(result)
+        return None if a is None or b is None else f"{a}/{b}"
+
+    return read
+
+
+NODE = "python scripts/bench_node.py --quick"
+RECORDS: dict[str, RecordSpec] = {
+    "demo": RecordSpec(
+        "The demo: a donor and a borrower of another model shape, against stock SGLang",
+        "demo (CPU)",
+        "bash scripts/demo.sh", "README.md", {
+            "conversations": "ShareGPT conversations replayed against the borrower",
+            "turns": "turns per conversation asked for (at most; a conversation may have fewer)",
+            "identical_outputs": "requests whose output text from the SwiftCache borrower equals "
+                                 "stock SGLang's (same model, same KV pool)",
+            "requests": "requests compared (every turn of every conversation)",
+            "cached_tokens": "prompt tokens served from cache, summed over all requests: "
+                             "[SwiftCache borrower, stock SGLang]",
+            "cached_ratio": "SwiftCache's cached tokens / stock SGLang's",
+            "ttft_sum_ratio": "summed TTFT of all requests, SwiftCache / stock (CPU engine, "
+                              "small model: shows the mechanism, not GPU performance)",
+        }, [Headline("identical outputs to stock", of("identical_outputs",
+                                                                   "requests")),
+            Headline("cached tokens / stock", key("cached_ratio"))]),
+    "bench_node_quick": RecordSpec(
+        "Node benchmark: stock SGLang (a), SwiftCache (b), capacity-equal ideal (c)",
+        "node benchmark (CPU)",
+        NODE, "docs/node_bench.md", {
+            "identical": "every busy and donor output of (b) and (c) equals (a)'s, request by "
+                         "request, in both phases",
+            "busy_cached_ratio": "busy model's cached tokens in the steady phase, (b) / (a)",
+            "busy_cached_vs_ideal": "busy model's cached tokens in the steady phase, (b) / (c)",
+            "busy_ttft_p99_ratio": "TTFT P99 over the busy model's steady-phase requests, "
+                                   "(b) / (a)",
+            "busy_ttft_p99_vs_ideal": "the same P99, (b) / (c)",
+            "donor_ttft_p99_ratio": "TTFT P99 over all donor requests (light ones and every "
+                                    "round's burst), (b) / (a)",
+            "reclaimed": "in (b) the donor had pages lent when each burst began, and its whole "
+                         "pool was usable again before its next burst",
+            "reclaim_latency_s": "(b)'s donor: mean seconds from a reclaim's demand to its last "
+                                 "page back (its reclaim-latency histogram: sum / count)",
+            "busy_cached_tokens": "busy model's cached tokens in the steady phase, per run",
+            "busy_reclaim_cached_tokens": "busy model's cached tokens in its turns after the "
+                                          "bursts, per run",
+            "busy_reclaim_ttft_p99_ms": "busy model's TTFT P99 in its turns after the bursts, "
+                                        "per run (ms)",
+            "busy_ttft_p99_ms": "busy model's steady-phase TTFT P99, per run (ms)",
+            "donor_ttft_p99_ms": "TTFT P99 over all donor requests, per run (ms)",
+            "outputs_matched": "per run, outputs equal to (a)'s / outputs compared",
+            "donor_burst_p99_ms": "TTFT P99 over the donor's burst requests, per run and for "
+                                  "the twin t (ms)",
+            "donor_ttft_p99_noise": "the twin's burst TTFT P99 / (a)'s: what two identical stock "
+                                    "donors differ by on this machine (null without the twin)",
+            "donor_burst_mean_ms": "mean TTFT over the donor's burst requests, per run and for "
+                                   "the twin t (ms)",
+            "donor_burst_mean_ratio": "mean burst TTFT, (b) / (a)",
+            "donor_burst_mean_noise": "mean burst TTFT, twin / (a)",
+            "donor_own_pages_wait_ms": "(b)'s donor: ms its scheduler waited for its lent pages "
+                                       "to come back, per burst round",
+            "reclaims": "(b)'s donor: reclaims completed in the run",
+            "donor_full_after_burst_s": "(b)'s donor: seconds from a burst's start to the first "
+                                        "sample showing its whole pool usable (slowest sampled "
+                                        "round; samples once a second, so about 1 s slack)",
+            "pools": "KV pool sizes (tokens) of the busy and donor servers, per run",
+            "busy_flops_per_kv_byte": "prefill FLOPs per KV byte of the busy model (how much "
+                                      "compute a cached byte saves)",
+            "donor_flops_per_kv_byte": "the same for the donor model",
+            "loadavg_1min": "per run, the machine's 1-minute load average before and after",
+            "wall_s": "seconds the benchmark ran, start-ups included",
+            "quick": "the --quick plan ran",
+            "date": "the run's date (local)",
+            "device": "what ran it",
+            "donor_burst_split": "--diagnose only: each donor's bursts split into prefill "
+                                 "passes and the time outside them, per round",
+            "burst_cpu_ms": "--diagnose only: mean CPU ms of each server during a run's bursts",
+        }, [Headline("identical to stock", key("identical")),
+            Headline("busy cached tokens / stock", key("busy_cached_ratio")),
+            Headline("busy cached tokens / ideal", key("busy_cached_vs_ideal")),
+            Headline("busy TTFT P99 / stock", key("busy_ttft_p99_ratio"), readme=False),
+            Headline("donor TTFT P99 / stock", key("donor_ttft_p99_ratio")),
+            Headline("twin / stock (noise floor)", key("donor_ttft_p99_noise")),
+            Headline("donor burst mean TTFT / stock", key("donor_burst_mean_ratio"),
+                     readme=False)]),
+    "chaos_quick": RecordSpec(
+        "Chaos run: faults against live servers, every answer checked against stock SGLang",
+        "chaos run (CPU)",
+        "python scripts/chaos.py --quick", "docs/chaos.md", {
+            "requests": "requests sent to the borrower",
+            "answered": "requests the borrower answered",
+            "wrong_tokens": "answers that differ from stock SGLang's answer to the same request",
+            "hangs": "requests with no answer within --request-timeout-s",
+            "errors": "HTTP errors (a 503 for a failed donor load is retried and counted in "
+                      "load_503s instead)",
+            "load_503s": "503 answers for a failed donor load (retried)",
+            "faults": "faults injected and not aborted",
+            "faults_by_kind": "the same, per kind of fault",
+            "aborted_steps": "plan steps that could not run, with why",
+            "faults_on_empty_tier": "faults that met a borrower with nothing in donor memory "
+                                    "(they put no cached token at risk)",
+            "lost_idle_tokens": "donor-tier tokens the borrower lost while every process was "
+                                "alive",
+            "lost_leases_while_alive": "leases the borrower lost in steps that killed no process",
+            "borrower_counters": "the borrower's counters after the last step",
+            "leases_seen": "distinct leases `ctl status` showed the borrower holding",
+            "inconsistent": "counter checks that failed, with why (empty: all held)",
+            "max_answer_s": "the borrower's slowest answer (s)",
+            "stock_max_answer_s": "stock SGLang's slowest answer to the same requests (s): what "
+                                  "the machine's load alone costs",
+            "seconds": "seconds the run took",
+            "load_avg": "load average at the start and at the end",
+            "phases_s": "seconds spent starting servers and answering on stock, and running the "
+                        "plan",
+        }, [Headline("wrong tokens", key("wrong_tokens")),
+            Headline("hangs", key("hangs")),
+            Headline("tokens lost while alive", key("lost_idle_tokens"))]),
+    "bench_context_quick": RecordSpec(
+        "Layer stream cache: longest context at equal local KV memory",
+        "layer stream cache (CPU)",
+        "python scripts/bench_context.py --quick", "docs/layer_stream.md", {
+            "max_context_stock": "longest context (tokens) stock SGLang served with outputs "
+                                 "equal to the reference",
+            "max_context_swiftcache": "the same for the layer-streamed server",
+            "max_context_ratio": "max_context_swiftcache / max_context_stock",
+            "identical": "every probe of both servers returned the reference's tokens",
+            "decode_step_ratio": "decode step, streamed / resident (thread CPU time)",
+            "prefill_token_ratio": "prefill per token, streamed / resident (thread CPU time)",
+            "decode_step_ms_streamed": "median decode forward of the streamed server (CPU ms)",
+            "decode_step_ms_resident": "median decode forward of the resident twin (CPU ms)",
+            "prefill_ms_per_token_streamed": "streamed server's prefill CPU ms per token",
+            "prefill_ms_per_token_resident": "resident twin's prefill CPU ms per token",
+            "copy_ms_per_decode_step": "of the streamed decode step, ms spent on layer copies",
+            "copy_ms_per_prefill_token": "of the streamed prefill, ms per token on layer copies",
+            "local_kv_bytes_stock": "stock server's local KV bytes",
+            "local_kv_bytes_swiftcache": "streamed server's local KV bytes (at most stock's)",
+            "backing": "where the streamed layers live: host memory or a donor's pool",
+            "quick": "the --quick setup ran",
+            "store_pages_on_donor": "--backing donor: store pages placed on the donor",
+            "rows_read_from_donor": "--backing donor: store rows read from donor memory",
+            "donor_pool": "--backing donor: the donor's pool (tokens)",
+            "resident_fraction": "--resident-fraction: share of local memory as resident rows",
+            "resident_tokens": "--resident-fraction: resident slots (tokens)",
+            "short_decode_step_ratio": "--resident-fraction: a request inside the resident "
+                                       "slots, decode step streamed / resident",
+            "short_rows_copied": "--resident-fraction: rows that request copied",
+        }, [Headline("longest context / stock, equal local memory",
+                     key("max_context_ratio")),
+            Headline("identical", key("identical"))]),
+    "bench_overlap_quick": RecordSpec(
+        "Loads under the forward pass: scheduler stall, donor vs local hit vs recompute",
+        "loads under the forward (CPU)",
+        "python scripts/bench_overlap.py --quick", "docs/streaming.md", {
+            "model": "the borrower's model",
+            "flop_per_kv_byte": "its prefill FLOPs per KV byte",
+            "prefix_tokens": "the prefix served as a miss, a local hit and a donor hit",
+            "borrower_pool_tokens": "the borrower's KV pool (tokens)",
+            "loads": "donor loads that completed, over all phases",
+            "itl_donor_phase_loads": "requests with donor loads in the decode-ITL phase",
+            "stall_ms_p50": "scheduler-thread wait on copies per load, P50 (ms)",
+            "stall_ms_p99": "scheduler-thread wait on copies per load, P99 (ms)",
+            "attention_wait_ms_p50": "per load, summed ms attention waited for its layers, P50",
+            "attention_wait_ms_p99": "the same, P99",
+            "ttft_ms": "median TTFT of the prefix as a miss, a local hit and a donor hit (ms)",
+            "donor_vs_local_ttft": "median TTFT, donor hit / local hit",
+            "donor_vs_recompute_ttft": "median TTFT, donor hit / miss (recompute)",
+            "itl_ms_p99": "inter-token latency P99 of a decode while requests arrive, with local "
+                          "hits and with donor hits (ms)",
+            "decode_itl_p99_ratio": "that ITL P99, donor hits / local hits",
+            "counters": "the borrower's swiftcache_* counters at the end",
+            "timeline": "one load's per-layer timeline (ms): copy in place vs attention asks",
+            "wall_s": "seconds the benchmark ran",
+            "workdir": "where its logs went",
+        }, [Headline("scheduler wait per load P99 (ms)", key("stall_ms_p99")),
+            Headline("TTFT donor hit / local hit", key("donor_vs_local_ttft")),
+            Headline("TTFT donor hit / recompute", key("donor_vs_recompute_ttft"))]),
+    "simulate_quick": RecordSpec(
+        "Simulator, paper setup, chat (SIMULATED: a model of a GPU node, not a measurement)",
+        "simulator (**simulated**)",
+        "python scripts/simulate.py --quick", "docs/simulation.md", {
+            "simulated": "every figure of this record is simulated",
+            "scenario": "the simulated node and workload",
+            "slo": "the TTFT SLO and what counts as sustained",
+            "comparisons": "SwiftCache against HiCache as the paper ran it (paper_setup) and "
+                           "against HiCache with SwiftCache's cache memory (equal_fast_memory)",
+            "comparisons.paper_setup.goodput_ratio_vs_hicache":
+                "simulated SwiftCache goodput / HiCache's (highest session rate with P99 TTFT "
+                "within the SLO and a queue that does not grow)",
+            "comparisons.paper_setup.p99_ttft_reduction_at_stable":
+                "simulated 1 - SwiftCache's P99 TTFT / HiCache's, both at the highest rate "
+                "HiCache sustains",
+            "comparisons.equal_fast_memory.goodput_ratio_vs_hicache":
+                "the same goodput ratio against HiCache with equal fast memory (simulated)",
+            "comparisons.equal_fast_memory.p99_ttft_reduction_at_stable":
+                "the same reduction against HiCache with equal fast memory (simulated)",
+            "max_context_ratio": "simulated maximum context of the busy model, SwiftCache / "
+                                 "without donors",
+            "donor_load_share_of_own_goodput": "the donors' own traffic as a share of their "
+                                               "goodput in the headline interference figure",
+            "donor_interference": "simulated worst relative increase of a donor's P99 TTFT or "
+                                  "P99 TPOT when it lends, at that share (0 when none rose)",
+            "donor_interference_by_load_share": "the same, per share",
+            "donor_p99_ttft_change_by_load_share": "simulated largest relative change of a "
+                                                   "donor's P99 TTFT, per share",
+            "donor_p99_tpot_change_by_load_share": "the same for P99 TPOT",
+            "donor_interference_master_rate": "the busy model's session rate while the donors "
+                                              "were measured",
+        }, [Headline("simulated goodput / HiCache",
+                     key("comparisons.paper_setup.goodput_ratio_vs_hicache")),
+            Headline("simulated P99 TTFT reduction vs HiCache at its highest stable rate",
+                     key("comparisons.paper_setup.p99_ttft_reduction_at_stable")),
+            Headline("simulated donor interference",
+                     key("donor_interference"))], simulated=True),
+    "bench_tree_quick": RecordSpec(
+        "radix_ext against SGLang's RadixCache on a ShareGPT trace",
+        "radix tree (CPU)",
+        "python scripts/bench_tree.py --quick", "docs/integration.md", {
+            "ratio": "radix_ext ops/s / SGLang RadixCache ops/s (best of the repeats each)",
+            "sglang_ops_per_s": "SGLang RadixCache: tree operations per second",
+            "radix_ext_ops_per_s": "radix_ext (donor tier on): tree operations per second",
+            "requests": "requests in the trace",
+            "device_capacity": "device slots (tokens) both trees had",
+            "sglang_hits": "SGLang: prompt tokens hit on the device, and reusable tokens missed",
+            "radix_ext_hits": "radix_ext: prompt tokens hit on the device and in donor memory, "
+                              "and reusable tokens missed",
+            "reload_cost": "per donor size (x device), the reload cost of LRU and cost_aware "
+                           "with a stable and a flaky donor (one token's recompute = 1)",
+        }, [Headline("radix_ext ops/s / SGLang's", key("ratio"))]),
+}
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def load_records(records_dir: Path) -> dict[str, dict]:
+    out = {}
+    for name in RECORDS:
+        path = records_dir / f"{name}.json"
+        if path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "absent"
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=False)
+    if len(text) > LONG_VALUE:
+        return f"(in the record, {len(text)} characters)"
+    return text
+
+
+def cite(name: str, rec: dict) -> str:
+    dirty = ", with uncommitted changes" if rec.get("uncommitted_changes") else ""
+    m = rec.get("machine", {})
+    return (f"[`docs/records/{name}.json`](records/{name}.json), {rec['started_utc']} UTC, "
+            f"commit {rec['commit']}{dirty}; `{rec['command']}`; {m.get('cpus')} CPUs; "
+            f"load average {rec['load_average_before'][0]} before, "
+            f"{rec['load_average_after'][0]} after; {rec['wall_s']} s")
+
+
+# ---- docs/results.md ---------------------------------------------------------------------------
+def record_section(name: str, records: dict[str, dict]) -> str:
+    spec = RECORDS[name]
+    lines = [f"**Record `{name}`** (method: `{spec.doc}`; make it with "
+             f"`python scripts/record_run.py {name} -- {spec.command}`)", ""]
+    rec = records.get(name)
+    if rec is None:
+        return "\n".join(lines + [f"*{NOT_RECORDED}.*"])
+    result = rec["result"]
+    lines += [f"From {cite(name, rec)}.", ""]
+    if spec.simulated:
+        lines += ["Every figure below is **simulated**.", ""]
+    lines += ["| key | value | meaning |", "|---|---|---|"]
+    for path, meaning in spec.keys.items():
+        value = key(path)(result)
+        if value is None and "." not in path and path not in result:
+            continue  # an optional key this run did not print
+        lines.append(f"| `{path}` | `{fmt(value)}` | {meaning} |")
+    tops = {p.split(".")[0] for p in spec.keys}
+    for extra in (k for k in result if k not in tops):
+        lines.append(f"| `{extra}` | `{fmt(result[extra])}` | (not described) |")
+    return "\n".join(lines)
+
+
+def headline_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
+    """One row per headline figure (docs/results.md)."""
+    rows = ["| benchmark | figure | value | record | command |", "|---|---|---|---|---|"]
+    for name, spec in RECORDS.items():
+        rec = records.get(name)
+        for h in spec.headlines:
+            if rec is None:
+                rows.append(f"| {spec.short} | {h.label} | {NOT_RECORDED} | `{name}` | "
+                            f"`{spec.command}` |")
+                continue
+            rows.append(f"| {spec.short} | {h.label} | `{fmt(h.read(rec['result']))}` | "
+                        f"[{name}]({link_prefix}{name}.json), {rec['started_utc'][:10]}, "
+                        f"{rec['commit']} | `{rec['command']}` |")
+    return rows
+
+
+def summary_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
+    """One row per record, its headline figures in one cell (the README)."""
+    rows = ["| benchmark | figures | record, date, commit | command |", "|---|---|---|---|"]
+    for name, spec in RECORDS.items():
+        rec = records.get(name)
+        if rec is None:
+            rows.append(f"| {spec.short} | {NOT_RECORDED} | `{name}` | `{spec.command}` |")
+            continue
+        figures = "; ".join(f"{h.label} `{fmt(h.read(rec['result']))}`"
+                            for h in spec.headlines if h.readme)
+        rows.append(f"| {spec.short} | {figures} | [{name}]({link_prefix}{name}.json), "
+                    f"{rec['started_utc'][:10]}, {rec['commit']} | `{rec['command']}` |")
+    return rows
+
+
+def render_results_md(template: str, records: dict[str, dict]) -> str:
+    text = template.replace("{{headlines}}", "\n".join(headline_rows(records, "records/")))
+    for name in RECORDS:
+        text = text.replace("{{record " + name + "}}", record_section(name, records))
+    unknown = [line for line in text.splitlines() if "{{" in line]
+    if unknown:
+        raise ValueError(f"docs/results.template.md: unknown placeholder in {unknown[0]!r}")
+    return text
+
+
+# ---- README.md ---------------------------------------------------------------------------------
+def options_table() -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from sglang_swift.config import cli_options
+
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for flag, f in cli_options():
+        meaning = f.metadata["help"].replace("<", "&lt;").replace(">", "&gt;")
+        rows.append(f"| `{flag}` | `{f.default!r}` | {meaning} |")
+    return rows
+
+
+def replace_between(text: str, name: str, body: list[str]) -> str:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"README.md needs one {begin} ... {end} pair")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return head + begin + "\n" + "\n".join(body) + "\n" + end + tail
+
+
+def render_readme(readme: str, records: dict[str, dict]) -> str:
+    readme = replace_between(readme, "results", summary_rows(records, "docs/records/"))
+    return replace_between(readme, "options", options_table())
+
+
+# ---- main --------------------------------------------------------------------------------------
+def render(root: Path) -> dict[Path, str]:
+    """Every generated page under `root`, as it should read."""
+    records = load_records(root / "docs" / "records")
+    template = (root / "docs" / "results.template.md").read_text()
+    return {root / "docs" / "results.md": render_results_md(template, records),
+            root / "README.md": render_readme((root / "README.md").read_text(), records)}
+
+
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 when a page differs from what the records render")
+    args = ap.parse_args(argv)
+    pages = render(root)
+    stale = [p for p, text in pages.items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"{p.relative_to(root)} is out of date with docs/records/; "
+                  f"run: python scripts/render_results.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(pages[p])
+        print(f"wrote {p.relative_to(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
