@@ -257,8 +257,9 @@ RECORDS: dict[str, RecordSpec] = {
                 "the same goodput ratio against HiCache with equal fast memory (simulated)",
             "comparisons.equal_fast_memory.p99_ttft_reduction_at_stable":
                 "the same reduction against HiCache with equal fast memory (simulated)",
-            "max_context_ratio": "simulated maximum context of the busy model, SwiftCache / "
-                                 "without donors",
+            "max_context_ratio": "simulated maximum context of the busy model (Qwen3-32B), "
+                                 "layer streaming from donor and host memory / stock SGLang "
+                                 "(stepwise streaming model, scenario lend fraction)",
             "donor_load_share_of_own_goodput": "the donors' own traffic as a share of their "
                                                "goodput in the headline interference figure",
             "donor_interference": "simulated worst relative increase of a donor's P99 TTFT or "
