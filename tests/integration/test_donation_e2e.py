@@ -35,8 +35,8 @@ pytestmark = pytest.mark.integration
 SMALL_POOL = 450  # tokens: five conversations' histories do not fit, so the tree must evict
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
-# stock SGLang's own answer moved once in the eighth session's runs of this test (a fresh stock
-# server replaying the same turns answered what the borrower had)
+# stock SGLang's own greedy answer can flip at a near-tie between its runs on CPU (a fresh stock
+# server replaying the same turns has answered what the borrower had)
 MAX_TIES = 1
 
 

@@ -1,5 +1,5 @@
 """Smoke test of scripts/bench_tree.py (a benchmark prints numbers; this only checks it still runs
-end to end and ends with its JSON summary line). Invariant: every figure the issue asks for is
+end to end and ends with its JSON summary line). Invariant: every figure it documents is
 present: ops/s of both trees, their ratio, hit tokens per tier, reload cost per policy."""
 
 from __future__ import annotations
