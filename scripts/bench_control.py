@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 
+from sglang_swift.common.private_resources import sweep_shm
 from sglang_swift.control import (
     BlocksReturned,
     ControlAgent,
@@ -34,7 +35,7 @@ from sglang_swift.control import (
     LeaseGranted,
     RequestFailed,
 )
-from benchmarks.peers.control_peer import ShmArena
+from sglang_swift.dataplane import SharedArena
 
 SIM = [sys.executable, "-m", "benchmarks.peers.control_peer"]
 
@@ -149,18 +150,9 @@ def bench_msgs(rdv: str, seconds: float, window: int = 32) -> float:
 
 
 def bench_reclaims(rdv: str, n: int) -> list[float]:
-    arena = ShmArena(f"swc-bench-{os.getpid()}", 256 * 64, create=True)
-    mem = dict(
-        kind="shm",
-        handle=arena.name.encode(),
-        device="cpu",
-        total_bytes=256 * 64,
-        block_bytes=256,
-        num_blocks=64,
-        owner_pid=os.getpid(),
-        owner_uuid="",
-    )
-    agent = ControlAgent(ControlConfig("bench-donor", rendezvous_dir=rdv), memory=mem).start()
+    arena = SharedArena(64, 512, name_prefix="swcbench")
+    agent = ControlAgent(ControlConfig("bench-donor", rendezvous_dir=rdv),
+                         memory=arena.export()).start()
     borrower = spawn(rdv, "--agent-id", "sim-borrower", "--auto-ack")
     try:
         agent.offer(range(64))
@@ -202,9 +194,7 @@ def run_round(rdv: str, n: int, seconds: float) -> dict:
     finally:
         donor.kill()
         donor.wait()
-        shm = f"/dev/shm/swc-sim-donor-{donor.pid}"  # killed, so its arena is still there
-        if os.path.exists(shm):
-            os.unlink(shm)
+        sweep_shm(donor.pid)  # killed, so its region is still there
     reclaims = bench_reclaims(rdv, max(20, n // 10))
     return {
         "grant_p50_ms": pct(grants, 0.5) * 1e3,

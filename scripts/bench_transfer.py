@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
-"""Bandwidth of the KV data plane on this machine: store (local pool -> donor blocks, all layers)
-and layer-wise load (donor blocks -> local slots, one layer at a time, signalling the layer
+"""Bandwidth of the KV data plane on this machine: store (local pool -> donor pages, all layers)
+and layer-wise load (donor pages -> local slots, one layer at a time, signalling the layer
 counter), against a plain contiguous copy of the same number of bytes in the same run.
 
-On CPU it measures the path CPU deployments use: the vectorized torch gather
-(swift_kernels backend "vectorized") on the copy worker thread, over an arena in POSIX shared
-memory. With `--donor-layers N` it measures the pool-lease path instead: the borrower's pages
-packed into pages of a donor's own pool (N layers, same heads and dims, `--donor-page-size`)
-through `PoolTransferEngine`. Triton-interpreted timings mean nothing and are not measured; GPU
-numbers come from scripts/gpu_check.py. The last line printed is a JSON object with store_ratio
-and load_ratio (the worst page size's ratio to the contiguous copy).
+It measures the pool-lease path on CPU, as a server runs it: the borrower's pages packed into
+pages of a donor's own pool in POSIX shared memory (`--donor-layers`, default the borrower's;
+same heads and dims; `--donor-page-size`) through `PoolTransferEngine` (unit gather and scatter
+through a staging buffer) on the copy worker thread. Triton-interpreted timings mean nothing and
+are not measured; GPU numbers come from scripts/gpu_check.py. The last line printed is a JSON
+object with store_ratio and load_ratio (the worst page size's ratio to the contiguous copy).
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ from sglang_swift.dataplane import (
     PoolLayout,
     PoolTransferEngine,
     SharedArena,
-    TransferEngine,
-    block_bytes_for,
 )
 
 
@@ -49,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 3)")
     p.add_argument("--donor-layers", type=int, default=None,
-                   help="measure the pool-lease path: a donor pool of this many layers")
+                   help="layers of the donor's pool (default: the borrower's)")
     p.add_argument("--donor-page-size", type=int, default=None,
                    help="the donor pool's page size (default: the borrower's)")
     p.add_argument(
@@ -98,18 +95,6 @@ class Pool:
         self.dst_c = torch.zeros_like(self.src_c)
 
 
-def _arena_target(g: KVGeometry, npages: int, threads: int, k, v, donor):
-    """Block-major arena: (lane, store(slots), load(dst, counter), close)."""
-    arena = SharedArena(npages + 8, block_bytes_for(g))
-    book = DonorLedger()  # the live donor's book: a fresh grant is one run of consecutive blocks
-    book.offer(range(arena.num_blocks))
-    blocks = sorted(book.grant("bench", 1, npages, 0).active)
-    eng = TransferEngine(arena.memory, g, cpu_threads=threads)
-    return (eng.lane, lambda slots: eng.begin_store(k, v, slots, blocks),
-            lambda dst, counter: eng.begin_load(k, v, dst, blocks, counter),
-            lambda: (eng.close(), arena.close()))
-
-
 def _pool_target(g: KVGeometry, npages: int, threads: int, k, v, donor: KVGeometry):
     """A donor's own pool in shared memory, lent page by page (ledger order), the borrower's
     pages packed into it: (lane, store(slots), load(dst, counter), close)."""
@@ -132,6 +117,8 @@ def bench_page_size(
     g: KVGeometry, tokens: int, repeats: int, threads: int, pool: Pool, deadline: float,
     donor: KVGeometry | None = None,
 ) -> dict:
+    """One page size's round: `donor` is the donor pool's geometry (default: `g`'s)."""
+    donor = donor or g
     npages = -(-tokens // g.page_size)
     k, v, src_c, dst_c = pool.k, pool.v, pool.src_c, pool.dst_c
     num_slots = k[0].shape[0]  # at least twice the prefix: its pages are scattered in the pool
@@ -141,8 +128,7 @@ def bench_page_size(
     dst = (perm[npages : 2 * npages, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[
         :tokens
     ]  # other pages: the source survives
-    target = _pool_target if donor is not None else _arena_target
-    lane, begin_store, begin_load, close = target(g, npages, threads, k, v, donor)
+    lane, begin_store, begin_load, close = _pool_target(g, npages, threads, k, v, donor)
     try:
         nbytes = src_c.numel()
         counter = CpuLayerCounter(g.num_layers, timeout_s=120)
@@ -200,13 +186,11 @@ def main(argv=None) -> int:
         int(x) for x in (args.page_sizes or ("16,64" if args.quick else "16,32,64")).split(",")
     ]
     t0 = time.monotonic()
+    donor_layers = args.donor_layers or args.layers
     print(
-        (f"path: CPU pool lease (PoolTransferEngine: unit gather + scatter through a staging "
-         f"buffer) into a donor pool of {args.donor_layers} layers in POSIX shared memory, "
-         f"donor pages a fresh grant; " if args.donor_layers else
-         f"path: CPU, swift_kernels backend 'vectorized' on the copy worker thread, arena in "
-         f"POSIX shared memory, lease blocks consecutive (fresh lease); ")
-        + f"local pages shuffled; "
+        f"path: CPU pool lease (PoolTransferEngine: unit gather + scatter through a staging "
+        f"buffer) into a donor pool of {donor_layers} layers in POSIX shared memory, "
+        f"donor pages a fresh grant; local pages shuffled; "
         f"torch {torch.__version__}, copy lane {args.threads} thread(s); baseline: one "
         f"contiguous copy of the same bytes on the same lane, rounds interleaved"
     )
@@ -226,17 +210,16 @@ def main(argv=None) -> int:
         # --quick keeps under 30 s on a busy machine: after the time share of this page size,
         # stop adding rounds (at least one is always timed)
         share = (QUICK_BUDGET_S if args.quick else 1e9) * (len(rows) + 1) / len(geoms)
-        donor = None
-        if args.donor_layers:  # same heads and dims; its own layer count and page size
-            donor = KVGeometry(args.donor_layers, g.num_kv_heads, g.head_dim, g.v_head_dim,
-                               g.dtype, args.donor_page_size or ps)
+        # same heads and dims; its own layer count and page size
+        donor = KVGeometry(donor_layers, g.num_kv_heads, g.head_dim, g.v_head_dim, g.dtype,
+                           args.donor_page_size or ps)
         r = bench_page_size(g, tokens, repeats, args.threads, pool, t0 + share, donor)
         rows.append(r)
         print(
             f"geometry: {g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim} "
             f"{args.dtype} = {g.bytes_per_token_per_layer} B/token/layer, page {ps}, "
             f"{tokens} tokens, {r['bytes'] / 2**20:.0f} MiB per direction"
-            + (f"; donor pool {donor.num_layers} layers, page {donor.page_size}" if donor else "")
+            + f"; donor pool {donor.num_layers} layers, page {donor.page_size}"
         )
         print(
             f"  contiguous copy {r['copy_gbps']:7.2f} GB/s | store {r['store_gbps']:7.2f} GB/s "
@@ -245,8 +228,8 @@ def main(argv=None) -> int:
             f"{r['load_ms_per_layer']:.2f} ms/layer) | verified {r['verified']}"
         )
     summary = {
-        "path": "cpu-pool-lease" if args.donor_layers else "cpu-vectorized",
-        "donor_layers": args.donor_layers,
+        "path": "cpu-pool-lease",
+        "donor_layers": donor_layers,
         "donor_page_size": args.donor_page_size,
         "store_ratio": round(min(r["store_ratio"] for r in rows), 3),
         "load_ratio": round(min(r["load_ratio"] for r in rows), 3),

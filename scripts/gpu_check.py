@@ -1,26 +1,26 @@
 #!/usr/bin/env python3
 """One prepared run of the data plane on a single NVIDIA GPU (written for an H200).
 
-1. Compiles the Triton store / load kernels and checks them against the plain-torch reference
-   on the GPU (float16, bfloat16, float32; paged and scattered slots; a partial last page; a
-   poisoned destination).
-2. Exports an arena through CUDA IPC to a second process on the same GPU (this script, run with
-   --role borrower); the borrower maps it, stores a prefix with the Triton kernels, loads it back
-   layer by layer on a side stream through the CUDA layer counter (events, no host blocking),
-   checks it is bit-identical, and the donor checks its own memory holds the bytes.
-3. The borrower measures store and per-layer load bandwidth on the mapped arena against a
-   device-to-device copy of the same bytes in the same run (target: at least 0.85x), sweeping a
-   few launch shapes; the donor prints the table and, last, a JSON line.
-4. Pool leases (scripts/gpu_pool_check.py): the donor also lends pages of a live pool region of
-   another shape; the borrower maps it through CUDA IPC, stores and loads layer by layer with
-   the pool-lease engine (one-pass Triton row copy), checks the bytes, the packing rule, the
-   two copy paths against each other and, where two GPUs exist, the cross-device path (skipped
-   with a message on one GPU); the donor checks its own buffers hold the borrower's stream.
-5. Layer views with resident rows (sglang_swift/layer_stream/layer_views.py): each layer's
+1. Compiles the Triton row copy (swift_kernels/row_copy_triton.py, the one-pass copy the pool
+   leases use within one GPU) and checks it against the plain-torch reference on the GPU (1-,
+   2-, 4- and 8-byte elements; scattered and reversed rows; a poisoned destination).
+2. Pool leases (scripts/gpu_pool_check.py), one per page size: the donor places a pool of its
+   own shape in one region exported through CUDA IPC (as the plugin places a lending server's
+   SGLang pool) and lends some of its pages to a second process on the same GPU (this script,
+   run with --role borrower), of another shape. The borrower maps it, stores a prefix with the
+   pool-lease engine (one-pass Triton row copy), loads it back layer by layer on a side stream
+   through the CUDA layer counter (events, no host blocking) and checks it is bit-identical,
+   checks the packing rule, the two copy paths against each other, an exchange and, where two
+   GPUs exist, the cross-device path (skipped with a message on one GPU); the donor checks its
+   own buffers hold the borrower's stream.
+3. The borrower measures store and per-layer load bandwidth of each lease against a
+   device-to-device copy of the same bytes in the same run (target: at least 0.85x); the donor
+   prints the table and, last, a JSON line.
+4. Layer views with resident rows (sglang_swift/layer_stream/layer_views.py): each layer's
    buffer mapped with CUDA VMM from its own resident rows and a shared staging buffer; checks
    resident rows are per layer, staging rows shared by every depth-th layer, and a streamed
    SGLang pool with resident rows builds on the GPU.
-6. Layer-streamed load (scripts/gpu_stream_check.py): a prefix loaded from donor pool pages
+5. Layer-streamed load (scripts/gpu_stream_check.py): a prefix loaded from donor pool pages
    layer by layer on the engine's side stream while attention runs per layer, waiting on the
    CUDA layer counter only for its layer, timed against the same attention with everything
    resident (target: at most 1.10x), and checked bit-identical.
@@ -50,13 +50,6 @@ NO_CUDA = (
     "NVIDIA GPU (it was written for an H200); on CPU use scripts/bench_transfer.py and "
     "the CPU tests."
 )
-TUNINGS = [
-    {"block": 1024, "tokens": 1, "num_warps": 4},
-    {"block": 1024, "tokens": 4, "num_warps": 4},
-    {"block": 1024, "tokens": 8, "num_warps": 8},
-    {"block": 512, "tokens": 4, "num_warps": 4},
-]
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -92,26 +85,23 @@ def parse_args(argv=None):
 
 
 def format_table(rows: list[dict], target: float) -> str:
-    """Bandwidth table: one row per page size, GB/s and the ratio to the same-run D2D copy."""
+    """Bandwidth table: one row per pool lease (borrower page size), GB/s and the ratio to the
+    same-run D2D copy."""
     head = (
-        f"{'page':>5} {'MiB':>7} {'d2d GB/s':>9} {'store GB/s':>11} {'ratio':>6} "
-        f"{'load GB/s':>10} {'ratio':>6} {'ms/layer':>9}  tuning (store | load)"
+        f"{'page':>5} {'donor':>9} {'MiB':>7} {'d2d GB/s':>9} {'store GB/s':>11} {'ratio':>6} "
+        f"{'load GB/s':>10} {'ratio':>6} {'ms/layer':>9} {'unit B':>7}  path"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         sr, lr = r["store_gbps"] / r["copy_gbps"], r["load_gbps"] / r["copy_gbps"]
         flag = "" if min(sr, lr) >= target else f"  below {target}x"
+        donor = f"{r['donor_layers']}L/p{r['donor_page_size']}"
         lines.append(
-            f"{r['page_size']:>5} {r['bytes'] / 2**20:>7.0f} {r['copy_gbps']:>9.1f} "
+            f"{r['page_size']:>5} {donor:>9} {r['bytes'] / 2**20:>7.0f} {r['copy_gbps']:>9.1f} "
             f"{r['store_gbps']:>11.1f} {sr:>6.2f} {r['load_gbps']:>10.1f} {lr:>6.2f} "
-            f"{r['load_ms_per_layer']:>9.3f}  {_tuning_str(r.get('store_tuning'))} | "
-            f"{_tuning_str(r.get('load_tuning'))}{flag}"
+            f"{r['load_ms_per_layer']:>9.3f} {r['unit']:>7}  {r['backend']}{flag}"
         )
     return "\n".join(lines)
-
-
-def _tuning_str(t) -> str:
-    return "-" if not t else f"B{t['block']}/T{t['tokens']}/W{t['num_warps']}"
 
 
 def summarize(rows: list[dict], checks: dict, target: float) -> dict:
@@ -120,7 +110,7 @@ def summarize(rows: list[dict], checks: dict, target: float) -> dict:
         "ok": ok,
         "checks": checks,
         "target": target,
-        "path": "triton",
+        "path": "pool-lease",
         "store_ratio": None,
         "load_ratio": None,
         "rows": rows,
@@ -163,46 +153,32 @@ def _cuda_time(fn, repeats: int, device) -> float:
 
 
 def check_kernels(device) -> dict:
-    """Triton vs reference on the GPU, small sizes, every dtype and slot pattern."""
+    """The Triton row copy against the plain-torch reference on the GPU, every element width."""
     import torch
 
     import swift_kernels as sk
-    from sglang_swift.dataplane import block_bytes_for
 
+    rows, width, n = (4096, 1024, 1500) if device.type == "cuda" else (64, 40, 20)
     results = {}
-    L, H, DK, DV, P, N, S, NB = 3, 4, 64, 32, 16, 77, 512, 12
-    if device.type != "cuda":  # dry run: interpreted Triton, keep it small
-        L, H, DK, DV, P, N, S, NB = 2, 1, 16, 8, 4, 9, 32, 4
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        geom = sk.KVGeometry(L, H, DK, DV, dtype, P)
-        bb = block_bytes_for(geom)
-        for kind in ("pages", "scattered"):
-            g = torch.Generator(device="cpu").manual_seed(7)
-            k = [torch.randn(S, H, DK, generator=g).to(dtype).to(device) for _ in range(L)]
-            v = [torch.randn(S, H, DV, generator=g).to(dtype).to(device) for _ in range(L)]
-            npg = -(-N // P)
-            blocks = torch.randperm(NB, generator=g)[:npg].to(device)
-            if kind == "pages":
-                pages = torch.randperm(S // P, generator=g)[:npg]
-                slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)[:N].to(device)
+    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        g = torch.Generator(device="cpu").manual_seed(7)
+        src = torch.randint(0, 100, (rows, width), generator=g).to(dtype).to(device)
+        ok = True
+        for kind in ("scattered", "reversed"):
+            if kind == "scattered":
+                src_rows = torch.randperm(rows, generator=g)[:n]
+                dst_rows = torch.randperm(rows, generator=g)[:n]
             else:
-                slots = torch.randperm(S, generator=g)[:N].to(device)
-            ref = torch.full((NB, bb), 0xA5, dtype=torch.uint8, device=device)
+                src_rows = torch.arange(n)
+                dst_rows = torch.arange(rows - 1, rows - 1 - n, -1)
+            src_rows, dst_rows = src_rows.to(device), dst_rows.to(device)
+            ref = torch.full((rows, width), 0x5A, dtype=dtype, device=device)  # poisoned
             out = ref.clone()
-            sk.store_pages(ref, k, v, slots, blocks, geom, backend="reference")
-            sk.store_pages(out, k, v, slots, blocks, geom, backend="triton")
-            ok = torch.equal(out, ref)
-            for layer in range(L):
-                rk = torch.full_like(k[0], float("nan"))
-                rv = torch.full_like(v[0], float("nan"))
-                ok_k, ok_v = rk.clone(), rv.clone()
-                sk.load_layer(ref, layer, rk, rv, slots, blocks, geom, backend="reference")
-                sk.load_layer(ref, layer, ok_k, ok_v, slots, blocks, geom, backend="triton")
-                same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa
-                ok = ok and same(ok_k, rk) and same(ok_v, rv)
-                ok = ok and torch.equal(ok_k[slots], k[layer][slots])
+            sk.copy_rows(src, src_rows, ref, dst_rows, backend="reference")
+            sk.copy_rows(src, src_rows, out, dst_rows, backend="triton")
             _sync(device)
-            results[f"kernels_{str(dtype).removeprefix('torch.')}_{kind}"] = bool(ok)
+            ok = ok and torch.equal(out, ref) and torch.equal(out[dst_rows], src[src_rows])
+        results[f"row_copy_{str(dtype).removeprefix('torch.')}"] = bool(ok)
     return results
 
 
@@ -221,8 +197,9 @@ def check_layer_views(device) -> dict:
     for layer in range(layers):
         views[layer][:, :resident].fill_(layer + 1)
     views[0][:, resident:].fill_(7)
-    ok = all(bool(views[l][:, :resident].eq(l + 1).all()) for l in range(layers))
-    ok = ok and bool(views[2][:, resident:].eq(7).all()) and not bool(views[1][:, resident:].eq(7).any())
+    ok = all(bool(views[i][:, :resident].eq(i + 1).all()) for i in range(layers))
+    ok = ok and bool(views[2][:, resident:].eq(7).all()) and not bool(
+        views[1][:, resident:].eq(7).any())
     from sglang_swift.layer_stream.pool import LayerStreamKVPool, StreamSettings
 
     cls = LayerStreamKVPool.configured(StreamSettings(depth=2, resident_fraction=0.5))
@@ -230,13 +207,6 @@ def check_layer_views(device) -> dict:
                head_dim=128, layer_num=4, device=str(device), enable_memory_saver=False)
     return {"layer_views_aliasing": ok, "layer_views_pool_resident": pool.resident_rows > 0,
             "layer_views_granularity": grain}
-
-
-def _checksum(memory, blocks) -> int:
-    import torch
-
-    idx = torch.as_tensor(blocks, device=memory.device)
-    return int(memory[idx].view(torch.int64).sum())
 
 
 def _local_pool(g, num_slots, device, seed):
@@ -271,141 +241,52 @@ def _local_pool(g, num_slots, device, seed):
     )
 
 
-def _borrow_page_size(args, mapped, lease, ps, device):
-    """Round trip and bandwidth for one page size on the mapped arena: (round trip ok, row)."""
-    import torch
-
-    import swift_kernels as sk
-    from sglang_swift.dataplane import KVGeometry, TransferEngine, make_layer_counter
-
-    g = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
-    npages = -(-args.tokens // ps)
-    num_slots = 2 * npages * ps
-    k, v = _local_pool(g, num_slots, device, seed=ps)
-    perm = torch.randperm(num_slots // ps, device=device)
-    ar = torch.arange(ps, device=device)
-    slots = (perm[:npages, None] * ps + ar).reshape(-1)[: args.tokens]
-    dst = (perm[npages : 2 * npages, None] * ps + ar).reshape(-1)[: args.tokens]
-    blocks = torch.tensor(lease[:npages], device=device)
-    eng = TransferEngine(
-        mapped.memory,
-        g,
-        liveness=mapped.alive,
-        backend="triton" if args.dry_run_cpu else "auto",
-    )
-    counter = make_layer_counter(g.num_layers, device, timeout_s=60)
-    # -- correctness through the engine: Triton store, layer-wise load, event waits
-    assert eng.begin_store(k, v, slots, blocks).wait(60).ok
-    k2 = [torch.full_like(x, float("nan")) for x in k]
-    v2 = [torch.full_like(x, float("nan")) for x in v]
-    h = eng.begin_load(k2, v2, dst, blocks, counter)
-    counter.set_consumer(h.producer_id)
-    same = True
-    for layer in range(g.num_layers):
-        same &= counter.wait_until(layer)  # current stream waits on the layer's event
-        same &= torch.equal(k2[layer][dst].view(torch.int8), k[layer][slots].view(torch.int8))
-        same &= torch.equal(v2[layer][dst].view(torch.int8), v[layer][slots].view(torch.int8))
-    ok = bool(same and h.wait(60).ok)
-    # -- bandwidth: best launch shape for store and for load, then the engine's path
-    nbytes = args.tokens * g.bytes_per_token_per_layer * g.num_layers
-    src_c = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst_c = torch.empty_like(src_c)
-
-    def copy():
-        dst_c.copy_(src_c)
-
-    t_copy = _cuda_time(copy, args.repeats, device)
-
-    def layers(op, tuning):
-        def run():
-            for layer in range(g.num_layers):
-                op(
-                    mapped.memory,
-                    layer,
-                    k[layer],
-                    v[layer],
-                    slots if op is sk.store_layer else dst,
-                    blocks,
-                    g,
-                    backend="triton",
-                    tuning=tuning,
-                    validate=False,
-                )
-
-        return run
-
-    tunings = TUNINGS[:2] if args.dry_run_cpu else TUNINGS
-    store_t = {
-        i: _cuda_time(layers(sk.store_layer, t), args.repeats, device)
-        for i, t in enumerate(tunings)
-    }
-    load_t = {
-        i: _cuda_time(layers(sk.load_layer, t), args.repeats, device) for i, t in enumerate(tunings)
-    }
-    best_s, best_l = min(store_t, key=store_t.get), min(load_t, key=load_t.get)
-    eng.tuning = TUNINGS[best_l]
-
-    def engine_load():
-        hh = eng.begin_load(k, v, dst, blocks, counter)
-        counter.set_consumer(hh.producer_id)
-        for layer in range(g.num_layers):
-            counter.wait_until(layer)
-
-    t_engine_load = _cuda_time(engine_load, args.repeats, device)
-    _sync(device)
-    eng.close()
-    return ok, (
-        {
-            "page_size": ps,
-            "bytes": nbytes,
-            "copy_gbps": nbytes / t_copy / 1e9,
-            "store_gbps": nbytes / store_t[best_s] / 1e9,
-            "load_gbps": nbytes / t_engine_load / 1e9,
-            "load_kernel_gbps": nbytes / load_t[best_l] / 1e9,
-            "load_ms_per_layer": t_engine_load / g.num_layers * 1e3,
-            "store_tuning": TUNINGS[best_s],
-            "load_tuning": TUNINGS[best_l],
-            "all_store_gbps": [round(nbytes / t / 1e9, 1) for t in store_t.values()],
-            "all_load_gbps": [round(nbytes / t / 1e9, 1) for t in load_t.values()],
-        }
-    )
-
-
 def borrower(args) -> int:
-    """Second process: map the donor's arena through CUDA IPC, verify, measure; JSON on stdout."""
+    """Second process: map each donor pool through CUDA IPC, verify, measure; JSON on stdout."""
     import torch
-
-    from sglang_swift.dataplane import map_arena
+    from gpu_pool_check import borrower_pool_checks
 
     msg = json.loads(sys.stdin.readline())
-    desc = {**msg["desc"], "handle": bytes.fromhex(msg["desc"]["handle"])}
-    lease = msg["blocks"]
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mapped = map_arena(desc)
-    from gpu_pool_check import borrower_pool_checks
-
-    pool_checks, pool_row, pool_info = borrower_pool_checks(
-        args, msg["pool"], device, _local_pool, _cuda_time, args.dry_run_cpu)
-    checks, rows, last = dict(pool_checks), [], None
-    for ps in args.page_sizes:
-        ok, row = _borrow_page_size(args, mapped, lease, ps, device)
-        checks[f"ipc_roundtrip_page{ps}"] = ok
+    checks, rows, infos = {}, [], []
+    for pool_msg in msg["pools"]:
+        got, row, info = borrower_pool_checks(args, pool_msg, device, _local_pool, _cuda_time,
+                                              args.dry_run_cpu)
+        for name, ok in got.items():  # every lease must pass each check
+            checks[name] = checks.get(name, True) and ok
         rows.append(row)
-        npages = -(-args.tokens // ps)
-        last = (npages, _checksum(mapped.memory, lease[:npages]))
+        infos.append(info)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(
-        json.dumps(
-            {"checks": checks, "rows": rows, "checksum_blocks": last[0], "checksum": last[1],
-             "pool_row": pool_row, "pool_info": pool_info}
-        ),
-        flush=True,
-    )
-    mapped.close()
+    print(json.dumps({"checks": checks, "rows": rows, "pool_infos": infos}), flush=True)
     return 0
+
+
+def _borrower_command(args) -> list[str]:
+    return [sys.executable, __file__, "--role", "borrower", "--device", args.device,
+            "--tokens", str(args.tokens), "--page-sizes", ",".join(map(str, args.page_sizes)),
+            "--layers", str(args.layers), "--kv-heads", str(args.kv_heads), "--head-dim",
+            str(args.head_dim), "--dtype", args.dtype, "--repeats", str(args.repeats)] + (
+        ["--dry-run-cpu"] if args.dry_run_cpu else [])
+
+
+def _run_borrower(args, pools) -> dict:
+    """The borrower process's result, or failed checks when it did not answer."""
+    child = subprocess.Popen(_borrower_command(args), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = child.communicate(json.dumps({"pools": [p[-1] for p in pools]}) + "\n",
+                                   timeout=480)
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+        child.kill()
+        print(f"borrower failed: {e!r}")
+        return {"checks": {"borrower": False}, "rows": []}
+    finally:
+        if child.poll() is None:
+            child.kill()
 
 
 def donor(args) -> int:
@@ -415,8 +296,6 @@ def donor(args) -> int:
         print(NO_CUDA)
         return 2
     import triton
-
-    from sglang_swift.dataplane import KVGeometry, SharedArena, choose_block_bytes
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -433,7 +312,7 @@ def donor(args) -> int:
         )
     t0 = time.monotonic()
     checks = check_kernels(device)
-    print(f"kernels vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
+    print(f"row copy vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
     views = check_layer_views(device)
     print(f"layer views with resident rows: {views}")
     checks.update(layer_views_aliasing=views["layer_views_aliasing"],
@@ -446,102 +325,37 @@ def donor(args) -> int:
           f"({stream['kv_mib_per_layer']} MiB of KV per layer), {stream['new_tokens']} new "
           f"tokens: resident {stream['resident_ms']} ms, streamed {stream['streamed_ms']} ms, "
           f"ratio {stream['ratio']} (target <= {stream['target']})")
-    geoms = [
-        KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype, ps)
-        for ps in args.page_sizes
-    ]
-    num_blocks = max(-(-args.tokens // g.page_size) for g in geoms) + 8
-    arena = SharedArena(num_blocks, choose_block_bytes(geoms), device=str(device))
-    # The borrower's blocks: the first ones, as a fresh grant from the donor's ledger hands out
-    # (control/ledger.py is not imported here: this script needs only torch and triton).
-    lease = list(range(num_blocks - 8))
     from gpu_pool_check import make_donor_pool, stream_checksum
 
-    pool_arena, pool_layout, (pool_k, pool_v), pool_pages, pool_msg = make_donor_pool(args, device)
-    desc = arena.export()
-    print(
-        f"arena: {num_blocks} blocks x {arena.block_bytes / 2**20:.1f} MiB on {device}, "
-        f"exported as {desc['kind']} ({len(desc['handle'])}-byte handle)"
-    )
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--role",
-            "borrower",
-            "--device",
-            args.device,
-            "--tokens",
-            str(args.tokens),
-            "--page-sizes",
-            ",".join(map(str, args.page_sizes)),
-            "--layers",
-            str(args.layers),
-            "--kv-heads",
-            str(args.kv_heads),
-            "--head-dim",
-            str(args.head_dim),
-            "--dtype",
-            args.dtype,
-            "--repeats",
-            str(args.repeats),
-        ]
-        + (["--dry-run-cpu"] if args.dry_run_cpu else []),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, _ = child.communicate(
-            json.dumps({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": lease,
-                        "pool": pool_msg}) + "\n",
-            timeout=480,
-        )
-        result = json.loads(out.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
-        child.kill()
-        print(f"borrower failed: {e!r}")
-        result = {"checks": {"borrower": False}, "rows": []}
-    finally:
-        if child.poll() is None:
-            child.kill()
+    pools = [list(make_donor_pool(args, device, ps)) for ps in args.page_sizes]
+    kind = pools[0][-1]["desc"]["kind"]
+    print(f"donor pools: {len(pools)} on {device}, exported as {kind}")
+    result = _run_borrower(args, pools)
     checks.update(result["checks"])
-    if "checksum" in result:
-        donor_sum = _checksum(arena.memory, lease[: result["checksum_blocks"]])
-        checks["donor_sees_borrower_bytes"] = donor_sum == result["checksum"]
-    arena.close()
-    pool_info, pool_row = result.get("pool_info"), result.get("pool_row")
-    if pool_info is not None:
-        seen = stream_checksum(pool_k, pool_v, pool_layout.geometry.page_size, pool_pages,
-                               pool_info["used"])
-        checks["pool_donor_sees_bytes"] = seen == pool_info["checksum"]
-        print(f"pool lease: {pool_info['blocks']} borrower blocks in {len(pool_pages)} donor "
-              f"pages, unit {pool_info['unit']} B, copy path {pool_info['backend']}; "
-              f"cross-device: {pool_info['cross_device']}")
-    if pool_row is not None:
-        print(f"pool lease bandwidth (borrower page {pool_row['page_size']}, donor "
-              f"{pool_row['donor_layers']} layers page {pool_row['donor_page_size']}): copy "
-              f"{pool_row['copy_gbps']:.1f} GB/s, store {pool_row['store_gbps']:.1f} "
-              f"({pool_row['store_gbps'] / pool_row['copy_gbps']:.2f}x), layer-wise load "
-              f"{pool_row['load_gbps']:.1f} ({pool_row['load_gbps'] / pool_row['copy_gbps']:.2f}x"
-              f", {pool_row['load_ms_per_layer']:.3f} ms/layer)")
-    del pool_k, pool_v
-    pool_arena.close()
+    for (_, layout, (pool_k, pool_v), pages, _), info in zip(pools,
+                                                              result.get("pool_infos", [])):
+        seen = stream_checksum(pool_k, pool_v, layout.geometry.page_size, pages, info["used"])
+        checks["pool_donor_sees_bytes"] = (checks.get("pool_donor_sees_bytes", True)
+                                           and seen == info["checksum"])
+        print(f"pool lease: {info['blocks']} borrower blocks in {len(pages)} donor pages, "
+              f"unit {info['unit']} B, copy path {info['backend']}; "
+              f"cross-device: {info['cross_device']}")
+    for pool in pools:
+        pool[2] = pool_k = pool_v = None  # the donor's views of its region, before it goes
+        pool[0].close()
     rows = result["rows"]
     print(
-        f"bandwidth on the {desc['kind']}-mapped arena, {args.layers} layers x {args.kv_heads} "
-        f"KV heads x {args.head_dim} {args.dtype} ({geoms[0].bytes_per_token_per_layer} "
-        f"B/token/layer), {args.tokens} tokens; store = best launch shape; load = layer-wise "
-        f"through the engine (side stream, one event per layer, consumer stream waits)"
+        f"bandwidth of pool leases through {kind}, borrower {args.layers} layers x "
+        f"{args.kv_heads} KV heads x {args.head_dim} {args.dtype}; donor pool 4 more layers, "
+        f"half the page; store and layer-wise load through the engine (side stream, one event "
+        f"per layer, consumer stream waits)"
     )
     print(format_table(rows, args.target))
     summary = summarize(rows, checks, args.target)
     summary["stream"] = {k: stream[k] for k in ("ratio", "target", "resident_ms", "streamed_ms",
                                                  "tokens")}
-    if pool_row is not None:
-        summary["pool"] = {"store_ratio": round(pool_row["store_gbps"] / pool_row["copy_gbps"], 3),
-                           "load_ratio": round(pool_row["load_gbps"] / pool_row["copy_gbps"], 3),
-                           "backend": pool_row["backend"]}
+    if rows:
+        summary["pool"] = {"backend": rows[-1]["backend"], "unit": rows[-1]["unit"]}
     line = json.dumps(
         {k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio", "target", "checks",
                                  "pool", "stream") if k in summary}

@@ -1,7 +1,9 @@
-"""The pool-lease part of scripts/gpu_check.py (imported by it; not run on its own).
+"""The pool-lease part of scripts/gpu_check.py (imported by it; not run on its own), once per
+page size of the run.
 
-The donor process places a pool of its own shape in one exportable region (as the plugin places
-a lending server's SGLang pool), fills it, and lends some pages; the borrower process, of another
+The donor process places a pool of its own shape in one exportable region (`SharedArena`, as
+the plugin places a lending server's SGLang pool), fills it, and lends some pages; the borrower
+process, of another
 shape (fewer layers in the donor, a donor page half the borrower's, so pieces straddle chunks
 and pages), maps it from the descriptor plus layout (CUDA IPC on a GPU, shm in the CPU dry run)
 and checks, with the engine the runtime uses:
@@ -19,15 +21,16 @@ and the donor checks (pool_donor_sees_bytes) that its own buffers hold the borro
 
 from __future__ import annotations
 
-POOL_TOKENS_MAX = 4096  # the pool check's prefix: enough to measure, small enough to verify
+POOL_TOKENS_MAX = 16384  # the pool check's prefix: enough to measure, small enough to verify
+CHECKSUM_CHUNK = 64 << 20  # bytes weighted at a time (int64 temporaries, 8x the chunk)
 
 
-def pool_geometries(args):
-    """(donor page, borrower page): the borrower is the run's model; the donor has 4 more
-    layers and half the page size (a borrower page larger than the donor's)."""
+def pool_geometries(args, page: int):
+    """(donor page, borrower page): the borrower is the run's model with `page` tokens per
+    page; the donor has 4 more layers and half the page size (a borrower page larger than the
+    donor's)."""
     from sglang_swift.dataplane import KVGeometry
 
-    page = args.page_sizes[-1]
     borrower = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype,
                           page)
     donor = KVGeometry(args.layers + 4, args.kv_heads, args.head_dim, args.head_dim, args.dtype,
@@ -35,13 +38,14 @@ def pool_geometries(args):
     return donor, borrower
 
 
-def make_donor_pool(args, device):
-    """Donor side: (arena, layout, own k/v views, lent pages, message for the borrower)."""
+def make_donor_pool(args, device, page: int):
+    """Donor side, for a borrower page of `page` tokens: (region, layout, own k/v views, lent
+    pages, message for the borrower)."""
     import torch
 
     from sglang_swift.dataplane import BLOCK_ALIGN_BYTES, LeasePacking, PoolLayout, SharedArena
 
-    donor, borrower = pool_geometries(args)
+    donor, borrower = pool_geometries(args, page)
     tokens = min(args.tokens, POOL_TOKENS_MAX)
     blocks = -(-tokens // borrower.page_size)
     need = LeasePacking.pages_for(borrower, PoolLayout(donor, donor.page_size, donor.page_size),
@@ -57,7 +61,7 @@ def make_donor_pool(args, device):
     pages = list(range(pages_total - 1, pages_total - 1 - 2 * need, -2))  # every other, reversed
     desc = arena.export()
     msg = {"desc": {**desc, "handle": desc["handle"].hex(), "layout": layout.to_dict()},
-           "pages": pages}
+           "pages": pages, "page": page}
     return arena, layout, (k, v), pages, msg
 
 
@@ -72,11 +76,15 @@ def stream_checksum(k_bufs, v_bufs, page_size, pages, used: int) -> int:
 
 
 def _weighted(raw) -> int:
+    """sum(byte[i] x (i % 251 + 1)), a chunk at a time (the int64 temporaries stay small)."""
     import torch
 
-    x = raw.to(torch.int64)
-    weights = torch.arange(x.numel(), device=x.device) % 251 + 1
-    return int((x * weights).sum())
+    total = 0
+    for start in range(0, raw.numel(), CHECKSUM_CHUNK):
+        x = raw[start:start + CHECKSUM_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + x.numel(), device=x.device) % 251 + 1
+        total += int((x * weights).sum())
+    return total
 
 
 def borrower_pool_checks(args, msg, device, local_pool, timer, dry_run: bool):
@@ -84,10 +92,14 @@ def borrower_pool_checks(args, msg, device, local_pool, timer, dry_run: bool):
     `timer(fn, repeats, device)` are gpu_check's helpers."""
     import torch
 
-    from sglang_swift.dataplane import (LeasePacking, PoolTransferEngine, make_layer_counter,
-                                        map_pool)
+    from sglang_swift.dataplane import (
+        LeasePacking,
+        PoolTransferEngine,
+        make_layer_counter,
+        map_pool,
+    )
 
-    _, g = pool_geometries(args)
+    _, g = pool_geometries(args, msg["page"])
     mapped = map_pool({**msg["desc"], "handle": bytes.fromhex(msg["desc"]["handle"])})
     packing = LeasePacking(g, mapped.layout, msg["pages"])
     P, nblocks = g.page_size, packing.num_blocks

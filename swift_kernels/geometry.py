@@ -2,15 +2,16 @@
 the runtime.
 
 It describes any model's page (one TP rank): layers, KV heads, head dim, V head dim, dtype and
-tokens per page. The page's image in a donor block is block-major; for each layer l in order:
+tokens per page. Local KV (SGLang's MHATokenToKVPool) keeps per layer one K tensor
+`[rows, num_kv_heads, head_dim]` and one V tensor `[rows, num_kv_heads, v_head_dim]`, indexed by
+token slot. A page's image in the byte stream of a pool lease is layer-major; for each layer l:
 
     K[l]: [page_size, num_kv_heads, head_dim]     then
     V[l]: [page_size, num_kv_heads, v_head_dim]
 
-so (layer l, K or V) of a page is one contiguous byte run, `span(l, kv)`, at the same offset in
-every block; bytes after `page_bytes` are unused. Where a borrower's page lands in donor memory
-is `kv_layout.page_address` (today one page per block; docs/dataplane.md "Block numbers").
-Local KV (SGLang's MHATokenToKVPool) keeps the same rows per layer, indexed by token slot.
+so (layer l, K or V) of a page is one contiguous byte run, `span(l, kv)`, and a page takes
+`page_bytes`; where those bytes land in a donor's pool is `LeasePacking`
+(sglang_swift/dataplane/packing.py).
 """
 
 from __future__ import annotations
@@ -119,10 +120,7 @@ class KVGeometry:
         start, count = self.elem_span(layer, kv)
         return start * self.itemsize, count * self.itemsize
 
-    # ---- variants and the wire ---------------------------------------------------------------
-    def with_page_size(self, page_size: int) -> KVGeometry:
-        return dataclasses.replace(self, page_size=page_size)
-
+    # ---- the wire ---------------------------------------------------------------
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "dtype": dtype_name(self.dtype)}
 

@@ -2,9 +2,11 @@
 a model server: ``python -m benchmarks.peers.control_peer --agent-id a --rendezvous-dir DIR ...``.
 
 It speaks JSON lines: commands on stdin (``{"op": "request", "n": 4}``), events on stdout
-(``{"ev": "LeaseGranted", "t": <monotonic>, ...}``). A donor lends a real shared-memory arena
-(``/dev/shm``); every block starts with an 8-byte *claim* word that borrowers set while they
-hold the block and clear before releasing or acknowledging. So:
+(``{"ev": "LeaseGranted", "t": <monotonic>, ...}``). A donor lends a real shared-memory
+region (``SharedArena``, the data plane's own, in ``/dev/shm``; borrowers map it with
+``map_arena`` from the grant's descriptor, as a server does); every block starts with an
+8-byte *claim* word that borrowers set while they hold the block and clear before releasing or
+acknowledging. So:
 
 * a donor that gets a block back whose claim word is set was handed a block still in use
   (``violation`` event); a borrower granted a block whose claim word is set got a block
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import mmap
 import os
 import random
 import sys
@@ -28,10 +29,11 @@ import time
 
 import msgspec
 
+from benchmarks.peers.peer_borrower import PeerBorrower
 from sglang_swift.control import events as ev
 from sglang_swift.control.agent import ControlAgent
 from sglang_swift.control.control_config import ControlConfig
-from benchmarks.peers.peer_borrower import PeerBorrower
+from sglang_swift.dataplane import SharedArena, map_arena
 
 _out_lock = threading.Lock()
 
@@ -43,46 +45,43 @@ def say(kind: str, **fields) -> None:
         sys.stdout.flush()
 
 
-class ShmArena:
-    """A /dev/shm file mapped in this process; the donor creates it, borrowers attach."""
+class Blocks:
+    """A region's blocks as one flat, writable byte buffer (`buf`): the donor's own
+    `SharedArena`, or a borrower's mapping of it (`map_arena`)."""
 
-    def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
-        self.name, self.path = name, f"/dev/shm/{name}"
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.buf = mmap.mmap(fd, size or os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.owner = create
+    def __init__(self, memory) -> None:
+        self.buf = memoryview(memory.numpy()).cast("B")
 
-    def close(self) -> None:
-        self.buf.close()
-        if self.owner:
-            os.unlink(self.path)
+    @classmethod
+    def lend(cls, num_blocks: int, block_bytes: int) -> tuple[Blocks, SharedArena]:
+        arena = SharedArena(num_blocks, block_bytes, name_prefix="swc")
+        return cls(arena.memory), arena
+
+
+class Mapper:
+    """The borrower's `arena_cls`: maps a donor's region by its handle, from the descriptor of
+    the grant that named it (`remember` sees every event before the borrower does)."""
+
+    def __init__(self) -> None:
+        self.descriptors: dict[bytes, object] = {}
+        self.mapped: list = []
+
+    def remember(self, e) -> None:
+        if isinstance(e, ev.LeaseGranted):
+            self.descriptors[e.memory.handle] = e.memory
+
+    def __call__(self, name: str) -> Blocks:
+        mapped = map_arena(self.descriptors[name.encode()])
+        self.mapped.append(mapped)
+        return Blocks(mapped.memory)
 
 
 class SimDonor:
     def __init__(self, agent: ControlAgent, args) -> None:
         self.agent, self.args = agent, args
-        bb, n = args.block_bytes, args.donate
-        name = f"swc-{args.agent_id}-{os.getpid()}"
-        self.arena = ShmArena(name, bb * n, create=True)
-        agent.set_memory(
-            dict(
-                kind="shm",
-                handle=name.encode(),
-                device="cpu",
-                total_bytes=bb * n,
-                block_bytes=bb,
-                num_blocks=n,
-                owner_pid=os.getpid(),
-                owner_uuid="",
-            )
-        )
-        agent.offer(range(n))
+        self.blocks, self.arena = Blocks.lend(args.donate, args.block_bytes)
+        agent.set_memory(self.arena.export())
+        agent.offer(range(args.donate))
         if args.pressure:
             threading.Thread(target=self._pressure, daemon=True).start()
 
@@ -96,7 +95,7 @@ class SimDonor:
     def on_event(self, e) -> None:
         if not isinstance(e, ev.BlocksReturned):
             return
-        bb, buf = self.args.block_bytes, self.arena.buf
+        bb, buf = self.args.block_bytes, self.blocks.buf
         claimed = [b for b in e.blocks if buf[b * bb : b * bb + 8] != bytes(8)]
         if claimed:
             say("violation", what="returned block still claimed", blocks=claimed[:16])
@@ -151,7 +150,8 @@ def run(args) -> None:
         _break_reclaims(agent)
     agent.start()
     donor = SimDonor(agent, args) if args.donate else None
-    borrower = PeerBorrower(agent, args, say, ShmArena)
+    mapper = Mapper()
+    borrower = PeerBorrower(agent, args, say, mapper)
     say(
         "ready", agent_id=args.agent_id, epoch=agent.epoch, endpoint=agent.endpoint, pid=os.getpid()
     )
@@ -165,6 +165,7 @@ def run(args) -> None:
             try:
                 if donor:
                     donor.on_event(e)
+                mapper.remember(e)
                 borrower.on_event(e)
             except Exception as exc:  # keep pumping; the test sees the error line
                 logging.exception("sim event handler failed")
@@ -198,6 +199,7 @@ def run(args) -> None:
         borrower.stop()
         agent.stop()
         if donor:
+            donor.blocks = None
             donor.arena.close()
         say("exited")
 
@@ -209,7 +211,8 @@ def main(argv=None) -> None:
     ap.add_argument("--secret-file", default="")
     ap.add_argument("--model", default="sim")
     ap.add_argument("--donate", type=int, default=0, help="blocks to lend (0: borrower only)")
-    ap.add_argument("--block-bytes", type=int, default=256)
+    ap.add_argument("--block-bytes", type=int, default=512,
+                    help="a multiple of BLOCK_ALIGN_BYTES (512)")
     ap.add_argument("--reserve", type=int, default=0)
     ap.add_argument("--cap", type=int, default=0)
     ap.add_argument("--policy", default="proportional")

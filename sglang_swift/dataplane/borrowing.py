@@ -31,8 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..control import LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested
-from . import (LeasePacking, MappingError, PoolTransferEngine, map_pool, owner_alive,
-               unlink_descriptor)
+from . import (
+    LeasePacking,
+    MappingError,
+    PoolTransferEngine,
+    map_pool,
+    owner_alive,
+    unlink_descriptor,
+)
 from .pool_layout import PoolLayout
 from .streams import make_lane
 

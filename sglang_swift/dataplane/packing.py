@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swift_kernels import K, V, KVGeometry
+from swift_kernels import K, KVGeometry, V
 
 from .pool_layout import PoolLayout
 

@@ -1,7 +1,7 @@
 """Copies between a borrower's own SGLang pool and the pool pages a donor lent it (a pool lease).
 
 `PoolTransferEngine` serves one lease: the borrower's per-layer K / V buffers, the donor's mapped
-region and the lease's `LeasePacking`. Two-phase, as `TransferEngine` (STYLE 3):
+region and the lease's `LeasePacking`. Two-phase (STYLE 3; the handle is in transfer.py):
 `begin_store(slots, blocks)` / `begin_load(slots, blocks, counter)` / `begin_exchange(slots,
 blocks)` (both directions at once, for a donor hit swapped with device victims) validate everything
 and start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
@@ -41,35 +41,11 @@ from swift_kernels import K, V
 
 from .copy_fence import CopyFence
 from .packing import CopyPlan, LeasePacking
-from .pool_rows import (STAGING_BYTES, check_buffers, index_to_device, resolve_backend,
-                        unit_rows)
+from .pool_rows import STAGING_BYTES, check_buffers, index_to_device, resolve_backend, unit_rows
 from .streams import make_lane
-from .transfer import TransferHandle, TransferResult
+from .transfer import PoolTransferHandle, TransferResult
 
 _here = threading.local()  # per thread: the staging buffer of the stores it runs (store_here)
-
-
-class PoolTransferHandle(TransferHandle):
-    """A transfer in flight; see the module docstring for `abort`'s guarantee."""
-
-    def __init__(self, counter=None, producer_id=None, sync=None):
-        super().__init__(None, counter, producer_id, sync)
-        self.layer_lock = threading.Lock()  # held while a layer copies; abort takes it
-
-    def abort(self, reason: str) -> None:
-        """Stop before the next layer and fail the layers not done; returns once no copy of
-        this transfer runs (CPU) or is still queued on the GPU."""
-        self._abort.set()  # first: the lane checks it under the lock before each layer
-        with self.layer_lock:  # then wait out the layer being copied, if any
-            pass
-        if self.counter is not None:
-            self.counter.fail(reason, self.producer_id)
-        if self._sync is not None:
-            self._sync()
-
-    def result(self) -> TransferResult | None:
-        """The outcome once the copy finished (None while it runs); GPU: once enqueued."""
-        return self._future.result() if self._future.done() else None
 
 
 class PoolTransferEngine:

@@ -1,11 +1,14 @@
-"""Export a donor's arena once; map it in a borrower from the descriptor a lease grant carries.
+"""The one way SwiftCache shares memory between processes: a donor exports a region once
+(`SharedArena`); a borrower maps it from the descriptor a lease grant carries (`map_arena`).
 
-CPU: POSIX shared memory (so CI exercises a real cross-process path). CUDA: a CUDA IPC handle of
-the arena's allocation (torch's own IPC sharing); a borrower on another GPU maps it on the
-donor's device and reads it over the peer link where peer access exists.
+A lending server's SGLang KV pool lives in such a region (integration/shared_kv_pool.py places
+it; `pool_lease.map_pool` maps it with the pool's layout). CPU: POSIX shared memory (so CI
+exercises a real cross-process path). CUDA: a CUDA IPC handle of the region's allocation (torch's
+own IPC sharing); a borrower on another GPU maps it on the donor's device and reads it over the
+peer link where peer access exists.
 
-The region starts with a 4 KiB header (magic, version, geometry, owner pid and uuid, a revoked
-flag) so a borrower can check it mapped the arena it was promised; blocks follow it. A failed or
+The region starts with a 4 KiB header (magic, version, sizes, owner pid and uuid, a revoked
+flag) so a borrower can check it mapped the region it was promised; the data follows it. A failed or
 revoked mapping raises MappingError with a `reason`: an expected event the caller handles (fall
 back to host memory or recompute), not a crash.
 """
@@ -21,11 +24,9 @@ from multiprocessing import shared_memory
 
 import torch
 
-from swift_kernels import KVGeometry
-
 from ..common.private_resources import shm_name
 from ..common.process import process_alive
-from .block_size import BLOCK_ALIGN_BYTES, unused_bytes
+from .block_size import BLOCK_ALIGN_BYTES
 
 HEADER_BYTES = 4096  # a multiple of BLOCK_ALIGN_BYTES, so the blocks after it stay aligned
 _MAGIC = b"SWIFTARN"
@@ -45,8 +46,8 @@ DESCRIPTOR_KEYS = (
 
 
 class MappingError(RuntimeError):
-    """The arena could not be mapped or is no longer valid. `reason` is one of: bad_descriptor,
-    not_found, owner_dead, size, identity, geometry, revoked, unsupported."""
+    """The region could not be mapped or is no longer valid. `reason` is one of:
+    bad_descriptor, not_found, owner_dead, size, identity, revoked, unsupported."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(f"{reason}: {message}")
@@ -85,9 +86,10 @@ def _desc_get(desc, key):
 
 
 class SharedArena:
-    """A donor's arena in memory other processes can map: a header and `num_blocks` blocks of
-    `block_bytes`. It holds the memory only; who owns each block is the donor's `DonorLedger`
-    (control/ledger.py), which the donor's agent keeps."""
+    """A region of memory other processes can map: a header and `num_blocks` blocks of
+    `block_bytes` (a lending server's pool is one block holding the whole pool). It holds the
+    memory only; who owns each page is the donor's `DonorLedger` (control/ledger.py), which the
+    donor's agent keeps."""
 
     def __init__(
         self, num_blocks: int, block_bytes: int, device: str = "cpu", name_prefix: str = "swift"
@@ -95,8 +97,8 @@ class SharedArena:
         if num_blocks <= 0 or block_bytes <= 0 or block_bytes % BLOCK_ALIGN_BYTES:
             raise ValueError(
                 f"an arena needs num_blocks > 0 and block_bytes a positive multiple of "
-                f"{BLOCK_ALIGN_BYTES}, got {num_blocks} x {block_bytes}; size blocks with "
-                f"block_bytes_for() or choose_block_bytes()"
+                f"{BLOCK_ALIGN_BYTES}, got {num_blocks} x {block_bytes}; round the size up to "
+                f"BLOCK_ALIGN_BYTES"
             )
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.device = torch.device(device)
@@ -180,7 +182,7 @@ class SharedArena:
 
 @dataclass
 class MappedArena:
-    """A borrower's view of a donor arena. `memory` is uint8 [num_blocks, block_bytes]."""
+    """A borrower's view of a donor's region. `memory` is uint8 [num_blocks, block_bytes]."""
 
     descriptor: dict
     memory: torch.Tensor
@@ -220,38 +222,26 @@ class MappedArena:
                 pass
 
 
-class _ShmAttach:
-    """A borrower's attachment to a donor's shared memory. Opened directly (not through
-    multiprocessing.SharedMemory) so no resource tracker ever unlinks the donor's segment."""
+def _open_shm(name: str) -> mmap.mmap:
+    """Map a donor's shared memory. Opened directly (not through multiprocessing.SharedMemory)
+    so no resource tracker ever unlinks the donor's segment."""
+    import _posixshmem
 
-    def __init__(self, name: str):
-        import _posixshmem
-
-        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
-        try:
-            self.size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap)
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()  # BufferError while a tensor still views it; the caller handles that
-
-
-def _open_shm(name: str) -> _ShmAttach:
     try:
-        return _ShmAttach(name)
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
     except FileNotFoundError as e:
         raise MappingError(
             "not_found", f"shared memory {name!r} is gone (revoked or the donor exited)"
         ) from e
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
-def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
-    """Map a donor's arena from its descriptor (a dict or any object with the protocol's
-    attributes); checks size, geometry and owner identity, raises MappingError on failure."""
+def map_arena(desc) -> MappedArena:
+    """Map a donor's region from its descriptor (a dict or any object with the protocol's
+    attributes); checks sizes and owner identity, raises MappingError on failure."""
     d = {k: _desc_get(desc, k) for k in DESCRIPTOR_KEYS}
     try:
         nb, bb, total = int(d["num_blocks"]), int(d["block_bytes"]), int(d["total_bytes"])
@@ -262,22 +252,17 @@ def map_arena(desc, geometry: KVGeometry | None = None) -> MappedArena:
             "bad_descriptor",
             f"inconsistent sizes: total_bytes={total}, num_blocks={nb}, block_bytes={bb}",
         )
-    if geometry is not None:
-        try:
-            unused_bytes(geometry, bb)
-        except ValueError as e:
-            raise MappingError("geometry", str(e)) from e
     if not owner_alive(int(d["owner_pid"])):
         raise MappingError("owner_dead", f"donor pid {d['owner_pid']} is not running")
     shm = None
     if d["kind"] == "shm":
         shm = _open_shm(bytes(d["handle"]).decode())
-        if shm.size < total:
+        if (size := len(shm)) < total:
             shm.close()
             raise MappingError(
-                "size", f"shared memory holds {shm.size} bytes, descriptor says {total}"
+                "size", f"shared memory holds {size} bytes, descriptor says {total}"
             )
-        region = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
+        region = torch.frombuffer(shm, dtype=torch.uint8, count=total)
     elif d["kind"] == "cuda_ipc":
         from .cuda_ipc import open_handle
 

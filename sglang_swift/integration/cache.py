@@ -160,7 +160,6 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         self.root_node = self.tree.root
         self.evictable_size_ = 0
         self.protected_size_ = 0
-        self.evictable_leaves = set()  # unused: radix_ext keeps its own leaf set
         self._empty_device_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._empty_match_result = MatchResult(
             device_prefix_len=0,
@@ -251,7 +250,8 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         self.tree.lock(node)
         return IncLockRefResult(delta=self.tree.evictable_size() - before)
 
-    def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+    def dec_lock_ref(self, node: Any,
+                     params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
         if self.disable:
             return DecLockRefResult(delta=0)
         before = self.tree.evictable_size()

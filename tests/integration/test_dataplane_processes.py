@@ -1,7 +1,8 @@
 """The data plane across two real processes on CPU (POSIX shared memory).
 
-- Round trip: a donor process exports an arena; a borrower process maps it, stores a prefix into
-  leased blocks and loads it back layer by layer: bit-identical, and the donor sees the bytes.
+- Round trip: a donor process holds a pool of the borrower's shape in shared memory and lends
+  some of its pages; a borrower process maps it, stores a prefix into the lease's blocks and
+  loads it back layer by layer: bit-identical, and the donor sees the bytes.
 - Abort: the donor process is killed while the borrower is loading; the borrower's waits end
   within its timeout and name the failed layers.
 - Pool lease: a donor process holds its own SGLang-shaped KV pool in shared memory and lends
@@ -56,29 +57,38 @@ def _hear() -> dict:
     return json.loads(line)
 
 
-def _digest(memory, blocks) -> str:
-    import torch
+def _digest(region) -> str:
+    return hashlib.sha256(region.numpy().tobytes()).hexdigest()
 
-    return hashlib.sha256(memory[torch.tensor(blocks)].numpy().tobytes()).hexdigest()
+
+def _pool_region(g, pages: int):
+    """A pool of `pages` pages of `g` in a shared region, as a lending server holds its own:
+    (region, layout)."""
+    from sglang_swift.dataplane import BLOCK_ALIGN_BYTES, PoolLayout, SharedArena
+
+    rows = pages * g.page_size
+    layout = PoolLayout(g, rows, rows)
+    return SharedArena(1, -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES), layout
 
 
 def donor_main() -> None:
     from sglang_swift.control.ledger import DonorLedger
-    from sglang_swift.dataplane import KVGeometry, SharedArena, block_bytes_for
+    from sglang_swift.dataplane import KVGeometry
 
     g = KVGeometry.from_dict(GEOMETRY)
-    arena = SharedArena(16, block_bytes_for(g))
+    arena, layout = _pool_region(g, 16)
     book = DonorLedger()  # the donor's book, as its agent keeps it live
-    book.offer(range(arena.num_blocks))
+    book.offer(range(layout.num_pages))
     try:
-        blocks = sorted(book.grant("borrower", 1, -(-N_TOKENS // g.page_size), 0).active)
+        pages = sorted(book.grant("borrower", 1, -(-N_TOKENS // g.page_size), 0).active)
         book.check_integrity()
         desc = arena.export()
-        _say({"desc": {**desc, "handle": desc["handle"].hex()}, "blocks": blocks})
+        _say({"desc": {**desc, "handle": desc["handle"].hex(), "layout": layout.to_dict()},
+              "blocks": pages})
         while True:
             msg = _hear()
             if msg["cmd"] == "digest":
-                _say({"digest": _digest(arena.memory, msg["blocks"])})
+                _say({"digest": _digest(arena.memory.view(-1))})
             elif msg["cmd"] == "exit":
                 break
     finally:
@@ -99,12 +109,10 @@ def pool_donor_main() -> None:
     import torch
 
     from sglang_swift.control.ledger import DonorLedger
-    from sglang_swift.dataplane import BLOCK_ALIGN_BYTES, KVGeometry, PoolLayout, SharedArena
+    from sglang_swift.dataplane import KVGeometry
 
     g = KVGeometry.from_dict(POOL_DONOR)
-    rows = POOL_PAGES * g.page_size
-    layout = PoolLayout(g, rows, rows)
-    arena = SharedArena(1, -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES)
+    arena, layout = _pool_region(g, POOL_PAGES)
     k, v = layout.views(arena.memory.view(-1))  # what SGLang's pool would hold
     gen = torch.Generator().manual_seed(77)
     for buf in k + v:  # the donor's own KV in every page
@@ -138,8 +146,13 @@ def pool_donor_main() -> None:
 def pool_borrower_main() -> None:
     import torch
 
-    from sglang_swift.dataplane import (CpuLayerCounter, KVGeometry, LeasePacking,
-                                        PoolTransferEngine, map_pool)
+    from sglang_swift.dataplane import (
+        CpuLayerCounter,
+        KVGeometry,
+        LeasePacking,
+        PoolTransferEngine,
+        map_pool,
+    )
 
     g = KVGeometry.from_dict(POOL_BORROWER)
     msg = _hear()
@@ -189,13 +202,20 @@ def pool_borrower_main() -> None:
 def borrower_main(mode: str) -> None:
     import torch
 
-    from sglang_swift.dataplane import CpuLayerCounter, KVGeometry, TransferEngine, map_arena
+    from sglang_swift.dataplane import (
+        CpuLayerCounter,
+        KVGeometry,
+        LeasePacking,
+        PoolTransferEngine,
+        map_pool,
+    )
 
     g = KVGeometry.from_dict(GEOMETRY)
     msg = _hear()
     desc = {**msg["desc"], "handle": bytes.fromhex(msg["desc"]["handle"])}
-    blocks = msg["blocks"]
-    mapped = map_arena(desc, g)
+    mapped = map_pool(desc)
+    packing = LeasePacking(g, mapped.layout, msg["blocks"])  # one donor page per block
+    blocks = list(range(packing.num_blocks))
     gen = torch.Generator().manual_seed(1234)
     num_slots = 128
     k = [
@@ -208,8 +228,8 @@ def borrower_main(mode: str) -> None:
     ]
     pages = torch.randperm(num_slots // g.page_size, generator=gen)[: len(blocks)]
     slots = (pages[:, None] * g.page_size + torch.arange(g.page_size)).reshape(-1)[:N_TOKENS]
-    engine = TransferEngine(mapped.memory, g, liveness=mapped.alive)
-    stored = engine.begin_store(k, v, slots, blocks).wait(TIMEOUT_S)
+    engine = PoolTransferEngine(packing, mapped.region, k, v, liveness=mapped.alive)
+    stored = engine.begin_store(slots, blocks).wait(TIMEOUT_S)
     dst = torch.randperm(num_slots, generator=gen)[:N_TOKENS]  # load into other, scattered slots
     k2 = [torch.full_like(x, float("nan")) for x in k]
     v2 = [torch.full_like(x, float("nan")) for x in v]
@@ -221,7 +241,8 @@ def borrower_main(mode: str) -> None:
             _say({"at_layer": layer})
             _hear()  # the parent kills the donor, then says go
 
-    handle = engine.begin_load(k2, v2, dst, blocks, counter, before_layer=before_layer)
+    loader = PoolTransferEngine(packing, mapped.region, k2, v2, liveness=mapped.alive)
+    handle = loader.begin_load(dst, blocks, counter, before_layer=before_layer)
     counter.set_consumer(handle.producer_id)
     t0 = time.monotonic()
     oks, identical = [], []
@@ -244,10 +265,11 @@ def borrower_main(mode: str) -> None:
             "failed": list(counter.failed_layers()),
             "reason": counter.failure_reason(),
             "load_ok": result.ok,
-            "digest": _digest(mapped.memory, blocks),
+            "digest": _digest(mapped.arena.memory.view(-1)),
         }
     )
     engine.close()
+    loader.close()
     mapped.close()
 
 
@@ -311,7 +333,7 @@ def test_two_processes_store_and_load_back_bit_identical(tmp_path):
         out = borrower.recv()
         assert out["stored"] and out["load_ok"] and all(out["oks"]), out
         assert all(out["identical"]), out
-        donor.send({"cmd": "digest", "blocks": offer["blocks"]})
+        donor.send({"cmd": "digest"})
         assert donor.recv()["digest"] == out["digest"]  # the donor's memory holds the stored KV
         donor.send({"cmd": "exit"})
         assert donor.proc.wait(timeout=60) == 0

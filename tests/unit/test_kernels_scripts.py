@@ -1,5 +1,6 @@
 """The CPU-safe parts of the transfer scripts: scripts/gpu_check.py parses, formats and refuses
-cleanly without CUDA; scripts/bench_transfer.py runs end to end at toy size and ends with JSON."""
+cleanly without CUDA and runs its whole flow on CPU; scripts/bench_transfer.py runs end to end
+at toy size and ends with JSON."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import swift_kernels as sk
 
 ROW = {
     "page_size": 16,
+    "donor_page_size": 8,
+    "donor_layers": 36,
     "bytes": 2**30,
     "copy_gbps": 4000.0,
     "store_gbps": 3600.0,
     "load_gbps": 3000.0,
     "load_ms_per_layer": 0.01,
-    "store_tuning": {"block": 1024, "tokens": 4, "num_warps": 4},
-    "load_tuning": None,
+    "unit": 1024,
+    "backend": "triton",
 }
 
 
@@ -38,7 +41,7 @@ def test_gpu_check_table_and_summary():
     lines = table.splitlines()
     assert "store GB/s" in lines[0] and len(lines) == 3
     assert "0.90" in lines[2] and "0.75" in lines[2] and "below 0.85x" in lines[2]
-    assert "B1024/T4/W4 | -" in lines[2]
+    assert "36L/p8" in lines[2] and "triton" in lines[2]
     s = gpu_check.summarize([ROW], {"kernels": True}, 0.85)
     assert s["ok"] and s["store_ratio"] == 0.9 and s["load_ratio"] == 0.75
     assert not gpu_check.summarize([], {"kernels": False}, 0.85)["ok"]
@@ -54,12 +57,12 @@ def test_gpu_check_exits_clearly_without_cuda(capsys):
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not sk.triton_available(), reason="the dry run interprets the Triton kernels")
 def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
-    """The GPU script's flow end to end on CPU at toy size: kernels vs reference (interpreted),
-    export to a second process (shm standing in for CUDA IPC), layer-wise round trip through the
-    engine and counter, the donor seeing the borrower's bytes, the table and the JSON line; and
-    the pool-lease part: a live pool region of another shape lent to the second process, round
-    trip, packing rule, both copy paths, the cross-device path with both devices "cpu"; and the
-    layer-streamed load under per-layer attention, bit-identical, with its timing ratio."""
+    """The GPU script's flow end to end on CPU at toy size: the row copy vs its reference
+    (interpreted); per page size a live pool region of another shape lent to a second process
+    (shm standing in for CUDA IPC), layer-wise round trip through the engine and counter,
+    packing rule, both copy paths, an exchange, the cross-device path with both devices "cpu",
+    the donor seeing the borrower's bytes; the table and the JSON line; and the layer-streamed
+    load under per-layer attention, bit-identical, with its timing ratio."""
     rc = gpu_check.main(
         [
             "--dry-run-cpu",
@@ -68,7 +71,7 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
             "--layers",
             "2",
             "--page-sizes",
-            "8",
+            "4,8",
             "--repeats",
             "1",
             "--kv-heads",
@@ -81,14 +84,16 @@ def test_gpu_check_whole_flow_dry_run_on_cpu(capsys):
     summary = json.loads(out[-1])
     assert rc == 0 and summary["ok"], out
     checks = summary["checks"]
-    assert checks["ipc_roundtrip_page8"] and checks["donor_sees_borrower_bytes"]
+    assert all(checks[f"row_copy_{t}"] for t in ("uint8", "int16", "int32", "int64"))
     for name in ("pool_ipc_roundtrip", "pool_stream_matches_rule", "pool_backends_agree",
                  "pool_exchange", "pool_cross_device", "pool_donor_sees_bytes"):
         assert checks[name] is True, name
-    assert summary["pool"]["backend"] == "triton"
+    assert summary["pool"]["backend"] == "triton" and summary["path"] == "pool-lease"
+    assert summary["store_ratio"] is not None and summary["load_ratio"] is not None
     assert checks["stream_load_bit_identical"] is True and summary["stream"]["ratio"] > 0
     assert any(line.startswith("pool lease:") and "cross-device: borrower pool on cpu" in line
                for line in out)
+    assert any(line.strip().startswith("4 ") for line in out)
     assert any(line.strip().startswith("8 ") for line in out)
 
 
@@ -100,5 +105,5 @@ def test_bench_transfer_toy_run_ends_with_json(capsys):
     assert rc == 0
     summary = json.loads(out[-1])
     assert {"store_ratio", "load_ratio", "path", "verified"} <= set(summary)
-    assert summary["verified"] and summary["path"] == "cpu-vectorized"
-    assert "vectorized" in out[0]
+    assert summary["verified"] and summary["path"] == "cpu-pool-lease"
+    assert "PoolTransferEngine" in out[0]

@@ -10,15 +10,19 @@ import pytest
 import torch
 
 from sglang_swift.dataplane import (
+    BLOCK_ALIGN_BYTES,
     CpuLayerCounter,
     KVGeometry,
+    LeasePacking,
+    PoolLayout,
+    PoolTransferEngine,
     SharedArena,
-    TransferEngine,
-    block_bytes_for,
     make_layer_counter,
+    map_pool,
 )
 
 G = KVGeometry(4, 2, 8, 8, torch.float16, 4)
+DONOR_PAGES = 8
 
 
 class FakeKVPool:
@@ -114,22 +118,45 @@ def test_timeout_ends_the_wait_and_fails_the_rest():
     assert c.wait_until(2) is False and time.monotonic() - t0 < 1.0  # no second timeout
 
 
-def _engine_setup(n=10):
-    donor = SharedArena(8, block_bytes_for(G))
-    blocks = list(range(-(-n // G.page_size)))  # a fresh lease's blocks
-    k = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]
-    v = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]
-    slots = torch.randperm(32)[:n]
-    eng = TransferEngine(donor.memory, G)
-    assert eng.begin_store(k, v, slots, blocks).wait(30).ok
-    k2 = [torch.full_like(x, float("nan")) for x in k]
-    v2 = [torch.full_like(x, float("nan")) for x in v]
-    return donor, eng, blocks, slots, k, v, k2, v2
+class Setup:
+    """A donor pool of G's shape in a shared region, a lease of its pages in reversed order, a
+    borrower pool `k` / `v` whose `slots` were stored into lease blocks `blocks`, and a
+    poisoned borrower pool `k2` / `v2` to load into (`loader`)."""
+
+    def __init__(self, n=10):
+        rows = DONOR_PAGES * G.page_size
+        self.layout = PoolLayout(G, rows, rows)
+        size = -(-self.layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+        self.donor = SharedArena(1, size)
+        self.packing = LeasePacking(G, self.layout, list(range(DONOR_PAGES - 1, -1, -1)))
+        self.blocks = list(range(-(-n // G.page_size)))
+        self.k = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]
+        self.v = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]
+        self.slots = torch.randperm(32)[:n]
+        self.engines: list[PoolTransferEngine] = []
+        assert self.engine(self.k, self.v).begin_store(self.slots, self.blocks).wait(30).ok
+        self.k2 = [torch.full_like(x, float("nan")) for x in self.k]
+        self.v2 = [torch.full_like(x, float("nan")) for x in self.v]
+
+    def engine(self, k, v, region=None, **kw) -> PoolTransferEngine:
+        region = self.donor.memory.view(-1) if region is None else region
+        eng = PoolTransferEngine(self.packing, region, k, v, **kw)
+        self.engines.append(eng)
+        return eng
+
+    def loader(self, **kw) -> PoolTransferEngine:
+        return self.engine(self.k2, self.v2, **kw)
+
+    def close(self) -> None:
+        for eng in self.engines:
+            eng.close()
+        self.donor.close()
 
 
 def test_layer_l_is_readable_while_layer_l_plus_1_is_in_flight():
     """Invariant: attention on layer 0 can read its KV while the loader is held before layer 1."""
-    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    rig = Setup()
+    blocks, slots, k, v, k2, v2 = rig.blocks, rig.slots, rig.k, rig.v, rig.k2, rig.v2
     gate, at_gate = threading.Event(), threading.Event()
 
     def hold_before_layer_1(layer):
@@ -141,7 +168,7 @@ def test_layer_l_is_readable_while_layer_l_plus_1_is_in_flight():
         counter = CpuLayerCounter(G.num_layers, timeout_s=30)
         pool = FakeKVPool(k2, v2)
         pool.register_layer_transfer_counter(counter)
-        h = eng.begin_load(k2, v2, slots, blocks, counter, before_layer=hold_before_layer_1)
+        h = rig.loader().begin_load(slots, blocks, counter, before_layer=hold_before_layer_1)
         counter.set_consumer(h.producer_id)
         assert at_gate.wait(30)
         assert torch.equal(pool.get_key_buffer(0)[slots], k[0][slots])
@@ -154,15 +181,15 @@ def test_layer_l_is_readable_while_layer_l_plus_1_is_in_flight():
         assert h.wait(30).ok
     finally:
         gate.set()
-        eng.close()
-        donor.close()
+        rig.close()
 
 
 def test_lost_donor_mid_load_fails_the_remaining_layers():
-    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    """Invariant: the loader asks liveness before each layer; a donor lost before layer 2
+    fails layers 2 and 3 and copies nothing more."""
+    rig = Setup()
     alive = threading.Event()
     alive.set()
-    eng.liveness = alive.is_set
 
     def lose_donor_before_layer_2(layer):
         if layer == 2:
@@ -170,24 +197,28 @@ def test_lost_donor_mid_load_fails_the_remaining_layers():
 
     try:
         counter = CpuLayerCounter(G.num_layers, timeout_s=30)
-        h = eng.begin_load(k2, v2, slots, blocks, counter, before_layer=lose_donor_before_layer_2)
+        h = rig.loader(liveness=alive.is_set).begin_load(
+            rig.slots, rig.blocks, counter, before_layer=lose_donor_before_layer_2)
         counter.set_consumer(h.producer_id)
         oks = [counter.wait(layer).ok for layer in range(G.num_layers)]
         assert oks == [True, True, False, False]
         res = h.wait(30)
         assert not res.ok and res.failed_layers == (2, 3) and res.reason == "donor lost"
+        assert torch.isnan(rig.k2[2][rig.slots].float()).all()
     finally:
-        eng.close()
-        donor.close()
+        rig.close()
 
 
 def test_stuck_load_times_out_and_reports_layers():
-    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    """Invariant: a consumer's wait past the counter's timeout fails the remaining layers; the
+    loader, released later, sees the abandoned slot and copies nothing more."""
+    rig = Setup()
+    slots, k2 = rig.slots, rig.k2
     gate = threading.Event()
     try:
         counter = CpuLayerCounter(G.num_layers, timeout_s=0.5)
-        h = eng.begin_load(
-            k2, v2, slots, blocks, counter, before_layer=lambda layer: layer == 1 and gate.wait(60)
+        h = rig.loader().begin_load(
+            slots, rig.blocks, counter, before_layer=lambda layer: layer == 1 and gate.wait(60)
         )
         counter.set_consumer(h.producer_id)
         assert counter.wait_until(0) is True
@@ -201,8 +232,7 @@ def test_stuck_load_times_out_and_reports_layers():
         assert torch.isnan(k2[1][slots].float()).all()
     finally:
         gate.set()  # let the loader thread finish; it sees the abandoned slot and stops
-        eng.close()
-        donor.close()
+        rig.close()
 
 
 def test_cuda_counter_records_on_the_copy_stream_and_waits_on_the_device(monkeypatch):
@@ -226,18 +256,18 @@ def test_cuda_counter_records_on_the_copy_stream_and_waits_on_the_device(monkeyp
     assert c.wait_until(2) is False and waited == ["ev1", "ev2"]
 
 
-def test_revoked_arena_mid_load_fails_the_remaining_layers():
-    """Invariant: a donor revoking its arena during a load is seen by the loader's liveness
+def test_revoked_region_mid_load_fails_the_remaining_layers():
+    """Invariant: a donor revoking its region during a load is seen by the loader's liveness
     check (the mapping's header) before the next layer; nothing after it is copied."""
-    from sglang_swift.dataplane import map_arena
-
-    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
-    mapped = map_arena(donor.export(), G)
-    borrower = TransferEngine(mapped.memory, G, liveness=mapped.alive)
+    rig = Setup()
+    slots, k, k2 = rig.slots, rig.k, rig.k2
+    mapped = map_pool({**rig.donor.export(), "layout": rig.layout.to_dict()})
+    borrower = rig.loader(region=mapped.region, liveness=mapped.alive)
     try:
         counter = CpuLayerCounter(G.num_layers, timeout_s=30)
         h = borrower.begin_load(
-            k2, v2, slots, blocks, counter, before_layer=lambda i: i == 2 and donor.revoke_export()
+            slots, rig.blocks, counter,
+            before_layer=lambda i: i == 2 and rig.donor.revoke_export()
         )
         counter.set_consumer(h.producer_id)
         res = h.wait(30)
@@ -246,9 +276,8 @@ def test_revoked_arena_mid_load_fails_the_remaining_layers():
         assert torch.equal(k2[1][slots], k[1][slots]) and torch.isnan(k2[2][slots].float()).all()
     finally:
         borrower.close()
-        eng.close()
         mapped.close()
-        donor.close()
+        rig.close()
 
 
 @pytest.mark.parametrize(
@@ -256,7 +285,10 @@ def test_revoked_arena_mid_load_fails_the_remaining_layers():
     [("layers", "geometry has 4 layers"), ("heads", "do not match"), ("dtype", "layer 3: ")],
 )
 def test_engine_rejects_mismatched_buffers_before_copying(problem, message):
-    donor, eng, blocks, slots, k, v, k2, v2 = _engine_setup()
+    """Invariant: buffers that do not match the borrower's geometry are refused, naming the
+    problem, before anything is written to donor memory."""
+    rig = Setup()
+    k2, v2 = rig.k2, rig.v2
     try:
         if problem == "layers":
             k2, v2 = k2[:3], v2[:3]
@@ -264,10 +296,9 @@ def test_engine_rejects_mismatched_buffers_before_copying(problem, message):
             k2 = [torch.zeros(32, 1, 8, dtype=G.dtype) for _ in k2]
         else:
             k2, v2 = k2[:3] + [k2[3].float()], v2[:3] + [v2[3].float()]
-        before = donor.memory.clone()
+        before = rig.donor.memory.clone()
         with pytest.raises(ValueError, match=message):
-            eng.begin_store(k2, v2, slots, blocks)
-        assert torch.equal(donor.memory, before)
+            rig.engine(k2, v2)
+        assert torch.equal(rig.donor.memory, before)
     finally:
-        eng.close()
-        donor.close()
+        rig.close()
