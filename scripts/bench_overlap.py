@@ -9,8 +9,9 @@ pool. In one run it measures:
   local device hit, and as a donor hit (pushed out of the pool by later prefixes, so its
   demotion stored it in the donor's pages);
 - the scheduler thread's time spent waiting on copies per load (the borrower's load trace,
-  `SWIFTCACHE_LOAD_TRACE`: waits on a load copy or on a store an eviction needed, between the
-  load's admission and the end of its forward), and the time attention waited for its layer;
+  `SWIFTCACHE_LOAD_TRACE`, `benchmarks.instruments`: waits on a load copy or on a store an
+  eviction needed, between the load's admission and the end of its forward), and the time
+  attention waited for its layer;
 - inter-token latency of a decode running while other requests arrive, once with local hits
   and once with donor hits;
 - one load's per-layer timeline (when each layer was in place against when attention reached
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -38,10 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.instruments import instruments_env  # noqa: E402
 from benchmarks.tools.demo import wait_for_lease  # noqa: E402
 from benchmarks.tools.local_server import LocalServer  # noqa: E402
 from benchmarks.tools.tiny_model import MODEL_SHAPES, ensure_tiny_model  # noqa: E402
-
 
 SHAPE = MODEL_SHAPES["small"]
 # fp32 K and V of every layer: 2 x layers x KV heads x head dim x 4 bytes (8 KiB)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     rv = str(work / "rv")
     common = ["--dtype", "float32", "--swiftcache-rendezvous-dir", rv,
               "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3"]
-    env = dict(os.environ, SWIFTCACHE_LOAD_TRACE=str(trace))
+    env = instruments_env(load_trace=str(trace))
     # the donor lends enough pages for every prefix of the run (16384 borrower blocks): nothing
     # is dropped from the donor tier, so each donor hit is one
     donor = LocalServer(tiny, max_total_tokens=131072, log_path=work / "donor.log",

@@ -14,9 +14,10 @@ A context c is served when a prompt of c - OUT tokens returns OUT greedy tokens 
 reference's; the longest served c of each server is found by a binary search. Costs: a prompt
 near the streamed server's limit, 1 + K new tokens, on the streamed server and on the resident
 one (a new salt each time, so nothing is a cache hit). Both servers trace every forward pass
-(SWIFTCACHE_FORWARD_TRACE) and run one compute thread, so a forward's thread CPU time is its
-cost even on a shared machine: prefill per token = the prompt's extend forwards / its tokens,
-decode step = the median decode forward; medians over repeats taken alternately.
+(SWIFTCACHE_FORWARD_TRACE, `benchmarks.instruments`) and run one compute thread, so a forward's
+thread CPU time is its cost even on a shared machine: prefill per token = the prompt's extend
+forwards / its tokens, decode step = the median decode forward; medians over repeats taken
+alternately.
 The GPU estimate beside them is `cost_model.expected_costs` (bandwidths with sources).
 
 With `--resident-fraction f` > 0 the streamed server keeps that fraction of its local KV memory as
@@ -41,12 +42,22 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from ..instruments import instruments_env
 from . import cost_model
 from .context_resident import ResidentPlan, check_resident_pool, short_prompt_len
-from .context_servers import (ContextProbe, donor_reads, flush_cache, generate, longest_served,
-                              model_shape, prompt_ids, read_trace, streamed_pool_log,
-                              wait_store_on_donor)
-from sglang_swift.layer_stream.hooks import FORWARD_TRACE_ENV
+from .context_servers import (
+    ContextProbe,
+    donor_reads,
+    flush_cache,
+    generate,
+    longest_served,
+    model_shape,
+    prompt_ids,
+    read_trace,
+    streamed_pool_log,
+    wait_store_on_donor,
+)
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -165,8 +176,7 @@ def run(setup: Setup, model_dir, resident_fraction: float = 0.0) -> dict:
 
     def env(trace: str | None) -> dict:
         # one compute thread per server: the forward's thread CPU time is then all its work
-        extra = {"OMP_NUM_THREADS": "1", **({FORWARD_TRACE_ENV: trace} if trace else {})}
-        return {**os.environ, **extra}
+        return instruments_env({**os.environ, "OMP_NUM_THREADS": "1"}, forward_trace=trace)
 
     stock = LocalServer(model_dir, swiftcache=False, max_total_tokens=setup.pool,
                         extra_args=common, log_path="/tmp/bench-context-stock.log", env=env(None))
@@ -275,8 +285,9 @@ def report(result: dict) -> str:
         f"identical={result['identical']}",
         f"CPU costs at a {c['prompt_tokens']}-token prompt: decode step "
         f"{c['decode_step_ms_streamed']:.1f} ms streamed vs {c['decode_step_ms_resident']:.1f} ms "
-        f"resident (x{c['decode_step_ratio']:.2f}); prefill {c['prefill_ms_per_token_streamed']:.3f}"
-        f" vs {c['prefill_ms_per_token_resident']:.3f} ms/token (x{c['prefill_token_ratio']:.2f}); "
+        f"resident (x{c['decode_step_ratio']:.2f}); prefill "
+        f"{c['prefill_ms_per_token_streamed']:.3f} vs "
+        f"{c['prefill_ms_per_token_resident']:.3f} ms/token (x{c['prefill_token_ratio']:.2f}); "
         f"of which layer copies {c['copy_ms_per_decode_step']:.2f} ms per step, "
         f"{c['copy_ms_per_prefill_token']:.4f} ms per prefill token",
     ]
@@ -289,7 +300,8 @@ def report(result: dict) -> str:
             f"step {sh['decode_step_ms_streamed']:.1f} ms streamed vs "
             f"{sh['decode_step_ms_resident']:.1f} ms resident (x{sh['decode_step_ratio']:.2f}); "
             f"prefill {sh['prefill_ms_per_token_streamed']:.3f} vs "
-            f"{sh['prefill_ms_per_token_resident']:.3f} ms/token (x{sh['prefill_token_ratio']:.2f});"
+            f"{sh['prefill_ms_per_token_resident']:.3f} ms/token "
+            f"(x{sh['prefill_token_ratio']:.2f});"
             f" rows copied per request {sh['rows_copied_per_request']}",
         ]
     lines += [
@@ -298,7 +310,8 @@ def report(result: dict) -> str:
     for r in result["expected_gpu"]:
         lines.append(f"  {r['gpu']:5s} {r['link']:24s} {r['link_GBps']:6.1f} GB/s: decode step "
                      f"{r['decode_streamed_ms']:.1f} vs {r['decode_resident_ms']:.1f} ms "
-                     f"(x{r['decode_step_ratio']:.2f}), prefill token x{r['prefill_token_ratio']:.2f}")
+                     f"(x{r['decode_step_ratio']:.2f}), prefill token "
+                     f"x{r['prefill_token_ratio']:.2f}")
     return "\n".join(lines)
 
 

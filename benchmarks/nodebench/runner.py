@@ -19,14 +19,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_swift.layer_stream.hooks import FORWARD_TRACE_ENV
+from ..instruments import instruments_env
 from ..loadgen.client import RequestRecord
 from ..tools.demo import ctl, wait_for_lease
 from ..tools.local_server import LocalServer, start_all
 from .observe import CapacitySampler, cpu_delta, scrape, thread_cpu_s
 from .plan import ModelFacts, NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
-from .traffic import (BusyReplay, Marks, Traffic, burst, flush_donor, round_order, session,
-                      steady, warm_up_donor)
+from .traffic import (
+    BusyReplay,
+    Marks,
+    Traffic,
+    burst,
+    flush_donor,
+    round_order,
+    session,
+    steady,
+    warm_up_donor,
+)
 
 LEASE_TIMEOUT_S = 180.0
 STARTUP_TIMEOUT_S = 600.0  # two servers starting side by side took 85-100 s each at load ~10
@@ -114,7 +123,7 @@ MALLOC_KEEPS_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
 
 def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
     """Where a server of a --diagnose run appends one JSON line per forward pass (its wall and
-    thread CPU time: `layer_stream.hooks`, SWIFTCACHE_FORWARD_TRACE)."""
+    thread CPU time: `benchmarks.instruments`, SWIFTCACHE_FORWARD_TRACE)."""
     return out_dir / f"{spec.name}-{role}.forward.jsonl"
 
 
@@ -128,7 +137,8 @@ def bench_server(model: Path, spec: RunSpec, role: str, pool: int, args: list[st
     if diagnose:
         path = forward_trace_path(out_dir, spec, role)
         path.unlink(missing_ok=True)  # the server appends
-        env, extra = {**env, FORWARD_TRACE_ENV: str(path.resolve())}, list(DIAGNOSE_ARGS)
+        env = instruments_env(env, forward_trace=str(path.resolve()))
+        extra = list(DIAGNOSE_ARGS)
     return LocalServer(model, swiftcache=spec.swiftcache, max_total_tokens=pool,
                        extra_args=[*args, *extra], log_path=out_dir / f"{spec.name}-{role}.log",
                        env=env, startup_timeout_s=STARTUP_TIMEOUT_S)

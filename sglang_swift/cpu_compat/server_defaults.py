@@ -24,6 +24,7 @@ from .engine_choice import ENGINE_ENV, recorded_choice
 
 logger = logging.getLogger(__name__)
 
+# listed, with how the plugin checks it, in integration/touchpoints.py (CPU_DEFAULTS)
 RESOLVE_ONCE = "sglang.srt.server_args.ServerArgs.resolve_once"
 # (ServerArgs field, its flag, the value that works on SGLang's CPU engine with the stand-in)
 CPU_DEFAULTS = (("device", "--device", "cpu"),
@@ -65,7 +66,8 @@ def fill_cpu_defaults(server_args: Any, environ: dict[str, str] | None = None) -
 
 
 def before_resolve_once(server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """The hook: once per record, before its first resolution (later calls return early in SGLang)."""
+    """The hook: once per record, before its first resolution (later calls return early in
+    SGLang). Reads two private attributes of ServerArgs (`touchpoints.RESOLUTION_STATE`)."""
     if getattr(server_args, "_resolution_finished", False) or \
             getattr(server_args, "_resolution_failed", False):
         return None

@@ -9,13 +9,9 @@ here, at start-up, with the fix.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
-# A file a borrower appends one JSON line to per batch load (layer ready / reached times, the
-# scheduler's waits): what scripts/bench_overlap.py plots. Read once, when the cache is built.
-LOAD_TRACE_ENV = "SWIFTCACHE_LOAD_TRACE"
 
 
 def model_kind(ctx: Any) -> str:
@@ -27,7 +23,8 @@ def model_kind(ctx: Any) -> str:
 
 
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
-    """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's TreeCacheBuildContext."""
+    """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's
+    TreeCacheBuildContext."""
     unsupported = [name for name, on in (
         ("hybrid sliding-window attention", getattr(ctx, "is_hybrid_swa", False)),
         ("hybrid SSM/mamba layers", getattr(ctx, "is_hybrid_ssm", False)),
@@ -47,9 +44,9 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                            f"reclaims would not reach every rank; use --tp 1, or run the server "
                            f"without --swiftcache-lend-fraction / --swiftcache-max-borrow-blocks)")
     if unsupported:
-        raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop those "
-                         f"options or run without --enable-swiftcache (SwiftCache has its own tiers: "
-                         f"no --enable-hierarchical-cache needed).")
+        raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop "
+                         f"those options or run without --enable-swiftcache (SwiftCache has its "
+                         f"own tiers: no --enable-hierarchical-cache needed).")
     from .cache import SwiftRadixCache
 
     tree_config = config.tree_config(params.page_size)
@@ -65,8 +62,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
             cache = SwiftRadixCache(params, tree_config, config, model=str(model),
                                     agent_id=agent_id, tp_worker=ctx.tp_worker,
                                     enable_metrics=bool(getattr(server_args, "enable_metrics",
-                                                                False)),
-                                    load_trace=os.environ.get(LOAD_TRACE_ENV) or None)
+                                                                False)))
         except UnshareablePool as exc:
             raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
                              f"{exc}") from None

@@ -75,7 +75,7 @@ class DonorHitsMixin:
         token_bytes = sum(buf[0].numel() * buf.element_size()
                           for buf in (*kv_pool.k_buffer, *kv_pool.v_buffer))
         self.loads = StreamingLoads(self, self.runtime, self.counter, self.runtime.stats,
-                                    load_trace, wait_budget=lambda tokens: LOAD_WAIT_FLOOR_S + (
+                                    wait_budget=lambda tokens: LOAD_WAIT_FLOOR_S + (
                                         tokens * token_bytes / LOAD_MIN_BYTES_PER_S))
         self.demotions = Demotions(self, self.runtime, self.runtime.stats)
 

@@ -52,7 +52,8 @@ def own_demand_tokens(scheduler: Any) -> int:
     budget, a running one its output budget left times the scheduler's new-token ratio (1 for
     `ignore_eos`); budgets clipped as SGLang clips them. A waiting request's cached prefix is
     counted too, and rightly: it sits in the tree's evictable part, which the lender counts as
-    room, and admission locks it. O(requests); 0 without a scheduler (tests, other callers)."""
+    room, and admission locks it. O(requests); 0 without a scheduler (tests, other callers).
+    A re-implementation of SGLang's arithmetic, checked at start-up (`touchpoints.OWN_DEMAND`)."""
     if scheduler is None:
         return 0
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS

@@ -2,27 +2,28 @@
 
 SGLang calls `register()` through the `sglang.srt.plugins` entry point in every process it starts
 (launcher, scheduler, detokenizer). Nothing else in this package touches SGLang at import time.
+Every target touched is an entry of `touchpoints.py`; a process registers only what it needs:
 
-What it does, through official extension points only:
-- AFTER-hooks `ServerArgs.add_cli_args` to add `--enable-swiftcache` and the `--swiftcache-*` options
-  derived from `SwiftConfig` (a bad value is an argparse error naming the option);
-- AFTER-hooks `ServerArgs.from_cli_args`: with the flag on, builds the one frozen `SwiftConfig`, carries
-  it to the spawned processes (a bookkeeping attribute that pickles with ServerArgs, plus an env var),
-  and selects the `swiftcache` backend; without the flag, leaves ServerArgs exactly as stock;
-- registers the `swiftcache` factory with `register_radix_cache_backend`;
-- BEFORE-hooks `Scheduler.get_next_batch_to_run` so the tree handles control events once per loop;
-- AFTER-hooks `Scheduler.get_new_batch_prefill` (a borrower starts the donor loads its batch
-  queued and sets the batch's layer-counter consumer index) and `Scheduler.run_batch` (after the
-  forward, requests whose load failed are aborted before their output is used): SGLang 0.5.23
-  drives its own layer-wise loads this way only for HiCache and the external linker;
-- AROUND-hooks `MHATokenToKVPool._create_buffers_normal` so a lending server's pool is allocated
-  in shareable memory (`shared_kv_pool.py`); every other server's pool is SGLang's own;
-- registers the layer stream cache's hooks (`layer_stream/hooks.py`: pool sizing and class, the
-  per-forward stream, the too-long-prompt message), each a no-op unless the server streams layers.
+- every process: AFTER-hooks `ServerArgs.add_cli_args` (adds `--enable-swiftcache` and the
+  `--swiftcache-*` options derived from `SwiftConfig`; a bad value is an argparse error naming the
+  option) and `ServerArgs.from_cli_args` (with the flag: builds the one frozen `SwiftConfig`,
+  carries it to the spawned processes as a bookkeeping attribute that pickles with ServerArgs and
+  as CONFIG_ENV, and selects the `swiftcache` backend; without it: leaves ServerArgs as stock);
+- a process of a server started with the flag (CONFIG_ENV inherited): the `swiftcache` backend
+  (`register_radix_cache_backend`) and the hooks its configuration uses (`server_hooks`):
+  BEFORE `Scheduler.get_next_batch_to_run` when it lends or borrows (control events once per
+  loop); AFTER `Scheduler.get_new_batch_prefill` and `Scheduler.run_batch` when it borrows (a
+  borrower starts the donor loads its batch queued, and after the forward aborts the requests
+  whose load failed: SGLang 0.5.23 drives its own layer-wise loads this way only for HiCache and
+  the external linker); AROUND `MHATokenToKVPool._create_buffers_normal` when it lends (the pool
+  in shareable memory, `shared_kv_pool.py`); the layer stream cache's hooks
+  (`layer_stream/hooks.py`) when it streams layers;
+- where the debug seam has a forward observer (`debug_seam.py`, benchmarks only): AROUND the
+  model forward.
 
-Before any of that it checks the installed sglang version and that every hook target exists. On a
-mismatch it prints a loud message (logging is not configured yet in the launcher) and installs only
-a refusal: `--enable-swiftcache` then stops the server with that message instead of half-applying.
+Before any of that it checks the installed sglang version and every touch point. On a mismatch
+it prints a loud message (logging is not configured yet in the launcher) and installs only a
+refusal: `--enable-swiftcache` then stops the server with that message instead of half-applying.
 """
 
 from __future__ import annotations
@@ -30,28 +31,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pkgutil
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from ..layer_stream.hooks import HOOK_TARGETS as LAYER_STREAM_TARGETS
 from ..config import CONFIG_ENV, SwiftConfig, cli_options
+from . import debug_seam
+from . import touchpoints as tp
+from .touchpoints import TouchPoint
 
 logger = logging.getLogger(__name__)
 
 PINNED_SGLANG = "0.5.23"
 BACKEND_NAME = "swiftcache"
 CONFIG_ATTR = "_swiftcache_config"  # bookkeeping attribute on ServerArgs (pickled into children)
-ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
-FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
-REGISTER_BACKEND = "sglang.srt.mem_cache.registry.register_radix_cache_backend"
-SCHEDULER_STEP = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
-BATCH_BUILT = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
-BATCH_RAN = "sglang.srt.managers.scheduler.Scheduler.run_batch"
-KV_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
-HOOK_TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, REGISTER_BACKEND, SCHEDULER_STEP, BATCH_BUILT,
-                BATCH_RAN, KV_POOL_BUFFERS, "sglang.srt.mem_cache.radix_cache.RadixCache",
-                *LAYER_STREAM_TARGETS)
+# The first words of the one line each process prints about what it registered (see register()).
+REGISTERED = "SwiftCache plugin registered in pid"
+FLAG_POINTS = (tp.ADD_CLI_ARGS, tp.FROM_CLI_ARGS)  # what every process registers
 
 
 class SwiftCacheUnavailable(RuntimeError):
@@ -71,33 +66,31 @@ def installed_sglang_version() -> str:
 
 
 def target_exists(dotted: str) -> bool:
-    module_path, _, attr = dotted.rpartition(".")
-    try:
-        obj = pkgutil.resolve_name(module_path)
-    except Exception:  # an ImportError or anything a broken import raises
-        return False
-    return hasattr(obj, attr)
+    return tp.resolve(dotted) is not None
 
 
-def check_sglang(version: str, targets: Sequence[str]) -> list[str]:
-    """Problems that stop SwiftCache from running on this SGLang (empty when all is well)."""
+def check_sglang(version: str, points: Sequence[TouchPoint] = tp.ALL) -> list[str]:
+    """Problems that stop SwiftCache from running on this SGLang (empty when all is well): the
+    version pin, then every touch point's checks (`touchpoints.py`)."""
     problems = []
     if version != PINNED_SGLANG:
         problems.append(
             f"sglang {version} is installed, SwiftCache supports exactly sglang=={PINNED_SGLANG}; "
             f"install it with `pip install sglang=={PINNED_SGLANG}`")
-    missing = [t for t in targets if not target_exists(t)]
-    if missing:
-        problems.append("SGLang extension points not found: " + ", ".join(missing))
+    failed = tp.problems(tuple(points))
+    if failed:
+        problems.append("SGLang no longer matches SwiftCache's touch points: " + "; ".join(failed))
     return problems
 
 
-def _shout(problems: list[str]) -> None:
+def _shout(problems: list[str], *,
+           consequence: str = "--enable-swiftcache will refuse to start the server.") -> None:
     bar = "!" * 78
-    print(f"{bar}\nSwiftCache plugin DISABLED (pid {os.getpid()}):", file=sys.stderr)
+    title = "plugin DISABLED" if consequence.startswith("--enable") else "instruments NOT installed"
+    print(f"{bar}\nSwiftCache {title} (pid {os.getpid()}):", file=sys.stderr)
     for p in problems:
         print(f"  - {p}", file=sys.stderr)
-    print(f"--enable-swiftcache will refuse to start the server.\n{bar}", file=sys.stderr, flush=True)
+    print(f"{consequence}\n{bar}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,11 +133,14 @@ def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *a: Any, *
         add_swiftcache_args(parser)
 
 
-def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *a: Any, **kw: Any):
+def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *a: Any,
+                         **kw: Any) -> None:
     if not getattr(args, "enable_swiftcache", False):
-        given = [flag for flag, f in cli_options() if getattr(args, "swiftcache_" + f.name, None) is not None]
+        given = [flag for flag, f in cli_options()
+                 if getattr(args, "swiftcache_" + f.name, None) is not None]
         if given:
             raise SystemExit(f"{', '.join(given)} given without --enable-swiftcache")
+        os.environ.pop(CONFIG_ENV, None)  # a stale one must not turn SwiftCache on in children
         return None
     try:
         config = config_from_namespace(args)
@@ -161,7 +157,8 @@ def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *
     check_server_args(server_args, config)
     server_args.radix_cache_backend = BACKEND_NAME
     setattr(server_args, CONFIG_ATTR, config.to_json())
-    os.environ[CONFIG_ENV] = config.to_json()  # inherited by spawned scheduler processes
+    os.environ[CONFIG_ENV] = config.to_json()  # inherited by the spawned processes: register()
+    # there reads it and registers the hooks this configuration uses
     return None
 
 
@@ -227,37 +224,100 @@ def swiftcache_backend_factory(ctx: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
-def register(*, sglang_version: str | None = None, targets: Sequence[str] = HOOK_TARGETS) -> list[str]:
-    """Called by SGLang's plugin loader in every process; returns the problems found (if any)."""
+def config_in_process(environ: Mapping[str, str] | None = None) -> SwiftConfig | None:
+    """The SwiftConfig of this process's server when SwiftCache is on for it, else None: a
+    scheduler (or other) process that SGLang spawned for a server started with the flag inherits
+    CONFIG_ENV from the launcher's `from_cli_args` hook."""
+    text = (os.environ if environ is None else environ).get(CONFIG_ENV)
+    if not text:
+        return None
+    config = SwiftConfig.from_json(text)
+    return config if config.enabled else None
+
+
+def server_hooks(config: SwiftConfig | None,
+                 observers: debug_seam.Observers) -> list[tuple[TouchPoint, Callable]]:
+    """The hooks beyond the flag's two that a process needs: only those its server's
+    configuration uses (none without SwiftCache), then the debug seam's forward hook if a
+    forward observer is installed (registered last: the outermost wrapper)."""
+    hooks: list[tuple[TouchPoint, Callable]] = []
+    if config is not None:
+        if config.uses_donation:
+            hooks.append((tp.SCHEDULER_STEP, _before_scheduler_step))
+        if config.borrows:
+            hooks += [(tp.BATCH_BUILT, _after_batch_built), (tp.BATCH_RAN, _after_batch_ran)]
+        if config.lends:
+            from .shared_kv_pool import create_buffers_in_shared_region
+
+            hooks.append((tp.KV_POOL_BUFFERS, create_buffers_in_shared_region))
+        if config.streams_layers:
+            from ..layer_stream import hooks as ls
+
+            hooks += [(tp.CONFIG_FROM_BUDGET, ls.around_config_from_budget),
+                      (tp.BUILD_MHA_POOL, ls.around_build_mha_kv_pool),
+                      (tp.MODEL_FORWARD, ls.around_model_forward),
+                      (tp.VALIDATE_INPUT, ls.after_validate_input_length)]
+            if config.layer_stream_resident_fraction > 0:
+                hooks.append((tp.BUILD_ALLOCATOR, ls.after_build_allocator))
+    if observers.forward is not None:
+        hooks.append((tp.MODEL_FORWARD, debug_seam.around_forward))
+    return hooks
+
+
+def _short(point: TouchPoint) -> str:
+    """`Class.method (KIND)` of a hook's target, for the registration line."""
+    return ".".join(point.target.split(".")[-2:]) + f" ({point.kind.name})"
+
+
+def register(*, sglang_version: str | None = None, points: Sequence[TouchPoint] = tp.ALL,
+             environ: Mapping[str, str] | None = None) -> list[str]:
+    """Called by SGLang's plugin loader in every process; returns the problems found (if any).
+
+    Every process registers the flag's two hooks (the launcher parses the flag; its
+    `from_cli_args` hook exports CONFIG_ENV). A process whose environment carries an enabled
+    SwiftConfig (the server's spawned scheduler and detokenizer processes) also registers the
+    `swiftcache` backend and the hooks its configuration uses (`server_hooks`). The launcher
+    itself needs nothing more: SGLang 0.5.23 runs every scheduler in a spawned process (also
+    with --tp 1), and neither the backend registry nor any other hooked target is used in the
+    launcher. Each process prints one line saying what it registered (`REGISTERED`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from ..cpu_compat.server_defaults import register_cpu_defaults
 
-    register_cpu_defaults(HookRegistry, HookType)  # CPU venv only, with or without the flag
-    version = installed_sglang_version() if sglang_version is None else sglang_version
-    problems = check_sglang(version, targets)
-    can_parse = target_exists(ADD_CLI_ARGS) and target_exists(FROM_CLI_ARGS)
+    cpu_defaults = register_cpu_defaults(HookRegistry, HookType)  # CPU venv only, with or
+    version = installed_sglang_version() if sglang_version is None else sglang_version  # without
+    problems = check_sglang(version, points)
+    can_parse = all(target_exists(p.target) for p in FLAG_POINTS)
     if problems:
         _shout(problems)
         if can_parse:
-            HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
-            HookRegistry.register(FROM_CLI_ARGS, _refuse_from_cli_args(problems), HookType.AFTER)
+            HookRegistry.register(tp.ADD_CLI_ARGS.target, _after_add_cli_args, HookType.AFTER)
+            HookRegistry.register(tp.FROM_CLI_ARGS.target, _refuse_from_cli_args(problems),
+                                  HookType.AFTER)
         return problems
 
-    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    hooks = [(tp.ADD_CLI_ARGS, _after_add_cli_args), (tp.FROM_CLI_ARGS, _after_from_cli_args)]
+    config = config_in_process(environ)
+    try:
+        instruments = debug_seam.install_from_env(environ)
+    except debug_seam.InstrumentsUnavailable as exc:
+        _shout([str(exc)], consequence="the server runs without them.")
+        instruments = None
+    hooks += server_hooks(config, debug_seam.OBSERVERS)
+    for point, hook in hooks:
+        HookRegistry.register(point.target, hook, getattr(HookType, point.kind.name))
+    names = [_short(point) for point, _ in hooks]
+    if config is not None:
+        from sglang.srt.mem_cache.registry import (
+            get_radix_cache_factory,
+            register_radix_cache_backend,
+        )
 
-    HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
-    HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
-    HookRegistry.register(SCHEDULER_STEP, _before_scheduler_step, HookType.BEFORE)
-    HookRegistry.register(BATCH_BUILT, _after_batch_built, HookType.AFTER)
-    HookRegistry.register(BATCH_RAN, _after_batch_ran, HookType.AFTER)
-    # A lending server's KV pool goes into shareable memory (a no-op for every other server).
-    from .shared_kv_pool import create_buffers_in_shared_region
-
-    HookRegistry.register(KV_POOL_BUFFERS, create_buffers_in_shared_region, HookType.AROUND)
-    from ..layer_stream.hooks import register_layer_stream_hooks
-
-    register_layer_stream_hooks(HookRegistry, HookType)  # no-ops unless layers are streamed
-    if get_radix_cache_factory(BACKEND_NAME) is None:
-        register_radix_cache_backend(BACKEND_NAME, swiftcache_backend_factory)
+        if get_radix_cache_factory(BACKEND_NAME) is None:
+            register_radix_cache_backend(BACKEND_NAME, swiftcache_backend_factory)
+        names.append(f"radix cache backend '{BACKEND_NAME}'")
+    extra = [f"CPU stand-in: {_short(tp.CPU_DEFAULTS)}"] if cpu_defaults else []
+    extra += [f"instruments {instruments}"] if instruments else []
+    print(f"{REGISTERED} {os.getpid()}: {', '.join(names)}"
+          + (f" [{'; '.join(extra)}]" if extra else ""), file=sys.stderr, flush=True)
     return []

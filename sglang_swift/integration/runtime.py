@@ -26,19 +26,28 @@ import os
 import time
 from typing import Any
 
-from ..control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted, LeaseLost,
-                       PeerChanged, ReclaimRequested, RequestFailed)
+from ..config import SwiftConfig
+from ..control import (
+    BlocksReturned,
+    ControlAgent,
+    ControlConfig,
+    LeaseGranted,
+    LeaseLost,
+    PeerChanged,
+    ReclaimRequested,
+    RequestFailed,
+)
 from ..dataplane import pool_geometry
 from ..dataplane.borrowing import Borrowing
+from .debug_seam import OBSERVERS
 from .lending import PoolLender, own_demand_tokens
 from .shared_kv_pool import shared_region_of
-from ..config import SwiftConfig
-from .thread_span import ThreadSpan
 
 logger = logging.getLogger(__name__)
 
 
-OWN_PAGES_WAIT_S = 0.05  # the longest a donor's scheduler waits for lent pages its own requests need
+# the longest a donor's scheduler waits for lent pages its own requests need
+OWN_PAGES_WAIT_S = 0.05
 
 
 def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
@@ -62,7 +71,8 @@ class SwiftRuntime:
         # refuses pools that cannot share (MLA, quantized scales, non-NHD) with the reason
         self.geometry = pool_geometry(kv_pool, page_size)
         self.device = kv_pool.k_buffer[0].device
-        self.agent_id = agent_id or f"{os.path.basename(model.rstrip('/')) or 'model'}-{os.getpid()}"
+        name = os.path.basename(model.rstrip("/")) or "model"
+        self.agent_id = agent_id or f"{name}-{os.getpid()}"
         self.agent = ControlAgent(control_config_for(config, self.agent_id), model=model)
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
@@ -190,19 +200,22 @@ class SwiftRuntime:
         """Agent's I/O thread, as the reclaim arrives: stop every copy touching the pages and
         acknowledge, without waiting for the scheduler loop. The tree still lists the blocks
         until `_on_reclaim`, but no copy can touch them any more."""
-        span = ThreadSpan()
+        t0 = time.perf_counter()
+        probe = OBSERVERS.reclaim_fence  # the debug seam: where the thread's time went
+        finish = probe() if probe is not None else None
         if self.borrowing is not None and self.borrowing.fence(ev):
             self.agent.ack_reclaim(ev)
-            split = span.split()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            where = finish() if finish is not None else ""
             steps = getattr(self.borrowing, "last_fence", None)
             detail = ("" if steps is None else
                       f"{steps.blocks} blocks found in {steps.blocks_ms:.2f} ms, their copies "
-                      f"fenced in {steps.copies_ms:.2f} ms ({steps.aborted} aborted); ")
+                      f"fenced in {steps.copies_ms:.2f} ms ({steps.aborted} aborted)")
             # logged once the ack is sent (a log write must not delay the donor)
             self.agent.defer(logger.info, "SwiftCache: acknowledged %s's reclaim of %d pages of "
-                             "lease %d from the agent thread after %.2f ms of fencing (%s%s)",
-                             ev.key.donor, len(ev.blocks), ev.key.lease_id, split.wall_ms,
-                             detail, split.describe())
+                             "lease %d from the agent thread after %.2f ms of fencing (%s)",
+                             ev.key.donor, len(ev.blocks), ev.key.lease_id, wall_ms,
+                             "; ".join(filter(None, (detail, where))))
 
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
         if self.borrowing is not None:

@@ -18,13 +18,12 @@ import logging
 import os
 from typing import Any, Callable
 
+from ..config import CONFIG_ENV, SwiftConfig
 from ..dataplane.pool_layout import KVGeometry, PoolLayout, dtype_name
 from ..dataplane.pool_lease import why_layout_unshareable
-from ..config import CONFIG_ENV, SwiftConfig
 
 logger = logging.getLogger(__name__)
 
-CREATE_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 REGION_ATTR = "_swiftcache_region"  # the SharedArena holding the pool (kept alive by the pool)
 LAYOUT_ATTR = "_swiftcache_layout"  # its PoolLayout
 

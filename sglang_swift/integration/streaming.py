@@ -29,7 +29,6 @@ the server.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from .copies import runs_by_lease, start_copy
+from .debug_seam import OBSERVERS
 from .layer_fan_in import BatchLayerCounter
 
 logger = logging.getLogger(__name__)
@@ -68,12 +68,11 @@ class StreamingLoads:
     """Queued and running load-backs of one cache; runs on the scheduler thread."""
 
     def __init__(self, cache: Any, runtime: Any, counter: Any, stats: dict,
-                 trace_path: str | None = None, wait_budget: Any = None):
+                 wait_budget: Any = None):
         self.cache = cache  # its .tree changes on reset
         self.runtime = runtime
         self.counter = counter  # TimedLayerCounter, registered with the pool and tp worker
         self.stats = stats
-        self.trace_path = trace_path
         # tokens -> seconds a forward may wait for a batch's loads after the batch started
         self.wait_budget = wait_budget or (lambda tokens: counter.timeout_s)
         self._queued: list[QueuedLoad] = []
@@ -165,7 +164,8 @@ class StreamingLoads:
             else:
                 self.stats["loaded_tokens"] += len(load.slots)
         entry.overhead_s += time.perf_counter() - t0
-        self._trace(entry, failed)
+        if OBSERVERS.batch_load is not None:  # the debug seam: nothing is built without one
+            OBSERVERS.batch_load(self._facts(entry, failed))
         self._closing.append(entry)
         self.poll()
 
@@ -212,7 +212,7 @@ class StreamingLoads:
             f"retry the request", HTTPStatus.SERVICE_UNAVAILABLE)
         if scheduler is not None and scheduler.chunked_req is req:
             # its next chunk must not run: released like a client abort (SGLang's own path)
-            scheduler._pending_chunked_abort_req = req
+            scheduler._pending_chunked_abort_req = req  # touchpoints.PENDING_CHUNKED_ABORT
         logger.warning("SwiftCache: request %s aborted: donor load failed (%s)", req.rid, reason)
 
     def _waited(self) -> float:
@@ -220,15 +220,13 @@ class StreamingLoads:
         loads; an eviction's store is its own work, counted in `evict_wait_s`)."""
         return self.stats["load_wait_s"]
 
-    def _trace(self, entry: BatchLoad, failed: dict) -> None:
-        """One JSON line per batch load (bench_overlap's timeline): when each layer was ready
-        for attention and when attention first asked for it, from the batch's start."""
-        if self.trace_path is None:
-            return
+    def _facts(self, entry: BatchLoad, failed: dict) -> dict:
+        """One batch load, for the debug seam (bench_overlap's timeline): when each layer was
+        ready for attention and when attention first asked for it, from the batch's start."""
         fan = entry.fan
         base = fan.started_at
         reached = self.counter.reached(fan.pid)
-        record = {
+        return {
             "tokens": sum(len(load.slots) for load in entry.loads),
             "requests": len(entry.loads), "parts": len(entry.copies), "ok": not failed,
             "ready_ms": [None if t is None else (t - base) * 1e3 for t in fan.released_at],
@@ -237,5 +235,3 @@ class StreamingLoads:
             "store_ms": (self.stats["evict_wait_s"] - entry.store_mark) * 1e3,
             "overhead_ms": entry.overhead_s * 1e3,
         }
-        with open(self.trace_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")

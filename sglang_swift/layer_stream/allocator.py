@@ -14,7 +14,8 @@ allocator SGLang built, with SGLang's own means:
 Allocations take from the front of a sorted list, so a request gets the lowest free slots:
 resident ones while there are any, and the part of a context that does not fit in them is
 streamed. Admission in streamed mode is therefore per slot, decided by what is free locally.
-The allocator class is SGLang's, subclassed at run time (`_resident_first`).
+The allocator class is SGLang's, subclassed at run time (`_resident_first`), and the allocator
+SGLang built is swapped to it (`touchpoints.RESIDENT_FIRST`, checked at start-up).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The layer stream cache's attachment to SGLang: six hooks, all no-ops unless the server's
-SwiftConfig streams layers (`--swiftcache-layer-stream host`), read at call time.
+"""The layer stream cache's attachment to SGLang: the bodies of its hooks, which the plugin
+registers only in a server whose SwiftConfig streams layers (`--swiftcache-layer-stream host` or
+`donor`) on the targets listed in `integration/touchpoints.py`; each still checks the config at
+call time, so a hook never acts for a server that does not stream.
 
 - `check_server_args` (called from the plugin's `ServerArgs.from_cli_args` hook): refuses what
   cannot stream (speculative decoding, PD disaggregation, attention backends that read the
@@ -14,43 +16,24 @@ SwiftConfig streams layers (`--swiftcache-layer-stream host`), read at call time
 - AFTER `KVCacheConfigurator._build_token_to_kv_pool_allocator`: with resident rows, the
   allocator SGLang built hands out resident slots first (`allocator.py`);
 - AROUND `ModelRunner.forward`: opens and closes the pool's per-forward stream (which slots the
-  batch reads is known here); with SWIFTCACHE_FORWARD_TRACE set (benchmarks), it also appends
-  each forward's mode, size, wall and thread CPU time to that file, streamed or not;
+  batch reads is known here);
 - AFTER `managers.utils.validate_input_length`: a prompt longer than the streamed pool is
   refused by SGLang (HTTP 400) with a message that also names the streaming limits.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import resource
-import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FROM_BUDGET = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
-                      "config_from_budget")
-BUILD_MHA_POOL = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
-                  "_build_mha_kv_pool")
-BUILD_ALLOCATOR = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
-                   "_build_token_to_kv_pool_allocator")
-MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-VALIDATE_INPUT = "sglang.srt.managers.utils.validate_input_length"
-HOOK_TARGETS = (CONFIG_FROM_BUDGET, BUILD_MHA_POOL, BUILD_ALLOCATOR, MODEL_FORWARD,
-                VALIDATE_INPUT)
 # Attention backends that read k_buffer / v_buffer directly instead of through the getters.
 DIRECT_READ_BACKENDS = ("trtllm_mha", "aiter", "wave", "ascend")
 GIB = 1 << 30
 
-# A file that gets one JSON line per forward pass of this server (streamed or not), for
-# benchmarks: thread CPU time is what the forward cost, whatever else shares the cores.
-FORWARD_TRACE_ENV = "SWIFTCACHE_FORWARD_TRACE"
-
 _limits: dict[str, int] = {}  # this process's streamed pool: tokens, depth, layers
-_forward_trace: str | None = None  # set at registration from FORWARD_TRACE_ENV
 
 
 def stream_config() -> Any:
@@ -108,7 +91,8 @@ def check_server_args(server_args: Any, config: Any) -> None:
 
 # ---- hooks --------------------------------------------------------------------------------------
 def _cell_bytes(configurator: Any) -> int | None:
-    """SGLang's KV bytes per token (all layers) for this configurator, if it says."""
+    """SGLang's KV bytes per token (all layers) for this configurator, if it says (a private
+    attribute: `touchpoints.CELL_SIZE`)."""
     from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
     return getattr(create_memory_pool_configurator(configurator), "_cell_size", None) or None
@@ -188,56 +172,17 @@ def after_build_allocator(allocator, configurator, *args, **kwargs):
 
 
 def around_model_forward(orig, runner, forward_batch, *args, **kwargs):
+    """Open the streamed pool's per-forward stream before the forward and close it after, also
+    when the forward raised (a pool that does not stream is passed through)."""
     pool = getattr(runner, "token_to_kv_pool", None)
     begin = getattr(pool, "begin_layer_stream", None)
-    if begin is None and _forward_trace is None:
+    if begin is None:
         return orig(runner, forward_batch, *args, **kwargs)
-    wall, cpu = time.perf_counter(), time.thread_time()
-    faults = _minor_faults() if _forward_trace is not None else 0
-    traced_copies = begin is not None and _forward_trace is not None
-    before = dict(pool.stream_stats()) if traced_copies else None
-    if begin is not None:
-        begin(forward_batch, runner.req_to_token_pool.req_to_token)
+    begin(forward_batch, runner.req_to_token_pool.req_to_token)
     try:
         return orig(runner, forward_batch, *args, **kwargs)
     finally:
-        if begin is not None:
-            pool.end_layer_stream()
-        if _forward_trace is not None:
-            copies = {}
-            if traced_copies:
-                after = pool.stream_stats()
-                copies = {k: after[k] - before[k] for k in ("copy_s", "rows_loaded", "rows_saved")}
-            copies["minor_faults"] = _minor_faults() - faults
-            _trace_forward(forward_batch, begin is not None, time.perf_counter() - wall,
-                           time.thread_time() - cpu, copies)
-
-
-def _minor_faults() -> int:
-    """Minor page faults of the calling thread so far (first touches of memory)."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-
-
-def _trace_forward(forward_batch, streamed: bool, wall_s: float, cpu_s: float,
-                   copies: dict) -> None:
-    """One JSON line per forward (benchmarks, tests): its mode, tokens, wall and thread CPU time,
-    and for a streamed pool the thread CPU time of the layer copies within it and the rows
-    (token-layers) they loaded from and wrote through to the store; the thread's minor page
-    faults in it, and in how many runs of consecutive slots its new tokens' KV was written
-    (`slot_runs`: 1 when contiguous, `new_tokens` when no two are adjacent)."""
-    seq = forward_batch.seq_lens_cpu
-    loc = forward_batch.out_cache_loc
-    slot_runs = int((loc[1:] - loc[:-1] != 1).sum()) + 1 if loc.numel() else 0
-    record = {"mode": forward_batch.forward_mode.name, "bs": int(forward_batch.batch_size),
-              "new_tokens": int(forward_batch.out_cache_loc.numel()),
-              "seq_tokens": int(seq.sum()) if seq is not None else None, "streamed": streamed,
-              "wall_ms": wall_s * 1e3, "cpu_ms": cpu_s * 1e3,
-              "copy_ms": copies.get("copy_s", 0.0) * 1e3,
-              "rows_loaded": copies.get("rows_loaded", 0),
-              "rows_saved": copies.get("rows_saved", 0),
-              "minor_faults": copies.get("minor_faults", 0), "slot_runs": slot_runs}
-    with open(_forward_trace, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+        pool.end_layer_stream()
 
 
 def after_validate_input_length(result, req, max_req_input_len, *args, **kwargs):
@@ -248,15 +193,3 @@ def after_validate_input_length(result, req, max_req_input_len, *args, **kwargs)
             f"context per server here (the KV of {_limits['depth']} of {_limits['layers']} "
             f"layers local, every layer in {_limits['where']}); a longer context needs a larger "
             f"--max-total-tokens and --swiftcache-layer-stream-host-gb.")
-
-
-def register_layer_stream_hooks(registry: Any, hook_type: Any) -> None:
-    """Register the hooks (each does nothing unless this server streams layers, or, for the
-    forward hook, a forward trace was asked for)."""
-    global _forward_trace
-    _forward_trace = os.environ.get(FORWARD_TRACE_ENV) or None
-    registry.register(CONFIG_FROM_BUDGET, around_config_from_budget, hook_type.AROUND)
-    registry.register(BUILD_MHA_POOL, around_build_mha_kv_pool, hook_type.AROUND)
-    registry.register(BUILD_ALLOCATOR, after_build_allocator, hook_type.AFTER)
-    registry.register(MODEL_FORWARD, around_model_forward, hook_type.AROUND)
-    registry.register(VALIDATE_INPUT, after_validate_input_length, hook_type.AFTER)

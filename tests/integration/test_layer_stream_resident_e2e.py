@@ -24,7 +24,7 @@ import pytest
 from integration.harness import LocalServer
 from integration.test_layer_stream_e2e import COMMON, DEPTH, LAYERS, LOCAL_POOL, ROW_BYTES, \
     _generate, _prompt
-from sglang_swift.layer_stream.hooks import FORWARD_TRACE_ENV
+from benchmarks.instruments import instruments_env
 from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ def test_requests_that_fit_locally_are_not_streamed(tmp_path, stock_servers):
     args = [*COMMON, "--swiftcache-layer-stream", "host", "--swiftcache-layer-stream-depth",
             str(DEPTH)]
     with LocalServer(model, swiftcache=True, max_total_tokens=POOL, extra_args=args,
-                     env={**os.environ, FORWARD_TRACE_ENV: trace},
+                     env=instruments_env(forward_trace=trace),
                      log_path=tmp_path / "streamed.log") as server:
         before = len(_trace(trace))
         got_short = _generate(server, short, new=NEW)

@@ -1,4 +1,5 @@
-"""Where a borrower's reclaim fence spends its time (`thread_span.ThreadSpan`, `Borrowing.fence`'s
+"""Where a borrower's reclaim fence spends its time (`ThreadSpan`, the benchmarks' instrument on
+the debug seam's reclaim point; `Borrowing.fence`'s
 steps), so a slow acknowledgement in a live run says which step or which wait it was.
 
 Invariants: a span splits the thread's wall time into CPU, runnable-but-waiting and blocked
@@ -13,9 +14,9 @@ import threading
 import time
 from types import SimpleNamespace as NS
 
+from benchmarks.instruments.thread_span import ThreadSpan
 from sglang_swift.control import LeaseKey, ReclaimRequested
 from sglang_swift.dataplane.borrowing import Borrowing, FenceSteps
-from sglang_swift.integration.thread_span import ThreadSpan
 
 
 def test_a_span_splits_wall_time_and_counts_collections():

@@ -6,7 +6,6 @@ fix."""
 from __future__ import annotations
 
 import argparse
-import json
 import types
 
 import pytest
@@ -161,7 +160,8 @@ def test_sglang_builds_the_streamed_pool_in_place_of_its_own(streaming):
     from sglang_swift.layer_stream.pool import LayerStreamKVPool
 
     pool = hooks.around_build_mha_kv_pool(
-        lambda c, *, mha_pool_class, quant_method=None, max_total_num_tokens: _build(mha_pool_class),
+        lambda c, *, mha_pool_class, quant_method=None, max_total_num_tokens:
+        _build(mha_pool_class),
         _configurator(), max_total_num_tokens=50, mha_pool_class=MHATokenToKVPool)
     assert isinstance(pool, LayerStreamKVPool) and pool.settings.depth == 2
     message = hooks.after_validate_input_length("Input length (90 tokens) exceeds 44.", None, 44)
@@ -202,59 +202,3 @@ def test_each_forward_is_bracketed_even_when_it_fails():
     assert events == [("begin", "fb"), ("run", "fb"), ("end",)]
     plain = types.SimpleNamespace(token_to_kv_pool=object())
     assert hooks.around_model_forward(lambda r, fb: "ok", plain, "fb") == "ok"
-
-
-def test_forward_trace_records_every_forward_streamed_or_not(tmp_path, monkeypatch):
-    """With a trace file set, each forward appends one JSON line with its mode, size, times and
-    (for a streamed pool) the copy time spent inside it; a stock server's forward is traced too."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    path = tmp_path / "trace.jsonl"
-    monkeypatch.setattr(hooks, "_forward_trace", str(path))
-    stats = {"copy_s": 1.0, "rows_loaded": 10, "rows_saved": 3}
-    pool = types.SimpleNamespace(begin_layer_stream=lambda fb, r2t: None,
-                                 end_layer_stream=lambda: stats.update(copy_s=1.25, rows_loaded=17,
-                                                                       rows_saved=5),
-                                 stream_stats=lambda: stats)
-    batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2,
-                                  out_cache_loc=torch.tensor([3, 4]),
-                                  seq_lens_cpu=torch.tensor([10, 20]))
-    r2t = types.SimpleNamespace(req_to_token=None)
-    streamed = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=r2t)
-    stock = types.SimpleNamespace(token_to_kv_pool=object(), req_to_token_pool=r2t)
-    for runner in (streamed, stock):
-        assert hooks.around_model_forward(lambda r, fb: "out", runner, batch) == "out"
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [(r["mode"], r["bs"], r["new_tokens"], r["seq_tokens"], r["streamed"]) for r in lines] \
-        == [("DECODE", 2, 2, 30, True), ("DECODE", 2, 2, 30, False)]
-    assert lines[0]["copy_ms"] == pytest.approx(250.0) and lines[1]["copy_ms"] == 0.0
-    assert (lines[0]["rows_loaded"], lines[0]["rows_saved"]) == (7, 2)
-    assert (lines[1]["rows_loaded"], lines[1]["rows_saved"]) == (0, 0)
-    assert all(r["wall_ms"] >= 0 and r["cpu_ms"] >= 0 for r in lines)
-    assert [r["slot_runs"] for r in lines] == [1, 1]  # slots 3, 4: one run
-
-
-def test_forward_trace_counts_slot_runs_and_the_threads_page_faults(tmp_path, monkeypatch):
-    """`slot_runs`: in how many runs of consecutive slots the new tokens' KV went; and the
-    forward thread's minor page faults: a forward that touches fresh memory shows them."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    path = tmp_path / "trace.jsonl"
-    monkeypatch.setattr(hooks, "_forward_trace", str(path))
-    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1,
-                                  out_cache_loc=torch.tensor([5, 6, 7, 20, 21, 9]),
-                                  seq_lens_cpu=torch.tensor([6]))
-    stock = types.SimpleNamespace(token_to_kv_pool=object(),
-                                  req_to_token_pool=types.SimpleNamespace(req_to_token=None))
-
-    def touch_fresh_memory(runner, fb):
-        import mmap
-        with mmap.mmap(-1, 64 * 4096) as m:  # anonymous: each page faults on its first write
-            for i in range(0, len(m), 4096):
-                m[i] = 1
-
-    hooks.around_model_forward(touch_fresh_memory, stock, batch)
-    hooks.around_model_forward(lambda r, fb: None, stock, batch)
-    touched, idle = [json.loads(x) for x in path.read_text().splitlines()]
-    assert touched["slot_runs"] == idle["slot_runs"] == 3  # 5-7, 20-21, 9
-    assert touched["minor_faults"] >= 64 > idle["minor_faults"]

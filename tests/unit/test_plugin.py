@@ -92,10 +92,84 @@ def test_without_flag_server_args_are_stock(loaded_plugins, monkeypatch):
     assert getattr(sa, plugin.CONFIG_ATTR, None) is None
 
 
-def test_backend_is_registered(loaded_plugins):
+REGISTRATIONS = textwrap.dedent("""
+    import json, os, sys
+    from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang_swift.integration import debug_seam, plugin
 
-    assert get_radix_cache_factory(plugin.BACKEND_NAME) is plugin.swiftcache_backend_factory
+    out = []
+    for environ in json.loads(sys.argv[1]):
+        HookRegistry.reset()
+        debug_seam.reset()
+        for name in set(environ) | {"SWIFTCACHE_CONFIG", "SWIFTCACHE_INSTRUMENTS"}:
+            os.environ.pop(name, None)
+        os.environ.update(environ)  # as the process would have inherited it
+        assert plugin.register() == []
+        hooks = [(target, kind.name, hook.__module__ + "." + hook.__qualname__)
+                 for target, entries in sorted(HookRegistry._hooks.items())
+                 for kind, hook, _ in entries]  # per target in registration order
+        out.append({"hooks": hooks,
+                    "backend": get_radix_cache_factory(plugin.BACKEND_NAME) is not None})
+    print("REGISTRATIONS " + json.dumps(out))
+""")
+
+
+def _registrations(environs: list[dict]) -> list[dict]:
+    """What `register()` puts in SGLang's HookRegistry (SwiftCache's own hooks: the CPU
+    stand-in's is left out) and whether the backend is registered, in a fresh process, for each
+    process environment in turn."""
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in (CONFIG_ENV, "SWIFTCACHE_INSTRUMENTS")}
+    env["SGLANG_PLUGINS"] = "none"  # the entry point stays out: register() is called here
+    proc = subprocess.run([sys.executable, "-c", REGISTRATIONS, json.dumps(environs)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("REGISTRATIONS ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    found = json.loads(line.removeprefix("REGISTRATIONS "))
+    for f in found:
+        f["hooks"] = [tuple(h) for h in f["hooks"] if ".cpu_compat." not in h[2]]
+    return found
+
+
+def test_each_process_registers_only_what_its_server_uses():
+    """Without SwiftCache in a process (no CONFIG_ENV), SwiftCache registers the flag's two
+    hooks and no backend; a plain SwiftCache server (no lending, borrowing, layer stream or
+    instruments) adds only the backend, no scheduler, pool or forward wrapper; each feature adds
+    exactly its own hooks; an instrument's forward observer adds the seam's forward hook, last."""
+    from sglang_swift.integration import touchpoints as tp
+
+    def config(**kw) -> dict:
+        return {CONFIG_ENV: SwiftConfig(enabled=True, **kw).to_json()}
+
+    instruments = {"SWIFTCACHE_INSTRUMENTS": "benchmarks.instruments.traces:install",
+                   "SWIFTCACHE_FORWARD_TRACE": "/dev/null"}
+    stream = {"layer_stream": "host", "layer_stream_resident_fraction": 0.5}
+    stock, plain, streamed, lending, borrowing, observed, both = _registrations([
+        {}, config(), config(**stream), config(role="donor", lend_fraction=0.5),
+        config(role="borrower", max_borrow_blocks=8), instruments,
+        {**config(**stream), **instruments}])
+    flag = [(tp.ADD_CLI_ARGS.target, "AFTER", f"{plugin.__name__}._after_add_cli_args"),
+            (tp.FROM_CLI_ARGS.target, "AFTER", f"{plugin.__name__}._after_from_cli_args")]
+    assert stock == {"hooks": flag, "backend": False}
+    assert plain == {"hooks": flag, "backend": True}
+
+    def added(found: dict) -> set[str]:
+        return {target for target, _, _ in found["hooks"]} - {t for t, _, _ in flag}
+
+    assert added(streamed) == {p.target for p in (
+        tp.CONFIG_FROM_BUDGET, tp.BUILD_MHA_POOL, tp.BUILD_ALLOCATOR, tp.MODEL_FORWARD,
+        tp.VALIDATE_INPUT)}
+    assert added(lending) == {tp.SCHEDULER_STEP.target, tp.KV_POOL_BUFFERS.target}
+    assert added(borrowing) == {tp.SCHEDULER_STEP.target, tp.BATCH_BUILT.target,
+                                tp.BATCH_RAN.target}
+    seam = (tp.MODEL_FORWARD.target, "AROUND", "sglang_swift.integration.debug_seam.around_forward")
+    assert sorted(observed["hooks"]) == sorted(flag + [seam])
+    forward = [h for h in both["hooks"] if h[0] == tp.MODEL_FORWARD.target]
+    assert forward == [(tp.MODEL_FORWARD.target, "AROUND",
+                        "sglang_swift.layer_stream.hooks.around_model_forward"), seam]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -127,10 +201,13 @@ def test_backend_without_flag_explains_the_fix(monkeypatch):
 
 
 def test_check_reports_wrong_version_and_missing_targets():
-    problems = plugin.check_sglang("0.5.22", [plugin.ADD_CLI_ARGS, "sglang.srt.no_such_module.Thing"])
+    from sglang_swift.integration import touchpoints as tp
+
+    gone = tp.TouchPoint("sglang.srt.no_such_module.Thing", tp.Kind.AFTER, "", "", "")
+    problems = plugin.check_sglang("0.5.22", [tp.ADD_CLI_ARGS, gone])
     assert any("0.5.22" in p and plugin.PINNED_SGLANG in p for p in problems)
     assert any("sglang.srt.no_such_module.Thing" in p for p in problems)
-    assert plugin.check_sglang(plugin.PINNED_SGLANG, plugin.HOOK_TARGETS) == []
+    assert plugin.check_sglang(plugin.PINNED_SGLANG) == []
 
 
 def test_unsupported_version_refuses_to_start_loudly(tmp_path):

@@ -16,27 +16,40 @@ from array import array
 
 import pytest
 import torch
+from unit.copy_helpers import hold_in_layer
 
 from radix_ext import DONOR, RadixTree
+from sglang_swift.config import CONFIG_ENV, SwiftConfig
 from sglang_swift.dataplane import make_layer_counter
 from sglang_swift.integration.copies import start_copy
 from sglang_swift.integration.runtime import SwiftRuntime
-from sglang_swift.config import CONFIG_ENV, SwiftConfig
-from unit.copy_helpers import hold_in_layer
 
 SLOTS = 64
 DONOR_SHAPE = dict(layer_num=3, head_num=2, head_dim=8)  # 384 B of KV per token
 BORROWER_SHAPE = dict(layer_num=5, head_num=1, head_dim=16)  # 640 B per token: a bigger model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def loaded_plugins():
-    from sglang.srt.plugins import load_plugins
+_lending_hooks: list = []
 
-    load_plugins()  # the hook that puts a lending server's pool in shared memory
+
+def apply_lending_hooks() -> None:
+    """Register and apply, in this process, what a lending server's scheduler process
+    registers (among it the hook that puts its pool in shared memory); once."""
+    if _lending_hooks:
+        return
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_swift.integration import plugin
+
+    load_plugins()
+    lending = SwiftConfig(enabled=True, lend_fraction=0.5)
+    _lending_hooks.extend(plugin.register(environ={CONFIG_ENV: lending.to_json()}) or [True])
+    HookRegistry.apply_hooks()
 
 
 def _pool_and_allocator(shape: dict):
+    apply_lending_hooks()
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -111,7 +124,8 @@ def test_store_load_and_reclaim_through_live_agents(pair):
     assert (cap.kv_pool_tokens, cap.lent_tokens, cap.usable_tokens) == (SLOTS, 32, 32)
     assert borrower.agent.status().capacity.borrowed_tokens == 16
 
-    # An 8-token prefix (one lease holds 9 of our blocks) on the device is demoted into donor blocks (a real copy of every layer).
+    # An 8-token prefix (one lease holds 9 of our blocks) on the device is demoted into donor
+    # blocks (a real copy of every layer).
     tree, pool = borrower.tree, borrower.kv_pool
     slots = array("q", range(1, 9))
     expect_k = [k[1:9].clone() for k in pool.k_buffer]
@@ -312,7 +326,20 @@ def test_the_first_lease_is_sized_in_the_donors_pages(pair):
 
 def test_the_agent_thread_ack_logs_where_the_fence_spent_its_time(pair, caplog):
     """The borrower's acknowledgement from its agent thread is logged after the ack left, with
-    the fence's steps and where the thread's time went (CPU, runnable, blocked, collections)."""
+    the fence's steps and, with the instruments' reclaim probe on the debug seam, where the
+    thread's time went (CPU, runnable, blocked, collections)."""
+
+    from benchmarks.instruments import traces
+    from sglang_swift.integration import debug_seam
+
+    traces.install(debug_seam.OBSERVERS, {traces.RECLAIM_SPLIT_ENV: "1"})
+    try:
+        _ack_logs_where_the_fence_spent_its_time(pair, caplog)
+    finally:
+        debug_seam.reset()
+
+
+def _ack_logs_where_the_fence_spent_its_time(pair, caplog):
     import logging
 
     donor, borrower = pair

@@ -13,9 +13,9 @@ from sglang_swift.config import CONFIG_ENV, SwiftConfig
 
 @pytest.fixture(scope="module", autouse=True)
 def loaded_plugins():
-    from sglang.srt.plugins import load_plugins
+    from tests.unit.test_runtime import apply_lending_hooks
 
-    load_plugins()
+    apply_lending_hooks()  # the hook that puts a lending server's pool in shared memory
 
 
 def _pool(**kw):

@@ -1,0 +1,283 @@
+"""Every place SwiftCache touches SGLang: one typed entry per hook target, private attribute,
+class swapped at run time, computation re-implemented and call signature assumed.
+
+The plugin registers its hooks on the targets named here (`plugin.py`) and checks ALL entries
+against the installed SGLang before it registers anything (`problems`): a missing hook target, a
+private attribute no longer in the source that sets it, or a changed signature makes the plugin
+refuse `--enable-swiftcache` with the list, instead of failing later inside a request. Each entry
+says how it is checked (`Check`): attributes that SGLang sets only in `__init__` cannot be read
+off the class, so the check finds their name in the source of the code that sets or reads them.
+
+Modules above `integration` import their target names from here. `layer_stream` and `cpu_compat`
+sit below it in the import layers, so they take no hook target from here (the plugin registers
+their hooks); the private names they read are listed with `used_in`, and a unit test checks that
+each listed name is in that module and nowhere else unlisted.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import pkgutil
+from dataclasses import dataclass
+from typing import Any
+
+from ..cpu_compat.server_defaults import RESOLVE_ONCE
+
+
+class Kind(enum.Enum):
+    BEFORE = "hook BEFORE"
+    AFTER = "hook AFTER"
+    AROUND = "hook AROUND"
+    EXTENSION = "extension point call"
+    SUBCLASS = "subclass"
+    PRIVATE_READ = "private read"
+    PRIVATE_WRITE = "private write"
+    CLASS_SWAP = "class swap"
+    REIMPLEMENTATION = "re-implementation"
+    SIGNATURE = "signature assumption"
+
+    @property
+    def is_hook(self) -> bool:
+        return self in (Kind.BEFORE, Kind.AFTER, Kind.AROUND)
+
+
+class How(enum.Enum):
+    EXISTS = "the dotted name resolves"
+    SOURCE = "each name appears in the source of the probe (inspect.getsource)"
+    LEADING_PARAMS = "the probe's first parameters are exactly these (inspect.signature)"
+    KEYWORD_PARAMS = "the probe has parameters of these names (inspect.signature)"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check against the installed SGLang; `probe` is a dotted name (the entry's target when
+    empty), `names` what SOURCE and the *_PARAMS checks look for."""
+
+    how: How = How.EXISTS
+    probe: str = ""
+    names: tuple[str, ...] = ()
+
+    def problem(self, target: str) -> str | None:
+        """None when the installed SGLang passes; else what is wrong."""
+        probe = self.probe or target
+        obj = resolve(probe)
+        if obj is None:
+            return f"{probe} not found"
+        if self.how is How.EXISTS:
+            return None
+        if self.how is How.SOURCE:
+            try:
+                source = inspect.getsource(obj)
+            except (OSError, TypeError):
+                return f"the source of {probe} cannot be read"
+            missing = [n for n in self.names if n not in source]
+            return f"{probe} no longer mentions {', '.join(missing)}" if missing else None
+        try:
+            params = list(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            return f"the signature of {probe} cannot be read"
+        if self.how is How.LEADING_PARAMS:
+            lead = tuple(params[:len(self.names)])
+            return None if lead == self.names else (
+                f"{probe} takes {', '.join(lead)} first, not {', '.join(self.names)}")
+        missing = [n for n in self.names if n not in params]
+        return f"{probe} has no parameter {', '.join(missing)}" if missing else None
+
+
+@dataclass(frozen=True)
+class TouchPoint:
+    """What SwiftCache touches (`target`, dotted), how (`kind`), why, what breaks if SGLang
+    changes it, which product module does it (`used_in`) and how the plugin checks it."""
+
+    target: str
+    kind: Kind
+    why: str
+    breaks: str
+    used_in: str
+    checks: tuple[Check, ...] = (Check(),)
+
+    @property
+    def attr(self) -> str:
+        """The last component of the target: the method, attribute or class name."""
+        return self.target.rpartition(".")[2]
+
+    def problems(self) -> list[str]:
+        return [f"{self.target} ({self.kind.value}): {p}" for c in self.checks
+                if (p := c.problem(self.target)) is not None]
+
+
+def resolve(dotted: str) -> Any:
+    """The object a dotted name names, or None (whatever the import raises)."""
+    module_path, _, attr = dotted.rpartition(".")
+    try:
+        return getattr(pkgutil.resolve_name(module_path), attr)
+    except Exception:  # an ImportError, AttributeError or anything a broken import raises
+        return None
+
+
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+ALLOCATOR = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
+INTEGRATION = "sglang_swift.integration"
+
+# ---- every process: the flag --------------------------------------------------------------------
+ADD_CLI_ARGS = TouchPoint(
+    f"{SERVER_ARGS}.add_cli_args", Kind.AFTER,
+    "adds --enable-swiftcache and the --swiftcache-* options to SGLang's parser",
+    "the flag is unknown: argparse rejects --enable-swiftcache", f"{INTEGRATION}.plugin",
+    (Check(How.LEADING_PARAMS, names=("parser",)),))
+OPTION_STRINGS = TouchPoint(
+    "argparse._ActionsContainer._option_string_actions", Kind.PRIVATE_READ,
+    "adds the options once when add_cli_args runs twice on one parser",
+    "a second add_cli_args on one parser raises a conflicting-option error",
+    f"{INTEGRATION}.plugin",
+    (Check(How.SOURCE, "argparse._ActionsContainer.__init__", ("_option_string_actions",)),))
+FROM_CLI_ARGS = TouchPoint(
+    f"{SERVER_ARGS}.from_cli_args", Kind.AFTER,
+    "with the flag: builds the SwiftConfig, selects the backend, exports the config to the "
+    "spawned processes (CONFIG_ENV); without it: leaves ServerArgs as stock",
+    "the flag is parsed but ignored: the server starts as stock SGLang", f"{INTEGRATION}.plugin",
+    (Check(How.LEADING_PARAMS, names=("args",)),))
+CPU_DEFAULTS = TouchPoint(
+    RESOLVE_ONCE, Kind.BEFORE,
+    "CPU venv only (the CPU stand-in, with or without the flag): fills --device cpu and "
+    "--attention-backend torch_native where the user left them unset",
+    "a CPU server without those flags looks for an accelerator and fails to start",
+    "sglang_swift.cpu_compat.server_defaults")
+RESOLUTION_STATE = TouchPoint(
+    f"{SERVER_ARGS}._resolution_finished", Kind.PRIVATE_READ,
+    "the CPU defaults are filled only before a record's first resolution (also reads "
+    "`_resolution_failed`)",
+    "defaults could be filled into an already resolved record (ignored, or inconsistent)",
+    "sglang_swift.cpu_compat.server_defaults",
+    (Check(How.SOURCE, f"{SERVER_ARGS}.resolve_once",
+           ("_resolution_finished", "_resolution_failed")),))
+
+# ---- a SwiftCache server's scheduler process --------------------------------------------------
+REGISTER_BACKEND = TouchPoint(
+    "sglang.srt.mem_cache.registry.register_radix_cache_backend", Kind.EXTENSION,
+    "registers the `swiftcache` radix cache backend the flag selects",
+    "the scheduler cannot build the selected backend and refuses to start",
+    f"{INTEGRATION}.plugin")
+RADIX_CACHE = TouchPoint(
+    "sglang.srt.mem_cache.radix_cache.RadixCache", Kind.SUBCLASS,
+    "SwiftRadixCache is SGLang's prefix-cache interface with radix_ext inside",
+    "the cache class no longer matches what the scheduler calls", f"{INTEGRATION}.cache")
+SCHEDULER_STEP = TouchPoint(
+    f"{SCHEDULER}.get_next_batch_to_run", Kind.BEFORE,
+    "once per loop: control events (leases, reclaims, lost donors) and the donor's lending "
+    "step run on the scheduler thread (servers that lend or borrow)",
+    "leases and reclaims are never handled: a donor never gets its pages back",
+    f"{INTEGRATION}.plugin")
+OWN_DEMAND = TouchPoint(
+    "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
+    Kind.REIMPLEMENTATION,
+    "a donor counts its own requests' KV demand over the scheduler's queues as PrefillAdder "
+    "does (output budget clipped at CLIP_MAX_NEW_TOKENS, times the new-token ratio unless "
+    "ignore_eos), to lend only what its own admission will not need",
+    "the donor lends pages its own admission then lacks (a burst waits for a reclaim), or "
+    "lends too little", f"{INTEGRATION}.lending",
+    (Check(How.SOURCE, names=("CLIP_MAX_NEW_TOKENS", "ignore_eos", "new_token_ratio")),
+     Check(probe="sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS")))
+BATCH_BUILT = TouchPoint(
+    f"{SCHEDULER}.get_new_batch_prefill", Kind.AFTER,
+    "a borrower starts the donor loads its new prefill batch queued and sets the batch's "
+    "layer-counter consumer index (servers that borrow)",
+    "donor hits are never loaded: their requests wait for the load deadline and are aborted",
+    f"{INTEGRATION}.plugin")
+BATCH_RAN = TouchPoint(
+    f"{SCHEDULER}.run_batch", Kind.AFTER,
+    "after a forward, a borrower aborts the requests whose load failed before their output "
+    "is used (servers that borrow)",
+    "a request whose donor load failed would answer from unloaded KV", f"{INTEGRATION}.plugin")
+RUN_BATCH_SIGNATURE = TouchPoint(
+    f"{SCHEDULER}.run_batch.batch", Kind.SIGNATURE,
+    "the BATCH_RAN hook takes the batch as the first positional argument after self",
+    "the hook settles the wrong object (or raises in the scheduler loop)",
+    f"{INTEGRATION}.plugin",
+    (Check(How.LEADING_PARAMS, f"{SCHEDULER}.run_batch", ("self", "batch")),))
+PENDING_CHUNKED_ABORT = TouchPoint(
+    f"{SCHEDULER}._pending_chunked_abort_req", Kind.PRIVATE_WRITE,
+    "a chunked request whose donor load failed is released like a client abort, through "
+    "SGLang's own pending-abort slot, so its next chunk does not run",
+    "the failed request's next chunk runs on KV that never arrived",
+    f"{INTEGRATION}.streaming",
+    (Check(How.SOURCE, f"{SCHEDULER}.process_pending_chunked_abort",
+           ("_pending_chunked_abort_req",)),))
+KV_POOL_BUFFERS = TouchPoint(
+    f"{MHA_POOL}._create_buffers_normal", Kind.AROUND,
+    "a lending server's KV pool is allocated in shareable memory (servers that lend)",
+    "the pool is SGLang's own: the server lends nothing (its log says why)",
+    "sglang_swift.integration.shared_kv_pool",
+    (Check(How.LEADING_PARAMS, names=("self",)),))
+
+# ---- the layer stream cache (--swiftcache-layer-stream host|donor) ---------------------------
+LAYER_STREAM = "sglang_swift.layer_stream"
+CONFIG_FROM_BUDGET = TouchPoint(
+    f"{CONFIGURATOR}.config_from_budget", Kind.AROUND,
+    "the local budget holds `depth` staging layers instead of all: the pool is sized for "
+    "L/depth times the tokens, capped by the host memory allowed",
+    "a streamed pool gets only a stock pool's tokens", f"{LAYER_STREAM}.hooks",
+    (Check(How.KEYWORD_PARAMS, names=("budget_bytes", "cap_tokens")),))
+CELL_SIZE = TouchPoint(
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._cell_size",
+    Kind.PRIVATE_READ,
+    "KV bytes per token over all layers, to cap the streamed pool by host memory",
+    "the host cap is skipped (the pool is still refused later if the store does not fit)",
+    f"{LAYER_STREAM}.hooks",
+    (Check(How.SOURCE, "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator."
+           "__init__", ("_cell_size",)),
+     Check(probe="sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator")))
+BUILD_MHA_POOL = TouchPoint(
+    f"{CONFIGURATOR}._build_mha_kv_pool", Kind.AROUND,
+    "SGLang builds LayerStreamKVPool (its MHA pool, subclassed) where it would build "
+    "MHATokenToKVPool",
+    "the pool is not streamed: the server starts with a stock pool", f"{LAYER_STREAM}.hooks",
+    (Check(How.KEYWORD_PARAMS, names=("mha_pool_class", "quant_method")),))
+MHA_POOL_CLASS = TouchPoint(
+    MHA_POOL, Kind.SUBCLASS,
+    "LayerStreamKVPool keeps SGLang's MHA pool, with layers aliasing staging buffers",
+    "the streamed pool's buffers no longer match what attention reads",
+    f"{LAYER_STREAM}.pool")
+BUILD_ALLOCATOR = TouchPoint(
+    f"{CONFIGURATOR}._build_token_to_kv_pool_allocator", Kind.AFTER,
+    "with resident rows, the allocator hands out resident slots first",
+    "short requests land on streamed slots while resident ones are free (slower, still right)",
+    f"{LAYER_STREAM}.hooks",
+    (Check(How.KEYWORD_PARAMS, names=("token_to_kv_pool",)),))
+RESIDENT_FIRST = TouchPoint(
+    ALLOCATOR, Kind.CLASS_SWAP,
+    "the allocator SGLang built becomes a direct subclass that sorts freed pages back in "
+    "(SGLang's `need_sort` mode and `merge_and_sort_free`) before each allocation",
+    "allocations stop preferring resident slots, or the swap fails at start-up",
+    f"{LAYER_STREAM}.allocator",
+    (Check(How.SOURCE, f"{ALLOCATOR}.__init__", ("need_sort",)),
+     Check(probe=f"{ALLOCATOR}.merge_and_sort_free")))
+MODEL_FORWARD = TouchPoint(
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward", Kind.AROUND,
+    "opens and closes the streamed pool's per-forward stream (which slots the batch reads "
+    "is known here); also where the debug seam's forward observer runs",
+    "no layer is loaded: attention reads stale staging buffers", f"{LAYER_STREAM}.hooks",
+    (Check(How.LEADING_PARAMS, names=("self", "forward_batch")),))
+VALIDATE_INPUT = TouchPoint(
+    "sglang.srt.managers.utils.validate_input_length", Kind.AFTER,
+    "SGLang's refusal of a too-long prompt also names the streaming limits",
+    "the refusal still happens, without the streaming limits in its message",
+    f"{LAYER_STREAM}.hooks",
+    (Check(How.LEADING_PARAMS, names=("req", "max_req_input_len")),))
+
+ALL: tuple[TouchPoint, ...] = (
+    ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
+    REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
+    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
+    CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
+    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT,
+)
+
+
+def problems(points: tuple[TouchPoint, ...] = ALL) -> list[str]:
+    """What the installed SGLang no longer provides, one line per failed check."""
+    return [p for point in points for p in point.problems()]

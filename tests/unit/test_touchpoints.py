@@ -1,0 +1,77 @@
+"""The manifest of SwiftCache's touch points on SGLang (`integration/touchpoints.py`).
+
+Invariants: every entry passes its checks on the installed (pinned) SGLang; a changed SGLang is
+reported per entry (a missing target, a private name gone from the source that sets it, a changed
+signature); each private name listed is in the product module that touches it; and no product
+module outside the manifest spells an SGLang hook target (`sglang.srt.<...>.<Class>.<method>`)
+except the CPU stand-in's one, which the manifest imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from sglang_swift.integration import touchpoints as tp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_touch_point_holds_on_the_installed_sglang():
+    assert tp.problems() == []
+    assert len({p.target for p in tp.ALL}) == len(tp.ALL)
+
+
+def test_a_changed_sglang_is_reported_per_entry():
+    gone = tp.TouchPoint("sglang.srt.server_args.ServerArgs.no_such_hook", tp.Kind.AFTER,
+                         "", "", "")
+    renamed = tp.TouchPoint(
+        "sglang.srt.server_args.ServerArgs._renamed", tp.Kind.PRIVATE_READ, "", "", "",
+        (tp.Check(tp.How.SOURCE, "sglang.srt.server_args.ServerArgs.resolve_once",
+                  ("_renamed",)),))
+    moved = tp.TouchPoint(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch.batch", tp.Kind.SIGNATURE, "", "", "",
+        (tp.Check(tp.How.LEADING_PARAMS, "sglang.srt.managers.scheduler.Scheduler.run_batch",
+                  ("self", "pp_proxy_tensors")),))
+    found = tp.problems((gone, renamed, moved, tp.ADD_CLI_ARGS))
+    assert len(found) == 3
+    assert "no_such_hook not found" in found[0]
+    assert "no longer mentions _renamed" in found[1]
+    assert "takes self, batch first" in found[2]
+
+
+def _module_source(dotted: str) -> str:
+    path = ROOT / Path(*dotted.split("."))
+    return (path.with_suffix(".py") if path.with_suffix(".py").exists()
+            else path / "__init__.py").read_text()
+
+
+def test_each_listed_touch_is_where_the_manifest_says():
+    """A private name read or written, a class swap, a re-implementation: the module named in
+    `used_in` has it (a stale entry, or one naming the wrong module, fails here)."""
+    words = {tp.Kind.PRIVATE_READ: lambda p: p.attr, tp.Kind.PRIVATE_WRITE: lambda p: p.attr,
+             tp.Kind.CLASS_SWAP: lambda p: "__class__ =",
+             tp.Kind.REIMPLEMENTATION: lambda p: "CLIP_MAX_NEW_TOKENS"}
+    for point in tp.ALL:
+        if point.kind in words:
+            assert words[point.kind](point) in _module_source(point.used_in), point.target
+
+
+def _string_constants(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)]
+
+
+def test_no_hook_target_is_spelled_outside_the_manifest():
+    manifest = ROOT / "sglang_swift" / "integration" / "touchpoints.py"
+    stand_in = ROOT / "sglang_swift" / "cpu_compat" / "server_defaults.py"
+    spelled = []
+    for path in sorted((ROOT / "sglang_swift").rglob("*.py")):
+        if path in (manifest, stand_in):
+            continue
+        for text in _string_constants(path):
+            parts = text.split(".")
+            if text.startswith("sglang.srt.") and " " not in text and len(parts) > 3 \
+                    and any(p[:1].isupper() for p in parts):
+                spelled.append(f"{path.relative_to(ROOT)}: {text}")
+    assert spelled == []
