@@ -2,7 +2,7 @@
 
 Active only in the CPU venv that scripts/setup_cpu.sh creates (its `.pth` runs `site_hook`), or
 where the project asks for it explicitly (`cpu_env()`, `activate_in_process()`); never on a GPU
-install. Four pieces (facts measured in shared/notes/cpu-serving.md):
+install. Five pieces (facts measured in shared/notes/cpu-serving.md):
 
 1. `engine_choice`: SGLang needs SGLANG_USE_CPU_ENGINE=1 before its modules import, or it takes
    GPU code paths. When `sglang` is first imported, the CPU engine is chosen if `accelerator` finds
@@ -16,6 +16,9 @@ install. Four pieces (facts measured in shared/notes/cpu-serving.md):
    torch, and makes every other name importable but raise if called.
 4. `torchvision_fix`: torchvision's PyPI wheels here are CUDA builds whose meta registrations fail
    beside CPU torch; it defines the two missing operator schemas just before they run.
+5. `hicache`: CPU stand-ins for the CUDA-only pieces of HiCache (`--enable-hierarchical-cache`):
+   unpinned host pools, torch index copies for the host<->device transfers, immediate streams and
+   events; patched into SGLang's HiCache modules as they are imported, on the CPU engine only.
 
 `cpu_env()` and `activate_in_process()` force the CPU engine explicitly (the demo, tests, scripts
 that predate the automatic choice); the automatic path needs neither.
@@ -49,10 +52,11 @@ def activate_in_process() -> None:
     """
     import sys
 
-    from . import torchvision_fix
+    from . import hicache, torchvision_fix
 
     os.environ.update({k: v for k, v in cpu_env().items() if k != "PYTHONPATH"})
     os.environ["PYTHONPATH"] = cpu_env()["PYTHONPATH"]
     if str(SHIM_DIR) not in sys.path:
         sys.path.insert(0, str(SHIM_DIR))
     torchvision_fix.install()
+    hicache.install()
