@@ -4,7 +4,15 @@ Pure bookkeeping: imports neither torch nor SGLang, holds indices and residency 
 returns what to copy and free; it never touches memory.
 """
 
-from radix_ext.tree_config import TreeConfig
+from radix_ext.admission import (
+    Admission,
+    DevicePool,
+    admit,
+    evict,
+    holding,
+    settle,
+    should_exchange,
+)
 from radix_ext.placement import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency, DonorResidency, HostResidency
 from radix_ext.results import (
@@ -24,8 +32,7 @@ from radix_ext.results import (
 )
 from radix_ext.tiers import DonorTier, HostTier, LeasedBlocks
 from radix_ext.tree import RadixTree
-from radix_ext.admission import (Admission, DevicePool, admit, evict, holding, settle,
-                                  should_exchange)
+from radix_ext.tree_config import TreeConfig
 
 __all__ = [
     "Admission", "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency",

@@ -26,7 +26,7 @@ from array import array
 from typing import Any, Callable, Optional
 
 from radix_ext.residency import DEVICE, DONOR, DeviceResidency, DonorResidency
-from radix_ext.results import ExchangeResult, Match, Released
+from radix_ext.results import ExchangeResult, Match
 
 Swap = Callable[[array, array], bool]
 

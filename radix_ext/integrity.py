@@ -26,9 +26,11 @@ class IntegrityMixin:
         lower: dict = {name: [] for name in self.tiers}
         for t in self._stores.values():
             path = self._store_path(t)
-            assert sum(len(p.key) for p in path) == t.num_tokens, f"store {t.ticket_id} lost its nodes"
+            assert sum(len(p.key) for p in path) == t.num_tokens, (
+                f"store {t.ticket_id} lost its nodes")
             for p in path:
-                assert DEVICE in p.res, f"store {t.ticket_id}: {p} left the device before it settled"
+                assert DEVICE in p.res, (
+                    f"store {t.ticket_id}: {p} left the device before it settled")
                 pins_expected[p] = pins_expected.get(p, 0) + 1
             assert t.stale or t.dst is not None, f"store {t.ticket_id} has no destination"
             if t.dst is not None:
@@ -63,7 +65,8 @@ class IntegrityMixin:
                     lower[tier].append(res)
                     members[tier].add(x)
             locks = x.direct_locks + sum(c.lock_ref for c in x.children.values())
-            assert x.direct_locks >= 0 and x.lock_ref == locks, f"{x}: lock_ref {x.lock_ref} != {locks}"
+            assert x.direct_locks >= 0 and x.lock_ref == locks, (
+                f"{x}: lock_ref {x.lock_ref} != {locks}")
             assert x.pins == pins_expected.get(x, 0), f"{x}: pins {x.pins} != in-flight loads"
             on_dev = DEVICE in x.res
             if x in self._leaving:
@@ -101,4 +104,5 @@ class IntegrityMixin:
             tier.check_integrity(lower[name])
             assert members[name] == self._in_tier[name], f"{name} membership set drifted"
         for t in self._tickets.values():
-            assert t.anchor is root or t.anchor.direct_locks > 0, f"ticket {t.ticket_id} lost its lock"
+            assert t.anchor is root or t.anchor.direct_locks > 0, (
+                f"ticket {t.ticket_id} lost its lock")

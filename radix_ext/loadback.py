@@ -30,7 +30,8 @@ class LoadBackMixin:
         path.reverse()
         total = sum(len(p.key) for p in path)
         if len(device_indices) != total:
-            raise ValueError(f"load-back of {total} tokens got {len(device_indices)} device indices")
+            raise ValueError(f"load-back of {total} tokens got {len(device_indices)} device "
+                             f"indices")
         idx = device_indices if type(device_indices) is array else array("q", device_indices)
         anchor = x
         self.lock(anchor)
@@ -40,7 +41,8 @@ class LoadBackMixin:
             p.pins += 1
             seg = self._cheapest(p)
             n = len(p.key)
-            copies.append(Transfer(seg.tier, seg.source, DEVICE, DeviceResidency(idx[pos : pos + n])))
+            copies.append(Transfer(seg.tier, seg.source, DEVICE,
+                                   DeviceResidency(idx[pos : pos + n])))
             pos += n
         ticket = LoadTicket(self._next_ticket, anchor, last_node, idx, tuple(copies))
         self._tickets[ticket.ticket_id] = ticket

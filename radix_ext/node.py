@@ -37,4 +37,5 @@ class Node:
 
     def __repr__(self) -> str:
         tiers = ",".join(sorted(self.res))
-        return f"Node#{self.id}(len={len(self.key)}, tiers=[{tiers}], lock={self.lock_ref}, pins={self.pins})"
+        return (f"Node#{self.id}(len={len(self.key)}, tiers=[{tiers}], lock={self.lock_ref}, "
+                f"pins={self.pins})")

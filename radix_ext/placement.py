@@ -202,7 +202,8 @@ def make_eviction(name: str, cost: CostModel):
     try:
         cls = EVICTION_POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}")
+        raise ValueError(f"unknown eviction policy {name!r}; "
+                         f"choose one of {sorted(EVICTION_POLICIES)}") from None
     return cls(cost) if cls is CostAwareEviction else cls()
 
 
@@ -210,4 +211,5 @@ def make_demotion(name: str, cost: CostModel):
     try:
         return DEMOTION_POLICIES[name](cost)
     except KeyError:
-        raise ValueError(f"unknown demotion policy {name!r}; choose one of {sorted(DEMOTION_POLICIES)}")
+        raise ValueError(f"unknown demotion policy {name!r}; "
+                         f"choose one of {sorted(DEMOTION_POLICIES)}") from None

@@ -22,7 +22,6 @@ from typing import Any
 from radix_ext.residency import DEVICE
 from radix_ext.results import Released, StoreOutcome, StoreTicket, Transfer
 
-
 UNDECIDED = "undecided"  # `_leaving` value of the victim whose fate evict_device is deciding
 
 
@@ -38,7 +37,8 @@ class StoreMixin:
         released: list = []
         rest = ticket.dst
         for p in path:
-            part, rest = (rest, None) if p is ticket.node else rest.split(len(p.key), self.page_size)
+            part, rest = ((rest, None) if p is ticket.node
+                          else rest.split(len(p.key), self.page_size))
             if ticket.dst_tier in p.res:  # one copy per tier: the new one replaces a worse one
                 old = self._pop_res(p, ticket.dst_tier)
                 tier.free(old)

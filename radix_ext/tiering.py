@@ -61,7 +61,8 @@ class TieringMixin:
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
         """Start copying `x` (leaving the device, from `dev`) into a lower tier; False if none
-        takes it. A copy `x` already has elsewhere is replaced only by a cheaper one (cost-aware)."""
+        takes it. A copy `x` already has elsewhere is replaced only by a cheaper one
+        (cost-aware)."""
         targets = [(t, p) for t, p in self.demotion.targets(x, self) if t in self.tiers]
         if self.demotion.make_room_first:
             have = min((self.cost.residency_cost(t, r, self) for t, r in x.res.items()

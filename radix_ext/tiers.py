@@ -109,7 +109,8 @@ class DonorTier:
     def capacity_tokens(self) -> int:
         return sum(x.num_blocks for x in self.leases.values()) * self.page_size
 
-    def alloc(self, num_tokens: int, preference: Sequence[LeasedBlocks] = ()) -> Optional[DonorResidency]:
+    def alloc(self, num_tokens: int,
+              preference: Sequence[LeasedBlocks] = ()) -> Optional[DonorResidency]:
         """Blocks for `num_tokens` from the first lease in `preference` (default: most free)
         that can hold them all; None (nothing taken) when no single lease can."""
         need = -(-num_tokens // self.page_size)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from array import array
 from typing import Any, Optional, Sequence
 
-from radix_ext.tree_config import TreeConfig
 from radix_ext.exchange import ExchangeMixin
 from radix_ext.integrity import IntegrityMixin
 from radix_ext.loadback import LoadBackMixin
@@ -36,6 +35,7 @@ from radix_ext.store import StoreMixin
 from radix_ext.structure import StructureMixin
 from radix_ext.tiering import TieringMixin
 from radix_ext.tiers import DonorTier, HostTier
+from radix_ext.tree_config import TreeConfig
 
 
 def _as_array(seq: Sequence[int]) -> array:
@@ -57,19 +57,23 @@ def common_len(a: array, b: array, pos: int, n: int, page: int) -> int:
     return lo - lo % page
 
 
+DEFAULT_CONFIG = TreeConfig()
+
+
 class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeMixin, ExchangeMixin,
                 IntegrityMixin):
     """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
     returns what the caller must copy and free."""
 
-    def __init__(self, config: TreeConfig = TreeConfig()):
+    def __init__(self, config: TreeConfig = DEFAULT_CONFIG):
         self.config = config
         self.page_size = config.page_size
         self.cost = config.cost
         self.eviction = make_eviction(config.eviction, config.cost)
         self.demotion = make_demotion(config.demotion, config.cost)
         self.donor: Optional[DonorTier] = DonorTier(config.page_size) if config.donor else None
-        self.host: Optional[HostTier] = HostTier(config.host_capacity) if config.host_capacity else None
+        self.host: Optional[HostTier] = (HostTier(config.host_capacity)
+                                         if config.host_capacity else None)
         self.tiers: dict[str, Any] = {}
         if self.donor is not None:
             self.tiers[DONOR] = self.donor
@@ -136,7 +140,8 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
                 break
             ckey = child.key
             kl = len(ckey)
-            m = kl if (pos + kl <= n and ckey == key[pos : pos + kl]) else common_len(ckey, key, pos, n, page)
+            m = (kl if (pos + kl <= n and ckey == key[pos : pos + kl])
+                 else common_len(ckey, key, pos, n, page))
             if m < kl:
                 child.last_access = tick  # a partial match touches the node (as SGLang does)
                 child = self._split(child, m)
@@ -157,7 +162,8 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
             ck = key[pos] if page == 1 else tuple(key[pos : pos + page])
         return Match(pos, dev_len, last_dev, node, tuple(loads) if loads else ())
 
-    def insert(self, key: Sequence[int], device_indices: Sequence[int], namespace: Any = None) -> InsertResult:
+    def insert(self, key: Sequence[int], device_indices: Sequence[int],
+               namespace: Any = None) -> InsertResult:
         """Record that device slots `device_indices[i]` hold the KV of `key[i]` (page-aligned part).
 
         Contract: tokens already on the device are duplicates (`[0, duplicate_len)`): the caller
@@ -183,7 +189,8 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
                 break
             ckey = child.key
             kl = len(ckey)
-            m = kl if (pos + kl <= n and ckey == key[pos : pos + kl]) else common_len(ckey, key, pos, n, page)
+            m = (kl if (pos + kl <= n and ckey == key[pos : pos + kl])
+                 else common_len(ckey, key, pos, n, page))
             if m < kl:
                 child.last_access = tick
                 child = self._split(child, m)

@@ -72,8 +72,10 @@ class SwiftConfig:
         "borrows when a borrow limit is set)"))
     eviction_policy: str = field(default="lru", metadata=_opt(
         _choice("eviction-policy", EVICTION_POLICIES),
-        "order and target of device evictions: lru, or cost_aware (reuse vs. reload cost per tier)"))
-    lend_fraction: float = field(default=0.0, metadata=_opt(_number("lend-fraction", float, 0.0, 0.95),
+        "order and target of device evictions: lru, or cost_aware (reuse vs. reload cost per "
+        "tier)"))
+    lend_fraction: float = field(default=0.0, metadata=_opt(
+        _number("lend-fraction", float, 0.0, 0.95),
         "donor: the most of its own KV pool it may lend to other servers, as a fraction (0: lend "
         "nothing); only free pages above the reserve are lent"))
     reclaim_watermark: float = field(default=0.8, metadata=_opt(
@@ -88,7 +90,8 @@ class SwiftConfig:
         "borrower: most blocks (pages of this server's own model) it keeps in donor memory "
         "(0: no donor tier)"))
     heartbeat_interval_s: float = field(default=0.2, metadata=_opt(
-        _number("heartbeat-interval-s", float, 0.0, 60.0, lo_open=True), "control-channel heartbeat period"))
+        _number("heartbeat-interval-s", float, 0.0, 60.0, lo_open=True),
+        "control-channel heartbeat period"))
     heartbeat_timeout_s: float = field(default=1.0, metadata=_opt(
         _number("heartbeat-timeout-s", float, 0.0, 600.0, lo_open=True),
         "a peer silent this long is suspected and re-validated (declared dead only on evidence: "
@@ -97,7 +100,8 @@ class SwiftConfig:
         "directory (created 0700) where agents on this node publish their ipc endpoints "
         "(default: /tmp/sglang_swift-$UID/control)"))
     secret_file: str = field(default="", metadata=_opt(_path("secret-file"),
-        "node secret (0600) that authenticates control messages (default: <rendezvous-dir>/secret)"))
+        "node secret (0600) that authenticates control messages (default: "
+        "<rendezvous-dir>/secret)"))
     layer_stream: str = field(default="off", metadata=_opt(
         _choice("layer-stream", LAYER_STREAM_TIERS),
         "keep only the KV of the layers being computed in the local KV pool and every layer's KV "
@@ -151,7 +155,8 @@ class SwiftConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - set(fields))
         if unknown:
-            raise ValueError(f"unknown SwiftCache config keys {unknown}; versions of sglang-swift differ?")
+            raise ValueError(f"unknown SwiftCache config keys {unknown}; versions of sglang-swift "
+                             f"differ?")
         values = {}
         for name, value in raw.items():
             f = fields[name]
@@ -191,8 +196,9 @@ class SwiftConfig:
         server borrows; there is no host tier (no host data path in the server yet)."""
         from radix_ext import TreeConfig
 
+        demotion = "cost_aware" if self.eviction_policy == "cost_aware" else "tiered"
         return TreeConfig(page_size=page_size, eviction=self.eviction_policy, donor=self.borrows,
-                          demotion="cost_aware" if self.eviction_policy == "cost_aware" else "tiered")
+                          demotion=demotion)
 
     def resolved_rendezvous_dir(self) -> str:
         """The rendezvous directory; by default the control channel's (what `ctl` reads)."""

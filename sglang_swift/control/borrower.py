@@ -159,7 +159,8 @@ class BorrowerSide:
         if len(set(msg.blocks)) != len(msg.blocks) or not msg.blocks:
             return "empty or duplicate blocks"
         layout = msg.memory.layout  # a donor's own pool: blocks are its page ids
-        limit = layout.padded_rows // layout.page_size if layout is not None else msg.memory.num_blocks
+        limit = (layout.padded_rows // layout.page_size if layout is not None
+                 else msg.memory.num_blocks)
         if any(b >= limit for b in msg.blocks):
             return "block id beyond the descriptor"
         mine = set(msg.blocks)

@@ -16,8 +16,8 @@ import msgspec
 
 from sglang_swift.control import protocol as p
 from sglang_swift.control.events import BlocksReturned
-from sglang_swift.control.ledger import DonorLedger, PendingReclaim
 from sglang_swift.control.grant_policy import create_policy
+from sglang_swift.control.ledger import DonorLedger, PendingReclaim
 
 if TYPE_CHECKING:
     from sglang_swift.control.agent import ControlAgent
@@ -51,7 +51,8 @@ class DonorSide:
         blocks = list(blocks)
         layout = self.memory.layout
         # a donor lending its own pool offers pool page ids; an arena offers its block ids
-        limit = layout.padded_rows // layout.page_size if layout is not None else self.memory.num_blocks
+        limit = (layout.padded_rows // layout.page_size if layout is not None
+                 else self.memory.num_blocks)
         bad = [b for b in blocks if not 0 <= b < limit]
         if bad:
             raise ValueError(f"blocks outside the {'pool' if layout else 'arena'}: {bad[:8]}")

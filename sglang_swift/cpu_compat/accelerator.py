@@ -128,7 +128,8 @@ def why_none(facts: HostFacts) -> str:
     if facts.torch_version is None:
         return "torch is not installed"
     if facts.torch_cuda or facts.torch_hip or facts.torch_xpu:
-        return f"torch {facts.torch_version} is an accelerator build but no usable device is visible"
+        return (f"torch {facts.torch_version} is an accelerator build but no usable device is "
+                f"visible")
     if facts.nvidia_device or facts.amd_kfd:
         return (f"torch {facts.torch_version} is a CPU-only build "
                 "(a GPU is present: install a torch build for it to use it)")

@@ -44,7 +44,8 @@ class EngineChoice(namedtuple("EngineChoice", "cpu_engine automatic reason")):
 
 
 def explicit_device(argv: Sequence[str]) -> str | None:
-    """The value of `--device X` / `--device=X` in argv, if given (the last one wins, as argparse)."""
+    """The value of `--device X` / `--device=X` in argv, if given (the last one wins, as
+    argparse)."""
     found = None
     for i, arg in enumerate(argv):
         if arg == "--device" and i + 1 < len(argv):

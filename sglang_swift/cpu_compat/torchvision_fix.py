@@ -4,7 +4,8 @@ The torchvision wheels reachable here are CUDA builds; beside CPU torch their C 
 load (silently), and `torchvision/_meta_registrations.py` then registers fakes for operators that
 were never defined, raising `operator torchvision::nms does not exist` and breaking `import sglang`.
 A meta-path finder defines the two schemas the moment that module is about to be imported, so torch
-stays out of interpreter start-up. torchvision's C++ ops stay unavailable (text models don't use them).
+stays out of interpreter start-up. torchvision's C++ ops stay unavailable (text models don't use
+them).
 """
 
 from __future__ import annotations

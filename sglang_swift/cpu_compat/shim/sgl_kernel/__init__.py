@@ -1,9 +1,10 @@
 """Pure-torch stand-in for `sgl_kernel`, for SGLang's CPU engine on a machine without its CPU build.
 
-Put first on PYTHONPATH by `sglang_swift.cpu_compat.cpu_env()`, only for CPU runs. It implements the
-one op a dense Llama calls on the CPU engine; every other name imports (so `from sgl_kernel import X`
-in SGLang's modules succeeds) but raises NotImplementedError if called, naming the op. It registers
-nothing under `torch.ops.sgl_kernel`, so SGLang's AMX check stays False and layers use native torch.
+Put first on PYTHONPATH by `sglang_swift.cpu_compat.cpu_env()`, only for CPU runs. It implements
+the one op a dense Llama calls on the CPU engine; every other name imports (so
+`from sgl_kernel import X` in SGLang's modules succeeds) but raises NotImplementedError if called,
+naming the op. It registers nothing under `torch.ops.sgl_kernel`, so SGLang's AMX check stays False
+and layers use native torch.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offsets, 
 def _missing(name: str):
     def op(*args, **kwargs):
         raise NotImplementedError(
-            f"sgl_kernel.{name} is not available: this is SwiftCache's CPU stand-in for sgl_kernel, "
-            "which implements only what a dense Llama needs on SGLang's CPU engine")
+            f"sgl_kernel.{name} is not available: this is SwiftCache's CPU stand-in for "
+            "sgl_kernel, which implements only what a dense Llama needs on SGLang's CPU engine")
 
     op.__name__ = name
     return op
