@@ -5,9 +5,9 @@ Examples:
   scripts/bench_multiturn.py --quick --launch        # starts the CPU demo servers (off and on)
   scripts/bench_multiturn.py --quick --launch --workload agent-frontend   # SGLang frontend programs
 
-Workloads: chat (ShareGPT conversations), agent (tool loops as raw prompts), agent-frontend (the same
-tool loops written in SGLang's frontend language, sgl.function with fork for parallel tool calls,
-run through sgl.RuntimeEndpoint; it reports program latency instead of TTFT).
+Workloads: chat (ShareGPT conversations), agent (tool loops as raw prompts), agent-frontend (the
+same tool loops written in SGLang's frontend language, sgl.function with fork for parallel tool
+calls, run through sgl.RuntimeEndpoint; it reports program latency instead of TTFT).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import frontend, plots, runner, stats
 from ..workloads.frontend_programs import agent_programs
 from ..workloads.specs import AgentWorkload, ChatWorkload
 from ..workloads.text_sessions import agent_sessions, chat_sessions
+from . import frontend, plots, runner, stats
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,12 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
                    help="server to test; give two to print ratios (second / first)")
     p.add_argument("--launch", action="store_true",
-                   help="start the CPU demo servers (the tiny model, SwiftCache off then on; tools/local_server.py)")
+                   help="start the CPU demo servers (the tiny model, SwiftCache off then on; "
+                        "tools/local_server.py)")
     p.add_argument("--workload", choices=["chat", "agent", "agent-frontend"], default="chat")
     p.add_argument("--fanout", type=int, default=2,
                    help="agent-frontend: parallel tool calls per step (one fork each)")
     p.add_argument("--chat-template", default=None,
-                   help="agent-frontend: SGLang chat template name (default: chosen from the model path)")
+                   help="agent-frontend: SGLang chat template name (default: chosen from the "
+                        "model path)")
     p.add_argument("--api", choices=["generate", "chat"], default="generate")
     p.add_argument("--model", default="default", help="model name for /v1/chat/completions")
     p.add_argument("--rates", default="1.0", help="comma-separated session arrival rates (1/s)")
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="don't POST /flush_cache between runs")
     p.add_argument("--no-warmup", action="store_true", help="don't send one untimed request first")
-    p.add_argument("--quick", action="store_true", help="small workload that ends in < 1 min on CPU")
+    p.add_argument("--quick", action="store_true",
+                   help="small workload that ends in < 1 min on CPU")
     p.add_argument("--out", default=None, help="output directory (default runs/bench-<time>)")
     return p
 
@@ -90,14 +93,15 @@ def _launch_specs():
         yield label, LocalServer(model, swiftcache=on, extra_args=["--enable-cache-report"])
 
 
-def _one_run(a: argparse.Namespace, work, url: str, label: str, rate: float, bar) -> tuple[dict, list]:
+def _one_run(a: argparse.Namespace, work, url: str, label: str, rate: float,
+             bar) -> tuple[dict, list]:
     """One server at one rate: the summary and the records (requests, or agent programs)."""
     if a.workload == "agent-frontend":
-        recs = frontend.run_programs(url, label, work, rate, seed=a.seed, chat_template=a.chat_template,
-                                     progress=bar)
+        recs = frontend.run_programs(url, label, work, rate, seed=a.seed,
+                                     chat_template=a.chat_template, progress=bar)
         return frontend.summarize(recs), recs
-    recs = asyncio.run(runner.run_sessions(url, label, work, rate, api=a.api, seed=a.seed, progress=bar,
-                                           model=a.model))
+    recs = asyncio.run(runner.run_sessions(url, label, work, rate, api=a.api, seed=a.seed,
+                                           progress=bar, model=a.model))
     return stats.summarize(recs), recs
 
 
@@ -146,8 +150,10 @@ def report(results: dict, out: Path) -> list[str]:
             lines.append(f"== ratios {other}/{base} @ {rate}/s: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in rat.items() if v is not None))
     top = max(r["rate"] for r in results["runs"])
-    cdf = {r["server"]: [x["ttft"] for x in r["records"]] for r in results["runs"] if r["rate"] == top}
-    curves = {lab: [(r["rate"], r["summary"]["ttft_p99"]) for r in results["runs"] if r["server"] == lab]
+    cdf = {r["server"]: [x["ttft"] for x in r["records"]]
+           for r in results["runs"] if r["rate"] == top}
+    curves = {lab: [(r["rate"], r["summary"]["ttft_p99"])
+                    for r in results["runs"] if r["server"] == lab]
               for lab in labels}
     turns = {r["server"]: r["summary"]["per_turn"] for r in results["runs"] if r["rate"] == top}
     pngs = [plots.ttft_cdf(cdf, out / "ttft_cdf.png"),
@@ -158,23 +164,31 @@ def report(results: dict, out: Path) -> list[str]:
 
 
 def report_programs(results: dict, out: Path) -> list[str]:
-    """Agent-program runs: latency tables, second/first latency ratios, identical outputs, a plot."""
+    """Agent-program runs: latency tables, second/first latency ratios, identical outputs, a
+    plot."""
     labels = list(results["servers"])
-    lines = [frontend.format_summary(f"{r['server']} @ {r['rate']}/s", r["summary"]) for r in results["runs"]]
+    lines = [frontend.format_summary(f"{r['server']} @ {r['rate']}/s", r["summary"])
+             for r in results["runs"]]
     if len(labels) >= 2:
         base, other = labels[0], labels[1]
         for rate in sorted({r["rate"] for r in results["runs"]}):
             by = {r["server"]: r for r in results["runs"] if r["rate"] == rate}
-            rat = {f"latency_p{q}": (by[other]["summary"][f"latency_p{q}"] / by[base]["summary"][f"latency_p{q}"]
-                                     if by[base]["summary"][f"latency_p{q}"] else None) for q in (50, 90, 99)}
-            same = [x["outputs"] for x in by[base]["records"]] == [x["outputs"] for x in by[other]["records"]]
+            rat = {f"latency_p{q}": (by[other]["summary"][f"latency_p{q}"]
+                                     / by[base]["summary"][f"latency_p{q}"]
+                                     if by[base]["summary"][f"latency_p{q}"] else None)
+                   for q in (50, 90, 99)}
+            same = ([x["outputs"] for x in by[base]["records"]]
+                    == [x["outputs"] for x in by[other]["records"]])
             results.setdefault("ratios", {})[str(rate)] = dict(rat, identical_outputs=same)
-            lines.append(f"== ratios {other}/{base} @ {rate}/s: " + ", ".join(
-                f"{k} {v:.2f}" for k, v in rat.items() if v is not None) + f"; identical greedy outputs: {same}")
-    curves = {lab: [(r["rate"], r["summary"]["latency_p99"]) for r in results["runs"] if r["server"] == lab]
+            lines.append(f"== ratios {other}/{base} @ {rate}/s: "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in rat.items() if v is not None)
+                         + f"; identical greedy outputs: {same}")
+    curves = {lab: [(r["rate"], r["summary"]["latency_p99"])
+                    for r in results["runs"] if r["server"] == lab]
               for lab in labels}
     png = plots.p99_vs_rate(curves, out / "p99_program_latency_vs_rate.png",
-                            title="P99 agent-program latency vs rate", ylabel="P99 program latency (ms)")
+                            title="P99 agent-program latency vs rate",
+                            ylabel="P99 program latency (ms)")
     lines.append(f"plots: {png}")
     return lines
 

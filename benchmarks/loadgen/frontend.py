@@ -1,4 +1,5 @@
-"""Agent programs written in SGLang's frontend language, run against a server through RuntimeEndpoint.
+"""Agent programs written in SGLang's frontend language, run against a server through
+RuntimeEndpoint.
 
 The program (`tool_agent`, an `sgl.function`): a system prompt and a task, a plan (`sgl.gen`), then
 one step per group of parallel tool calls: the state forks once per call (`s.fork`), each branch
@@ -37,7 +38,8 @@ def tool_agent():
             s += sgl.assistant(sgl.gen("plan", max_tokens=max_tokens))
             for k, results in enumerate(steps):
                 if tool_wait_s[k] > 0:
-                    time.sleep(tool_wait_s[k])  # the tools run (stated latency), no request in flight
+                    # the tools run (stated latency), no request in flight
+                    time.sleep(tool_wait_s[k])
                 calls = s.fork(len(results))  # parallel tool calls share the transcript so far
                 for call, result in zip(calls, results):
                     call += sgl.user(result)
@@ -51,7 +53,8 @@ def tool_agent():
 
 
 def endpoint(base_url: str, chat_template: str | None = None):
-    """A RuntimeEndpoint for `base_url`; the chat template is chosen from the model path unless named."""
+    """A RuntimeEndpoint for `base_url`; the chat template is chosen from the model path unless
+    named."""
     import sglang as sgl
 
     return sgl.RuntimeEndpoint(base_url, chat_template_name=chat_template)
@@ -80,7 +83,8 @@ def run_program(backend, prog: AgentProgram, label: str, t0: float) -> ProgramRe
     rec = ProgramRecord(prog.id, label, time.perf_counter() - t0)
     start = time.perf_counter()
     try:
-        state = tool_agent().run(**prog.as_kwargs(), backend=backend, temperature=0.0, ignore_eos=True)
+        state = tool_agent().run(**prog.as_kwargs(), backend=backend, temperature=0.0,
+                                 ignore_eos=True)
         state.text()  # waits for the program to finish
         if state.error() is not None:
             raise state.error()
@@ -97,15 +101,18 @@ def run_program(backend, prog: AgentProgram, label: str, t0: float) -> ProgramRe
     return rec
 
 
-def run_programs(base_url: str, label: str, programs: list[AgentProgram], rate: float, *, seed: int = 0,
-                 chat_template: str | None = None, progress=None) -> list[ProgramRecord]:
-    """Start the programs as Poisson arrivals at `rate` per second; return records in program order."""
+def run_programs(base_url: str, label: str, programs: list[AgentProgram], rate: float, *,
+                 seed: int = 0, chat_template: str | None = None,
+                 progress=None) -> list[ProgramRecord]:
+    """Start the programs as Poisson arrivals at `rate` per second; return records in program
+    order."""
     backend = endpoint(base_url, chat_template)
     offsets = start_offsets(len(programs), rate, seed)
     t0 = time.perf_counter()
 
     def one(prog: AgentProgram, offset: float) -> ProgramRecord:
-        time.sleep(max(0.0, t0 + offset - time.perf_counter()))  # pacing of arrivals, not a wait for state
+        # pacing of arrivals, not a wait for state
+        time.sleep(max(0.0, t0 + offset - time.perf_counter()))
         rec = run_program(backend, prog, label, t0)
         if progress is not None:
             progress.update(1)
@@ -123,7 +130,8 @@ def summarize(records: list[ProgramRecord | dict]) -> dict:
     prompt = sum(get(r, "prompt_tokens") for r in ok)
     out = {"programs": len(records), "ok": len(ok), "errors": len(records) - len(ok),
            "gen_calls": sum(get(r, "gen_calls") for r in ok),
-           "cache_hit_rate": (sum(get(r, "cached_tokens") for r in ok) / prompt) if prompt else None}
+           "cache_hit_rate": ((sum(get(r, "cached_tokens") for r in ok) / prompt)
+                              if prompt else None)}
     for q in (50, 90, 99):
         out[f"latency_p{q}"] = pct(lat, q)
     return out
@@ -131,7 +139,8 @@ def summarize(records: list[ProgramRecord | dict]) -> dict:
 
 def format_summary(label: str, s: dict) -> str:
     hit = "-" if s["cache_hit_rate"] is None else f"{s['cache_hit_rate']:.1%}"
-    lat = "  ".join(f"P{q} {s[f'latency_p{q}']:.2f} s" for q in (50, 90, 99) if s[f"latency_p{q}"] is not None)
+    lat = "  ".join(f"P{q} {s[f'latency_p{q}']:.2f} s" for q in (50, 90, 99)
+                    if s[f"latency_p{q}"] is not None)
     wall = f", {s['wall_s']:.1f} s" if s.get("wall_s") is not None else ""
-    return (f"== {label}: {s['ok']}/{s['programs']} agent programs ok{wall}, {s['gen_calls']} sgl.gen calls, "
-            f"transcript cache hit {hit}\nprogram latency  {lat}")
+    return (f"== {label}: {s['ok']}/{s['programs']} agent programs ok{wall}, "
+            f"{s['gen_calls']} sgl.gen calls, transcript cache hit {hit}\nprogram latency  {lat}")

@@ -11,7 +11,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-
 def _finish(fig, ax, path: Path, title: str) -> Path:
     """Title, grid and legend; write the figure to `path` and close it."""
     ax.set_title(title)
@@ -55,7 +54,8 @@ def per_turn_ttft(per_turn: dict[str, dict[int, dict]], path: Path,
     for label, turns in per_turn.items():
         turns = {int(k): v for k, v in turns.items()}
         ts = sorted(turns)
-        ys = [turns[t]["ttft_p50"] * 1e3 if turns[t]["ttft_p50"] is not None else np.nan for t in ts]
+        ys = [turns[t]["ttft_p50"] * 1e3 if turns[t]["ttft_p50"] is not None else np.nan
+              for t in ts]
         ax.plot(ts, ys, marker="o", label=f"{label} P50")
     ax.set_xlabel("turn index")
     ax.set_ylabel("TTFT (ms)")

@@ -7,9 +7,9 @@ import time
 
 import aiohttp
 
+from ..workloads.text_sessions import TextSession, start_offsets
 from . import client
 from .client import RequestRecord
-from ..workloads.text_sessions import TextSession, start_offsets
 
 
 def _generate_prompt(sess: TextSession, history: list[tuple[str, str]], user: str) -> str:
@@ -28,7 +28,7 @@ def _role(sess: TextSession, i: int) -> str:
 
 def _chat_messages(sess: TextSession, history: list[tuple[str, str]], user: str) -> list[dict]:
     msgs = [{"role": "system", "content": sess.system}] if sess.system else []
-    for i, (u, a) in enumerate(history):
+    for u, a in history:
         msgs.append({"role": "user", "content": u})
         msgs.append({"role": "assistant", "content": a})
     msgs.append({"role": "user", "content": user})
@@ -54,7 +54,8 @@ async def run_sessions(base_url: str, label: str, sessions: list[TextSession], r
             for i, turn in enumerate(sess.turns):
                 rec = RequestRecord(sess.id, i, label, 0.0)
                 if api == "generate":
-                    await client.generate(http, base_url, _generate_prompt(sess, history, turn.user),
+                    await client.generate(http, base_url,
+                                          _generate_prompt(sess, history, turn.user),
                                           turn.max_tokens, rec, t0)
                 else:
                     await client.chat(http, base_url, _chat_messages(sess, history, turn.user),

@@ -54,7 +54,8 @@ def _ms(v):
 def format_summary(label: str, s: dict) -> str:
     hit = "-" if s["cache_hit_rate"] is None else f"{s['cache_hit_rate']:.1%}"
     wall = f", {s['wall_s']:.1f} s" if s.get("wall_s") is not None else ""
-    lines = [f"== {label}: {s['ok']}/{s['requests']} ok{wall}, prompt tokens {s['prompt_tokens']}, cache hit {hit}",
+    lines = [f"== {label}: {s['ok']}/{s['requests']} ok{wall}, "
+             f"prompt tokens {s['prompt_tokens']}, cache hit {hit}",
              f"{'metric (ms)':<12}{'P50':>10}{'P90':>10}{'P99':>10}"]
     for name in ("ttft", "itl", "e2e"):
         lines.append(f"{name:<12}" + "".join(f"{_ms(s[f'{name}_p{q}']):>10}" for q in (50, 90, 99)))

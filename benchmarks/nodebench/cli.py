@@ -24,9 +24,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..tools.tiny_model import ensure_tiny_model
-from .plan import ModelFacts, NodePlan, ideal_run, stock_run, swiftcache_run
-from .report import (burst_rounds_in_trace, burst_split, compare_outputs, format_run,
-                     noise_floor, plot_capacity, reclaim_view, run_tables, summarize)
+from .plan import ModelFacts, NodePlan
+from .report import (
+    burst_rounds_in_trace,
+    burst_split,
+    compare_outputs,
+    format_run,
+    noise_floor,
+    plot_capacity,
+    reclaim_view,
+    run_tables,
+    summarize,
+)
 from .runner import forward_trace_path, run_node
 from .traffic import build_traffic
 
@@ -38,9 +47,9 @@ OVERRIDES = ("conversations", "turns", "busy_pool", "donor_pool", "lend_fraction
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="4 steady turns, 16 light donor requests (4 min 40 s - 4 min 55 s "
-                         "on a 2-core machine of this project's kind, 2026-12-02; more on a "
-                         "slower one; the seven servers' start-ups take about half)")
+                    help="4 steady turns, 16 light donor requests (about 5 min on a 2-core "
+                         "CPU machine, more on a slower one; the seven servers' start-ups take "
+                         "about half)")
     ap.add_argument("--no-twin", action="store_true",
                     help="without the second stock donor (t) whose bursts measure the noise "
                          "floor (donor_ttft_p99_noise)")

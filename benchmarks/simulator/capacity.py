@@ -23,14 +23,16 @@ def device_pages(gpu_name: str, model_name: str) -> int:
 
 
 def lend_blocks(lend_fraction: float, donor_pool_bytes: float, borrower_page_bytes: float) -> int:
-    """Blocks a donor offers: `lend_fraction` of its pool, in whole borrower pages (one block each)."""
+    """Blocks a donor offers: `lend_fraction` of its pool, in whole borrower pages (one block
+    each)."""
     return int(lend_fraction * donor_pool_bytes // borrower_page_bytes)
 
 
 def lendable_pages(scn, lend_fraction: float) -> list[int]:
     """Master pages each donor of `scn` lends at `lend_fraction` (what `Node.lend` grants)."""
     mpage = page_bytes(scn.master)
-    return [lend_blocks(lend_fraction, device_pages(scn.gpu, d) * page_bytes(d), mpage) for d in scn.donors]
+    return [lend_blocks(lend_fraction, device_pages(scn.gpu, d) * page_bytes(d), mpage)
+            for d in scn.donors]
 
 
 def lendable_bytes(scn, lend_fraction: float) -> float:
@@ -38,7 +40,8 @@ def lendable_bytes(scn, lend_fraction: float) -> float:
 
 
 def master_tier_pages(scn, host: bool | str, donor: bool) -> dict[str, int]:
-    """Pages of the high-demand model's KV per tier for a system with these `host` and `donor` flags.
+    """Pages of the high-demand model's KV per tier for a system with these `host` and `donor`
+    flags.
 
     host: False (none), True (hicache_ratio x device, HiCache's --hicache-ratio) or "big" (that plus
     the donor lease, so its cache is as large as SwiftCache's donor + host tiers together).

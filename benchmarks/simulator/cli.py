@@ -27,7 +27,8 @@ from .scenario import SCENARIOS
 HEADLINE_SHARE = 0.5  # donors serve half of their own goodput (docs/simulation.md section 2)
 QUICK = dict(rates=(0.25, 0.5, 0.75, 1.0, 1.5), window=600.0, refine_steps=4, donor_refine_steps=2,
              shares=(0.25, 0.5, 0.75), slo_factors=(gp.SLO_FACTOR,))
-FULL = dict(refine_steps=5, donor_refine_steps=3, shares=(0.25, 0.5, 0.75, 0.9), slo_factors=(2.0, gp.SLO_FACTOR, 10.0))
+FULL = dict(refine_steps=5, donor_refine_steps=3, shares=(0.25, 0.5, 0.75, 0.9),
+            slo_factors=(2.0, gp.SLO_FACTOR, 10.0))
 FULL_RATES = {
     "paper-4xH20/chat": (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0),
     "paper-4xH20/agent": (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2),
@@ -45,25 +46,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="paper setup, chat only (a few minutes)")
-    p.add_argument("--window", type=float, default=600.0, help="seconds of session arrivals per point")
+    p.add_argument("--window", type=float, default=600.0,
+                   help="seconds of session arrivals per point")
     p.add_argument("--scenarios", default=",".join(FULL_DEFAULT),
                    help=f"full run: comma-separated scenario/workload keys, {HEADLINE} first "
                         f"(choices: {', '.join(FULL_RATES)}; the 8-GPU ones take hours)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--long-context", action="store_true",
-                   help="the paper's long-context scenario (LWM-Text-1M on an H20 with three donors): "
-                        "maximum context and per-token slowdown from the stepwise streaming model (seconds)")
+                   help="the paper's long-context scenario (LWM-Text-1M on an H20 with three "
+                        "donors): maximum context and per-token slowdown from the stepwise "
+                        "streaming model (seconds)")
     p.add_argument("--validate", action="store_true",
-                   help="simulate this CPU node (bench_node's servers, models and traffic) with the "
-                        "parameters of scripts/calibrate_cpu.py and print it beside bench_node's live "
-                        "records; last line a JSON object with ttft_p50_error and cached_tokens_error")
+                   help="simulate this CPU node (bench_node's servers, models and traffic) with "
+                        "the parameters of scripts/calibrate_cpu.py and print it beside "
+                        "bench_node's live records; last line a JSON object with ttft_p50_error "
+                        "and cached_tokens_error")
     p.add_argument("--calibration", type=Path, default=Path("runs/calibration/cpu.json"),
                    help="--validate: the JSON scripts/calibrate_cpu.py wrote")
     p.add_argument("--live", type=Path, default=Path("runs/node_bench/node_bench.json"),
-                   help="--validate: bench_node's saved records (its --out directory's node_bench.json)")
+                   help="--validate: bench_node's saved records (its --out directory's "
+                        "node_bench.json)")
     p.add_argument("--demote-ahead", type=float, default=0.0,
-                   help="--validate: the pool fraction the live borrower kept free by demoting ahead "
-                        "(0 since commit 0be01c3, 0.125 before it): which code the live run ran")
+                   help="--validate: the pool fraction the live borrower kept free by demoting "
+                        "ahead (0 since commit 0be01c3, 0.125 before it): which code the live run "
+                        "ran")
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
     return p
 
@@ -76,12 +82,14 @@ def _say(msg: str) -> None:
 
 
 def evaluate(scn, rates, window, seed, plan, donor_goodput) -> dict:
-    """One scenario and master workload: sweep, goodput comparisons, SLO sensitivity, interference."""
+    """One scenario and master workload: sweep, goodput comparisons, SLO sensitivity,
+    interference."""
     points = ex.Points(scn, window, seed, progress=_say)
     sweep = ex.load_sweep(points, rates)
     found = {f: ex.goodputs(points, rates, gp.master_slo_s(scn, seed, f), plan["refine_steps"])
              for f in plan["slo_factors"]}
-    comparisons = {name: ex.compare(points, found[gp.SLO_FACTOR], base) for name, base in ex.COMPARISONS.items()}
+    comparisons = {name: ex.compare(points, found[gp.SLO_FACTOR], base)
+                   for name, base in ex.COMPARISONS.items()}
     for name, base in ex.COMPARISONS.items():
         comparisons[name]["goodput_ratio_vs_hicache_by_slo_factor"] = {
             str(f): (round(g[ex.OURS].rate / g[base].rate, 4) if g[base].rate > 0 else None)
@@ -89,7 +97,8 @@ def evaluate(scn, rates, window, seed, plan, donor_goodput) -> dict:
     # the donors are measured while SwiftCache serves the most it sustains (the lowest swept rate
     # when it sustains none)
     master_rate = found[gp.SLO_FACTOR][ex.OURS].rate or min(rates)
-    inter = ex.interference_by_share(scn, donor_goodput, plan["shares"], master_rate, window, seed, progress=_say)
+    inter = ex.interference_by_share(scn, donor_goodput, plan["shares"], master_rate, window, seed,
+                                     progress=_say)
     return {"sweep": sweep, "reductions": ex.reductions(sweep),
             "reductions_equal_memory": ex.reductions(sweep, base="sglang-hicache-bighost"),
             "goodput": {str(f): {s: asdict(g) for s, g in by.items()} for f, by in found.items()},
@@ -100,8 +109,8 @@ def _plan_keys(a: argparse.Namespace) -> list[str]:
     keys = [HEADLINE] if a.quick else [k.strip() for k in a.scenarios.split(",") if k.strip()]
     unknown = [k for k in keys if k not in FULL_RATES]
     if unknown or not keys or keys[0] != HEADLINE:
-        raise SystemExit(f"--scenarios: give {HEADLINE} first (the summary reports it), then any of "
-                         f"{', '.join(FULL_RATES)}; got {a.scenarios!r}")
+        raise SystemExit(f"--scenarios: give {HEADLINE} first (the summary reports it), then any "
+                         f"of {', '.join(FULL_RATES)}; got {a.scenarios!r}")
     return keys
 
 
@@ -126,9 +135,10 @@ def run(a: argparse.Namespace, out: Path) -> dict:
         if scn.name not in res["donor_goodput"]:
             cap = ex.capacity_table(scn)
             res[f"{scn.name}/capacity"] = cap
-            md += [f"## {scn.name}: maximum context of {scn.master} (SIMULATED)\n", report.capacity_md(cap), ""]
-            caps, slos = gp.donor_goodputs(scn, window, a.seed, refine_steps=plan["donor_refine_steps"],
-                                           progress=_say)
+            md += [f"## {scn.name}: maximum context of {scn.master} (SIMULATED)\n",
+                   report.capacity_md(cap), ""]
+            caps, slos = gp.donor_goodputs(scn, window, a.seed,
+                                           refine_steps=plan["donor_refine_steps"], progress=_say)
             res["donor_goodput"][scn.name] = {"sessions_per_s": caps, "slo_p99_ttft_s": slos}
             md += [f"## {scn.name}: donors' own goodput, alone (SIMULATED)\n",
                    report.donor_goodput_table(scn, caps, slos), ""]
@@ -145,13 +155,15 @@ def run(a: argparse.Namespace, out: Path) -> dict:
                report.reduction_table(ev["reductions"]), "",
                "Against HiCache with SwiftCache's cache memory (equal fast memory):\n",
                report.reduction_table(ev["reductions_equal_memory"]), "", f"plot: {png}\n",
-               f"### {key}: donor interference (SIMULATED)\n", report.interference_table(ev["interference"]), ""]
+               f"### {key}: donor interference (SIMULATED)\n",
+               report.interference_table(ev["interference"]), ""]
         _write(res, md, out)
     return res
 
 
 def summary(res: dict) -> dict:
-    """The last line: headline figures of the paper setup's chat, each labeled by what it measures."""
+    """The last line: headline figures of the paper setup's chat, each labeled by what it
+    measures."""
     ev = res[HEADLINE]
     inter = {str(r["share"]): round(r["worst_change"], 4) for r in ev["interference"]}
 
@@ -163,8 +175,8 @@ def summary(res: dict) -> dict:
         "simulated": True,
         "scenario": "paper-4xH20 (4x H20, Qwen3-32B + Qwen3-14B/8B/4B donors), ShareGPT multi-turn",
         "slo": f"P99 TTFT <= {gp.SLO_FACTOR:g} x the P99 of the unloaded TTFT "
-               f"({ev['comparisons']['paper_setup']['slo_p99_ttft_s']} s here); sustained = within it "
-               f"and the waiting queue not growing",
+               f"({ev['comparisons']['paper_setup']['slo_p99_ttft_s']} s here); sustained = "
+               f"within it and the waiting queue not growing",
         "comparisons": ev["comparisons"],
         "max_context_ratio": round(res["paper-4xH20/capacity"]["default"]["ratio"], 3),
         "donor_load_share_of_own_goodput": res["donor_load_share"],
@@ -172,7 +184,8 @@ def summary(res: dict) -> dict:
         "donor_interference_by_load_share": inter,
         "donor_p99_ttft_change_by_load_share": worst("ttft"),
         "donor_p99_tpot_change_by_load_share": worst("tpot"),
-        "donor_interference_master_rate": ev["interference"][0]["master_rate"] if ev["interference"] else None,
+        "donor_interference_master_rate": (ev["interference"][0]["master_rate"]
+                                           if ev["interference"] else None),
     }
 
 
@@ -186,11 +199,13 @@ def _long_context(a: argparse.Namespace) -> int:
     print("All numbers below are SIMULATED.\n")
     print(lc.report_md(rep))
     m = rep["main"]
-    print(json.dumps({"simulated": True, "scenario": m["setup"], "model": m["model"], "gpu": m["gpu"],
-                      "max_context_tokens": m["max_tokens"], "max_context_ratio": round(m["ratio"], 3),
+    print(json.dumps({"simulated": True, "scenario": m["setup"], "model": m["model"],
+                      "gpu": m["gpu"], "max_context_tokens": m["max_tokens"],
+                      "max_context_ratio": round(m["ratio"], 3),
                       "decode_slowdown_at_max": round(m["at_max"]["decode_slowdown"], 2),
                       "prefill_slowdown_at_max": round(m["at_max"]["prefill_slowdown"], 4),
-                      "decode_slowdown_at_baseline_max": round(m["at_baseline_max"]["decode_slowdown"], 2),
+                      "decode_slowdown_at_baseline_max":
+                          round(m["at_baseline_max"]["decode_slowdown"], 2),
                       "depth": m["depth"]}))
     return 0
 

@@ -18,6 +18,7 @@ from .scenario import SYSTEMS, RunResult, Scenario, donor_name, master_memory_by
 
 OURS = "swiftcache"
 COMPARISONS = {"paper_setup": "sglang-hicache", "equal_fast_memory": "sglang-hicache-bighost"}
+GOODPUT_SYSTEMS = (OURS, *COMPARISONS.values())  # what goodputs() searches by default
 
 
 class Points:
@@ -31,7 +32,8 @@ class Points:
     def get(self, system: str, rate: float) -> RunResult:
         key = (system, round(rate, 9))
         if key not in self.runs:
-            r = run_point(self.scn, system, rate, self.window, seed=self.seed, with_donors=(system == OURS))
+            r = run_point(self.scn, system, rate, self.window, seed=self.seed,
+                          with_donors=(system == OURS))
             self.runs[key] = r
             if self.progress:
                 self.progress(f"{self.scn.name} {self.scn.workload} {system} @ {rate:.4g}/s: "
@@ -48,8 +50,9 @@ def load_sweep(points: Points, rates, systems=tuple(SYSTEMS)) -> list[dict]:
 
 
 def goodputs(points: Points, rates, slo_s: float, refine_steps: int,
-             systems=(OURS, *COMPARISONS.values())) -> dict[str, gp.Goodput]:
-    return {s: gp.goodput(lambda r, s=s: points.master(s, r), rates, slo_s, refine_steps) for s in systems}
+             systems=GOODPUT_SYSTEMS) -> dict[str, gp.Goodput]:
+    return {s: gp.goodput(lambda r, s=s: points.master(s, r), rates, slo_s, refine_steps)
+            for s in systems}
 
 
 def _gb(nbytes: dict) -> dict:
@@ -89,8 +92,8 @@ def interference_by_share(scn: Scenario, donor_goodput, shares, master_rate: flo
     out = []
     for share in shares:
         rates = donor_rates(donor_goodput, share)
-        alone = run_point(scn, "sglang-radix", 0.0, window, seed=seed, with_master=False, lend=False,
-                          donor_rates=rates).donors
+        alone = run_point(scn, "sglang-radix", 0.0, window, seed=seed, with_master=False,
+                          lend=False, donor_rates=rates).donors
         lending = run_point(scn, OURS, master_rate, window, seed=seed, donor_rates=rates)
         rows = []
         for i in range(len(scn.donors)):
@@ -104,8 +107,10 @@ def interference_by_share(scn: Scenario, donor_goodput, shares, master_rate: flo
         worst = max(max(r["ttft_change"], r["tpot_change"]) for r in rows)
         out.append({"share": share, "master_rate": master_rate, "donors": rows,
                     "worst_change": max(0.0, worst),
-                    "lent_blocks": lending.lent_blocks, "reclaimed_blocks": lending.reclaimed_blocks,
-                    "master_ttft_p99": lending.master["ttft_p99"], "master_stable": lending.master["stable"],
+                    "lent_blocks": lending.lent_blocks,
+                    "reclaimed_blocks": lending.reclaimed_blocks,
+                    "master_ttft_p99": lending.master["ttft_p99"],
+                    "master_stable": lending.master["stable"],
                     "master_donor_hit": lending.master["hit_rate"].get("donor", 0.0),
                     "master_load_failures": lending.master["load_failures"]})
         if progress:

@@ -125,8 +125,8 @@ def donor_goodputs(scn: Scenario, window: float, seed: int = 0, *, factor: float
                 if ok:
                     lo[i] = rate[i]
                     if rate[i] * 2 > max_rate:
-                        raise RuntimeError(f"{donor_name(scn, i)} sustains {rate[i]} sessions/s alone; "
-                                           f"raise max_rate")
+                        raise RuntimeError(f"{donor_name(scn, i)} sustains {rate[i]} sessions/s "
+                                           f"alone; raise max_rate")
                     rate[i] *= 2
                     continue
                 hi[i] = rate[i]
@@ -135,5 +135,6 @@ def donor_goodputs(scn: Scenario, window: float, seed: int = 0, *, factor: float
                 left[i] -= 1
             rate[i] = (lo[i] + hi[i]) / 2
         if progress:
-            progress(f"{scn.name} donors alone at {', '.join(f'{r:.3g}' for r in rates)} sessions/s")
+            progress(f"{scn.name} donors alone at {', '.join(f'{r:.3g}' for r in rates)} "
+                     f"sessions/s")
     return lo, slos

@@ -44,7 +44,8 @@ class StreamSetup:
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.depth > self.roofline.model.layers:
-            raise ValueError(f"depth {self.depth}: give 1..{self.roofline.model.layers} staging layers")
+            raise ValueError(f"depth {self.depth}: give 1..{self.roofline.model.layers} staging "
+                             f"layers")
         if self.chunk <= 0:
             raise ValueError(f"chunk must be positive, got {self.chunk}")
 
@@ -152,42 +153,42 @@ class StreamedRequest:
         write_parts = self._parts(prefix, prefix + new, load=False)
         load_b = sum(b for _, b in load_parts)
         write_b = sum(b for _, b in write_parts)
-        computed = [False] * L  # layer l's compute has ended
+        computed = [False] * L  # computed[layer]: that layer's compute has ended
         started = [False] * L
         landed = [False] * L
         state = {"next": 0, "busy": False, "end": t0, "wait_from": t0}
 
         def try_compute() -> None:
-            l = state["next"]
-            if state["busy"] or l >= L or not landed[l]:
+            layer = state["next"]
+            if state["busy"] or layer >= L or not landed[layer]:
                 return
-            state["busy"] = started[l] = True
+            state["busy"] = started[layer] = True
             self.stats["layer_wait_s"] += self.loop.now - state["wait_from"]
-            self.lane.poke()  # layer l's write-through may go now
+            self.lane.poke()  # this layer's write-through may go now
             dt = self._layer_compute(prefix, new, load_b + write_b)
-            self.loop.after(dt, lambda l=l: done(l))
+            self.loop.after(dt, lambda layer=layer: done(layer))
 
-        def done(l: int) -> None:
-            computed[l] = True
+        def done(layer: int) -> None:
+            computed[layer] = True
             state["busy"] = False
-            state["next"] = l + 1
+            state["next"] = layer + 1
             state["end"] = state["wait_from"] = self.loop.now
             self.lane.poke()  # a load may have waited for this layer's staging
             try_compute()
 
-        # The lane's order is the live server's: at layer l's first access, the loads up to
-        # layer l+D-1 not yet enqueued, then layer l's write-through. The host runs ahead of the
-        # device, so all of it is queued now; each op waits for its dependency: a load of layer
-        # j for its staging's last reader (layer j-D) to finish, a write-through for its layer
-        # to start (set_kv_buffer writes the new rows there).
+        # The lane's order is the live server's: at a layer's first access, the loads up to
+        # layer + D - 1 not yet enqueued, then that layer's write-through. The host runs ahead of
+        # the device, so all of it is queued now; each op waits for its dependency: a load of
+        # layer j for its staging's last reader (layer j-D) to finish, a write-through for its
+        # layer to start (set_kv_buffer writes the new rows there).
         queued = 0
-        for l in range(L):
-            while queued <= min(l + D - 1, L - 1):
+        for layer in range(L):
+            while queued <= min(layer + D - 1, L - 1):
                 j, reader = queued, queued - D
                 self.lane.submit(load_parts, lambda r=reader: r < 0 or computed[r],
                                  lambda j=j: (landed.__setitem__(j, True), try_compute()))
                 queued += 1
-            self.lane.submit(write_parts, lambda l=l: started[l], lambda: None)
+            self.lane.submit(write_parts, lambda layer=layer: started[layer], lambda: None)
         self.stats["load_bytes"] += L * load_b
         self.stats["write_bytes"] += L * write_b
         self.loop.run()
@@ -201,11 +202,13 @@ def run_request(setup: StreamSetup, context: int, decode_steps: int, streamed: b
     """A request of `context` prompt tokens: chunked prefill, then `decode_steps` decode steps.
     Returns TTFT (the prefill's forwards), the mean decode step, and bytes moved."""
     if context <= 0 or decode_steps < 0:
-        raise ValueError(f"context must be positive and decode_steps >= 0, got {context}, {decode_steps}")
+        raise ValueError(f"context must be positive and decode_steps >= 0, got {context}, "
+                         f"{decode_steps}")
     need = (context + decode_steps) * setup.roofline.model.kv_bytes_per_token
     if streamed and need > setup.streamable_bytes:
-        raise ValueError(f"{context + decode_steps} tokens need {need / 1e9:.1f} GB of streamable memory, "
-                         f"the setup has {setup.streamable_bytes / 1e9:.1f} GB (donor lease + host)")
+        raise ValueError(f"{context + decode_steps} tokens need {need / 1e9:.1f} GB of streamable "
+                         f"memory, the setup has {setup.streamable_bytes / 1e9:.1f} GB "
+                         f"(donor lease + host)")
     req = StreamedRequest(setup, streamed)
     ttft, done = 0.0, 0
     while done < context:

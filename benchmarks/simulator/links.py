@@ -90,20 +90,20 @@ class Network:
     def _assign_rates(self) -> None:
         """Progressive filling: repeatedly saturate the link with the smallest fair share."""
         unfixed = list(self.active)
-        cap = {id(l): l.bandwidth for t in unfixed for l in t.path}
+        cap = {id(link): link.bandwidth for t in unfixed for link in t.path}
         while unfixed:
             count: dict[int, int] = {}
             for t in unfixed:
-                for l in t.path:
-                    count[id(l)] = count.get(id(l), 0) + 1
+                for link in t.path:
+                    count[id(link)] = count.get(id(link), 0) + 1
             bottleneck = min(count, key=lambda k: cap[k] / count[k])
             share = cap[bottleneck] / count[bottleneck]
             still = []
             for t in unfixed:
-                if any(id(l) == bottleneck for l in t.path):
+                if any(id(link) == bottleneck for link in t.path):
                     t.rate = share
-                    for l in t.path:
-                        cap[id(l)] -= share
+                    for link in t.path:
+                        cap[id(link)] -= share
                 else:
                     still.append(t)
             unfixed = still

@@ -32,7 +32,8 @@ class LongContext:
     donors: tuple[str, ...]
     lend_fraction: float = 0.5
     depth: int = int(params.LONG_CONTEXT["depth"].value)
-    host_bytes: float = params.LONG_CONTEXT["node_host_bytes"].value * params.LONG_CONTEXT["host_share"].value
+    host_bytes: float = (params.LONG_CONTEXT["node_host_bytes"].value
+                         * params.LONG_CONTEXT["host_share"].value)
     window: int = 0  # tokens; 0: no window limit
 
     def roofline(self) -> Roofline:
@@ -41,24 +42,28 @@ class LongContext:
                         params.EFFICIENCY["compute"].value, params.EFFICIENCY["hbm"].value)
 
     def local_bytes(self) -> float:
-        """The local KV pool (HBM - SGLang's reserve - weights): the same for stock and streaming."""
+        """The local KV pool (HBM - SGLang's reserve - weights): the same for stock and
+        streaming."""
         return params.kv_pool_bytes(self.gpu, params.MODELS[self.model])
 
     def donor_bytes(self) -> tuple[float, ...]:
         """Each donor's lease in bytes: whole pages of this model (what `Node.lend` grants)."""
         mpage = page_bytes(self.model)
-        return tuple(lend_blocks(self.lend_fraction, device_pages(self.gpu, d) * page_bytes(d), mpage) * mpage
+        return tuple(lend_blocks(self.lend_fraction, device_pages(self.gpu, d) * page_bytes(d),
+                                 mpage) * mpage
                      for d in self.donors)
 
     def stream_setup(self, *, nvlink_bw: float | None = None, pcie_bw: float | None = None,
                      depth: int | None = None) -> StreamSetup:
         hw = params.gpu(self.gpu)
-        return StreamSetup(self.roofline(), depth or self.depth, self.donor_bytes(), self.host_bytes,
-                           nvlink_bw or hw["nvlink_bw_dir"], pcie_bw or hw["pcie_bw_dir"],
+        return StreamSetup(self.roofline(), depth or self.depth, self.donor_bytes(),
+                           self.host_bytes, nvlink_bw or hw["nvlink_bw_dir"],
+                           pcie_bw or hw["pcie_bw_dir"],
                            int(params.SGLANG["chunked_prefill_size"].value))
 
 
-LWM_H20 = LongContext("paper-4xH20/LWM", "H20", "LWM-Text-1M", ("Qwen3-14B", "Qwen3-8B", "Qwen3-4B"),
+LWM_H20 = LongContext("paper-4xH20/LWM", "H20", "LWM-Text-1M",
+                      ("Qwen3-14B", "Qwen3-8B", "Qwen3-4B"),
                       window=int(params.LONG_CONTEXT["window_tokens"].value))
 
 
@@ -120,7 +125,8 @@ def max_context(lc: LongContext, **links) -> dict:
     ss = lc.stream_setup(**links)
     base, _ = sweep(lambda n: admits_resident(lc, n), lambda n: {"context": n})
     swift, probes = sweep(lambda n: admits_streamed(lc, ss, n), lambda n: probe(ss, n))
-    at_max = probes[-1] if probes and probes[-1]["context"] == swift else (probe(ss, swift) if swift else None)
+    at_max = (probes[-1] if probes and probes[-1]["context"] == swift
+              else (probe(ss, swift) if swift else None))
     at_base = probe(ss, base) if base and admits_streamed(lc, ss, base) else None
     kv = params.MODELS[lc.model].kv_bytes_per_token
     return {
@@ -160,32 +166,42 @@ def scenario_report(lc: LongContext = LWM_H20, fractions=(0.25, 0.5, 0.75)) -> d
             "by_lend_fraction": [{k: v for k, v in max_context(replace(lc, lend_fraction=f)).items()
                                   if k != "probes"} for f in fractions],
             "by_depth_and_link": {str(n): depth_and_links(lc, n)
-                                  for n in (main["max_tokens"]["sglang"], main["max_tokens"]["swiftcache"]) if n}}
+                                  for n in (main["max_tokens"]["sglang"],
+                                            main["max_tokens"]["swiftcache"]) if n}}
 
 
 def report_md(rep: dict) -> str:
     """Markdown tables of `scenario_report` (every figure SIMULATED)."""
     m = rep["main"]
-    lines = [f"{m['model']} on {m['gpu']} (SIMULATED, stepwise streaming, depth {m['depth']}): local KV pool "
-             f"{m['local_kv_gb']:.1f} GB, donor lease {m['lent_gb']:.1f} GB (lend fraction {m['lend_fraction']}), "
-             f"host {m['host_gb']:.1f} GB; bounds in tokens: streamable {m['memory_bound_tokens']['streamable']:,}, "
-             f"staging {m['memory_bound_tokens']['staging']:,}, window {m['memory_bound_tokens']['window'] or '-'}",
+    lines = [f"{m['model']} on {m['gpu']} (SIMULATED, stepwise streaming, depth {m['depth']}): "
+             f"local KV pool {m['local_kv_gb']:.1f} GB, donor lease {m['lent_gb']:.1f} GB "
+             f"(lend fraction {m['lend_fraction']}), host {m['host_gb']:.1f} GB; bounds in tokens: "
+             f"streamable {m['memory_bound_tokens']['streamable']:,}, "
+             f"staging {m['memory_bound_tokens']['staging']:,}, "
+             f"window {m['memory_bound_tokens']['window'] or '-'}",
              "", "| system | max context (tokens) | vs SGLang |", "|---|---|---|"]
     for k, v in m["max_tokens"].items():
         lines.append(f"| {k} | {v:,} | {v / m['max_tokens']['sglang']:.2f}x |")
-    lines += ["", "| context (tokens) | TTFT streamed / resident (s) | prefill slowdown | decode step streamed / "
-              "resident (ms) | per-token slowdown |", "|---|---|---|---|---|"]
+    lines += ["", "| context (tokens) | TTFT streamed / resident (s) | prefill slowdown "
+              "| decode step streamed / resident (ms) | per-token slowdown |",
+              "|---|---|---|---|---|"]
     for p in m["probes"]:
-        lines.append(f"| {p['context']:,} | {p['ttft_s']:.2f} / {p['ttft_resident_s']:.2f} | x{p['prefill_slowdown']:.3f} "
-                     f"| {p['decode_step_s'] * 1e3:.1f} / {p['decode_step_resident_s'] * 1e3:.1f} | "
+        lines.append(f"| {p['context']:,} | {p['ttft_s']:.2f} / {p['ttft_resident_s']:.2f} "
+                     f"| x{p['prefill_slowdown']:.3f} "
+                     f"| {p['decode_step_s'] * 1e3:.1f} / "
+                     f"{p['decode_step_resident_s'] * 1e3:.1f} | "
                      f"x{p['decode_slowdown']:.2f} |")
-    lines += ["", "| lend fraction | donor lease GB | SwiftCache max context | vs SGLang |", "|---|---|---|---|"]
+    lines += ["", "| lend fraction | donor lease GB | SwiftCache max context | vs SGLang |",
+              "|---|---|---|---|"]
     for r in rep["by_lend_fraction"]:
-        lines.append(f"| {r['lend_fraction']} | {r['lent_gb']:.1f} | {r['max_tokens']['swiftcache']:,} | {r['ratio']:.2f}x |")
+        lines.append(f"| {r['lend_fraction']} | {r['lent_gb']:.1f} | "
+                     f"{r['max_tokens']['swiftcache']:,} | {r['ratio']:.2f}x |")
     for n, rows in rep["by_depth_and_link"].items():
-        lines += ["", f"At {int(n):,} tokens:", "", "| case | decode step streamed / resident (ms) | per-token slowdown "
+        lines += ["", f"At {int(n):,} tokens:", "",
+                  "| case | decode step streamed / resident (ms) | per-token slowdown "
                   "| TTFT slowdown |", "|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['case']} | {r['decode_step_s'] * 1e3:.1f} / {r['decode_step_resident_s'] * 1e3:.1f} | "
+            lines.append(f"| {r['case']} | {r['decode_step_s'] * 1e3:.1f} / "
+                         f"{r['decode_step_resident_s'] * 1e3:.1f} | "
                          f"x{r['decode_slowdown']:.2f} | x{r['prefill_slowdown']:.3f} |")
     return "\n".join(lines)

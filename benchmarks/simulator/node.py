@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radix_ext import DEVICE, DONOR, HOST
-from sglang_swift.control.ledger import DonorLedger
+from radix_ext import DEVICE, DONOR
 from sglang_swift.control.grant_policy import create_policy
+from sglang_swift.control.ledger import DonorLedger
 
 from .capacity import lend_blocks
 from .clock import EventLoop
@@ -63,7 +63,8 @@ class Node:
         for g in range(num_gpus):
             self.gpus.append(Gpu(g, self.net.add_link(f"nvl_out{g}", nvlink_bw),
                                  self.net.add_link(f"nvl_in{g}", nvlink_bw),
-                                 self.net.add_link(f"h2d{g}", pcie_bw), self.net.add_link(f"d2h{g}", pcie_bw)))
+                                 self.net.add_link(f"h2d{g}", pcie_bw),
+                                 self.net.add_link(f"d2h{g}", pcie_bw)))
         self.by_name: dict[str, object] = {}
         self.donations: dict[str, Donation] = {}
         self.bytes_by_route: dict[tuple[str, str], float] = {}
@@ -72,7 +73,7 @@ class Node:
         """Bytes/s that copy engines currently read or write in this GPU's HBM."""
         return sum(self.net.rate_through(link) for link in gpu.links)
 
-    # -- transfers routed by (source tier, destination tier) --------------------------------------------
+    # -- transfers routed by (source tier, destination tier) -------------------------------------
     def _route(self, server, tier: str, res):
         if tier == DEVICE:
             return server.gpu, None
@@ -81,7 +82,8 @@ class Node:
         return None, "host"
 
     def copy(self, server, cp, on_done):
-        """Start the copy `cp` (a radix_ext Transfer) of `server`'s KV; returns the link transfer."""
+        """Start the copy `cp` (a radix_ext Transfer) of `server`'s KV; returns the link
+        transfer."""
         src_gpu, _ = self._route(server, cp.src_tier, cp.src)
         dst_gpu, _ = self._route(server, cp.dst_tier, cp.dst)
         if src_gpu is not None and dst_gpu is not None:
@@ -105,7 +107,8 @@ class Node:
             handle.end = self.loop.now
             on_done(t)
 
-        self.loop.after(latency, lambda: self.net.start(path, nbytes, finished, tag=f"{key[0]}->{key[1]}"))
+        self.loop.after(latency, lambda: self.net.start(path, nbytes, finished,
+                                                        tag=f"{key[0]}->{key[1]}"))
         return handle
 
     # -- donation --------------------------------------------------------------------------------
@@ -115,14 +118,16 @@ class Node:
         reads the layout the donor advertises in its Hello): one lease of everything.
         Returns the blocks granted (one block = one borrower page)."""
         own_per_block = borrower.page_bytes / donor.page_bytes
-        blocks = lend_blocks(lend_fraction, donor.cache.device_pages * donor.page_bytes, borrower.page_bytes)
+        blocks = lend_blocks(lend_fraction, donor.cache.device_pages * donor.page_bytes,
+                             borrower.page_bytes)
         ledger = DonorLedger(create_policy("proportional"))
         ledger.offer(range(blocks))
         asks = [blocks]
         d = None
         granted = 0
         for want in asks:
-            lease = ledger.grant(borrower.name, epoch=1, want=want, priority=0) if want > 0 else None
+            lease = (ledger.grant(borrower.name, epoch=1, want=want, priority=0)
+                     if want > 0 else None)
             if lease is None:  # nothing (more) to lend: lend_fraction 0, or a pool too small
                 continue
             if d is None:

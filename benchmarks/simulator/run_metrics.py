@@ -18,7 +18,8 @@ def metrics(reqs: list[SimRequest], end: float) -> dict:
     an overloaded server's P99 grows with the run instead of hiding its queue.
     """
     done = [r for r in reqs if r.first_token is not None]
-    ttft = [r.ttft for r in done] + [end - r.arrival for r in reqs if r.first_token is None and not r.rejected]
+    ttft = [r.ttft for r in done] + [end - r.arrival for r in reqs
+                                     if r.first_token is None and not r.rejected]
     tpot = [float(np.mean(r.itls)) for r in done if r.itls]
     prompt = sum(r.prompt_tokens for r in done)
     hit = {}

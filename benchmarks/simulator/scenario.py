@@ -3,7 +3,8 @@
 Systems compared on the same trace (same sessions, same arrival times):
   sglang-radix    device radix cache only; misses recomputed
   sglang-hicache  + host tier over PCIe (hicache_ratio x device), layer-wise load overlapped
-  vllm-offload    + host tier over PCIe, same size, the load finishes before the request is scheduled
+  vllm-offload    + host tier over PCIe, same size, the load finishes before the request is
+                  scheduled
   swiftcache      + donor HBM over NVLink (leased through the donor ledger), then the host tier
   sglang-hicache-bighost  HiCache whose host tier is as large as SwiftCache's donor + host tiers
                   (the equal-memory baseline: it separates bandwidth from capacity)
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from sglang_swift.config import SwiftConfig
 
+from ..workloads.specs import AgentWorkload, Arrivals, ChatWorkload
+from ..workloads.token_traces import agent_traces, chat_traces, page_ids
 from . import params
 from .cache_adapter import TreeCache
 from .capacity import PAGE_TOKENS, device_pages, master_tier_pages, page_bytes
@@ -23,8 +26,6 @@ from .node import Node
 from .roofline import Roofline
 from .run_metrics import metrics, stable
 from .server import ModelServer, SimRequest
-from ..workloads.specs import AgentWorkload, Arrivals, ChatWorkload
-from ..workloads.token_traces import agent_traces, chat_traces, page_ids
 
 SYSTEMS = {
     "sglang-radix": dict(load_mode="none", host=False, donor=False),
@@ -51,16 +52,19 @@ class Scenario:
     # sets lend_fraction (its default is 0); docs/simulation.md shows 0.25 and 0.75 too.
     lend_fraction: float = 0.5
     watermark: float = SwiftConfig().reclaim_watermark
-    drain_s: float = 1800.0  # stop this long after the last arrival (unfinished requests are counted)
+    # stop this long after the last arrival (unfinished requests are counted)
+    drain_s: float = 1800.0
 
 
 PAPER = Scenario("paper-4xH20", "H20", "Qwen3-32B", ("Qwen3-14B", "Qwen3-8B", "Qwen3-4B"))
 # Qwen3-32B at TP=1 leaves ~1.3 GB of KV on an 80 GB H100 after SGLang's reserve, so the H100
 # node's high-demand model is Qwen3-14B (the simulator has no tensor parallelism).
 HGX_H100 = Scenario("8xH100", "H100", "Qwen3-14B",
-                    ("Qwen3-8B", "Qwen3-8B", "Qwen3-4B", "Qwen3-4B", "Qwen3-4B", "Qwen3-1.7B", "Qwen3-1.7B"))
+                    ("Qwen3-8B", "Qwen3-8B", "Qwen3-4B", "Qwen3-4B", "Qwen3-4B", "Qwen3-1.7B",
+                     "Qwen3-1.7B"))
 HGX_H200 = Scenario("8xH200", "H200", "Qwen3-32B",
-                    ("Qwen3-14B", "Qwen3-8B", "Qwen3-8B", "Qwen3-4B", "Qwen3-4B", "Qwen3-1.7B", "Qwen3-1.7B"))
+                    ("Qwen3-14B", "Qwen3-8B", "Qwen3-8B", "Qwen3-4B", "Qwen3-4B", "Qwen3-1.7B",
+                     "Qwen3-1.7B"))
 SCENARIOS = {s.name: s for s in (PAPER, HGX_H100, HGX_H200)}
 
 
@@ -90,7 +94,8 @@ def _server(node, g, name, model_name, scn, mode, host, donor) -> ModelServer:
     cache = TreeCache(dev, host_pages, donor=donor)
     srv = ModelServer(name, node.gpus[g], rl, cache, page_tokens=PAGE_TOKENS,
                       chunk=int(params.SGLANG["chunked_prefill_size"].value),
-                      max_running=int(params.SGLANG["max_running_requests"].value), load_mode=mode, node=node)
+                      max_running=int(params.SGLANG["max_running_requests"].value),
+                      load_mode=mode, node=node)
     node.gpus[g].server = srv
     node.by_name[name] = srv
     return srv
@@ -132,11 +137,13 @@ class RunResult:
     events: int = 0
 
 
-# The traffic of the simulated node (stated choices, docs/simulation.md section 2): chat keeps up to 16
-# turns of each conversation and thinks for the scenario's mean time; agent answers are 16-128 tokens,
-# tool calls take 2 s on average, and all sessions are one agent type, so they share a system prompt.
+# The traffic of the simulated node (stated choices, docs/simulation.md section 2): chat keeps up
+# to 16 turns of each conversation and thinks for the scenario's mean time; agent answers are
+# 16-128 tokens, tool calls take 2 s on average, and all sessions are one agent type, so they
+# share a system prompt.
 MAX_CHAT_TURNS = 16
-AGENT = AgentWorkload(output_min=16, output_max=128, tool_latency_mean_s=2.0, shared_system_prompt=True)
+AGENT = AgentWorkload(output_min=16, output_max=128, tool_latency_mean_s=2.0,
+                      shared_system_prompt=True)
 AGENT_SEED_OFFSET = 17  # agent traces draw apart from the chat traces of the same seed
 
 
@@ -146,13 +153,16 @@ def master_sessions(scn: Scenario, rate: float, window: float, seed: int):
         return agent_traces(replace(AGENT, seed=seed + AGENT_SEED_OFFSET), arrivals)
     # "single" is low reuse: first turns only, nothing to reuse across turns
     turns = 1 if scn.workload == "single" else MAX_CHAT_TURNS
-    return chat_traces(ChatWorkload(max_turns=turns, think_mean_s=scn.think_mean_s, seed=seed), arrivals)
+    return chat_traces(ChatWorkload(max_turns=turns, think_mean_s=scn.think_mean_s, seed=seed),
+                       arrivals)
 
 
 def donor_sessions(scn: Scenario, donor_index: int, rate: float, window: float, seed: int):
-    """Chat for donor `donor_index` (0-based): other conversations and another seed than the master's."""
+    """Chat for donor `donor_index` (0-based): other conversations and another seed than the
+    master's."""
     chat = ChatWorkload(max_turns=MAX_CHAT_TURNS, think_mean_s=scn.think_mean_s,
-                        conversation_offset=2000 + 500 * donor_index, seed=seed + 101 * (donor_index + 1))
+                        conversation_offset=2000 + 500 * donor_index,
+                        seed=seed + 101 * (donor_index + 1))
     return chat_traces(chat, Arrivals(rate=rate, window_s=window))
 
 
@@ -168,12 +178,13 @@ def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: i
     lend = cfg["donor"] if lend is None else lend
     drates = scn.donor_rates if donor_rates is None else tuple(donor_rates)
     if drates and len(drates) != len(scn.donors):
-        raise ValueError(f"donor_rates has {len(drates)} rates for {len(scn.donors)} donors; give one per "
-                         f"donor (in Scenario.donors order) or () for idle donors")
+        raise ValueError(f"donor_rates has {len(drates)} rates for {len(scn.donors)} donors; "
+                         f"give one per donor (in Scenario.donors order) or () for idle donors")
     hw = params.gpu(scn.gpu)
     node = Node(hw["nvlink_bw_dir"], hw["pcie_bw_dir"], 1 + len(scn.donors))
     stop_at = window + scn.drain_s
-    master = _server(node, 0, "master", scn.master, scn, cfg["load_mode"], cfg["host"], cfg["donor"])
+    master = _server(node, 0, "master", scn.master, scn, cfg["load_mode"], cfg["host"],
+                     cfg["donor"])
     donors = []
     if with_donors or lend:
         for i, dm in enumerate(scn.donors):
@@ -187,7 +198,8 @@ def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: i
     d_reqs = {}
     for i, d in enumerate(donors):
         if drates and drates[i] > 0:
-            d_reqs[d.name] = _drive(node, d, donor_sessions(scn, i, drates[i], window, seed), PAGE_TOKENS, stop_at)
+            d_reqs[d.name] = _drive(node, d, donor_sessions(scn, i, drates[i], window, seed),
+                                    PAGE_TOKENS, stop_at)
     watched = ([master] if with_master else []) + [d for d in donors if d.name in d_reqs]
     queues: dict[str, list[tuple[float, int]]] = {s.name: [] for s in watched}
 

@@ -108,7 +108,8 @@ class Barrier:
 class ModelServer:
     def __init__(self, name: str, gpu: "object", roofline: Roofline, cache: TreeCache, *,
                  page_tokens: int, chunk: int, max_running: int, load_mode: str, node: "object",
-                 demote_headroom: int = 0, checkpoint_prompt: bool = False, alloc_per_step: bool = False):
+                 demote_headroom: int = 0, checkpoint_prompt: bool = False,
+                 alloc_per_step: bool = False):
         """`demote_headroom`: pages the server keeps free by demoting LRU prefixes ahead of need,
         beside its steps (the live borrower's old `demote_ahead`, 1/8 of its pool); 0: none.
         `checkpoint_prompt`: publish a request's prompt in the tree when its prefill ends, as
@@ -120,7 +121,8 @@ class ModelServer:
         if load_mode not in ("layerwise", "before", "none"):
             raise ValueError(f"unknown load_mode {load_mode!r}")
         self.name, self.gpu, self.rl, self.cache = name, gpu, roofline, cache
-        self.P, self.chunk, self.max_running, self.load_mode = page_tokens, chunk, max_running, load_mode
+        self.P, self.chunk = page_tokens, chunk
+        self.max_running, self.load_mode = max_running, load_mode
         self.node = node  # gives loop, transfer paths and HBM DMA rates
         self.page_bytes = page_tokens * roofline.model.kv_bytes_per_token
         self.waiting: list[SimRequest] = []
@@ -251,7 +253,8 @@ class ModelServer:
     def _step(self) -> None:
         free = self.cache.free_pages()
         if self.demote_headroom and free < self.demote_headroom:
-            self.evict(self.demote_headroom - free)  # its copies count on the old barrier: no step waits
+            # its copies count on the old barrier: no step waits
+            self.evict(self.demote_headroom - free)
         self._barrier = Barrier()
         batch, parts, pending = self._form_prefill()
         now = self.node.loop.now
@@ -303,7 +306,8 @@ class ModelServer:
         return batch, parts, pending
 
     def _close_when_ready(self, start, t_c, batch, parts, pending) -> None:
-        """End the prefill at max(start + compute, pre-copies end + compute, loads end + 1 layer)."""
+        """End the prefill at max(start + compute, pre-copies end + compute, loads end + 1
+        layer)."""
         layer = t_c / self.rl.model.layers
         load_reqs = [r for r in batch if r.ticket is not None]
 

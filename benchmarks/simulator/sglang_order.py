@@ -16,8 +16,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-from radix_ext import (DEVICE, DONOR, DeviceResidency, DevicePool, DonorResidency, Transfer,
-                       admit as tree_admit, holding, should_exchange)
+from radix_ext import (
+    DEVICE,
+    DONOR,
+    DevicePool,
+    DeviceResidency,
+    DonorResidency,
+    Transfer,
+    holding,
+    should_exchange,
+)
+from radix_ext import admit as tree_admit
 from radix_ext.admission import Admission
 
 

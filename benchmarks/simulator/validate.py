@@ -38,8 +38,9 @@ def check_same_plan(cal: dict, live: dict) -> None:
     diff = {k: (cal["plan"].get(k), live["plan"].get(k)) for k in PLAN_KEYS
             if cal["plan"].get(k) != live["plan"].get(k)}
     if diff:
-        raise ValueError(f"the calibration traced another plan than the live run ({diff}, calibration vs "
-                         f"live); rerun scripts/calibrate_cpu.py --plan quick|full to match")
+        raise ValueError(f"the calibration traced another plan than the live run ({diff}, "
+                         f"calibration vs live); rerun scripts/calibrate_cpu.py --plan quick|full "
+                         f"to match")
 
 
 def trace_matches(cal: dict, live: dict) -> dict:
@@ -65,9 +66,11 @@ def per_request(sim_records: list, live_records: list) -> list[dict]:
     for lr in live_records:
         sr = sim.get((lr["session"], lr["turn"]))
         rows.append({"session": lr["session"], "turn": lr["turn"], "prompt": lr["prompt_tokens"],
-                     "cached_live": lr["cached_tokens"], "cached_sim": sr.cached_tokens if sr else None,
+                     "cached_live": lr["cached_tokens"],
+                     "cached_sim": sr.cached_tokens if sr else None,
                      "ttft_live_ms": round(lr["ttft"] * 1e3, 1),
-                     "ttft_sim_ms": round(sr.ttft * 1e3, 1) if sr and sr.ttft is not None else None})
+                     "ttft_sim_ms": (round(sr.ttft * 1e3, 1)
+                                     if sr and sr.ttft is not None else None)})
     return rows
 
 
@@ -85,23 +88,29 @@ def validate(cal_path: Path, live_path: Path, demote_ahead: float = 0.0) -> dict
         errors[name] = {"ttft_p50_error": _err(sb["ttft_p50_ms"], lb["ttft_p50_ms"]),
                         "ttft_p99_error": _err(sb["ttft_p99_ms"], lb["ttft_p99_ms"]),
                         "cached_tokens_error": _err(sb["cached_tokens"], lb["cached_tokens"])}
+        live_pools = live["summary"]["pools"][key]
         runs[name] = {"live": lt, "sim": {k: v for k, v in st.items()},
                       "pools": {"sim": [sim[key]["busy_pool"], sim[key]["donor_pool"]],
-                                "live": [live["summary"]["pools"][key]["busy"], live["summary"]["pools"][key]["donor"]]},
-                      "requests": per_request(sim[key]["records"]["busy"], live["records"][key]["busy"])}
+                                "live": [live_pools["busy"], live_pools["donor"]]},
+                      "requests": per_request(sim[key]["records"]["busy"],
+                                              live["records"][key]["busy"])}
 
     def overall(metric):
         vals = [e[metric] for e in errors.values() if e[metric] is not None]
         return round(sum(vals) / len(vals), 4) if vals else None
 
+    kv_bytes_per_token = cal["models"]["busy"]["kv_bytes_per_token"]
     return {"simulated_vs_live": True, "calibration": str(cal_path), "live": str(live_path),
             "calibration_date": cal["date"], "live_date": live["summary"].get("date"),
             "demote_ahead": demote_ahead,
-            "copied_tokens_sim": {RUN_NAMES[k]: {route: round(b / cal["models"]["busy"]["kv_bytes_per_token"])
-                                                for route, b in sim[k]["copied_bytes"].items()} for k in sim},
-            "loadavg_1min": {"calibration": cal["loadavg_1min"], "live": live["summary"].get("loadavg_1min")},
+            "copied_tokens_sim": {RUN_NAMES[k]: {route: round(b / kv_bytes_per_token)
+                                                for route, b in sim[k]["copied_bytes"].items()}
+                                  for k in sim},
+            "loadavg_1min": {"calibration": cal["loadavg_1min"],
+                             "live": live["summary"].get("loadavg_1min")},
             "trace": trace_matches(cal, live), "runs": runs, "errors": errors,
-            "ttft_p50_error": overall("ttft_p50_error"), "ttft_p99_error": overall("ttft_p99_error"),
+            "ttft_p50_error": overall("ttft_p50_error"),
+            "ttft_p99_error": overall("ttft_p99_error"),
             "cached_tokens_error": overall("cached_tokens_error")}
 
 
@@ -110,38 +119,51 @@ def _n(v, fmt="{:.0f}") -> str:
 
 
 def format_tables(res: dict) -> str:
-    lines = [f"Simulated (calibration {res['calibration_date']}, load {res['loadavg_1min']['calibration']}) "
-             f"against live bench_node ({res['live_date']}, load {res['loadavg_1min']['live']}); busy model, "
+    load = res["loadavg_1min"]
+    lines = [f"Simulated (calibration {res['calibration_date']}, load {load['calibration']}) "
+             f"against live bench_node ({res['live_date']}, load {load['live']}); busy model, "
              f"steady phase",
-             "", "| run | cached tokens live / sim | err | TTFT P50 ms live / sim | err | TTFT P99 ms live / sim | err |",
+             "", "| run | cached tokens live / sim | err | TTFT P50 ms live / sim | err "
+             "| TTFT P99 ms live / sim | err |",
              "|---|---|---|---|---|---|---|"]
+    pct = "{:.1%}"
     for name, r in res["runs"].items():
         lb, sb, e = r["live"]["busy"], r["sim"]["busy"], res["errors"][name]
-        lines.append(f"| {name} | {lb['cached_tokens']} / {sb['cached_tokens']} | {_n(e['cached_tokens_error'], '{:.1%}')} "
-                     f"| {_n(lb['ttft_p50_ms'])} / {_n(sb['ttft_p50_ms'])} | {_n(e['ttft_p50_error'], '{:.1%}')} "
-                     f"| {_n(lb['ttft_p99_ms'])} / {_n(sb['ttft_p99_ms'])} | {_n(e['ttft_p99_error'], '{:.1%}')} |")
+        lines.append(f"| {name} | {lb['cached_tokens']} / {sb['cached_tokens']} "
+                     f"| {_n(e['cached_tokens_error'], pct)} "
+                     f"| {_n(lb['ttft_p50_ms'])} / {_n(sb['ttft_p50_ms'])} "
+                     f"| {_n(e['ttft_p50_error'], pct)} "
+                     f"| {_n(lb['ttft_p99_ms'])} / {_n(sb['ttft_p99_ms'])} "
+                     f"| {_n(e['ttft_p99_error'], pct)} |")
     lines += ["", "Per turn (cached tokens; TTFT P50 / P99 ms), live | simulated:", "",
-              "| turn | prompt | " + " | ".join(res["runs"]) + " |", "|---|---|" + "---|" * len(res["runs"])]
+              "| turn | prompt | " + " | ".join(res["runs"]) + " |",
+              "|---|---|" + "---|" * len(res["runs"])]
     turns = [row["turn"] for row in next(iter(res["runs"].values()))["live"]["busy_per_turn"]]
     for i, t in enumerate(turns):
         cells = []
         for r in res["runs"].values():
             lv, sv = r["live"]["busy_per_turn"][i], r["sim"]["busy_per_turn"][i]
-            cells.append(f"{lv['cached_tokens']}; {_n(lv['ttft_p50_ms'])} / {_n(lv['ttft_p99_ms'])} | "
-                         f"{sv['cached_tokens']}; {_n(sv['ttft_p50_ms'])} / {_n(sv['ttft_p99_ms'])}")
-        lines.append(f"| {t} | {r['live']['busy_per_turn'][i]['prompt_tokens']} | " + " | ".join(cells) + " |")
+            cells.append(f"{lv['cached_tokens']}; {_n(lv['ttft_p50_ms'])} / "
+                         f"{_n(lv['ttft_p99_ms'])} | "
+                         f"{sv['cached_tokens']}; {_n(sv['ttft_p50_ms'])} / "
+                         f"{_n(sv['ttft_p99_ms'])}")
+        prompt = r["live"]["busy_per_turn"][i]["prompt_tokens"]
+        lines.append(f"| {t} | {prompt} | " + " | ".join(cells) + " |")
     lines += ["", "| run | donor light TTFT P50 / P99 ms, live | simulated |", "|---|---|---|"]
     for name, r in res["runs"].items():
         ld, sd = r["live"]["donor"], r["sim"]["donor"]
         lines.append(f"| {name} | {_n(ld['ttft_p50_ms'])} / {_n(ld['ttft_p99_ms'])} | "
                      f"{_n(sd['ttft_p50_ms'])} / {_n(sd['ttft_p99_ms'])} |")
-    lines.append("\nPer request, live TTFT / simulated TTFT (median; the run's first request): " + ", ".join(
-        f"{name} {_ratio_median(r['requests']):.2f} ({r['requests'][0]['ttft_live_ms'] / r['requests'][0]['ttft_sim_ms']:.2f})"
-        for name, r in res["runs"].items()))
+    lines.append(
+        "\nPer request, live TTFT / simulated TTFT (median; the run's first request): "
+        + ", ".join(f"{name} {_ratio_median(r['requests']):.2f} "
+                    f"({r['requests'][0]['ttft_live_ms'] / r['requests'][0]['ttft_sim_ms']:.2f})"
+                    for name, r in res["runs"].items()))
     lines.append("Simulated copies (busy tokens): " + ", ".join(
         f"{name} {v}" for name, v in res["copied_tokens_sim"].items() if v))
     tr = res["trace"]
-    lines.append(f"\ntraced workload = live workload: {tr['compared'] - len(tr['mismatched'])}/{tr['compared']} "
+    lines.append(f"\ntraced workload = live workload: "
+                 f"{tr['compared'] - len(tr['mismatched'])}/{tr['compared']} "
                  f"busy prompts of equal length")
     return "\n".join(lines)
 
@@ -154,6 +176,7 @@ def _ratio_median(rows: list[dict]) -> float:
 
 def summary_line(res: dict) -> dict:
     return {"simulated_vs_live": True, "ttft_p50_error": res["ttft_p50_error"],
-            "cached_tokens_error": res["cached_tokens_error"], "ttft_p99_error": res["ttft_p99_error"],
-            "per_run": res["errors"], "calibration_date": res["calibration_date"], "live_date": res["live_date"],
+            "cached_tokens_error": res["cached_tokens_error"],
+            "ttft_p99_error": res["ttft_p99_error"], "per_run": res["errors"],
+            "calibration_date": res["calibration_date"], "live_date": res["live_date"],
             "trace_matches_live": not res["trace"]["mismatched"]}

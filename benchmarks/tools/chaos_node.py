@@ -25,6 +25,7 @@ from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import read_secret
 from sglang_swift.ctl import query
+
 from .local_server import LocalServer
 
 SERVER_ARGS = ["--enable-cache-report", "--dtype", "float32", "--enable-metrics"]

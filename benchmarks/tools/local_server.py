@@ -28,8 +28,8 @@ from sglang_swift.cpu_compat import cpu_env
 from sglang_swift.cpu_compat.engine_choice import choose_engine
 
 # --sleep-on-idle: an idle SGLang scheduler otherwise polls its sockets without pause, a whole core
-# each; with two or three servers on this 2-core machine, a third one starting beside two idle
-# ones took 90 s instead of 25 (measured 2026-12-02)
+# each; on a 2-core machine a server starting beside two idle ones takes several times as long
+# (about 90 s instead of 25)
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup",
             "--sleep-on-idle")
 

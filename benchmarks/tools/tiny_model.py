@@ -13,7 +13,8 @@ Two named shapes, so a node can run two different models (a donor and a bigger b
 The tokenizer is a byte-level BPE trained on Python's own standard-library sources (present on every
 machine with Python), with ChatML-style special tokens and chat template. The weights are randomly
 initialised from the seed and saved as safetensors, so HF transformers and SGLang load the same
-model and their greedy outputs can be compared. The same seed and Python version give the same files.
+model and their greedy outputs can be compared. The same seed and Python version give the same
+files.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ def agent_programs(w: AgentWorkload, count: int, fanout: int) -> list[AgentProgr
         starts = range(1, len(turns), fanout)  # turn index of each step's first tool result
         steps = tuple(tuple(t.user for t in turns[i:i + fanout]) for i in starts)
         # the wait drawn after answer i - 1 is the latency of the tool whose result is turn i
-        waits = tuple(max(t.think_s for t in turns[i - 1:min(i + fanout, len(turns)) - 1]) for i in starts)
+        waits = tuple(max(t.think_s for t in turns[i - 1:min(i + fanout, len(turns)) - 1])
+                      for i in starts)
         out.append(AgentProgram(sess.id, sess.system, turns[0].user, steps, waits, w.output_max))
     return out

@@ -115,7 +115,8 @@ def load_conversations(
             continue
         if max_chars_per_message is not None:
             n = max_chars_per_message
-            conv = Conversation(conv.id, tuple(Turn(t.user[:n], t.assistant[:n]) for t in conv.turns))
+            conv = Conversation(conv.id, tuple(Turn(t.user[:n], t.assistant[:n])
+                                               for t in conv.turns))
         out.append(conv)
         if len(out) >= limit:
             break

@@ -37,7 +37,8 @@ def exponential(rng: random.Random, mean: float) -> float:
 class Arrivals:
     """Session starts: a Poisson process of `rate` sessions per second, bounded one of two ways.
 
-    count:    exactly `count` sessions; the first starts at 0 (a benchmark run should not open idle).
+    count:    exactly `count` sessions; the first starts at 0 (a benchmark run should not open
+              idle).
     window_s: every arrival in [0, window_s), the first one gap after 0; how many is random.
     """
 
@@ -47,7 +48,8 @@ class Arrivals:
 
     def __post_init__(self) -> None:
         if (self.count is None) == (self.window_s is None):
-            raise ValueError("Arrivals needs exactly one bound: count=N sessions or window_s=seconds")
+            raise ValueError("Arrivals needs exactly one bound: count=N sessions or "
+                             "window_s=seconds")
         if self.rate < 0 or (self.window_s is not None and self.rate <= 0):
             raise ValueError(f"rate must be > 0 for a window (>= 0 for a count), got {self.rate}")
 
@@ -91,7 +93,8 @@ def _first_conversations(limit: int, min_turns: int, max_chars: int | None) -> l
     if loaded is None or loaded[0] < limit:
         from .sharegpt import load_conversations
 
-        loaded = (limit, load_conversations(limit, min_turns=min_turns, max_chars_per_message=max_chars))
+        loaded = (limit, load_conversations(limit, min_turns=min_turns,
+                                            max_chars_per_message=max_chars))
         _conversation_prefix[key] = loaded
     return loaded[1][:limit]
 
@@ -111,7 +114,8 @@ class ChatWorkload:
     min_turns: int = 1
     max_chars_per_message: int | None = None
     max_output_tokens: int | None = None
-    conversation_offset: int = 0  # skip this many conversations (a donor replays others than the master)
+    # skip this many conversations (a donor replays others than the master)
+    conversation_offset: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -135,13 +139,15 @@ class ChatWorkload:
             answer = tokens_in(t.assistant)
             if self.max_output_tokens is not None:
                 answer = min(self.max_output_tokens, answer)
-            out.append(DrawnTurn(tokens_in(t.user), t.user, answer, exponential(rng, self.think_mean_s)))
+            out.append(DrawnTurn(tokens_in(t.user), t.user, answer,
+                                 exponential(rng, self.think_mean_s)))
         return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class AgentWorkload:
-    """Tool-use loops: a long system prompt, a task, then tool results, each answered by a short turn.
+    """Tool-use loops: a long system prompt, a task, then tool results, each answered by a short
+    turn.
 
     system prompt ~ Uniform[system_min, system_max], one for all sessions if shared_system_prompt
     (one agent type) else one per session; task = task_size; steps ~ Uniform[steps_min, steps_max];

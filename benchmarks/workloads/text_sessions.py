@@ -29,7 +29,8 @@ class TextSession:
 
 
 def chat_sessions(w: ChatWorkload, count: int) -> list[TextSession]:
-    """`count` sessions replaying ShareGPT conversations (fewer turns where a conversation has fewer)."""
+    """`count` sessions replaying ShareGPT conversations (fewer turns where a conversation has
+    fewer)."""
     rng = random.Random(w.seed)
     out = []
     for c in w.conversations(count):
@@ -42,8 +43,10 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "den", "par", "qu
 
 
 def _words(rng: random.Random, n: int) -> str:
-    """`n` made-up words: text no two sessions share by chance, so only real prefixes hit a cache."""
-    return " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(n))
+    """`n` made-up words: text no two sessions share by chance, so only real prefixes hit a
+    cache."""
+    return " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+                    for _ in range(n))
 
 
 def _system_prompt(w: AgentWorkload, rng: random.Random) -> str:

@@ -34,7 +34,8 @@ class TokenSession:
 
 
 def _fit(turns: list[TokenTurn]) -> tuple[TokenTurn, ...]:
-    """The turns that fit in CONTEXT_WINDOW, in order (the session ends before the first that does not)."""
+    """The turns that fit in CONTEXT_WINDOW, in order (the session ends before the first that does
+    not)."""
     ctx, out = 0, []
     for t in turns:
         if ctx + t.new_tokens + t.output_tokens > CONTEXT_WINDOW:
@@ -66,8 +67,8 @@ def chat_traces(w: ChatWorkload, arrivals: Arrivals, sid_base: int = 0) -> list[
 
 
 def agent_traces(w: AgentWorkload, arrivals: Arrivals, sid_base: int = 0) -> list[TokenSession]:
-    """One tool loop per arrival; the system prompt's tokens come with the first turn, and where it is
-    shared they are every session's shared prefix."""
+    """One tool loop per arrival; the system prompt's tokens come with the first turn, and where it
+    is shared they are every session's shared prefix."""
     rng = random.Random(w.seed)
     shared = w.draw_system_size(rng) if w.shared_system_prompt else 0
     out = []
