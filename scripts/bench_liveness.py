@@ -31,8 +31,8 @@ import subprocess
 import sys
 import time
 
-from sglang_swift.control import ControlAgent, ControlConfig, LeaseGranted, LeaseLost
 from benchmarks.peers.peer_process import SimGroup
+from sglang_swift.control import ControlAgent, ControlConfig, LeaseGranted, LeaseLost
 
 OLD_VALIDITY_S = 0.75  # heartbeat_timeout_s (1.0) - lease_margin_s (0.25), before re-validation
 HOGS = {

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Multi-turn load generator (chat from ShareGPT, agent tool loops); see benchmarks/loadgen/cli.py."""
+"""Multi-turn load generator (chat from ShareGPT, agent tool loops); see
+benchmarks/loadgen/cli.py."""
 
 import sys
 from pathlib import Path

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Run SGLang's own benchmark tools, unchanged, against SwiftCache and stock servers.
 
-  scripts/bench_sglang_tools.py --launch                 # CPU demo: tiny model, SwiftCache off and on
+  scripts/bench_sglang_tools.py --launch     # CPU demo: tiny model, SwiftCache off and on
   scripts/bench_sglang_tools.py --model PATH --server stock=http://127.0.0.1:30000 \
-      --server swiftcache=http://127.0.0.1:30001 [--bench-multiturn sglang/benchmark/hicache/bench_multiturn.py]
+      --server swiftcache=http://127.0.0.1:30001 \
+      [--bench-multiturn sglang/benchmark/hicache/bench_multiturn.py]
 
 For every server: `python -m sglang.benchmark.serving` on random token ids (single requests) and on
 its generated-shared-prefix multi-turn chat, then SGLang's benchmark/hicache/bench_multiturn.py when
@@ -26,8 +27,9 @@ from benchmarks.loadgen import sglang_tools  # noqa: E402
 def run_tools(label: str, url: str, model: str, out: Path, a: argparse.Namespace) -> dict:
     res = {}
     for dataset in ("random-ids", "generated-shared-prefix"):
-        res[dataset] = sglang_tools.serving_benchmark(url, model, out / f"{label}-{dataset}.jsonl", dataset=dataset,
-                                                      num_prompts=a.num_prompts, request_rate=a.rate)
+        res[dataset] = sglang_tools.serving_benchmark(url, model, out / f"{label}-{dataset}.jsonl",
+                                                      dataset=dataset, num_prompts=a.num_prompts,
+                                                      request_rate=a.rate)
     if a.bench_multiturn:
         res["bench_multiturn"] = sglang_tools.multiturn_benchmark(a.bench_multiturn, url, model,
                                                                   out / f"{label}-multiturn.jsonl",
@@ -38,25 +40,33 @@ def run_tools(label: str, url: str, model: str, out: Path, a: argparse.Namespace
 def line(label: str, tool: str, r: dict) -> str:
     if tool == "bench_multiturn":
         s = r.get("summary", r)
-        return f"{label:<14} {tool:<26} " + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if isinstance(v, float))
-    return (f"{label:<14} {tool:<26} completed {r['completed']:>4}  TTFT mean {r['mean_ttft_ms']:8.1f} ms  "
-            f"P99 {r['p99_ttft_ms']:8.1f} ms  throughput {r['request_throughput']:.2f} req/s")
+        return f"{label:<14} {tool:<26} " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()
+                                                      if isinstance(v, float))
+    return (f"{label:<14} {tool:<26} completed {r['completed']:>4}  "
+            f"TTFT mean {r['mean_ttft_ms']:8.1f} ms  P99 {r['p99_ttft_ms']:8.1f} ms  "
+            f"throughput {r['request_throughput']:.2f} req/s")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--launch", action="store_true", help="start the CPU demo servers (SwiftCache off, then on)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launch", action="store_true",
+                   help="start the CPU demo servers (SwiftCache off, then on)")
     p.add_argument("--server", action="append", default=[], metavar="LABEL=URL")
-    p.add_argument("--model", help="model path (tokenizer) the servers run; --launch uses the tiny model")
-    p.add_argument("--bench-multiturn", help="path of SGLang's benchmark/hicache/bench_multiturn.py")
+    p.add_argument("--model",
+                   help="model path (tokenizer) the servers run; --launch uses the tiny model")
+    p.add_argument("--bench-multiturn",
+                   help="path of SGLang's benchmark/hicache/bench_multiturn.py")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--rate", type=float, default=4.0, help="requests/s")
-    p.add_argument("--out", default=None, help="output directory (default runs/sglang-tools-<time>)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default runs/sglang-tools-<time>)")
     a = p.parse_args()
     out = Path(a.out or f"runs/sglang-tools-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     if missing := sglang_tools.missing_multiturn_imports():
-        print(f"note: the installed sglang lacks {missing}; bench_multiturn.py would not run", file=sys.stderr)
+        print(f"note: the installed sglang lacks {missing}; bench_multiturn.py would not run",
+              file=sys.stderr)
     results = {}
     if a.launch:
         from benchmarks.tools.local_server import LocalServer
@@ -64,7 +74,8 @@ def main() -> int:
 
         a.model = str(ensure_tiny_model(DEFAULT_DIR, seed=0))
         for label, on in (("stock", False), ("swiftcache", True)):  # one at a time: 2 CPU cores
-            with LocalServer(a.model, swiftcache=on, extra_args=["--enable-cache-report"]) as server:
+            with LocalServer(a.model, swiftcache=on,
+                             extra_args=["--enable-cache-report"]) as server:
                 results[label] = run_tools(label, server.base_url, a.model, out, a)
     elif not a.server or not a.model:
         p.error("give --launch, or --model PATH and one or more --server LABEL=URL")

@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radix_ext import DONOR, DevicePool, RadixTree, TreeConfig, admit  # noqa: E402
 from benchmarks.workloads.sharegpt import load_conversations  # noqa: E402
+from radix_ext import DONOR, DevicePool, RadixTree, TreeConfig, admit  # noqa: E402
 
 SYSTEM = "You are a helpful, careful assistant. Answer clearly and cite what you rely on."
 WORD = re.compile(r"\w+|[^\w\s]")
@@ -135,7 +135,8 @@ def replay_sglang(trace: list[Request], capacity: int) -> dict:
             ops += 1
         spent += clock() - t0
         if len(pool.free) < need:
-            raise SystemExit(f"device capacity {capacity} cannot hold a {len(r.full)}-token request")
+            raise SystemExit(f"device capacity {capacity} cannot hold a {len(r.full)}-token "
+                             f"request")
         row = torch.cat([prefix, torch.tensor(pool.take(need), dtype=torch.int64)])
         t0 = clock()
         res = cache.insert(InsertParams(key=RadixKey(r.full), value=row))
@@ -210,7 +211,8 @@ def replay_radix_ext(trace: list[Request], capacity: int, tree: RadixTree,
         ops += 1
         spent += clock() - t0
         if not a.ok:
-            raise SystemExit(f"device capacity {capacity} cannot hold a {len(r.full)}-token request")
+            raise SystemExit(f"device capacity {capacity} cannot hold a {len(r.full)}-token "
+                             f"request")
         hit_len = a.prefix_len
         row = prefix + array("q", a.slots)
         t0 = clock()
@@ -308,9 +310,10 @@ def main() -> int:
             tree = make_tree(pol, [("stable", half, 0.05), flaky])
             p = replay_radix_ext(trace, capacity, tree, a.revoke_every, flaky)
             costs[label][pol] = round(p["reload_cost"], 1)
-            print(f"donor {factor:g}x device, policy {pol:10s}: reload cost {p['reload_cost']:,.0f} "
-                  f"(of {p['reusable']} reusable prompt tokens); hits device {p['hits']['device']}, "
-                  f"donor {p['hits']['donor']}; tokens lost to revocations {p['lost_to_revoke']}")
+            print(f"donor {factor:g}x device, policy {pol:10s}: "
+                  f"reload cost {p['reload_cost']:,.0f} (of {p['reusable']} reusable prompt "
+                  f"tokens); hits device {p['hits']['device']}, donor {p['hits']['donor']}; "
+                  f"tokens lost to revocations {p['lost_to_revoke']}")
     summary = {
         "ratio": round(rx_ops / sg_ops, 3),
         "sglang_ops_per_s": round(sg_ops),

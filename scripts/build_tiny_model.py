@@ -1,4 +1,5 @@
-"""Build a small local Llama used by the demo, tests and benchmarks (see benchmarks/tools/tiny_model.py)."""
+"""Build a small local Llama used by the demo, tests and benchmarks (see
+benchmarks/tools/tiny_model.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tools.tiny_model import MODEL_SHAPES, STAMP, ensure_tiny_model, model_dir  # noqa: E402
+from benchmarks.tools.tiny_model import (  # noqa: E402
+    MODEL_SHAPES,
+    STAMP,
+    ensure_tiny_model,
+    model_dir,
+)
 
 
 def main() -> None:

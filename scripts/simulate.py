@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Node-scale simulator (SIMULATED numbers); see benchmarks/simulator/cli.py and docs/simulation.md."""
+"""Node-scale simulator (SIMULATED numbers); see benchmarks/simulator/cli.py and
+docs/simulation.md."""
 
 import sys
 from pathlib import Path
