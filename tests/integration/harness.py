@@ -17,7 +17,6 @@ from pathlib import Path
 from benchmarks.tools.local_server import LocalServer, ServerStartError, free_port  # noqa: F401
 
 
-
 def tiny_model_dir() -> Path:
     """Build (once) and return the tiny Llama used by every integration test and the demo."""
     from benchmarks.tools.tiny_model import DEFAULT_DIR, ensure_tiny_model

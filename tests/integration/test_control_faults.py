@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from integration.conftest import DETECTION_SLACK_S, DETECTION_TIMEOUT_S
 from integration.conftest import borrow as _borrow
 from integration.conftest import detection_bound as _detection_bound

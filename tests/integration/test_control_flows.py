@@ -4,7 +4,6 @@ ordering under concurrent reads, and rejection of a peer without the node secret
 from __future__ import annotations
 
 import pytest
-
 from integration.conftest import event as _ev
 
 pytestmark = pytest.mark.integration

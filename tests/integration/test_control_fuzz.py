@@ -14,10 +14,10 @@ import msgspec
 import pytest
 import zmq
 
+from benchmarks.peers.peer_process import SimGroup
 from sglang_swift.control import protocol as p
 from sglang_swift.control.auth import read_secret
 from sglang_swift.control.discovery import read_records
-from benchmarks.peers.peer_process import SimGroup
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
-
 from integration.harness import LocalServer, chat
+
 from sglang_swift.cpu_compat.accelerator import find_accelerator, read_host_facts
 
 pytestmark = [
@@ -103,7 +103,8 @@ def test_an_explicit_attention_backend_wins_and_the_rest_is_chosen(tiny_model):
 
 
 def test_an_explicit_engine_variable_wins(tiny_model):
-    """SGLANG_USE_CPU_ENGINE=0 is the user's: stock SGLang, which finds no accelerator and says so."""
+    """SGLANG_USE_CPU_ENGINE=0 is the user's: stock SGLang, which finds no accelerator and says
+    so."""
     out, stderr = _resolve(["resolve", "--model-path", str(tiny_model)],
                            SGLANG_USE_CPU_ENGINE="0")
     assert out["engine"] == "0" and out["choice"] is None

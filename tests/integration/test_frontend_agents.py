@@ -11,16 +11,16 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from integration.harness import LocalServer
+
 from benchmarks.loadgen import frontend
 from benchmarks.workloads.frontend_programs import agent_programs
 from benchmarks.workloads.specs import AgentWorkload
 
 pytestmark = pytest.mark.integration
-AGENT = AgentWorkload(output_min=8, output_max=8, tool_latency_mean_s=0.0, shared_system_prompt=False, seed=0,
-                      system_min=30, system_max=40, steps_min=5, steps_max=5, tool_median=20, tool_min=10,
-                      tool_max=40)
+AGENT = AgentWorkload(output_min=8, output_max=8, tool_latency_mean_s=0.0,
+                      shared_system_prompt=False, seed=0, system_min=30, system_max=40,
+                      steps_min=5, steps_max=5, tool_median=20, tool_min=10, tool_max=40)
 
 
 def test_agent_programs_give_identical_greedy_outputs_on_stock_and_swiftcache(tiny_model, tmp_path,
@@ -43,7 +43,8 @@ def test_agent_programs_give_identical_greedy_outputs_on_stock_and_swiftcache(ti
         run("swiftcache", s)
     for label, recs in records.items():
         assert all(r.error is None for r in recs), [r.error for r in recs]
-        assert all(set(r.outputs) == {"plan", "note0", "step0", "note1", "step1"} for r in recs), label
+        assert all(set(r.outputs) == {"plan", "note0", "step0", "note1", "step1"}
+                   for r in recs), label
     assert [r.outputs for r in records["stock"]] == [r.outputs for r in records["swiftcache"]]
     assert all(r.cached_tokens > 0 for r in records["swiftcache"])
     assert "Tree cache initialized: source=registered('swiftcache')" in logs["swiftcache"]

@@ -25,11 +25,18 @@ import re
 import threading
 
 import pytest
-
 from integration.harness import LocalServer, metric, wait_for
 from integration.test_donation_e2e import _donor_burst, _pids_in
-from integration.test_layer_stream_e2e import COMMON, DEPTH, LOCAL_POOL, NEW_TOKENS, \
-    STREAMED_POOL, _generate, _prompt
+from integration.test_layer_stream_e2e import (
+    COMMON,
+    DEPTH,
+    LOCAL_POOL,
+    NEW_TOKENS,
+    STREAMED_POOL,
+    _generate,
+    _prompt,
+)
+
 from benchmarks.layer_stream.context_servers import donor_reads
 from benchmarks.tools.tiny_model import ensure_tiny_model
 

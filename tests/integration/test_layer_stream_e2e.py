@@ -20,8 +20,8 @@ import re
 import urllib.error
 
 import pytest
-
 from integration.harness import LocalServer
+
 from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,8 @@ def test_streamed_server_serves_four_times_its_local_pool_token_identical(stock_
     hit_prompt = long_prompt[:500] + _prompt(150, salt=1)
     side_by_side = [_prompt(330, salt=2), _prompt(330, salt=3)]
     stock = stock_servers.get(model, 4096, COMMON)
-    want = [_generate(stock, long_prompt), _generate(stock, hit_prompt), *_both(stock, side_by_side)]
+    want = [_generate(stock, long_prompt), _generate(stock, hit_prompt),
+            *_both(stock, side_by_side)]
     streamed_args = [*COMMON, "--swiftcache-layer-stream", "host",
                      "--swiftcache-layer-stream-depth", str(DEPTH),
                      "--swiftcache-layer-stream-resident-fraction", "0"]  # every row streamed

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from integration.harness import LocalServer, chat
+
 from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
@@ -61,4 +61,5 @@ def test_four_turn_chat_matches_hf_and_reuses_prefix(tiny_model, tmp_path):
     assert outputs == expected
     assert all(c > 0 for c in cached[1:]), f"cached tokens per turn: {cached}"
     assert "Tree cache initialized: source=registered('swiftcache')" in log
-    assert '"role": "borrower"' in log  # the config as parsed in the launcher, seen by the scheduler
+    # the config as parsed in the launcher, seen by the scheduler
+    assert '"role": "borrower"' in log

@@ -22,13 +22,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 import urllib.error
-from pathlib import Path
 
 import pytest
-
 from integration.harness import LocalServer, metric, wait_for
+
 from benchmarks.tools.demo import wait_for_lease
 
 pytestmark = pytest.mark.integration

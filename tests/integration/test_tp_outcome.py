@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from integration.harness import LocalServer, ServerStartError, chat
 from integration.test_server_e2e import hf_greedy
+
 from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ identical `cached_tokens` on every turn; and the swiftcache server really ran ra
 from __future__ import annotations
 
 import pytest
-
 from integration.harness import LocalServer, chat
+
 from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration

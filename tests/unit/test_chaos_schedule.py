@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.tools.chaos_plan import (BORROWER, Step, StepRecord, build_plan, consistency,
-                                           dead_after_s, fault_counts, faults_on_empty_tier,
-                                           lost_while_alive, total_requests, validate)
+from benchmarks.tools.chaos_plan import (
+    BORROWER,
+    Step,
+    StepRecord,
+    build_plan,
+    consistency,
+    dead_after_s,
+    fault_counts,
+    faults_on_empty_tier,
+    lost_while_alive,
+    total_requests,
+    validate,
+)
 
 DONORS = ["donor0", "donor1"]
 

@@ -11,24 +11,22 @@ import time
 
 import pytest
 import zmq
+from unit.control_helpers import MEM, next_event, short_rendezvous
 
 from sglang_swift import ctl
+from sglang_swift.common.process import host_identity, host_tag
 from sglang_swift.control import (
     BlocksReturned,
     ControlAgent,
     ControlConfig,
     LeaseGranted,
-    LeaseLost,
     PeerChanged,
     ReclaimRequested,
     RequestFailed,
+    discovery,
 )
-from sglang_swift.common.process import host_identity, host_tag
-from sglang_swift.control import discovery
 from sglang_swift.control import protocol as p
-from unit.control_helpers import MEM, next_event, short_rendezvous
 from sglang_swift.control.auth import load_or_create_secret
-
 
 
 def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_swift.control.control_config import ControlConfigError
-from sglang_swift.control.ledger import FREE, DonorLedger
 from sglang_swift.control.grant_policy import create_policy
+from sglang_swift.control.ledger import FREE, DonorLedger
 
 
 def _ledger(n: int = 16, reserve: int = 0, cap: int = 0, policy: str = "greedy") -> DonorLedger:
@@ -24,7 +24,8 @@ def _ledger(n: int = 16, reserve: int = 0, cap: int = 0, policy: str = "greedy")
 
 
 def _snapshot(led: DonorLedger):
-    leases = {i: (ls.borrower, sorted(ls.active), sorted(ls.reclaiming)) for i, ls in led.leases.items()}
+    leases = {i: (ls.borrower, sorted(ls.active), sorted(ls.reclaiming))
+              for i, ls in led.leases.items()}
     return sorted(led.free), leases, dict(led._place), led.owner_debt  # noqa: SLF001
 
 

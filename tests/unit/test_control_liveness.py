@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
+from unit.control_helpers import MEM, next_event, short_rendezvous
 
 from sglang_swift.common.process import host_identity, process_start_time
 from sglang_swift.control import (
@@ -24,11 +25,9 @@ from sglang_swift.control import (
     PeerChanged,
 )
 from sglang_swift.control import protocol as p
-from unit.control_helpers import MEM, next_event, short_rendezvous
 from sglang_swift.control.auth import load_or_create_secret
 from sglang_swift.control.liveness import Liveness
 from sglang_swift.control.peers import Peer
-
 
 
 def _cfg(rdv: str, agent_id: str, **kw) -> ControlConfig:

@@ -11,10 +11,15 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from sglang_swift.control import (BlocksReturned, ControlAgent, ControlConfig, LeaseGranted,
-                                  ReclaimRequested)
 from unit.control_helpers import MEM, next_event, short_rendezvous
+
+from sglang_swift.control import (
+    BlocksReturned,
+    ControlAgent,
+    ControlConfig,
+    LeaseGranted,
+    ReclaimRequested,
+)
 
 
 def _cfg(rdv: str, agent_id: str) -> ControlConfig:

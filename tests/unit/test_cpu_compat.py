@@ -27,7 +27,8 @@ def _stand_in():
         import sgl_kernel
     finally:
         sys.path.remove(str(SHIM_DIR))
-    assert getattr(sgl_kernel, "SWIFTCACHE_STAND_IN", False), "a real sgl_kernel shadows the stand-in"
+    assert getattr(sgl_kernel, "SWIFTCACHE_STAND_IN", False), (
+        "a real sgl_kernel shadows the stand-in")
     return sgl_kernel
 
 
@@ -75,8 +76,9 @@ def test_site_hook_puts_stand_in_first_only_for_the_cpu_engine():
             if k not in ("SGLANG_USE_CPU_ENGINE", "SWIFTCACHE_CPU_COMPAT", "PYTHONPATH")}
     path = os.pathsep.join(p for p in sys.path if p != str(SHIM_DIR))
     runs = {}
-    for name, extra in {"cpu": {"SGLANG_USE_CPU_ENGINE": "1"}, "undecided": {},
-                        "opt_out": {"SGLANG_USE_CPU_ENGINE": "1", "SWIFTCACHE_CPU_COMPAT": "0"}}.items():
+    cases = {"cpu": {"SGLANG_USE_CPU_ENGINE": "1"}, "undecided": {},
+             "opt_out": {"SGLANG_USE_CPU_ENGINE": "1", "SWIFTCACHE_CPU_COMPAT": "0"}}
+    for name, extra in cases.items():
         out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                              env={**base, **extra, "PYTHONPATH": path},
                              timeout=60)

@@ -17,8 +17,13 @@ import pytest
 
 from sglang_swift.cpu_compat import SHIM_DIR, accelerator, server_defaults
 from sglang_swift.cpu_compat.accelerator import HostFacts, find_accelerator, why_none
-from sglang_swift.cpu_compat.engine_choice import (CHOICE_ENV, ENGINE_ENV, apply_engine_choice,
-                                                   choose_engine, explicit_device)
+from sglang_swift.cpu_compat.engine_choice import (
+    CHOICE_ENV,
+    ENGINE_ENV,
+    apply_engine_choice,
+    choose_engine,
+    explicit_device,
+)
 
 CPU_HOST = HostFacts(torch_version="2.13.0+cpu", torch_cuda=None, torch_hip=None, torch_xpu=None,
                      nvidia_device=False, amd_kfd=False, dri_render=False)

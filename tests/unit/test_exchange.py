@@ -136,7 +136,8 @@ def test_a_swap_puts_the_hit_on_the_victims_slots_and_the_victims_on_the_hits_bl
         assert mk.device_len == 0 and [s.tier for s in mk.loads] == [DONOR]
         assert set(mk.loads[0].node.res) == {DONOR}
         assert list(mk.loads[0].source.blocks) == blocks
-        assert (mk.loads[0].source.donor, mk.loads[0].source.lease, mk.loads[0].source.epoch) == ("d", 0, 1)
+        src = mk.loads[0].source
+        assert (src.donor, src.lease, src.epoch) == ("d", 0, 1)
     mD = t.match(D)
     assert mD.device_len == 2 * P and list(t.device_indices(mD.last_node)) == sD, "D untouched"
     # neither tier gained or lost a token, nothing else was pushed out
@@ -185,7 +186,8 @@ def test_a_longer_victim_is_split_and_only_its_tail_leaves(page):
     mB = t.match(B)
     assert mB.device_len == 2 * P, "B's head stays on the device"
     assert list(t.device_indices(mB.last_device_node)) == sB[: 2 * P]
-    assert [(s.tier, len(s.node.key), list(s.source.blocks)) for s in mB.loads] == [(DONOR, P, a_blocks)]
+    assert [(s.tier, len(s.node.key), list(s.source.blocks))
+            for s in mB.loads] == [(DONOR, P, a_blocks)]
     assert t.match(C).device_len == P, "C was not needed"
     assert t.device_size() == dev
     t.check_integrity()
@@ -207,13 +209,15 @@ def test_a_parent_whose_device_children_were_all_taken_becomes_a_victim(page):
     r = t.exchange(m, swap)
     t.check_integrity()
     assert r.ok
-    # the child leaf first, then its parent (a leaf once the child is taken), then the newer leaf's tail
+    # the child leaf first, then its parent (a leaf once the child is taken), then the newer
+    # leaf's tail
     assert swap.slots == _key(1000 + P, P) + _key(1000, P) + _key(2000 + 3 * P, P)
     mc = t.match(child)
-    assert mc.device_len == 0 and [list(s.source.blocks) for s in mc.loads] == [a_blocks[1:2], a_blocks[:1]]
+    assert mc.device_len == 0
+    assert [list(s.source.blocks) for s in mc.loads] == [a_blocks[1:2], a_blocks[:1]]
 
 
-# ---- who may be a victim --------------------------------------------------------------------------
+# ---- who may be a victim -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -226,7 +230,8 @@ def test_a_device_node_with_a_lower_copy_is_never_a_victim(page):
     _insert(t, B, _key(1000, P))  # adopts the slots: on the device with a donor copy
     _insert(t, C, _key(2000, P))
     nodeB = t.match(B).last_node
-    assert set(nodeB.res) == {DEVICE, DONOR} and nodeB.last_access < t.match(C).last_node.last_access
+    assert set(nodeB.res) == {DEVICE, DONOR}
+    assert nodeB.last_access < t.match(C).last_node.last_access
     swap = Recorder()
     r = t.exchange(t.match(A), swap)
     t.check_integrity()
@@ -278,7 +283,8 @@ def test_the_matched_device_prefix_is_never_a_victim(page):
     t.check_integrity()
     assert r.ok and swap.slots == _key(3000, P)
     m = t.match(full)
-    assert m.device_len == 3 * P and list(t.device_indices(m.last_node)) == _key(0, 2 * P) + _key(3000, P)
+    assert m.device_len == 3 * P
+    assert list(t.device_indices(m.last_node)) == _key(0, 2 * P) + _key(3000, P)
 
 
 # ---- a failed swap ------------------------------------------------------------------------------
@@ -473,7 +479,8 @@ def test_should_exchange_only_when_the_donor_tier_cannot_take_the_room_and_the_h
     # the room is made of whole leaves: 1 token of room demotes the 2-page leaf, which fits
     assert t.demotion_volume(1) == 2 * P and not should_exchange(t, m, 1)
     assert t.demotion_volume(10 * P) == 5 * P, "no more than the device holds"
-    assert not should_exchange(t, t.match(_key(200, 2 * P)), free + P), "a device hit: nothing to swap"
+    assert not should_exchange(t, t.match(_key(200, 2 * P)), free + P), \
+        "a device hit: nothing to swap"
     with holding(m):
         assert not should_exchange(t, m, free + P), "a pinned hit cannot swap"
     no_donor = RadixTree(TreeConfig(page_size=page))

@@ -4,7 +4,6 @@ token lists pass, a first difference passes only at a near-tie in both runs' can
 from __future__ import annotations
 
 import pytest
-
 from integration.harness import TIE_NATS, same_greedy
 
 

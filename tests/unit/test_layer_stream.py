@@ -130,7 +130,7 @@ def test_streamed_pool_holds_depth_layers_locally_and_every_layer_in_the_store()
     pool = _streamed(2)
     assert sum(pool.get_kv_size_bytes()) * LAYERS == stock * 2
     assert pool.layer_store.nbytes == stock
-    ptrs = {pool.k_buffer[l].data_ptr() for l in range(LAYERS)}
+    ptrs = {pool.k_buffer[layer].data_ptr() for layer in range(LAYERS)}
     assert len(ptrs) == 2
 
 
@@ -151,7 +151,8 @@ def test_cpu_copy_and_move_go_to_the_store():
     pool.move_kv_cache(torch.tensor([20, 21]), idx)
     assert torch.equal(pool.layer_store.data[:, :, [20, 21]], pool.layer_store.data[:, :, [5, 9]])
     pool.load_cpu_copy([[[torch.zeros(2, 2, 4), torch.ones(2, 2, 4)]]] * LAYERS, idx)
-    assert pool.layer_store.data[:, 1, idx].eq(1).all() and pool.layer_store.data[:, 0, idx].eq(0).all()
+    assert pool.layer_store.data[:, 1, idx].eq(1).all()
+    assert pool.layer_store.data[:, 0, idx].eq(0).all()
 
 
 def test_depth_not_below_layers_is_refused_naming_the_option():

@@ -186,12 +186,11 @@ def test_a_streaming_runtime_borrows_for_its_store_and_gives_pages_back_on_recla
     flips them to host before the acknowledgement, they return to the donor's allocator, and
     reads stay identical."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
-    from radix_ext import RadixTree
-    from sglang_swift.integration.runtime import SwiftRuntime
-    from sglang_swift.config import SwiftConfig
     from sglang.srt.plugins import load_plugins
 
+    from radix_ext import RadixTree
+    from sglang_swift.config import SwiftConfig
+    from sglang_swift.integration.runtime import SwiftRuntime
     from tests.unit.test_runtime import DONOR_SHAPE, _pump_until, _runtime
 
     load_plugins()  # the hook that puts a lending server's pool in shared memory

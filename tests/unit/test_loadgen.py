@@ -25,7 +25,8 @@ def test_summary_percentiles_and_per_turn_hit_rate():
     assert s["ttft_p50"] == pytest.approx(0.055)
     assert s["itl_p50"] == pytest.approx(0.002)
     assert s["cache_hit_rate"] == pytest.approx(0.4)
-    assert s["per_turn"][0]["hit_rate"] == 0.0 and s["per_turn"][1]["hit_rate"] == pytest.approx(0.8)
+    assert s["per_turn"][0]["hit_rate"] == 0.0
+    assert s["per_turn"][1]["hit_rate"] == pytest.approx(0.8)
     r = stats.ratios(s, {k: (v / 2 if isinstance(v, float) else v) for k, v in s.items()})
     assert r["ttft_p99"] == pytest.approx(0.5)
 
@@ -39,7 +40,8 @@ def _fake_app(log):
         log.append(("generate", body))
         if not body.get("stream"):  # the SGLang frontend's RuntimeEndpoint: one JSON answer
             prompt = body["text"]
-            cached = max((len(os.path.commonprefix([prompt, p])) for p in seen["prompts"]), default=0)
+            cached = max((len(os.path.commonprefix([prompt, p])) for p in seen["prompts"]),
+                         default=0)
             seen["prompts"].append(prompt)
             n = body["sampling_params"].get("max_new_tokens", 0)
             text = f" out{len(prompt) % 97}" * min(n, 2)
@@ -62,8 +64,10 @@ def _fake_app(log):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for piece in ("a", "b", "c"):
-            await resp.write(f"data: {json.dumps({'choices': [{'delta': {'content': piece}}]})}\n\n".encode())
-        usage = {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}
+            delta = {"choices": [{"delta": {"content": piece}}]}
+            await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
+        usage = {"prompt_tokens": 7, "completion_tokens": 3,
+                 "prompt_tokens_details": {"cached_tokens": 5}}
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -94,9 +98,10 @@ async def _with_server(fn):
 
 
 def test_generate_client_measures_ttft_itl_and_cached_tokens():
-    sess = agent_sessions(AgentWorkload(steps_min=3, steps_max=3, system_min=5, system_max=5, tool_median=5,
-                                        tool_min=2, tool_max=9, output_min=48, output_max=48,
-                                        tool_latency_mean_s=0.0, shared_system_prompt=False, seed=0), 1)
+    sess = agent_sessions(AgentWorkload(steps_min=3, steps_max=3, system_min=5, system_max=5,
+                                        tool_median=5, tool_min=2, tool_max=9, output_min=48,
+                                        output_max=48, tool_latency_mean_s=0.0,
+                                        shared_system_prompt=False, seed=0), 1)
     recs, log = asyncio.run(_with_server(lambda url: runner.run_sessions(url, "fake", sess, 1.0)))
     assert [r.turn for r in recs] == [0, 1, 2]
     assert all(r.error is None and r.ttft is not None and r.e2e >= r.ttft for r in recs)
@@ -108,20 +113,23 @@ def test_generate_client_measures_ttft_itl_and_cached_tokens():
 
 
 def test_chat_client_reads_usage_and_sends_history():
-    sess = chat_sessions(ChatWorkload(max_turns=2, min_turns=2, max_chars_per_message=50, max_output_tokens=128,
-                                      think_mean_s=0), 1)
-    recs, log = asyncio.run(_with_server(lambda url: runner.run_sessions(url, "fake", sess, 1.0, api="chat")))
+    sess = chat_sessions(ChatWorkload(max_turns=2, min_turns=2, max_chars_per_message=50,
+                                      max_output_tokens=128, think_mean_s=0), 1)
+    recs, log = asyncio.run(_with_server(
+        lambda url: runner.run_sessions(url, "fake", sess, 1.0, api="chat")))
     assert recs[0].text == "abc" and recs[0].cached_tokens == 5 and recs[0].prompt_tokens == 7
     msgs = log[1][1]["messages"]
-    assert [m["role"] for m in msgs] == ["user", "assistant", "user"] and msgs[1]["content"] == "abc"
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[1]["content"] == "abc"
 
 
 def test_cli_runs_two_servers_and_writes_json_and_plots(tmp_path):
     from benchmarks.loadgen import cli
 
     async def go(url):
-        a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",
-                                           "--workload", "agent", "--think-mean", "0", "--rates", "1000", "--out", str(tmp_path)])
+        a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}",
+                                           "--quick", "--workload", "agent", "--think-mean", "0",
+                                           "--rates", "1000", "--out", str(tmp_path)])
         cli._apply_quick(a)
         a.think_mean = 0.0
         loop = asyncio.get_running_loop()
@@ -131,13 +139,15 @@ def test_cli_runs_two_servers_and_writes_json_and_plots(tmp_path):
     lines = cli.report(results, tmp_path)
     assert any(line.startswith("== ratios on/off") for line in lines)
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
-    assert (tmp_path / "p99_ttft_vs_rate.png").exists() and (tmp_path / "ttft_per_turn.png").exists()
+    assert (tmp_path / "p99_ttft_vs_rate.png").exists()
+    assert (tmp_path / "ttft_per_turn.png").exists()
 
 
 def _run_frontend(programs, fanout_label="fake"):
     async def go(url):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: frontend.run_programs(url, fanout_label, programs, 1000.0))
+        return await loop.run_in_executor(
+            None, lambda: frontend.run_programs(url, fanout_label, programs, 1000.0))
 
     return asyncio.run(_with_server(go))
 
@@ -146,31 +156,38 @@ def test_frontend_agent_program_forks_per_tool_call_and_grows_its_transcript():
     """The sgl.function agent, run through RuntimeEndpoint: one note per parallel tool call (forked
     from the transcript so far), one decision per step whose prompt holds every tool result so far,
     and the transcript's cached tokens are read back from meta_info."""
-    w = AgentWorkload(output_min=4, output_max=4, tool_latency_mean_s=0.0, shared_system_prompt=False, seed=0,
-                      system_min=5, system_max=5, steps_min=5, steps_max=5, tool_median=5, tool_min=3, tool_max=9)
+    w = AgentWorkload(output_min=4, output_max=4, tool_latency_mean_s=0.0,
+                      shared_system_prompt=False, seed=0, system_min=5, system_max=5, steps_min=5,
+                      steps_max=5, tool_median=5, tool_min=3, tool_max=9)
     prog = agent_programs(w, 1, fanout=2)[0]
     recs, log = _run_frontend([prog])
     rec = recs[0]
     assert rec.error is None, rec.error
-    assert set(rec.outputs) == {"plan"} | {f"{v}{k}" for k in range(len(prog.steps)) for v in ("note", "step")}
-    assert [len(rec.outputs[f"note{k}"]) for k in range(len(prog.steps))] == [len(s) for s in prog.steps]
+    steps = range(len(prog.steps))
+    assert set(rec.outputs) == {"plan"} | {f"{v}{k}" for k in steps for v in ("note", "step")}
+    assert [len(rec.outputs[f"note{k}"]) for k in steps] == [len(s) for s in prog.steps]
     prompts = [b["text"] for _, b in log if b["sampling_params"].get("max_new_tokens")]
     assert len(prompts) == prog.gen_calls
     prev = prompts[0]  # the plan's prompt: system prompt and task
     assert prog.task in prev
     for step in prog.steps:
         for r in step:  # each call's note: the transcript so far, then its own result only
-            assert any(p.startswith(prev) and r in p and not any(o in p for o in step if o != r) for p in prompts)
+            assert any(p.startswith(prev) and r in p and not any(o in p for o in step if o != r)
+                       for p in prompts)
         # the decision: the transcript so far, then every result of the step
-        prev = min((p for p in prompts if p.startswith(prev) and all(r in p for r in step)), key=len)
+        prev = min((p for p in prompts if p.startswith(prev) and all(r in p for r in step)),
+                   key=len)
     assert all(r in prev for step in prog.steps for r in step)  # the transcript kept every result
     assert rec.cached_tokens > 0 and frontend.summarize(recs)["cache_hit_rate"] > 0
 
 
 def test_frontend_summary_counts_errors_and_latency_percentiles():
-    """Program summaries: errors counted apart, latency percentiles over the programs that finished."""
-    recs = [frontend.ProgramRecord("a", "s", latency=1.0, gen_calls=3, prompt_tokens=10, cached_tokens=5),
-            frontend.ProgramRecord("b", "s", latency=3.0, gen_calls=3, prompt_tokens=10, cached_tokens=5),
+    """Program summaries: errors counted apart, latency percentiles over the programs that
+    finished."""
+    recs = [frontend.ProgramRecord("a", "s", latency=1.0, gen_calls=3, prompt_tokens=10,
+                                   cached_tokens=5),
+            frontend.ProgramRecord("b", "s", latency=3.0, gen_calls=3, prompt_tokens=10,
+                                   cached_tokens=5),
             frontend.ProgramRecord("c", "s", latency=9.0, error="RuntimeError: x")]
     s = frontend.summarize(recs)
     assert (s["ok"], s["errors"], s["gen_calls"]) == (2, 1, 6)
@@ -184,8 +201,9 @@ def test_cli_agent_frontend_reports_program_latency_and_identical_outputs(tmp_pa
     from benchmarks.loadgen import cli
 
     async def go(url):
-        a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}", "--quick",
-                                           "--workload", "agent-frontend", "--rates", "1000", "--out", str(tmp_path)])
+        a = cli.build_parser().parse_args(["--server", f"off={url}", "--server", f"on={url}",
+                                           "--quick", "--workload", "agent-frontend",
+                                           "--rates", "1000", "--out", str(tmp_path)])
         cli._apply_quick(a)
         a.think_mean = 0.0
         loop = asyncio.get_running_loop()
@@ -194,6 +212,6 @@ def test_cli_agent_frontend_reports_program_latency_and_identical_outputs(tmp_pa
     results, _ = asyncio.run(_with_server(go))
     lines = cli.report(results, tmp_path)
     assert all(r["summary"]["errors"] == 0 and r["summary"]["ok"] == 4 for r in results["runs"])
-    assert any(line.startswith("== ratios on/off") and line.endswith("identical greedy outputs: True")
-               for line in lines)
+    assert any(line.startswith("== ratios on/off")
+               and line.endswith("identical greedy outputs: True") for line in lines)
     assert (tmp_path / "p99_program_latency_vs_rate.png").stat().st_size > 0

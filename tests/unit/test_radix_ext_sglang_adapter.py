@@ -101,9 +101,9 @@ def _ctx(**overrides):
 
 
 def test_factory_builds_radix_ext_with_the_configured_policy():
+    from sglang_swift.config import SwiftConfig
     from sglang_swift.integration.backend import create_swift_tree_cache
     from sglang_swift.integration.cache import SwiftRadixCache
-    from sglang_swift.config import SwiftConfig
 
     cache = create_swift_tree_cache(_ctx(), SwiftConfig.parse(eviction_policy="cost_aware"))
     assert isinstance(cache, SwiftRadixCache) and cache.tree.eviction.name == "cost_aware"

@@ -349,7 +349,7 @@ class TieredTreeMachine(RuleBasedStateMachine):
         assert held + reserved[DONOR] == self.tree.tier_size(DONOR)
         assert len(self.host) + reserved[HOST] == self.tree.tier_size(HOST)
         assert self.tree.stores_in_flight() == len(self.stores)
-        for node, ns, prefix in self.locks:
+        for node, _ns, _prefix in self.locks:
             assert DEVICE in node.res, "a locked node left the device"
 
 

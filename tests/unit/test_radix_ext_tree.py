@@ -80,7 +80,8 @@ def test_unbalanced_unlock_and_locking_a_non_device_node_fail():
 def snapshot(t: RadixTree):
     def walk(x):
         return (list(x.key), sorted(x.res), x.lock_ref, x.pins,
-                sorted((k if not isinstance(k, tuple) else str(k), walk(c)) for k, c in x.children.items()))
+                sorted((k if not isinstance(k, tuple) else str(k), walk(c))
+                       for k, c in x.children.items()))
 
     return walk(t.root), t.evictable_size(), t.protected_size(), t.tier_size(DONOR)
 

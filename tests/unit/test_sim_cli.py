@@ -1,4 +1,5 @@
-"""simulate --quick's contract: tables on disk and a last-line JSON whose keys say what they hold."""
+"""simulate --quick's contract: tables on disk and a last-line JSON whose keys say what they
+hold."""
 
 import json
 from dataclasses import replace
@@ -7,15 +8,18 @@ from benchmarks.simulator import cli
 from benchmarks.simulator.scenario import PAPER
 
 
-def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_path, monkeypatch, capsys):
+def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_path, monkeypatch,
+                                                                           capsys):
     """The last line is JSON labeled simulated; each comparison (paper setup, equal fast memory) has
     goodput_ratio_vs_hicache and p99_ttft_reduction_at_stable with the memory per tier beside them;
     equal fast memory means the baseline's host tier holds SwiftCache's donor + host; interference
     is given per donor load share; the old best-over-all-rates key is gone."""
     monkeypatch.setattr(cli, "QUICK", dict(rates=(0.5, 1.0, 2.0), window=60.0, refine_steps=2,
-                                           donor_refine_steps=1, shares=(0.25, 0.5), slo_factors=(5.0,)))
+                                           donor_refine_steps=1, shares=(0.25, 0.5),
+                                           slo_factors=(5.0,)))
     monkeypatch.setitem(cli.SCENARIOS, PAPER.name, replace(PAPER, drain_s=120.0))
-    monkeypatch.setattr(cli.gp, "donor_goodputs", lambda scn, *a, **k: ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]))
+    monkeypatch.setattr(cli.gp, "donor_goodputs",
+                        lambda scn, *a, **k: ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]))
     assert cli.main(["--quick", "--out", str(tmp_path)]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert s["simulated"] is True
@@ -43,11 +47,12 @@ def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_p
 
 
 def test_a_full_run_must_start_with_the_headline_scenario():
-    """--scenarios names known scenario/workload keys with the summary's one first; others are refused
-    with the list of choices."""
+    """--scenarios names known scenario/workload keys with the summary's one first; others are
+    refused with the list of choices."""
     import pytest
 
-    for bad in ("8xH100/chat", "paper-4xH20/agent,paper-4xH20/chat", "paper-4xH20/chat,nowhere/chat"):
+    for bad in ("8xH100/chat", "paper-4xH20/agent,paper-4xH20/chat",
+                "paper-4xH20/chat,nowhere/chat"):
         with pytest.raises(SystemExit, match="give paper-4xH20/chat first"):
             cli._plan_keys(cli.build_parser().parse_args(["--scenarios", bad]))
     a = cli.build_parser().parse_args([])

@@ -17,10 +17,12 @@ DECODE = {"d0_s": 0.01, "d1_s_per_token": 1e-5}
 def test_fits_recover_the_costs_that_made_the_points():
     """Least squares on exact points gives back the prefill and decode coefficients."""
     pts = [{"new": n, "cached": c,
-            "ttft_s": PREFILL["a_s"] + PREFILL["b_s_per_token"] * n + PREFILL["c_s_per_token_ctx"] * n * (c + n / 2)}
+            "ttft_s": (PREFILL["a_s"] + PREFILL["b_s_per_token"] * n
+                       + PREFILL["c_s_per_token_ctx"] * n * (c + n / 2))}
            for n, c in ((20, 0), (100, 0), (400, 0), (60, 300), (60, 500))]
     assert cc.fit_prefill(pts) == pytest.approx(PREFILL, rel=1e-6)
-    dec = [{"context": x, "step_s": DECODE["d0_s"] + DECODE["d1_s_per_token"] * x} for x in (50, 400)]
+    dec = [{"context": x, "step_s": DECODE["d0_s"] + DECODE["d1_s_per_token"] * x}
+           for x in (50, 400)]
     assert cc.fit_decode(dec) == pytest.approx(DECODE, rel=1e-6)
 
 
@@ -40,22 +42,25 @@ def _conversation(sid: str, base: int, turns: int, user: int, out: int) -> list[
         nxt += user
         answer = list(range(nxt, nxt + out))
         nxt += out
-        items.append({"session": sid, "turn": t + 1, "prompt_ids": list(prompt), "output_ids": answer})
+        items.append({"session": sid, "turn": t + 1, "prompt_ids": list(prompt),
+                      "output_ids": answer})
         prompt = prompt + answer
     return items
 
 
 def _calibration(busy_pool_fits_one: bool = True) -> tuple[dict, dict]:
     plan = {"busy_pool": 160, "donor_pool": 4096, "lend_fraction": 0.5, "reclaim_watermark": 0.8,
-            "conversations": 2, "turns": 3, "max_tokens": 8, "max_chars": 600, "donor_conversations": 1,
-            "donor_requests": 2, "donor_interval_s": 1.0, "donor_max_tokens": 4}
+            "conversations": 2, "turns": 3, "max_tokens": 8, "max_chars": 600,
+            "donor_conversations": 1, "donor_requests": 2, "donor_interval_s": 1.0,
+            "donor_max_tokens": 4}
     model = {"prefill_fit": PREFILL, "decode_fit": DECODE}
     cal = {"schema": cc.SCHEMA, "date": "test", "plan": plan, "loadavg_1min": [0, 0],
            "models": {"busy": {"name": "busy", "layers": 8, "kv_bytes_per_token": 8192, **model},
                       "donor": {"name": "donor", "layers": 4, "kv_bytes_per_token": 2048, **model}},
            "copy": {"load": {"latency_s": 0.001, "bytes_per_s": 1e9},
                     "store": {"latency_s": 0.001, "bytes_per_s": 1e9}},
-           "trace": {"busy": _conversation("x", 1000, 3, 40, 8) + _conversation("y", 5000, 3, 40, 8),
+           "trace": {"busy": (_conversation("x", 1000, 3, 40, 8)
+                              + _conversation("y", 5000, 3, 40, 8)),
                      "donor": _conversation("d", 9000, 2, 10, 4), "burst": []}}
     return cal, plan
 
@@ -78,7 +83,8 @@ def test_stock_misses_what_its_pool_cannot_hold_and_the_ideal_and_donor_tier_kee
 
 
 def test_a_cold_request_takes_the_fitted_prefill_time():
-    """The first request of a run (nothing cached, nothing queued) has TTFT = a + b n + c n (n/2)."""
+    """The first request of a run (nothing cached, nothing queued) has TTFT = a + b n +
+    c n (n/2)."""
     cal, plan = _calibration()
     rec = simulate_node(cal, plan)["a"]["records"]["busy"][0]
     n = rec.prompt_tokens
@@ -91,7 +97,8 @@ def test_the_busy_order_is_turn_by_turn_and_a_missing_turn_is_named():
     refused with the fix."""
     cal, _ = _calibration()
     order = steady_order(cal["trace"]["busy"], 3)
-    assert [(t["session"], t["turn"]) for t in order] == [("x", 1), ("y", 1), ("x", 2), ("y", 2), ("x", 3), ("y", 3)]
+    assert [(t["session"], t["turn"]) for t in order] == [("x", 1), ("y", 1), ("x", 2), ("y", 2),
+                                                          ("x", 3), ("y", 3)]
     with pytest.raises(ValueError, match="calibrate_cpu.py"):
         steady_order(cal["trace"]["busy"][:-1], 3)
 
@@ -117,10 +124,12 @@ def test_the_trace_check_finds_a_prompt_of_another_length():
 
 def _live_from(runs: dict, plan: dict, cached_scale: float, ttft_scale: float) -> dict:
     """A bench_node record file whose busy figures are the simulated ones scaled."""
-    live = {"plan": plan, "tables": {}, "records": {}, "summary": {"date": "test", "loadavg_1min": {}, "pools": {}}}
+    live = {"plan": plan, "tables": {}, "records": {},
+            "summary": {"date": "test", "loadavg_1min": {}, "pools": {}}}
     for k, r in runs.items():
         recs = [{"session": x.session, "turn": x.turn, "prompt_tokens": x.prompt_tokens,
-                 "cached_tokens": round(x.cached_tokens * cached_scale), "ttft": x.ttft * ttft_scale}
+                 "cached_tokens": round(x.cached_tokens * cached_scale),
+                 "ttft": x.ttft * ttft_scale}
                 for x in r["records"]["busy"]]
         t = copy.deepcopy(r["tables"])
         t["busy"]["cached_tokens"] = round(t["busy"]["cached_tokens"] * cached_scale)

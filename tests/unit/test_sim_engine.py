@@ -4,7 +4,13 @@ import pytest
 
 from benchmarks.simulator.clock import EventLoop
 from benchmarks.simulator.links import Network
-from benchmarks.simulator.params import MODELS, gpu, kv_pool_bytes, reserved_mem_bytes, assumptions_table
+from benchmarks.simulator.params import (
+    MODELS,
+    assumptions_table,
+    gpu,
+    kv_pool_bytes,
+    reserved_mem_bytes,
+)
 from benchmarks.simulator.roofline import Roofline
 
 
@@ -125,8 +131,8 @@ def test_kv_bytes_and_pool_sizes_follow_the_model_configs():
 
 
 def test_parameter_sources_are_primary_sources():
-    """Each parameter cites a datasheet, model config, SGLang source or doc, measurement or the paper
-    (arXiv id), never a note that is not in this repository."""
+    """Each parameter cites a datasheet, model config, SGLang source or doc, measurement or the
+    paper (arXiv id), never a note that is not in this repository."""
     import re
 
     for name, _, _, source in assumptions_table():

@@ -13,7 +13,8 @@ from benchmarks.simulator.roofline import Roofline
 HUGE = 1e30  # bytes/s: a link that moves anything in no time
 
 
-def _setup(nvlink=200e9, pcie=32e9, depth=2, donor=(1e12,), host=1e12, model="LWM-Text-1M") -> StreamSetup:
+def _setup(nvlink=200e9, pcie=32e9, depth=2, donor=(1e12,), host=1e12,
+           model="LWM-Text-1M") -> StreamSetup:
     hw = params.gpu("H20")
     rl = Roofline(params.MODELS[model], hw["bf16_flops"], hw["hbm_bw"], 0.6, 0.7)
     return StreamSetup(rl, depth, donor, host, nvlink, pcie, 8192)
@@ -60,7 +61,8 @@ def test_deeper_staging_never_slows_a_step_and_depth_one_serializes():
     resident = run_request(ss2, ctx, 1, streamed=False)["decode_step_s"]
     layer_load = ctx * ss2.layer_token_bytes
     bw = layer_load / (resident / ss2.roofline.model.layers)
-    by_depth = [run_request(_setup(nvlink=bw, depth=d), ctx, 1)["decode_step_s"] for d in (1, 2, 3, 4)]
+    by_depth = [run_request(_setup(nvlink=bw, depth=d), ctx, 1)["decode_step_s"]
+                for d in (1, 2, 3, 4)]
     assert all(a >= b * (1 - 1e-9) for a, b in zip(by_depth, by_depth[1:]))
     assert by_depth[0] > 1.3 * by_depth[1]
 
@@ -98,7 +100,8 @@ def test_a_load_bound_step_is_every_layer_load_in_a_row():
 def test_max_context_never_exceeds_the_memory_bounds():
     """The sweep's maximum is within one resolution step below every bound (streamable memory,
     staging in the local pool, the window); the baselines' is the local pool."""
-    for setup in (lc.LWM_H20, replace(lc.LWM_H20, host_bytes=2e12), replace(lc.LWM_H20, depth=16, host_bytes=2e12)):
+    for setup in (lc.LWM_H20, replace(lc.LWM_H20, host_bytes=2e12),
+                  replace(lc.LWM_H20, depth=16, host_bytes=2e12)):
         res = lc.max_context(setup)
         bound = min(v for v in res["memory_bound_tokens"].values() if v)
         assert bound - 64 <= res["max_tokens"]["swiftcache"] <= bound

@@ -5,13 +5,12 @@ structure matter (docs/simulation.md section 10)."""
 from array import array
 
 import pytest
+from unit.test_sim_cpu_node import _calibration
 
-from radix_ext import RadixTree, TreeConfig
 from benchmarks.simulator.cpu_calibration import compute_for
 from benchmarks.simulator.cpu_node import _node, _server
 from benchmarks.simulator.server import SimRequest
-
-from unit.test_sim_cpu_node import _calibration
+from radix_ext import RadixTree, TreeConfig
 
 
 def _cpu_pair(alloc_per_step: bool = True):

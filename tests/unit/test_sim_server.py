@@ -39,7 +39,8 @@ def test_single_request_ttft_and_tpot_follow_the_roofline():
     node.loop.run()
     rl = srv.rl
     assert r.ttft == pytest.approx(rl.step_time([(100, 0)]))
-    assert r.itls == [pytest.approx(rl.step_time([(1, 101)])), pytest.approx(rl.step_time([(1, 102)]))]
+    assert r.itls == [pytest.approx(rl.step_time([(1, 101)])),
+                      pytest.approx(rl.step_time([(1, 102)]))]
     assert srv.cache.tree.device_size() == 1  # (100 + 3) // 64 full pages cached
     srv.cache.check_integrity()
 
@@ -137,7 +138,8 @@ def test_the_simulator_really_drives_radix_ext(monkeypatch):
     from benchmarks.simulator.scenario import PAPER, run_point
 
     seen = {"match": 0, "evict": 0, "begin": 0, "revoke": 0}
-    orig = {k: getattr(radix_ext.RadixTree, k) for k in ("match", "evict_device", "begin_load_back")}
+    orig = {k: getattr(radix_ext.RadixTree, k)
+            for k in ("match", "evict_device", "begin_load_back")}
 
     def spy(name, key):
         def f(self, *a, **kw):

@@ -1,4 +1,5 @@
-"""Workloads: one description of chat and agent traffic, rendered as text sessions and token traces."""
+"""Workloads: one description of chat and agent traffic, rendered as text sessions and token
+traces."""
 
 import random
 from dataclasses import replace
@@ -10,8 +11,10 @@ from benchmarks.workloads.text_sessions import agent_sessions, chat_sessions, st
 from benchmarks.workloads.token_traces import CONTEXT_WINDOW, agent_traces, chat_traces, page_ids
 
 # the load generator's agent defaults before the workloads were merged
-LOADGEN_AGENT = AgentWorkload(output_min=48, output_max=48, tool_latency_mean_s=0.5, shared_system_prompt=False)
-SIM_AGENT = AgentWorkload(output_min=16, output_max=128, tool_latency_mean_s=2.0, shared_system_prompt=True)
+LOADGEN_AGENT = AgentWorkload(output_min=48, output_max=48, tool_latency_mean_s=0.5,
+                              shared_system_prompt=False)
+SIM_AGENT = AgentWorkload(output_min=16, output_max=128, tool_latency_mean_s=2.0,
+                          shared_system_prompt=True)
 
 
 def test_agent_sessions_are_seeded_and_follow_the_stated_bounds():
@@ -86,13 +89,15 @@ def test_token_traces_keep_each_sessions_turns_at_every_rate():
     for a, b in zip(slow, fast):
         assert a.turns == b.turns and a.sid == b.sid
         assert b.start == pytest.approx(a.start / 4)
-    agents = [agent_traces(replace(SIM_AGENT, seed=1), Arrivals(rate=r, window_s=300.0)) for r in (0.1, 0.3)]
+    agents = [agent_traces(replace(SIM_AGENT, seed=1), Arrivals(rate=r, window_s=300.0))
+              for r in (0.1, 0.3)]
     assert [s.turns for s in agents[0]] == [s.turns for s in agents[1][:len(agents[0])]]
 
 
 def test_agent_traces_share_one_system_prompt_and_fit_the_context():
-    """Shared-prompt agent traces: every session's first turn carries the one system prompt, which is
-    their common radix prefix; outputs and tool results stay in bounds; contexts fit the window."""
+    """Shared-prompt agent traces: every session's first turn carries the one system prompt,
+    which is their common radix prefix; outputs and tool results stay in bounds; contexts fit the
+    window."""
     traces = agent_traces(replace(SIM_AGENT, seed=5), Arrivals(rate=0.2, window_s=200.0))
     assert len(traces) >= 2
     system = traces[0].shared_prefix_tokens
@@ -105,11 +110,13 @@ def test_agent_traces_share_one_system_prompt_and_fit_the_context():
         assert sum(t.new_tokens + t.output_tokens for t in s.turns) <= CONTEXT_WINDOW
     a, b = (page_ids(s, system + 640, 64) for s in traces[:2])
     shared_pages = system // 64
-    assert a[:shared_pages] == b[:shared_pages] and not set(a[shared_pages:]) & set(b[shared_pages:])
+    assert a[:shared_pages] == b[:shared_pages]
+    assert not set(a[shared_pages:]) & set(b[shared_pages:])
 
 
 def test_text_agent_sessions_share_the_system_prompt_only_when_asked():
-    """shared_system_prompt=True gives every text session the same system prompt; False, distinct ones."""
+    """shared_system_prompt=True gives every text session the same system prompt; False,
+    distinct ones."""
     shared = agent_sessions(replace(LOADGEN_AGENT, shared_system_prompt=True), 4)
     own = agent_sessions(LOADGEN_AGENT, 4)
     assert len({s.system for s in shared}) == 1
@@ -117,8 +124,9 @@ def test_text_agent_sessions_share_the_system_prompt_only_when_asked():
 
 
 def test_frontend_programs_group_the_text_sessions_tool_results_into_parallel_steps():
-    """Agent programs carry the text session's system prompt, task and every tool result in order,
-    `fanout` per step; each step waits for its slowest call; gen_calls counts plan, notes, decisions."""
+    """Agent programs carry the text session's system prompt, task and every tool result in
+    order, `fanout` per step; each step waits for its slowest call; gen_calls counts plan, notes,
+    decisions."""
     from benchmarks.workloads.frontend_programs import agent_programs
 
     spec = replace(LOADGEN_AGENT, steps_min=6, steps_max=6, seed=2)
