@@ -91,11 +91,11 @@ class NodePlan:
     burst_max_tokens: int = 16
     # bursts per donor, in rounds that put the three runs' bursts back to back: two stock servers
     # side by side over 8 rounds had burst P99s within 3% of each other, where single bursts of
-    # one server ranged 100-160 ms (measured 2026-12-01, docs/node_bench.md)
+    # one server ranged 100-160 ms on a 2-core CPU machine (docs/node_bench.md)
     burst_rounds: int = 8
     # torch threads per server (OMP_NUM_THREADS): two servers share this machine's two cores;
     # with torch's default (one per core each) their OpenMP threads spin against each other and
-    # a 400-token chat turn took 8-17 s instead of 1.4-3.8 s here (measured 2026-11-30, load ~9)
+    # a 400-token chat turn took 8-17 s instead of 1.4-3.8 s on a 2-core machine at load ~9
     server_threads: int = 1
     sample_interval_s: float = 0.5  # the servers update their gauges once a second
     # (b)'s donor waits this long after a reclaim before it lends again

@@ -39,7 +39,7 @@ from .runner import LEASE_TIMEOUT_S, STARTUP_TIMEOUT_S, _pool_of, _wait_borrowed
 
 # an explicit ratio (the paper's baseline and SGLang's best practice): without one, SGLang sizes
 # the host tier from free host memory above a 10 GiB reserve and refuses to start when several
-# servers starting together leave less (seen in the first sweep, 2026-11-30)
+# servers starting together leave less
 HICACHE_ARGS = ("--enable-hierarchical-cache", "--hicache-ratio", "2")
 FLUSH_TIMEOUT_S = 120.0
 SERVER_COUNTERS = ("swiftcache_loaded_tokens_total", "swiftcache_stored_tokens_total",

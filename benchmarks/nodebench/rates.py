@@ -45,7 +45,7 @@ class RatePlan:
     """One sweep: the rates, the window each rate's sessions arrive in, the sessions' shape."""
 
     # sessions per second; on this CPU at a load average of 5-7, stock SGLang's queue held at
-    # 1/s and grew at 2/s (3-turn sessions, a trial on 2026-11-30): the sweep brackets that knee
+    # 1/s and grew at 2/s (3-turn sessions): the sweep brackets that knee
     rates: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
     window_s: float = 120.0  # sessions arrive during this window at each rate
     drain_s: float = 90.0  # after the window, unanswered requests get this long, then are cut
