@@ -7,9 +7,10 @@ On SGLang's CPU engine, stock HiCache stops at three things that exist only for 
 3. the transfer streams and events come from `torch.cpu`, whose Stream has no `synchronize`.
 Here: host pools are never pinned; the copies are torch index copies over the host layouts
 (SUPPORTED: the io-backend/layout pairs stock SGLang serves on a GPU, anything else is refused
-when the HiCache controller starts, naming the option); streams and events are immediate (on the
-CPU engine every copy runs synchronously on the scheduler thread, overlap scheduling is off there,
-so a recorded event is complete). HiCache's own logic (tree, controller, L3 backends) runs as is.
+when the HiCache controller starts, naming the option); streams and events are immediate (CPU
+torch has no device streams: every op has finished when its call returns, and HiCache issues its
+L2 copies from the scheduler thread, so a recorded event is complete). HiCache's own logic (tree,
+controller, L3 backends and their threads) runs as is.
 
 Installation follows the other stand-ins: the venv's `.pth` (site_hook) calls `install()`, which
 puts a meta-path finder in place that acts when a patched SGLang module has just been imported,
