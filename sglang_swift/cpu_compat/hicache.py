@@ -30,32 +30,51 @@ from collections import namedtuple
 
 PINNED_SGLANG = "0.5.23"
 
-TouchPoint = namedtuple("TouchPoint", "name target why breaks_if")
-# name: the stand-in; target: "module:attribute" it replaces; why; what to re-check if SGLang
-# changes the target (signatures are checked at install, see _EXPECTED_PARAMS)
+
+class TouchPoint(namedtuple("TouchPoint", "name target kind why breaks_if")):
+    """One patch: `name` of the stand-in; `target` "module:attribute" it replaces; `kind` in the
+    words of integration/touchpoints.Kind values; `why`; `breaks_if`: what to re-check when SGLang
+    changes (the parameters each replaced callable needs are checked at install:
+    _EXPECTED_PARAMS)."""
+
+    __slots__ = ()
+
+    @property
+    def dotted(self) -> str:
+        """The target as one dotted name (touchpoints.resolve)."""
+        return self.target.replace(":", ".")
+
+
+USED_IN = "sglang_swift.cpu_compat.hicache"
 PATCHES = (
     TouchPoint("unpinned_host_pool", "sglang.srt.mem_cache.pool_host.base:HostKVCache.__init__",
+               "hook BEFORE",
                "pin_memory=False: CPU torch has no pinned allocator (cudaHostRegister, "
                "torch.zeros(pin_memory=True) raise)",
                "the keyword `pin_memory` of HostKVCache.__init__ is renamed or pinning moves "
                "out of the host pool"),
     TouchPoint("cpu_load_per_layer",
                "sglang.srt.mem_cache.pool_host.mha:MHATokenToKVPoolHost.load_to_device_per_layer",
+               "re-implementation",
                "host->device copy of one layer; the kernels it calls exist only for CUDA/HIP/XPU",
                "its signature, the host layouts (init_kv_buffer), or device_k_buffers/"
                "device_v_buffers/k_buffer/v_buffer/target_layer_num change"),
     TouchPoint("cpu_backup_all_layers",
                "sglang.srt.mem_cache.pool_host.mha:MHATokenToKVPoolHost.backup_from_device_all_layer",
+               "re-implementation",
                "device->host copy of all layers; same kernels",
                "as cpu_load_per_layer"),
     TouchPoint("cpu_l2_streams", "sglang.srt.mem_cache.l2_transfer:device_module",
+               "class swap",
                "the L2 transfer streams/events; torch.cpu.Stream has no synchronize",
                "L2TransferEngine stops taking its streams/events from module-level device_module"),
     TouchPoint("cpu_layer_events", "sglang.srt.managers.cache_controller:device_module",
+               "class swap",
                "LayerLoadingEvent events and the consumer wait, one kind with the L2 events",
                "as cpu_l2_streams, for LayerLoadingEvent/LayerDoneCounter"),
     TouchPoint("cpu_startup_check",
                "sglang.srt.managers.cache_controller:HiCacheController.__init__",
+               "hook BEFORE",
                "refuses host pools and io-backend/layout pairs the CPU copies don't serve, at "
                "start-up, naming the option; logs the stand-ins once",
                "its parameters `mem_pool_host`/`io_backend` or HostPoolGroup.entries change"),

@@ -245,10 +245,14 @@ def test_cpu_streams_and_events_never_wait():
         CpuEvent().elapsed_time(end)
 
 
-def test_the_touch_point_list_names_an_existing_target_for_every_patch():
-    """PATCHES is data for the manifest of SGLang touch points: every entry complete."""
+def test_the_touch_point_list_names_an_existing_target_for_every_patch(sglang_pools):
+    """PATCHES is data for the manifest of SGLang touch points: every entry complete, its kind
+    one of the manifest's, its target present (here: as its stand-in) in the pinned SGLang."""
+    from sglang_swift.integration.touchpoints import Kind, resolve
+
     names = [p.name for p in hicache.PATCHES]
     assert len(set(names)) == len(names) == len(hicache._MAKERS)
     for patch in hicache.PATCHES:
         module, _, attr = patch.target.partition(":")
         assert module.startswith("sglang.srt.") and attr and patch.why and patch.breaks_if
+        assert Kind(patch.kind) and resolve(patch.dotted) is not None, patch.target
