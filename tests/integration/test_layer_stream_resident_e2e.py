@@ -20,10 +20,17 @@ import re
 import urllib.error
 
 import pytest
-
 from integration.harness import LocalServer
-from integration.test_layer_stream_e2e import COMMON, DEPTH, LAYERS, LOCAL_POOL, ROW_BYTES, \
-    _generate, _prompt
+from integration.test_layer_stream_e2e import (
+    COMMON,
+    DEPTH,
+    LAYERS,
+    LOCAL_POOL,
+    ROW_BYTES,
+    _generate,
+    _prompt,
+)
+
 from benchmarks.instruments import instruments_env
 from benchmarks.tools.tiny_model import ensure_tiny_model
 

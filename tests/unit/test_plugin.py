@@ -1,4 +1,5 @@
-"""The SGLang plugin: flag parsing, validation, config transport, backend selection, version gate."""
+"""The SGLang plugin: flag parsing, validation, config transport, backend selection, version
+gate, and what each process registers."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import textwrap
 
 import pytest
 
-from sglang_swift.integration import plugin
 from sglang_swift.config import CONFIG_ENV, SwiftConfig, cli_options
+from sglang_swift.integration import plugin
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def test_every_config_field_has_a_flag_and_defaults_round_trip():
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"role": "lender"}, "role"), ({"lend_fraction": 1.5}, "lend-fraction"),
-    ({"max_borrow_blocks": -1}, "max-borrow-blocks"), ({"eviction_policy": "fifo"}, "eviction-policy"),
+    ({"max_borrow_blocks": -1}, "max-borrow-blocks"),
+    ({"eviction_policy": "fifo"}, "eviction-policy"),
     ({"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 1.0}, "heartbeat-timeout-s"),
     ({"relend_cooldown_s": -1.0}, "relend-cooldown-s"),
 ])
@@ -59,7 +61,8 @@ def test_parse_converts_raw_values_and_the_frozen_config_is_never_rewritten():
 def test_lends_and_borrows_are_derived_once_from_the_config():
     """Whether a server lends or borrows is a property of the config (role and sizes)."""
     assert SwiftConfig(lend_fraction=0.5).lends and not SwiftConfig(lend_fraction=0.5).borrows
-    assert SwiftConfig(max_borrow_blocks=4).borrows and SwiftConfig(max_borrow_blocks=4).uses_donation
+    assert SwiftConfig(max_borrow_blocks=4).borrows
+    assert SwiftConfig(max_borrow_blocks=4).uses_donation
     assert not SwiftConfig(role="borrower", lend_fraction=0.5).lends
     assert not SwiftConfig().uses_donation
     assert SwiftConfig(max_borrow_blocks=4).tree_config(16).donor
@@ -72,7 +75,8 @@ def test_unknown_config_keys_are_refused():
 
 
 def test_flag_selects_backend_and_carries_config(loaded_plugins, monkeypatch):
-    """--enable-swiftcache picks the swiftcache backend and stores the config where children see it."""
+    """--enable-swiftcache picks the swiftcache backend and stores the config where children
+    see it."""
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     sa = _prepare(["--enable-swiftcache", "--swiftcache-role", "donor",
                    "--swiftcache-eviction-policy", "cost_aware"])

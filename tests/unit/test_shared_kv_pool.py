@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_swift.config import CONFIG_ENV, SwiftConfig
 from sglang_swift.dataplane.pool_layout import PoolLayout
 from sglang_swift.integration.shared_kv_pool import shared_region_of
-from sglang_swift.config import CONFIG_ENV, SwiftConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
