@@ -111,12 +111,11 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
     """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size, policies
     and tiers; `config` (a `SwiftConfig`) starts a `SwiftRuntime` when the server lends or
     borrows; `model`, `agent_id` and `enable_metrics` describe it then. A borrower registers its
-    layer counter with the KV pool and `tp_worker`; `load_trace` is a file that gets one JSON
-    line per batch load (`scripts/bench_overlap.py`)."""
+    layer counter with the KV pool and `tp_worker`."""
 
     def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
                  model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False,
-                 tp_worker: Any = None, load_trace: Optional[str] = None):
+                 tp_worker: Any = None):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
@@ -131,10 +130,10 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         self._last_step = self._last_report = self._last_metrics = 0.0
         self._reported: dict = {}
         if config is not None and config.uses_donation:
-            self._start_runtime(config, model, agent_id, enable_metrics, tp_worker, load_trace)
+            self._start_runtime(config, model, agent_id, enable_metrics, tp_worker)
 
     def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
-                       enable_metrics: bool, tp_worker: Any, load_trace: Optional[str]) -> None:
+                       enable_metrics: bool, tp_worker: Any) -> None:
         from .runtime import SwiftRuntime
 
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
@@ -143,7 +142,7 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
                                     page_size=self.page_size, agent_id=agent_id)
         self.runtime.stats.update({k: 0 for k in STREAM_STATS})
         if config.borrows:
-            self._start_streaming(config, kv_pool, tp_worker, load_trace)
+            self._start_streaming(config, kv_pool, tp_worker)
         if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics
             from .metrics import SwiftMetrics
 

@@ -55,8 +55,7 @@ class DonorHitsMixin:
 
     _owned_load = False  # the last init_load_back gave the request a tree-owned prefix
 
-    def _start_streaming(self, config: Any, kv_pool: Any, tp_worker: Any,
-                         load_trace: Optional[str]) -> None:
+    def _start_streaming(self, config: Any, kv_pool: Any, tp_worker: Any) -> None:
         """Loads under the forward and stores beside the scheduler. The counter goes where
         SGLang's own HiCache puts its: the pool's buffer getters wait on it per layer, and the
         tp worker hands it each batch's consumer index before the forward."""

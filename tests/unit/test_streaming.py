@@ -18,12 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.unit.test_packing import pool_of
-
 from sglang_swift.dataplane import KVGeometry, LeasePacking, PoolTransferEngine
 from sglang_swift.dataplane.layer_counter import CpuLayerCounter
 from sglang_swift.dataplane.streams import CpuLane
 from sglang_swift.integration.layer_fan_in import BatchLayerCounter
+from tests.unit.test_packing import pool_of
 
 G = KVGeometry(4, 2, 8, 8, "float32", 1)  # the borrower: 4 layers, page 1
 DONOR_PAGE = KVGeometry(3, 2, 8, 8, "float16", 4)  # the donor pool's own shape
@@ -89,9 +88,9 @@ class Rig:
     """A borrower cache with donor leases `leases` (name -> donor pool pages lent)."""
 
     def __init__(self, leases=("d",), pages=128):
-        from radix_ext import TreeConfig
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+        from radix_ext import TreeConfig
         from sglang_swift.integration.cache import STREAM_STATS, SwiftRadixCache
 
         self.k = [torch.zeros(ROWS, G.num_kv_heads, G.head_dim) for _ in range(G.num_layers)]
@@ -119,7 +118,7 @@ class Rig:
                 liveness=lambda n=name: self.alive[n])
             self.cache.tree.donor.add_lease(name, 0, 1, packing.num_blocks)
         tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=self.registered.append)
-        self.cache._start_streaming(SimpleNamespace(heartbeat_timeout_s=2.0), pool, tp_worker, None)
+        self.cache._start_streaming(SimpleNamespace(heartbeat_timeout_s=2.0), pool, tp_worker)
         self.counter = self.cache.counter
 
     def close(self):
