@@ -30,8 +30,14 @@ def run_stream_check(args, device, timer) -> dict:
     """`timer(fn, repeats, device)` -> seconds per call (gpu_check's CUDA-event timer)."""
     import torch
 
-    from sglang_swift.dataplane import (CudaLayerCounter, CpuLayerCounter, KVGeometry,
-                                        LeasePacking, PoolLayout, PoolTransferEngine)
+    from sglang_swift.dataplane import (
+        CpuLayerCounter,
+        CudaLayerCounter,
+        KVGeometry,
+        LeasePacking,
+        PoolLayout,
+        PoolTransferEngine,
+    )
 
     g = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.head_dim, args.dtype,
                    args.page_sizes[-1])

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 import swift_kernels as sk
-from swift_kernels import K, V, KVGeometry
+from swift_kernels import K, KVGeometry, V
 
 from ..dataplane.packing import LeasePacking
 from ..dataplane.pool_rows import resolve_backend, unit_rows

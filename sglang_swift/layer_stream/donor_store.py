@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from swift_kernels import K, V, KVGeometry
+from swift_kernels import K, KVGeometry, V
 from swift_kernels.geometry import dtype_name
 
 from ..dataplane.packing import LeasePacking

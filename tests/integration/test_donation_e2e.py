@@ -24,9 +24,8 @@ import json
 import os
 
 import pytest
+from integration.harness import LocalServer, chat, metric, reply_text, same_greedy, wait_for
 
-from integration.harness import (LocalServer, chat, metric, reply_text, same_greedy,
-                                 wait_for)
 from benchmarks.tools.demo import ctl, wait_for_lease
 from benchmarks.tools.tiny_model import ensure_tiny_model
 from benchmarks.workloads.sharegpt import load_conversations

@@ -16,9 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.unit.test_streaming import ROWS, Rig
-
 from radix_ext import DONOR, admission
+from tests.unit.test_streaming import ROWS, Rig
 
 A, B, C = (list(range(100 * i + 1, 100 * i + 9)) for i in (1, 2, 3))
 NEED = len(A) + 1 + 1  # the hit, one new token, one page

@@ -12,10 +12,10 @@ Invariants:
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("sglang_swift", "radix_ext", "swift_kernels")

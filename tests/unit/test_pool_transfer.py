@@ -16,14 +16,17 @@ import pytest
 import torch
 
 import swift_kernels as sk
-from tests.unit.test_packing import PAIRS, pool_of
-
 from sglang_swift.dataplane import CpuLayerCounter, KVGeometry, MappingError, SharedArena
 from sglang_swift.dataplane.packing import LeasePacking
-from sglang_swift.dataplane.pool_lease import (UnshareablePool, map_pool, pool_geometry,
-                                               why_pool_unshareable)
+from sglang_swift.dataplane.pool_lease import (
+    UnshareablePool,
+    map_pool,
+    pool_geometry,
+    why_pool_unshareable,
+)
 from sglang_swift.dataplane.pool_transfer import PoolTransferEngine
 from swift_kernels import K, V
+from tests.unit.test_packing import PAIRS, pool_of
 
 POISON = 0xA5
 

@@ -18,13 +18,18 @@ import time
 import pytest
 import torch
 
-from tests.unit.test_packing import PAIRS
-from tests.unit.test_pool_transfer import (POISON, Lease, borrower_pool, poisoned_like, same,
-                                           stream_of)
-
 from sglang_swift.dataplane import CpuLayerCounter
 from sglang_swift.dataplane.pool_transfer import FENCED
 from swift_kernels import K, V
+from tests.unit.test_packing import PAIRS
+from tests.unit.test_pool_transfer import (
+    POISON,
+    Lease,
+    borrower_pool,
+    poisoned_like,
+    same,
+    stream_of,
+)
 
 BACKENDS = ["reference", "staged"]
 

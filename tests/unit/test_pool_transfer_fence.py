@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 
 import torch
-from tests.unit.test_pool_transfer import POISON, Lease, poisoned_like, same
+from unit.copy_helpers import hold_in_layer
 
 from sglang_swift.dataplane import CpuLayerCounter
 from sglang_swift.dataplane.copy_fence import CopyFence
-from unit.copy_helpers import hold_in_layer
+from tests.unit.test_pool_transfer import POISON, Lease, poisoned_like, same
 
 
 def _stored(lease: Lease, nblocks: int):
