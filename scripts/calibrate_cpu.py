@@ -82,7 +82,8 @@ async def timing(http, url: str, tokenizer, repeats: int) -> dict:
             first = [{"role": "user", "content": synthetic(tokenizer, n, 5000 + 1000 * rep + i)}]
             point(await _streamed(http, url, first, 1))
             follow = first + [{"role": "assistant", "content": "ok"},
-                              {"role": "user", "content": synthetic(tokenizer, 48, 9000 + 1000 * rep + i)}]
+                              {"role": "user", "content":
+                               synthetic(tokenizer, 48, 9000 + 1000 * rep + i)}]
             point(await _streamed(http, url, follow, 1))
     for i, n in enumerate(DECODE_PROMPTS):
         rec = await _streamed(http, url, [{"role": "user", "content":
@@ -117,14 +118,17 @@ async def conversation_trace(http, url, convs, turns: int, max_tokens: int) -> l
             messages.append({"role": "user", "content": conv.turns[t].user})
             prompt, answer, text = await _ids(http, url, list(messages), max_tokens)
             messages.append({"role": "assistant", "content": text})
-            out.append({"session": conv.id, "turn": t + 1, "prompt_ids": prompt, "output_ids": answer})
+            out.append({"session": conv.id, "turn": t + 1, "prompt_ids": prompt,
+                        "output_ids": answer})
     return out
 
 
 def copy_bandwidth(busy: ModelFacts, donor: ModelFacts, busy_cfg: dict, donor_cfg: dict) -> dict:
-    """Load and store time of PoolTransferEngine (CPU pool lease) at three sizes, fitted as latency + bytes / bandwidth."""
+    """Load and store time of PoolTransferEngine (CPU pool lease) at three sizes, fitted as
+    latency + bytes / bandwidth."""
     import torch
     from bench_transfer import Pool, bench_page_size
+
     from sglang_swift.dataplane import KVGeometry
 
     def geom(cfg, layers):
@@ -136,16 +140,20 @@ def copy_bandwidth(busy: ModelFacts, donor: ModelFacts, busy_cfg: dict, donor_cf
     for tokens in (64, 256, 1024):  # bench_node's loads: tens to a few hundred tokens
         pool = Pool(g, 4 * tokens, tokens * busy.kv_bytes_per_token)
         r = bench_page_size(g, tokens, 5, 1, pool, time.monotonic() + 10.0, donor=dg)
-        out.append({"tokens": tokens, "bytes": r["bytes"], "load_s": r["bytes"] / (r["load_gbps"] * 1e9),
+        out.append({"tokens": tokens, "bytes": r["bytes"],
+                    "load_s": r["bytes"] / (r["load_gbps"] * 1e9),
                     "store_s": r["bytes"] / (r["store_gbps"] * 1e9), "verified": r["verified"]})
     if not all(p["verified"] for p in out):
-        raise RuntimeError("PoolTransferEngine round trip did not verify; the copy figures are void")
+        raise RuntimeError("PoolTransferEngine round trip did not verify; "
+                           "the copy figures are void")
     fits = {}
     for kind in ("load", "store"):  # t = latency + bytes / bandwidth
         f = fit_decode([{"context": p["bytes"], "step_s": p[f"{kind}_s"]} for p in out])
         fits[kind] = {"latency_s": f["d0_s"],
-                      "bytes_per_s": 1.0 / f["d1_s_per_token"] if f["d1_s_per_token"] > 0 else float("inf")}
-    return {"engine": "PoolTransferEngine (CPU pool lease, 1 thread), busy pages packed in donor pages",
+                      "bytes_per_s": (1.0 / f["d1_s_per_token"] if f["d1_s_per_token"] > 0
+                                      else float("inf"))}
+    return {"engine": "PoolTransferEngine (CPU pool lease, 1 thread), "
+                      "busy pages packed in donor pages",
             "points": out, "load": fits["load"], "store": fits["store"]}
 
 
@@ -209,25 +217,33 @@ def main(argv=None) -> int:
     models = {}
     for role in ("busy", "donor"):
         f = facts[role]
-        models[role] = {"name": f.name, "layers": f.layers, "kv_bytes_per_token": f.kv_bytes_per_token,
+        models[role] = {"name": f.name, "layers": f.layers,
+                        "kv_bytes_per_token": f.kv_bytes_per_token,
                         **measured["timing"][role]}
-    out = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "scripts/calibrate_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"schema": SCHEMA,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "scripts/calibrate_cpu.py "
+                      + " ".join(argv if argv is not None else sys.argv[1:]),
            "plan": plan.__dict__, "plan_name": a.plan, "models": models, "copy": copy,
            "trace": measured["trace"], "server_threads": plan.server_threads,
-           "startup_s": {r: s.startup_s for r, s in servers.items()}, "measure_s": round(measure_s, 1),
+           "startup_s": {r: s.startup_s for r, s in servers.items()},
+           "measure_s": round(measure_s, 1),
            "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
            "wall_s": round(time.monotonic() - started, 1), "cpu_count": os.cpu_count()}
     a.out.write_text(json.dumps(out, indent=1))
     for role, m in models.items():
         p, d = m["prefill_fit"], m["decode_fit"]
-        print(f"{role:<6}{m['name']:<12} prefill {p['a_s'] * 1e3:.1f} ms + {p['b_s_per_token'] * 1e3:.3f} "
-              f"ms/token + {p['c_s_per_token_ctx'] * 1e6:.4f} us/token/ctx; decode {d['d0_s'] * 1e3:.1f} ms "
+        print(f"{role:<6}{m['name']:<12} prefill {p['a_s'] * 1e3:.1f} ms "
+              f"+ {p['b_s_per_token'] * 1e3:.3f} ms/token "
+              f"+ {p['c_s_per_token_ctx'] * 1e6:.4f} us/token/ctx; "
+              f"decode {d['d0_s'] * 1e3:.1f} ms "
               f"+ {d['d1_s_per_token'] * 1e6:.2f} us/ctx token")
     for kind in ("load", "store"):
-        print(f"copy  {kind} {copy[kind]['latency_s'] * 1e3:.2f} ms + bytes / {copy[kind]['bytes_per_s'] / 1e9:.2f} GB/s")
+        print(f"copy  {kind} {copy[kind]['latency_s'] * 1e3:.2f} ms "
+              f"+ bytes / {copy[kind]['bytes_per_s'] / 1e9:.2f} GB/s")
     print(f"trace {len(out['trace']['busy'])} busy, {len(out['trace']['donor'])} donor, "
-          f"{len(out['trace']['burst'])} burst requests; wall {out['wall_s']} s, load {out['loadavg_1min']}")
+          f"{len(out['trace']['burst'])} burst requests; "
+          f"wall {out['wall_s']} s, load {out['loadavg_1min']}")
     print(f"wrote {a.out}")
     print(json.dumps({k: out[k] for k in ("date", "wall_s", "loadavg_1min")}))
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run a benchmark and keep its result as a record under docs/records/ (the pages render from these).
+"""Run a benchmark and keep its result as a record under docs/records/ (pages render from these).
 
     python scripts/record_run.py NAME -- python scripts/bench_node.py --quick
 

@@ -86,7 +86,8 @@ class CalibratedCompute:
 
     def prefill_time(self, new: int, cached: int) -> float:
         p = self.prefill
-        return p["a_s"] + p["b_s_per_token"] * new + p["c_s_per_token_ctx"] * new * (cached + new / 2)
+        return (p["a_s"] + p["b_s_per_token"] * new
+                + p["c_s_per_token_ctx"] * new * (cached + new / 2))
 
     def decode_time(self, context: int) -> float:
         return self.decode["d0_s"] + self.decode["d1_s_per_token"] * context
@@ -118,7 +119,8 @@ def load(path: Path) -> dict:
         m = data["models"].get(role) or {}
         for part in ("prefill_fit", "decode_fit", "layers", "kv_bytes_per_token"):
             if part not in m:
-                raise ValueError(f"{path}: models.{role} has no {part!r}; rerun scripts/calibrate_cpu.py")
+                raise ValueError(f"{path}: models.{role} has no {part!r}; "
+                                 f"rerun scripts/calibrate_cpu.py")
     return data
 
 

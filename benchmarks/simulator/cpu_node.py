@@ -36,7 +36,7 @@ from .server import ModelServer, SimRequest
 
 CHUNKED_PREFILL = 4096  # SGLang's chunked_prefill_size on this CPU (the servers' logged args)
 MAX_RUNNING = 512  # SGLang's max_running_requests there
-UNLIMITED = 1e15  # B/s: a copy whose time is all latency (the measured engine did not slow with size)
+UNLIMITED = 1e15  # B/s: copy time is all latency (the measured engine did not slow with size)
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,11 @@ def _node(cal: dict) -> Node:
 
 def _server(node: Node, g: int, name: str, compute, pool: int, donor_tier: bool,
             demote_ahead: float = 0.0) -> ModelServer:
-    srv = ModelServer(name, node.gpus[g], compute, TreeCache(pool, 0, donor=donor_tier), page_tokens=1,
-                      chunk=CHUNKED_PREFILL, max_running=MAX_RUNNING,
+    srv = ModelServer(name, node.gpus[g], compute, TreeCache(pool, 0, donor=donor_tier),
+                      page_tokens=1, chunk=CHUNKED_PREFILL, max_running=MAX_RUNNING,
                       load_mode="layerwise" if donor_tier else "none", node=node,
-                      demote_headroom=int(pool * demote_ahead) if donor_tier else 0, checkpoint_prompt=True,
-                      alloc_per_step=True)
+                      demote_headroom=int(pool * demote_ahead) if donor_tier else 0,
+                      checkpoint_prompt=True, alloc_per_step=True)
     node.gpus[g].server = srv
     node.by_name[name] = srv
     return srv
@@ -81,7 +81,8 @@ def _request(rid: int, item: dict, now: float) -> SimRequest:
     and all but its last answer token (that token's KV is never computed)."""
     prompt, out = item["prompt_ids"], item["output_ids"]
     return SimRequest(rid, item["session"], item["turn"], now, len(prompt), len(out),
-                      key_prompt=array("q", prompt[:-1]), key_full=array("q", list(prompt) + list(out[:-1])))
+                      key_prompt=array("q", prompt[:-1]),
+                      key_full=array("q", list(prompt) + list(out[:-1])))
 
 
 def _record(r: SimRequest, label: str) -> RequestRecord:
@@ -99,7 +100,8 @@ def steady_order(trace: list[dict], turns: int) -> list[dict]:
     by = {(t["session"], t["turn"]): t for t in trace}
     missing = [(s, k) for k in range(1, turns + 1) for s in sessions if (s, k) not in by]
     if missing:
-        raise ValueError(f"the calibration trace lacks {len(missing)} busy turns (first {missing[0]}); "
+        raise ValueError(f"the calibration trace lacks {len(missing)} busy turns "
+                         f"(first {missing[0]}); "
                          f"rerun scripts/calibrate_cpu.py with the plan of the live run")
     return [by[(s, k)] for k in range(1, turns + 1) for s in sessions]
 
@@ -115,7 +117,8 @@ def simulate_run(cal: dict, run: RunPlan, plan: dict, demote_ahead: float = 0.0)
     """One run's steady phase; returns records per stream (RequestRecords) and what was lent.
     `demote_ahead`: the fraction of its pool a borrower keeps free by demoting ahead of need."""
     node = _node(cal)
-    busy = _server(node, 0, "busy", compute_for(cal, "busy"), run.busy_pool, run.swiftcache, demote_ahead)
+    busy = _server(node, 0, "busy", compute_for(cal, "busy"), run.busy_pool, run.swiftcache,
+                   demote_ahead)
     donor = _server(node, 1, "donor", compute_for(cal, "donor"), run.donor_pool, False)
     lent_blocks = (node.lend(donor, busy, plan["lend_fraction"], plan["reclaim_watermark"])
                    if run.swiftcache else 0)
@@ -138,7 +141,8 @@ def simulate_run(cal: dict, run: RunPlan, plan: dict, demote_ahead: float = 0.0)
         def finished(r, k=k):
             done["donor"].append(r)
             # an open schedule: request k+1 at (k+1) x interval, or now if request k ended later
-            node.loop.at(max(node.loop.now, (k + 1) * plan["donor_interval_s"]), lambda: send_donor(k + 1))
+            node.loop.at(max(node.loop.now, (k + 1) * plan["donor_interval_s"]),
+                         lambda: send_donor(k + 1))
 
         r.on_done = finished
         donor.submit(r)
@@ -149,18 +153,22 @@ def simulate_run(cal: dict, run: RunPlan, plan: dict, demote_ahead: float = 0.0)
     for srv in (busy, donor):
         srv.cache.check_integrity()
         if srv.rejected:
-            raise RuntimeError(f"{srv.name}: {len(srv.rejected)} requests longer than the pool were rejected")
-    records = {s: [_record(r, s) for r in sorted(reqs, key=lambda r: r.rid)] for s, reqs in done.items()}
+            raise RuntimeError(f"{srv.name}: {len(srv.rejected)} requests longer than the pool "
+                               f"were rejected")
+    records = {s: [_record(r, s) for r in sorted(reqs, key=lambda r: r.rid)]
+               for s, reqs in done.items()}
     return {"records": records, "lent_blocks": lent_blocks,
-            "lent_donor_tokens": len(donor.lent_pages), "busy_pool": run.busy_pool, "donor_pool": run.donor_pool,
+            "lent_donor_tokens": len(donor.lent_pages), "busy_pool": run.busy_pool,
+            "donor_pool": run.donor_pool,
             "copied_bytes": {f"{a}->{b}": v for (a, b), v in node.bytes_by_route.items()}}
 
 
 def simulate_node(cal: dict, plan: dict, demote_ahead: float = 0.0) -> dict:
     """The three runs; (c)'s pools come from what (b) moved, as bench_node derives them."""
-    runs = {"a": simulate_run(cal, RunPlan("stock", plan["busy_pool"], plan["donor_pool"], False), plan),
-            "b": simulate_run(cal, RunPlan("swiftcache", plan["busy_pool"], plan["donor_pool"], True), plan,
-                              demote_ahead)}
+    runs = {"a": simulate_run(cal, RunPlan("stock", plan["busy_pool"], plan["donor_pool"], False),
+                              plan),
+            "b": simulate_run(cal, RunPlan("swiftcache", plan["busy_pool"], plan["donor_pool"],
+                                           True), plan, demote_ahead)}
     b = runs["b"]
     runs["c"] = simulate_run(cal, RunPlan("ideal", plan["busy_pool"] + b["lent_blocks"],
                                           plan["donor_pool"] - b["lent_donor_tokens"], False), plan)

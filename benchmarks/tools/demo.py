@@ -1,6 +1,7 @@
 """The main job's demo: two different models on one node, one lending idle KV memory to the other.
 
-    python -m benchmarks.tools.demo [--conversations 6] [--turns 6] [--pool-tokens 1024] [--no-baseline]
+    python -m benchmarks.tools.demo [--conversations 6] [--turns 6] [--pool-tokens 1024]
+        [--no-baseline]
 
 It starts two SGLang servers with --enable-swiftcache (SGLang's CPU engine here): a donor serving
 the `tiny` model (4 layers) that lends idle pages of its own 4096-token KV pool, and a busy
@@ -26,9 +27,9 @@ import time
 from pathlib import Path
 
 from ..loadgen.client import RequestRecord, chat
+from ..workloads.sharegpt import Conversation, load_conversations
 from .local_server import LocalServer
 from .tiny_model import ensure_tiny_model, model_dir
-from ..workloads.sharegpt import Conversation, load_conversations
 
 
 async def replay(base_url: str, label: str, convs: list[Conversation], turns: int,
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or ensure_tiny_model(model_dir("small"), shape="small")
     donor_model = args.donor_model or ensure_tiny_model(model_dir("tiny"), shape="tiny")
-    convs = load_conversations(args.conversations, min_turns=2, max_chars_per_message=args.max_chars)
+    convs = load_conversations(args.conversations, min_turns=2,
+                               max_chars_per_message=args.max_chars)
     print(f"replaying {len(convs)} real ShareGPT conversations, up to {args.turns} turns each")
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [run_swiftcache(model, donor_model, convs, args)]
@@ -180,20 +182,21 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     for run in runs:
-        print(f"{format_table(run['label'], run['per_turn'])}\n  server start-up: {run['startup_s']:.1f}s\n")
+        print(f"{format_table(run['label'], run['per_turn'])}\n"
+              f"  server start-up: {run['startup_s']:.1f}s\n")
     summary = {"conversations": len(convs), "turns": args.turns}
     if len(runs) == 2:
         key = lambda r: (r.session, r.turn)  # noqa: E731
         a = {key(r): r for r in runs[0]["records"]}
         b = {key(r): r for r in runs[1]["records"]}
         same_text = sum(a[k].text == b[k].text for k in a)
-        same_cached = sum(a[k].cached_tokens == b[k].cached_tokens for k in a)
         cached = [sum(r.cached_tokens or 0 for r in run["records"]) for run in runs]
         ttft = [sum(r.ttft for r in run["records"]) for run in runs]
         print(f"identical outputs, SwiftCache vs stock SGLang (same KV pool): {same_text}/{len(a)}")
         print(f"cached tokens: SwiftCache {cached[0]}, stock {cached[1]} "
               f"({cached[0] / max(1, cached[1]):.2f}x); summed TTFT ratio SwiftCache/stock "
-              f"{ttft[0] / ttft[1]:.2f} (CPU, small model at ~5 kFLOP per KV byte: mechanism, not GPU performance)")
+              f"{ttft[0] / ttft[1]:.2f} (CPU, small model at ~5 kFLOP per KV byte: "
+              f"mechanism, not GPU performance)")
         summary.update(identical_outputs=same_text, requests=len(a), cached_tokens=cached,
                        cached_ratio=round(cached[0] / max(1, cached[1]), 3),
                        ttft_sum_ratio=round(ttft[0] / ttft[1], 3))

@@ -13,8 +13,9 @@ requests that used them are dropped.
 
 `TimedLayerCounter` is what the plugin registers with the KV pool and the tp worker: it
 delegates to the real counter (`dataplane.make_layer_counter`), ends attention's waits for a
-load at its batch's deadline (`watch`), and adds up how long attention waited for a layer (the part of a load the forward did not hide), and when it first reached each
-layer of a load (the timeline in docs/streaming.md).
+load at its batch's deadline (`watch`), and adds up how long attention waited for a layer
+(the part of a load the forward did not hide), and when it first reached each layer of a load
+(the timeline in docs/streaming.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "refused_loads": ("swiftcache_refused_loads", "load-backs refused (donor gone or too late)"),
     "refused_stores": ("swiftcache_refused_stores", "demotion copies refused (donor gone or too "
                        "late); the store was aborted"),
-    "revoked_tokens": ("swiftcache_revoked_tokens", "cached tokens lost to reclaims or lost donors"),
+    "revoked_tokens": ("swiftcache_revoked_tokens", "cached tokens lost to reclaims or lost "
+                       "donors"),
     "leases": ("swiftcache_leases", "leases granted to this server"),
     "reclaims": ("swiftcache_reclaims", "reclaims this server acknowledged"),
     "lost_leases": ("swiftcache_lost_leases", "leases lost to a dead or departed donor"),

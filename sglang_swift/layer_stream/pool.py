@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .slots import SlotSet, batch_read_slots
 from .donor_store import DonorLayerStore
 from .layer_views import LayerViews, aligned_rows, granularity
+from .slots import SlotSet, batch_read_slots
 from .store import CopyLane, HostLayerStore
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class LayerStreamKVPool(MHATokenToKVPool):
             with self.memory_saver_adapter.region("kv_cache"):
                 self._stages = [torch.zeros((2, padded, *row_shape), dtype=self.store_dtype,
                                             device=device) for _ in range(depth)]
-            self._layer_bufs = [self._stages[l % depth] for l in range(self.layer_num)]
+            self._layer_bufs = [self._stages[layer % depth] for layer in range(self.layer_num)]
         self.k_buffer = [buf[0, :rows] for buf in self._layer_bufs]
         self.v_buffer = [buf[1, :rows] for buf in self._layer_bufs]
         self._lane = CopyLane(device)
