@@ -31,11 +31,11 @@ from collections import namedtuple
 PINNED_SGLANG = "0.5.23"
 
 
-class TouchPoint(namedtuple("TouchPoint", "name target kind why breaks_if")):
+class Patch(namedtuple("Patch", "name target kind why breaks_if")):
     """One patch: `name` of the stand-in; `target` "module:attribute" it replaces; `kind` in the
     words of integration/touchpoints.Kind values; `why`; `breaks_if`: what to re-check when SGLang
     changes (the parameters each replaced callable needs are checked at install:
-    _EXPECTED_PARAMS)."""
+    _EXPECTED_PARAMS). The manifest (integration/touchpoints.py) lists every patch."""
 
     __slots__ = ()
 
@@ -47,32 +47,32 @@ class TouchPoint(namedtuple("TouchPoint", "name target kind why breaks_if")):
 
 USED_IN = "sglang_swift.cpu_compat.hicache"
 PATCHES = (
-    TouchPoint("unpinned_host_pool", "sglang.srt.mem_cache.pool_host.base:HostKVCache.__init__",
+    Patch("unpinned_host_pool", "sglang.srt.mem_cache.pool_host.base:HostKVCache.__init__",
                "hook BEFORE",
                "pin_memory=False: CPU torch has no pinned allocator (cudaHostRegister, "
                "torch.zeros(pin_memory=True) raise)",
                "the keyword `pin_memory` of HostKVCache.__init__ is renamed or pinning moves "
                "out of the host pool"),
-    TouchPoint("cpu_load_per_layer",
+    Patch("cpu_load_per_layer",
                "sglang.srt.mem_cache.pool_host.mha:MHATokenToKVPoolHost.load_to_device_per_layer",
                "re-implementation",
                "host->device copy of one layer; the kernels it calls exist only for CUDA/HIP/XPU",
                "its signature, the host layouts (init_kv_buffer), or device_k_buffers/"
                "device_v_buffers/k_buffer/v_buffer/target_layer_num change"),
-    TouchPoint("cpu_backup_all_layers",
+    Patch("cpu_backup_all_layers",
                "sglang.srt.mem_cache.pool_host.mha:MHATokenToKVPoolHost.backup_from_device_all_layer",
                "re-implementation",
                "device->host copy of all layers; same kernels",
                "as cpu_load_per_layer"),
-    TouchPoint("cpu_l2_streams", "sglang.srt.mem_cache.l2_transfer:device_module",
+    Patch("cpu_l2_streams", "sglang.srt.mem_cache.l2_transfer:device_module",
                "class swap",
                "the L2 transfer streams/events; torch.cpu.Stream has no synchronize",
                "L2TransferEngine stops taking its streams/events from module-level device_module"),
-    TouchPoint("cpu_layer_events", "sglang.srt.managers.cache_controller:device_module",
+    Patch("cpu_layer_events", "sglang.srt.managers.cache_controller:device_module",
                "class swap",
                "LayerLoadingEvent events and the consumer wait, one kind with the L2 events",
                "as cpu_l2_streams, for LayerLoadingEvent/LayerDoneCounter"),
-    TouchPoint("cpu_startup_check",
+    Patch("cpu_startup_check",
                "sglang.srt.managers.cache_controller:HiCacheController.__init__",
                "hook BEFORE",
                "refuses host pools and io-backend/layout pairs the CPU copies don't serve, at "
@@ -248,7 +248,7 @@ def apply_to_module(module, environ=None) -> list[str]:
     return done
 
 
-def _install(module, path: str, patch: TouchPoint) -> str | None:
+def _install(module, path: str, patch: Patch) -> str | None:
     owner_path, _, attr = path.rpartition(".")
     owner = module
     for part in filter(None, owner_path.split(".")):

@@ -4,7 +4,8 @@ SGLang calls `register()` through the `sglang.srt.plugins` entry point in every 
 (launcher, scheduler, detokenizer). Nothing else in this package touches SGLang at import time.
 Every target touched is an entry of `touchpoints.py`; a process registers only what it needs:
 
-- every process: AFTER-hooks `ServerArgs.add_cli_args` (adds `--enable-swiftcache` and the
+- the launcher (the process SGLang's plugin loader runs in first, not a spawned child):
+  AFTER-hooks `ServerArgs.add_cli_args` (adds `--enable-swiftcache` and the
   `--swiftcache-*` options derived from `SwiftConfig`; a bad value is an argparse error naming the
   option) and `ServerArgs.from_cli_args` (with the flag: builds the one frozen `SwiftConfig`,
   carries it to the spawned processes as a bookkeeping attribute that pickles with ServerArgs and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -46,7 +48,8 @@ BACKEND_NAME = "swiftcache"
 CONFIG_ATTR = "_swiftcache_config"  # bookkeeping attribute on ServerArgs (pickled into children)
 # The first words of the one line each process prints about what it registered (see register()).
 REGISTERED = "SwiftCache plugin registered in pid"
-FLAG_POINTS = (tp.ADD_CLI_ARGS, tp.FROM_CLI_ARGS)  # what every process registers
+NOTHING = "nothing"  # the registration line of a process SwiftCache is off in
+FLAG_POINTS = (tp.ADD_CLI_ARGS, tp.FROM_CLI_ARGS)  # what the launcher registers
 
 
 class SwiftCacheUnavailable(RuntimeError):
@@ -273,13 +276,15 @@ def register(*, sglang_version: str | None = None, points: Sequence[TouchPoint] 
              environ: Mapping[str, str] | None = None) -> list[str]:
     """Called by SGLang's plugin loader in every process; returns the problems found (if any).
 
-    Every process registers the flag's two hooks (the launcher parses the flag; its
-    `from_cli_args` hook exports CONFIG_ENV). A process whose environment carries an enabled
-    SwiftConfig (the server's spawned scheduler and detokenizer processes) also registers the
-    `swiftcache` backend and the hooks its configuration uses (`server_hooks`). The launcher
-    itself needs nothing more: SGLang 0.5.23 runs every scheduler in a spawned process (also
-    with --tp 1), and neither the backend registry nor any other hooked target is used in the
-    launcher. Each process prints one line saying what it registered (`REGISTERED`)."""
+    The launcher registers the flag's two hooks (it parses the flag; its `from_cli_args` hook
+    exports CONFIG_ENV); a spawned process (multiprocessing's child: scheduler, detokenizer)
+    never parses a command line and does not register them. A process whose environment carries an
+    enabled SwiftConfig (the spawned processes of a server started with the flag) registers the
+    `swiftcache` backend and the hooks its configuration uses (`server_hooks`), so a spawned
+    process of a server without the flag registers nothing. The launcher needs no more: SGLang
+    0.5.23 runs every scheduler in a spawned process (also with --tp 1), and neither the
+    backend registry nor any other hooked target is used in the launcher. Each process prints
+    one line saying what it registered (`REGISTERED`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from ..cpu_compat.server_defaults import register_cpu_defaults
@@ -287,7 +292,8 @@ def register(*, sglang_version: str | None = None, points: Sequence[TouchPoint] 
     cpu_defaults = register_cpu_defaults(HookRegistry, HookType)  # CPU venv only, with or
     version = installed_sglang_version() if sglang_version is None else sglang_version  # without
     problems = check_sglang(version, points)
-    can_parse = all(target_exists(p.target) for p in FLAG_POINTS)
+    spawned = multiprocessing.parent_process() is not None
+    can_parse = not spawned and all(target_exists(p.target) for p in FLAG_POINTS)
     if problems:
         _shout(problems)
         if can_parse:
@@ -296,7 +302,8 @@ def register(*, sglang_version: str | None = None, points: Sequence[TouchPoint] 
                                   HookType.AFTER)
         return problems
 
-    hooks = [(tp.ADD_CLI_ARGS, _after_add_cli_args), (tp.FROM_CLI_ARGS, _after_from_cli_args)]
+    hooks = [] if spawned else [(tp.ADD_CLI_ARGS, _after_add_cli_args),
+                                (tp.FROM_CLI_ARGS, _after_from_cli_args)]
     config = config_in_process(environ)
     try:
         instruments = debug_seam.install_from_env(environ)
@@ -318,6 +325,6 @@ def register(*, sglang_version: str | None = None, points: Sequence[TouchPoint] 
         names.append(f"radix cache backend '{BACKEND_NAME}'")
     extra = [f"CPU stand-in: {_short(tp.CPU_DEFAULTS)}"] if cpu_defaults else []
     extra += [f"instruments {instruments}"] if instruments else []
-    print(f"{REGISTERED} {os.getpid()}: {', '.join(names)}"
+    print(f"{REGISTERED} {os.getpid()}: {', '.join(names) or NOTHING}"
           + (f" [{'; '.join(extra)}]" if extra else ""), file=sys.stderr, flush=True)
     return []

@@ -22,6 +22,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
+from ..cpu_compat import hicache as cpu_hicache
 from ..cpu_compat.server_defaults import RESOLVE_ONCE
 
 
@@ -269,12 +270,20 @@ VALIDATE_INPUT = TouchPoint(
     f"{LAYER_STREAM}.hooks",
     (Check(How.LEADING_PARAMS, names=("req", "max_req_input_len")),))
 
+# ---- CPU venv only: HiCache's CUDA-only pieces (cpu_compat/hicache.py installs them on import
+# of each target module when SGLang's CPU engine is active; its PATCHES are the source)
+HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
+    TouchPoint(patch.dotted, Kind(patch.kind), f"CPU stand-in `{patch.name}`: {patch.why}",
+               f"breaks if {patch.breaks_if}; HiCache then refuses to start on the CPU engine",
+               cpu_hicache.USED_IN)
+    for patch in cpu_hicache.PATCHES)
+
 ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
     RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
-    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT,
+    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, *HICACHE_STAND_INS,
 )
 
 

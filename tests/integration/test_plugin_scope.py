@@ -1,10 +1,10 @@
 """Which SwiftCache hooks a live server's scheduler process registered, read from its log.
 
 Each SGLang process prints one line naming what the plugin registered in it (`plugin.REGISTERED`).
-Invariants: a server started WITHOUT --enable-swiftcache registers in its scheduler process only
-the flag's two hooks (ServerArgs.add_cli_args and from_cli_args: no scheduler, pool or forward
-wrapper, no backend); the same server WITH the flag registers the `swiftcache` backend there, and
-a plain SwiftCache server (no lending, borrowing, layer stream or instruments) no other hook.
+Invariants: a server started WITHOUT --enable-swiftcache registers no SwiftCache hook and no
+backend in its scheduler process (the flag's two hooks live in the launcher only); the same server
+WITH the flag registers the `swiftcache` backend there, and a plain SwiftCache server (no lending,
+borrowing, layer stream or instruments) no hook.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from integration.harness import LocalServer
 from sglang_swift.integration import plugin
 
 pytestmark = pytest.mark.integration
-FLAG_HOOKS = ["ServerArgs.add_cli_args (AFTER)", "ServerArgs.from_cli_args (AFTER)"]
 
 
 def scheduler_registrations(server: LocalServer) -> list[str]:
@@ -40,4 +39,4 @@ def test_a_scheduler_registers_only_what_its_server_uses(tiny_model, tmp_path, m
     with LocalServer(tiny_model, swiftcache=swiftcache, log_path=tmp_path / "server.log") as s:
         registered = scheduler_registrations(s)
     backend = [f"radix cache backend '{plugin.BACKEND_NAME}'"]
-    assert registered == FLAG_HOOKS + (backend if swiftcache else [])
+    assert registered == (backend if swiftcache else [plugin.NOTHING])

@@ -138,6 +138,46 @@ def _registrations(environs: list[dict]) -> list[dict]:
     return found
 
 
+def registrations_in_spawned_child(out_path: str, environ: dict) -> None:
+    """Run in a multiprocessing child started by spawn, as SGLang starts its schedulers: call
+    register() there and write what it registered (JSON) to `out_path`."""
+    import json
+    import os
+
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    os.environ.update(environ)
+    assert plugin.register() == []
+    hooks = [target for target, entries in sorted(HookRegistry._hooks.items())
+             for _, hook, _ in entries if ".cpu_compat." not in hook.__module__]
+    with open(out_path, "w") as f:
+        json.dump({"hooks": hooks,
+                   "backend": get_radix_cache_factory(plugin.BACKEND_NAME) is not None}, f)
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["stock", "swiftcache"])
+def test_a_spawned_process_registers_no_flag_hook(tmp_path, monkeypatch, enabled):
+    """A process SGLang spawns (scheduler, detokenizer) never parses the command line: it
+    registers no SwiftCache hook at all when the server runs without the flag, and only the
+    backend (and its configuration's hooks) with it, never the flag's two."""
+    import json
+    import multiprocessing
+
+    monkeypatch.setenv("SGLANG_PLUGINS", "none")  # inherited: register() is called by hand
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.delenv("SWIFTCACHE_INSTRUMENTS", raising=False)
+    environ = {CONFIG_ENV: SwiftConfig(enabled=True).to_json()} if enabled else {}
+    out = tmp_path / "registered.json"
+    child = multiprocessing.get_context("spawn").Process(
+        target=registrations_in_spawned_child, args=(str(out), environ))
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == 0
+    found = json.loads(out.read_text())
+    assert found == {"hooks": [], "backend": enabled}
+
+
 def test_each_process_registers_only_what_its_server_uses():
     """Without SwiftCache in a process (no CONFIG_ENV), SwiftCache registers the flag's two
     hooks and no backend; a plain SwiftCache server (no lending, borrowing, layer stream or

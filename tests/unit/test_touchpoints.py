@@ -4,7 +4,7 @@ Invariants: every entry passes its checks on the installed (pinned) SGLang; a ch
 reported per entry (a missing target, a private name gone from the source that sets it, a changed
 signature); each private name listed is in the product module that touches it; and no product
 module outside the manifest spells an SGLang hook target (`sglang.srt.<...>.<Class>.<method>`)
-except the CPU stand-in's one, which the manifest imports."""
+except the CPU stand-ins' modules, whose lists the manifest imports."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_each_listed_touch_is_where_the_manifest_says():
              tp.Kind.CLASS_SWAP: lambda p: "__class__ =",
              tp.Kind.REIMPLEMENTATION: lambda p: "CLIP_MAX_NEW_TOKENS"}
     for point in tp.ALL:
-        if point.kind in words:
+        if point.kind in words and point not in tp.HICACHE_STAND_INS:  # checked below
             assert words[point.kind](point) in _module_source(point.used_in), point.target
 
 
@@ -64,10 +64,11 @@ def _string_constants(path: Path) -> list[str]:
 
 def test_no_hook_target_is_spelled_outside_the_manifest():
     manifest = ROOT / "sglang_swift" / "integration" / "touchpoints.py"
-    stand_in = ROOT / "sglang_swift" / "cpu_compat" / "server_defaults.py"
+    stand_ins = [ROOT / "sglang_swift" / "cpu_compat" / f"{name}.py"
+                 for name in ("server_defaults", "hicache")]
     spelled = []
     for path in sorted((ROOT / "sglang_swift").rglob("*.py")):
-        if path in (manifest, stand_in):
+        if path in (manifest, *stand_ins):
             continue
         for text in _string_constants(path):
             parts = text.split(".")
@@ -75,3 +76,13 @@ def test_no_hook_target_is_spelled_outside_the_manifest():
                     and any(p[:1].isupper() for p in parts):
                 spelled.append(f"{path.relative_to(ROOT)}: {text}")
     assert spelled == []
+
+
+def test_the_hicache_stand_ins_are_in_the_manifest():
+    """Every patch cpu_compat/hicache.py installs is an entry, with a kind the manifest knows."""
+    from sglang_swift.cpu_compat import hicache
+
+    listed = {p.target: p for p in tp.ALL}
+    for patch in hicache.PATCHES:
+        point = listed[patch.dotted]
+        assert point.kind.value == patch.kind and point.used_in == hicache.USED_IN
