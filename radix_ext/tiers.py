@@ -24,7 +24,9 @@ class HostTier:
         if capacity <= 0:
             raise ValueError(f"host capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))
+        # array('q'), like the residencies cut from it: alloc slices it and free extends it
+        # without making a Python int per index
+        self._free = array("q", range(capacity - 1, -1, -1))
 
     def available_tokens(self) -> int:
         return len(self._free)
@@ -38,21 +40,22 @@ class HostTier:
             return None
         taken = self._free[len(self._free) - num_tokens :]
         del self._free[len(self._free) - num_tokens :]
-        return HostResidency(array("q", taken))
+        return HostResidency(taken)
 
     def free(self, res: HostResidency) -> None:
         self._free.extend(res.indices)
 
     def check_integrity(self, residencies: Iterable[HostResidency]) -> None:
         used = [i for r in residencies for i in r.indices]
-        everything = used + self._free
+        everything = used + list(self._free)
         assert len(set(everything)) == len(everything), "host index owned twice"
         assert set(everything) == set(range(self.capacity)), "host indices lost or invented"
 
 
 @dataclass
 class LeasedBlocks:
-    """Memory one donor lends: `num_blocks` blocks under `epoch`.
+    """Memory one donor lends: `num_blocks` blocks under `epoch`. `free_blocks` (array('q'), as
+    the residencies cut from it) are the blocks no residency holds, taken from the end.
 
     `reclaim_hazard` in [0, 1] is how likely the donor wants the memory back before a cached
     prefix is reused (0: stable, 1: almost surely gone); cost-aware policies read it.
@@ -63,7 +66,7 @@ class LeasedBlocks:
     epoch: int
     num_blocks: int
     reclaim_hazard: float = 0.0
-    free_blocks: list = field(default_factory=list)
+    free_blocks: array = field(default_factory=lambda: array("q"))
 
     @property
     def key(self) -> tuple[str, int]:
@@ -88,7 +91,7 @@ class DonorTier:
         if not 0.0 <= reclaim_hazard <= 1.0:
             raise ValueError(f"reclaim_hazard must be in [0, 1], got {reclaim_hazard}")
         lease = LeasedBlocks(donor, lease_id, epoch, num_blocks, reclaim_hazard)
-        lease.free_blocks = list(range(num_blocks - 1, -1, -1))
+        lease.free_blocks = array("q", range(num_blocks - 1, -1, -1))
         self.leases[lease.key] = lease
         return lease
 
@@ -100,7 +103,7 @@ class DonorTier:
         """The donor takes these blocks back: they leave the lease for good."""
         lease = self.leases[(donor, lease_id)]
         gone = set(blocks)
-        lease.free_blocks = [b for b in lease.free_blocks if b not in gone]
+        lease.free_blocks = array("q", [b for b in lease.free_blocks if b not in gone])
         lease.num_blocks -= len(gone)
 
     def available_tokens(self) -> int:
@@ -123,9 +126,9 @@ class DonorTier:
         for lease in order:
             fb = lease.free_blocks
             if len(fb) >= need:
-                taken = fb[len(fb) - need :]
+                taken = fb[len(fb) - need :]  # an array slice: the residency's own copy
                 del fb[len(fb) - need :]
-                return DonorResidency(lease.donor, lease.lease_id, lease.epoch, array("q", taken))
+                return DonorResidency(lease.donor, lease.lease_id, lease.epoch, taken)
         return None
 
     def free(self, res: DonorResidency) -> None:
@@ -142,6 +145,6 @@ class DonorTier:
             assert self.leases[key].epoch == r.epoch, f"residency from stale epoch on {key}"
             used[key].extend(r.blocks)
         for key, lease in self.leases.items():
-            everything = used[key] + lease.free_blocks
+            everything = used[key] + list(lease.free_blocks)
             assert len(set(everything)) == len(everything), f"donor block owned twice in {key}"
             assert len(everything) == lease.num_blocks, f"donor blocks lost or invented in {key}"
