@@ -79,8 +79,11 @@ class TieringMixin:
                 if bar > 0 and self._place(x, dev, t, p, steps, bar):
                     return True
             return False
-        return any(self._place(x, dev, t, p, steps, None) for t, p in targets) or any(
-            self._place(x, dev, t, p, steps, float("inf")) for t, p in targets)
+        for bar in (None, float("inf")):  # free room in any target first, then make room
+            for t, p in targets:
+                if self._place(x, dev, t, p, steps, bar):
+                    return True
+        return False
 
     def _place(self, x: Any, dev: Any, tier: str, pref: Any, steps: list, bar: Any) -> bool:
         """Start a store of `x` into `tier`; with `bar`, first make room there by dropping
@@ -149,22 +152,27 @@ class TieringMixin:
         state = (self.clock, len(members), self.dev_evictable + self.dev_protected)
         if floor is not None and floor[0] == state and bar <= floor[1]:
             return MakeRoomResult()
+        # This scan runs on most evictions once the tier is full: keep its loop body lean.
+        priority = pol.tier_priority
         heap = []
         lowest = float("inf")
         for x in members:
-            if x.pins or x is exclude or not (len(x.res) > 1 or not x.children):
+            # droppable: unpinned, not excluded, and a leaf or a node with another copy
+            if x.pins or x is exclude or (x.children and len(x.res) == 1):
                 continue
             if keys is not None and (x.res[tier].donor, x.res[tier].lease) not in keys:
                 continue
-            prio = pol.tier_priority(x, tier, self)
-            lowest = min(lowest, prio)
+            prio = priority(x, tier, self)
+            if prio < lowest:
+                lowest = prio
             if prio < bar:
                 heap.append((prio, x.id, x))
         for x in self._fresh:
             dst = self._fresh_candidate(x, tier, keys, exclude)
             if dst is not None:
-                prio = pol.tier_priority(x, tier, self, dst)
-                lowest = min(lowest, prio)
+                prio = priority(x, tier, self, dst)
+                if prio < lowest:
+                    lowest = prio
                 if prio < bar:
                     heap.append((prio, x.id, x))
         if not heap:
