@@ -138,8 +138,7 @@ class StoreMixin:
     def _leave(self, x: Any, released: list) -> None:
         """Let `x`, then its leaving ancestors, leave the device while each is ready: its own
         store settled and no child still on the device."""
-        while self._leaving.get(x, 0) is None and not any(
-                DEVICE in c.res for c in x.children.values()):
+        while self._leaving.get(x, 0) is None and not self._has_device_child(x):
             parent = x.parent
             dev = self._pop_res(x, DEVICE)  # while still leaving: the size books follow
             del self._leaving[x]

@@ -57,6 +57,12 @@ class StructureMixin:
         else:
             self._dev_leaves.discard(node)
 
+    def _has_device_child(self, node: Node) -> bool:
+        for c in node.children.values():
+            if DEVICE in c.res:
+                return True
+        return False
+
     def _child_key(self, key: array, pos: int, parent: Node, namespace: Any) -> Any:
         page = self.page_size
         first = key[pos] if page == 1 else tuple(key[pos : pos + page])
@@ -84,6 +90,9 @@ class StructureMixin:
         return head
 
     def _cheapest(self, node: Node) -> LoadSegment:
+        if len(node.res) == 1:  # the usual case for a load: one copy, nothing to price
+            for tier, res in node.res.items():
+                return LoadSegment(node, tier, res)
         best = None
         for tier, res in node.res.items():
             c = self.cost.residency_cost(tier, res, self)
