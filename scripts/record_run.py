@@ -5,7 +5,8 @@
 
 The benchmark's last output line must be a JSON object (every benchmark under scripts/ ends so).
 The record holds that object with the command, its start time (UTC), the commit and whether the
-tree had uncommitted changes, the machine, the load average before and after, and the wall time;
+tree had uncommitted changes when the command started (files the command writes itself, such as a
+plot, do not count), the machine, the load average before and after, and the wall time;
 the benchmark's whole output goes beside it as NAME.log. `scripts/render_results.py` turns the
 records into docs/results.md and the README's results table.
 """
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.name.replace("_", "").replace("-", "").isalnum():
         ap.error(f"record name {args.name!r}: use letters, digits, _ and - only")
     RECORDS.mkdir(parents=True, exist_ok=True)
+    # the tree the command ran from: read before it runs, so what it writes (a plot under docs/img)
+    # does not count as an uncommitted change
+    uncommitted = bool(git("status", "--porcelain", "--untracked-files=no"))
     started = dt.datetime.now(dt.timezone.utc)
     load_before = os.getloadavg()
     t0 = time.monotonic()
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(cmd),
         "started_utc": started.strftime("%Y-%m-%d %H:%M"),
         "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "uncommitted_changes": uncommitted,
         "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
