@@ -5,8 +5,9 @@
 
 The benchmark's last output line must be a JSON object (every benchmark under scripts/ ends so).
 The record holds that object with the command, its start time (UTC), the commit and whether the
-tree had uncommitted changes when the command started (files the command writes itself, such as a
-plot, do not count), the machine, the load average before and after, and the wall time;
+tree had uncommitted changes when the command started (outside docs/records/ and docs/img/, where
+records and benchmark plots are written), the machine, the load average before and after, and the
+wall time;
 the benchmark's whole output goes beside it as NAME.log. `scripts/render_results.py` turns the
 records into docs/results.md and the README's results table.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "records"
+OUTPUTS = ("docs/records", "docs/img")  # what runs write into the tree
 
 
 def git(*args: str) -> str:
@@ -57,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.name.replace("_", "").replace("-", "").isalnum():
         ap.error(f"record name {args.name!r}: use letters, digits, _ and - only")
     RECORDS.mkdir(parents=True, exist_ok=True)
-    # the tree the command ran from: read before it runs, so what it writes (a plot under docs/img)
-    # does not count as an uncommitted change
-    uncommitted = bool(git("status", "--porcelain", "--untracked-files=no"))
+    # the tree the command ran from, read before it runs; records and plots written by this or an
+    # earlier run are outputs, not changes to what ran
+    uncommitted = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                           *(f":(exclude){p}" for p in OUTPUTS)))
     started = dt.datetime.now(dt.timezone.utc)
     load_before = os.getloadavg()
     t0 = time.monotonic()
