@@ -14,6 +14,18 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+# SwiftCache's tree has no host tier: a borrower's evicted prefixes go to donor pages or are
+# dropped. Joining HiCache's host and L3 tiers is planned (docs/hierarchy.md), not implemented.
+HICACHE_NOT_YET = (
+    "--enable-hierarchical-cache (SwiftCache together with HiCache is not supported yet; "
+    "meanwhile choose HiCache alone: drop --enable-swiftcache and keep "
+    "--enable-hierarchical-cache with its --hicache-ratio/--hicache-size, "
+    "--hicache-write-policy, --hicache-storage-backend options; or SwiftCache without a host "
+    "tier: drop --enable-hierarchical-cache and every --hicache-* option; a borrower then keeps "
+    "evicted prefixes in donor memory, up to --swiftcache-max-borrow-blocks, and recomputes "
+    "what does not fit)")
+
+
 def model_kind(ctx: Any) -> str:
     """'model type X (architectures)' of the server's model, for start-up refusals."""
     hf = getattr(getattr(ctx, "model_config", None), "hf_config", None)
@@ -29,7 +41,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         ("hybrid sliding-window attention", getattr(ctx, "is_hybrid_swa", False)),
         ("hybrid SSM/mamba layers", getattr(ctx, "is_hybrid_ssm", False)),
         ("DSA attention", getattr(ctx, "is_dsa", False)),
-        ("--enable-hierarchical-cache", getattr(ctx, "enable_hierarchical_cache", False)),
+        (HICACHE_NOT_YET, getattr(ctx, "enable_hierarchical_cache", False)),
     ) if on]
     params = ctx.params
     if (getattr(params, "eviction_policy", "lru") or "lru").lower() != "lru":
@@ -45,8 +57,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                            f"without --swiftcache-lend-fraction / --swiftcache-max-borrow-blocks)")
     if unsupported:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop "
-                         f"those options or run without --enable-swiftcache (SwiftCache has its "
-                         f"own tiers: no --enable-hierarchical-cache needed).")
+                         f"those options or run without --enable-swiftcache.")
     from .cache import SwiftRadixCache
 
     tree_config = config.tree_config(params.page_size)

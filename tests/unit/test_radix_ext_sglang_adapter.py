@@ -121,3 +121,18 @@ def test_factory_refuses_what_the_tree_cannot_do_with_the_fix(overrides):
 
     with pytest.raises(ValueError, match="run without --enable-swiftcache"):
         create_swift_tree_cache(_ctx(**overrides), object())
+
+
+def test_hicache_refusal_says_not_yet_and_names_both_choices():
+    """The refusal of --enable-hierarchical-cache does not claim SwiftCache replaces HiCache: it
+    says the pair is not supported yet and names what to run meanwhile."""
+    from sglang_swift.integration.backend import create_swift_tree_cache
+
+    with pytest.raises(ValueError) as refused:
+        create_swift_tree_cache(_ctx(enable_hierarchical_cache=True), object())
+    text = str(refused.value)
+    assert "not supported yet" in text and "not needed" not in text and "own tiers" not in text
+    for option in ("drop --enable-swiftcache", "--hicache-ratio", "--hicache-write-policy",
+                   "--hicache-storage-backend", "drop --enable-hierarchical-cache",
+                   "--swiftcache-max-borrow-blocks"):
+        assert option in text, option
