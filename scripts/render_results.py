@@ -304,10 +304,21 @@ def load_records(records_dir: Path) -> dict[str, dict]:
     return out
 
 
+def rounded(value: Any) -> Any:
+    """Floats to 4 significant digits (a record keeps every digit; a page shows what it means)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
 def fmt(value: Any) -> str:
     if value is None:
         return "absent"
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=False)
+    text = value if isinstance(value, str) else json.dumps(rounded(value), sort_keys=False)
     if len(text) > LONG_VALUE:
         return f"(in the record, {len(text)} characters)"
     return text
