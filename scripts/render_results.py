@@ -144,7 +144,8 @@ RECORDS: dict[str, RecordSpec] = {
             Headline("busy cached tokens / ideal", key("busy_cached_vs_ideal")),
             Headline("busy TTFT P99 / stock", key("busy_ttft_p99_ratio"), readme=False),
             Headline("donor TTFT P99 / stock", key("donor_ttft_p99_ratio")),
-            Headline("twin / stock (noise floor)", key("donor_ttft_p99_noise")),
+            Headline("second stock donor / stock, burst P99 (noise floor)",
+                     key("donor_ttft_p99_noise")),
             Headline("donor burst mean TTFT / stock", key("donor_burst_mean_ratio"),
                      readme=False)]),
     "chaos_quick": RecordSpec(
