@@ -147,7 +147,8 @@ class Borrowing:
             engine = PoolTransferEngine(packing, mapped.region, self.kv_pool.k_buffer,
                                         self.kv_pool.v_buffer, liveness=mapped.alive,
                                         read_deadline=lambda: self.agent.read_deadline(donor),
-                                        lane=self._lane)
+                                        lane=self._lane,
+                                        lease_epoch=self._epoch_reader(ev.key))
         except (MappingError, ValueError) as exc:  # expected: give the pages back, run without
             logger.warning("SwiftCache: cannot use the lease from %s (%s); releasing it",
                            ev.key.donor, exc)
@@ -163,6 +164,17 @@ class Borrowing:
         logger.info("SwiftCache: borrowing %d pages of %s's pool as %d blocks of ours "
                     "(lease %d, epoch %d, %d bytes unused)", len(ev.blocks), ev.key.donor,
                     packing.num_blocks, ev.key.lease_id, ev.key.epoch, packing.unused_bytes)
+
+    def _epoch_reader(self, key: LeaseKey):
+        """The epoch the borrower holds lease `key` under now (None once it is lost); read on
+        the copy thread after each layer (one dict lookup), so bytes copied under a lease that
+        was lost or granted again meanwhile are never used."""
+        where = (key.donor, key.lease_id)
+
+        def epoch():
+            held = self.leases.get(where)
+            return None if held is None else held.key.epoch
+        return epoch
 
     def fence(self, ev: ReclaimRequested) -> bool:
         """Any thread (the agent's, on a reclaim): refuse every later copy touching the

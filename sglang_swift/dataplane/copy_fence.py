@@ -9,7 +9,10 @@ one lock:
 * `admit(copy, blocks)`: refuse a copy touching a fenced block, else register it as live;
 * `fence(blocks)`: fence the blocks and return the live copies touching them (the caller aborts
   them and waits until they touch no memory);
-* `retire(copy)`: the copy touches no memory any more (its lane job returned).
+* `retire(copy)`: the copy touches no memory any more (its lane job returned);
+* `fenced_since(generation, blocks)`: whether a fence touched `blocks` after `generation`
+  (`generation` read when the copy began): the after-copy validity check of a copy whose lane
+  job already retired (a GPU copy is retired once enqueued, before it ran).
 
 Race-freedom: a copy is either admitted before the fence took the lock (then `fence` returns it)
 or after (then `admit` refuses it); it can never be missed by both. A fenced block stays fenced
@@ -31,6 +34,7 @@ class CopyFence:
         self._lock = threading.Lock()
         self._fenced: set[int] = set()
         self._live: dict[Any, frozenset[int]] = {}
+        self.generation = 0  # fences so far; read without the lock (an int, set under it)
 
     def admit(self, copy: Any, blocks: Iterable[int]) -> bool:
         """Register `copy` as touching `blocks`; False (nothing registered) if any is fenced."""
@@ -52,12 +56,20 @@ class CopyFence:
         mine = {int(b) for b in blocks}
         with self._lock:
             self._fenced |= mine
+            self.generation += 1
             return [copy for copy, used in self._live.items() if not used.isdisjoint(mine)]
 
     def touches(self, blocks: Iterable[int]) -> bool:
         """Whether any of `blocks` is fenced."""
         with self._lock:
             return not self._fenced.isdisjoint(int(b) for b in blocks)
+
+    def fenced_since(self, generation: int, blocks: Iterable[int]) -> bool:
+        """Whether any of `blocks` is fenced, when a fence ran after `generation` (O(1) when
+        none did: the steady state)."""
+        if self.generation == generation:
+            return False
+        return self.touches(blocks)
 
     def live(self) -> int:
         """Copies admitted and not retired yet."""

@@ -19,6 +19,20 @@ a load never reads them after the deadline. `abort()` returns only once nothing 
 transfer writes any more: on CPU it waits for the layer being copied (a lock spans each layer),
 on a GPU it synchronizes the lane's streams after stopping further enqueues.
 
+Validity after the copy (no stale bytes): bytes read from donor pages are used only if the lease
+was valid for the whole copy, checked AFTER the copy and before anyone may read them (`_invalid`:
+not aborted, donor alive per `liveness`, lease epoch unchanged since begin per `lease_epoch`,
+blocks not fenced since begin, read deadline not passed; death, a new epoch, a fence and an abort
+are permanent, so a check after completion covers the whole copy). On CPU it runs on the copy
+thread after each layer's copy, under the layer lock, before `counter.complete(layer)`: an invalid
+layer fails the counter slot instead (attention gets "failed" and goes on; the caller drops the
+request's output). On a GPU the layer's copy is only enqueued there, so that check sees the state
+at enqueue; the check that counts runs once the copy's completion is seen
+(`PoolTransferHandle.invalid()`, called by `InFlightCopy.confirm` in integration/copies.py after
+the copy's marker event passed, before the batch's output is used). The check itself never
+blocks (host state only, no device synchronisation); on a GPU `confirm` waits for the marker only
+when the copy is still running once the batch's forward is enqueued.
+
 Fence (a reclaim acknowledged from the control agent's thread, `copy_fence.py`): `fence(blocks)`
 refuses every later copy touching those blocks (its handle comes back failed, nothing moves) and
 aborts the copies in flight touching them, returning once none of them touches memory: on CPU
@@ -57,7 +71,7 @@ class PoolTransferEngine:
                  liveness: Callable[[], bool] | None = None,
                  read_deadline: Callable[[], float] | None = None,
                  clock: Callable[[], float] = time.monotonic, lane=None, cpu_threads: int = 1,
-                 backend: str = "auto"):
+                 backend: str = "auto", lease_epoch: Callable[[], object] | None = None):
         g = packing.borrower
         check_buffers(g, k_buffers, v_buffers)
         if region.dtype != torch.uint8 or region.dim() != 1:
@@ -77,6 +91,9 @@ class PoolTransferEngine:
         self.liveness = liveness or (lambda: True)
         self.read_deadline = read_deadline or (lambda: math.inf)
         self.clock = clock
+        # the lease's incarnation as the borrower knows it now (None: lost); a copy's bytes are
+        # used only if it is the one the copy began under
+        self.lease_epoch = lease_epoch or (lambda: 0)
         self.backend = resolve_backend(backend, self.local_device, self.donor_device)
         self._own_lane = lane is None
         self.lane = lane or make_lane(self.local_device, cpu_threads, peer=self.donor_device)
@@ -139,8 +156,9 @@ class PoolTransferEngine:
     def _begin(self, slots, blocks, exchange: bool) -> PoolTransferHandle:
         """A store or an exchange started on the lane (GPU: enqueued from this thread)."""
         plan = self._plan(slots, blocks, store=not exchange)
-        handle = PoolTransferHandle(sync=getattr(self.lane, "synchronize", None))
-        if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
+        handle = self._arm(PoolTransferHandle(sync=getattr(self.lane, "synchronize", None)),
+                           blocks)
+        if plan is not None and not self.copy_fence.admit(handle, handle.blocks):
             return _refused(handle, self._fenced_store())
         copy_layer = self._exchange_layer if exchange else self._store_layer
         handle._future = self._submit(
@@ -159,8 +177,8 @@ class PoolTransferEngine:
         plan = self._plan(slots, blocks, store=not exchange)
         if plan is None:
             return TransferResult(True, (), None)
-        handle = PoolTransferHandle()
-        if not self.copy_fence.admit(handle, _ids(blocks)):
+        handle = self._arm(PoolTransferHandle(), blocks)
+        if not self.copy_fence.admit(handle, handle.blocks):
             return self._fenced_store()
         staging = None
         if self._staging is not None:
@@ -180,6 +198,8 @@ class PoolTransferEngine:
                     reason = self._stop_reason(handle)
                     if reason is None:
                         reason = copy_layer(plan, layer, staging)
+                    if reason is None:  # after the copy: were the bytes read valid throughout?
+                        reason = self._invalid(handle)
                     if reason is not None:
                         return TransferResult(False, tuple(range(layer, num_layers)), reason)
             return TransferResult(True, (), None)
@@ -202,9 +222,10 @@ class PoolTransferEngine:
         test hook run on the lane before layer l."""
         plan = self._plan(slots, blocks, store=False)
         pid = counter.update_producer()
-        handle = PoolTransferHandle(counter, pid, getattr(self.lane, "synchronize", None))
+        handle = self._arm(PoolTransferHandle(counter, pid, getattr(self.lane, "synchronize",
+                                                                    None)), blocks)
         num_layers = self.packing.borrower.num_layers
-        if plan is not None and not self.copy_fence.admit(handle, _ids(blocks)):
+        if plan is not None and not self.copy_fence.admit(handle, handle.blocks):
             return _refused(handle, TransferResult(False, counter.fail(FENCED, pid), FENCED))
 
         def job() -> TransferResult:
@@ -217,6 +238,8 @@ class PoolTransferEngine:
                         if reason is None:
                             reason = self._copy_layer(plan, layer, store=False,
                                                       staging=self._staging)
+                        if reason is None:  # the layer landed: release it only if still valid
+                            reason = self._invalid(handle)
                         if reason is not None:
                             return TransferResult(False, counter.fail(reason, pid), reason)
                     counter.complete(layer, pid, stream=self.lane.stream)
@@ -237,6 +260,30 @@ class PoolTransferEngine:
             done.set_result(TransferResult(True, (), None))
             return done
         return self.lane.submit(job)
+
+    def _arm(self, handle: PoolTransferHandle, blocks) -> PoolTransferHandle:
+        """Record what the copy begins under (its blocks, the lease epoch, the fence generation)
+        and give the handle its after-copy check."""
+        handle.blocks = frozenset(_ids(blocks))
+        handle.epoch = self.lease_epoch()
+        handle.fence_generation = self.copy_fence.generation
+        handle._invalid = lambda: self._invalid(handle)
+        return handle
+
+    def _invalid(self, handle: PoolTransferHandle) -> str | None:
+        """Why bytes `handle` copied may not be used (see "Validity after the copy" in the
+        module docstring), or None. Host state only: never blocks, never syncs a device."""
+        if handle._abort.is_set():
+            return "aborted"
+        if not self.liveness():
+            return "donor lost"
+        if self.lease_epoch() != handle.epoch:
+            return "lease lost or granted again under a new epoch"
+        if self.copy_fence.fenced_since(handle.fence_generation, handle.blocks):
+            return FENCED
+        if self.clock() >= self.read_deadline():
+            return "read deadline passed"
+        return None
 
     def _stop_reason(self, handle, counter=None, pid=None) -> str | None:
         if handle._abort.is_set():

@@ -49,6 +49,12 @@ def marker_done(marker) -> bool:
     return marker is None or marker.query()
 
 
+def wait_marker(marker) -> None:
+    """Block the host until the work before `done_marker` finished (a CPU marker: done)."""
+    if marker is not None:
+        marker.synchronize()
+
+
 class CpuLane:
     """One worker thread; jobs run in submission order.
 

@@ -3,6 +3,9 @@
 `PoolTransferEngine` (pool_transfer.py) starts a copy and returns a `PoolTransferHandle`:
 `wait()` completes it, `result()` peeks, `abort(reason)` abandons it. The caller keeps the
 blocks locked (not evictable, not revocable by bookkeeping) until the handle is done.
+`invalid()` says whether bytes the copy read may still be used (donor alive, lease epoch and
+blocks unchanged since begin); the engine runs it after every layer's copy, and a consumer of a
+copy whose completion the host did not see (a GPU stream) runs it once that completion is seen.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ class PoolTransferHandle:
         self.producer_id = producer_id
         self._abort = threading.Event()
         self.layer_lock = threading.Lock()  # held while a layer copies; abort takes it
+        self._invalid = None  # set by the engine at begin: () -> reason or None
+        self.blocks: frozenset = frozenset()  # what it began under (set by the engine)
+        self.epoch = None
+        self.fence_generation = 0
+
+    def invalid(self) -> str | None:
+        """Why the bytes this transfer read may not be used now, or None: the donor is alive,
+        the lease is the one (same epoch) it began under, its blocks were not fenced since, the
+        read deadline has not passed and it was not aborted. A dead donor, a changed epoch, a
+        fence and an abort are permanent, so None after the copy completed means none happened
+        during the copy. Never blocks (host state only: a liveness probe, an epoch read, an int
+        compare, one short lock only after a fence)."""
+        return None if self._invalid is None else self._invalid()
 
     def wait(self, timeout_s: float | None = None) -> TransferResult:
         """The outcome once the copy finished (GPU: once the lane ran it); after `timeout_s`

@@ -44,6 +44,25 @@ class InFlightCopy:
         """Nothing of this copy touches memory any more (never blocks)."""
         return self.handle.done() and streams.marker_done(self.marker)
 
+    def confirm(self) -> str | None:
+        """Whether the bytes this load read may be used, checked after its copy completed
+        (`PoolTransferHandle.invalid`: donor alive, lease epoch unchanged, blocks not fenced
+        since begin): None when they may, else the reason. CPU (no marker): the copy thread ran
+        that check after each layer's copy, before releasing the layer, so nothing is left to
+        check. GPU: the layers were released at enqueue (stream-side events), so the check runs
+        here, once the marker recorded after the copy has passed: an event query, and only
+        when the copy is still running after the forward was enqueued a wait for the copy's
+        own remaining time (the forward's output, which SGLang waits for next, comes after it
+        on the GPU anyway)."""
+        if self.marker is None:
+            return None
+        result = self.handle.result()
+        if result is not None and not result.ok:
+            return result.reason
+        if not streams.marker_done(self.marker):
+            streams.wait_marker(self.marker)
+        return self.handle.invalid()
+
     def ok(self) -> bool:
         """Whether every layer was copied; call once `finished()`."""
         result = self.handle.result()

@@ -106,13 +106,20 @@ class BatchLayerCounter:
         self.fail(reason, part)
         return part
 
+    def invalidate(self, reason: str, producer_id: int) -> None:
+        """Part `producer_id`'s bytes may not be used (the check after its copy failed): its
+        requests are dropped like those of a failed part, even if every layer was released."""
+        with self._lock:
+            self._reason[self._part(producer_id)] = reason
+
     def pending_parts(self) -> list[int]:
         """Parts with a layer neither done nor failed (a copy still running)."""
         with self._lock:
             return [p for p, s in enumerate(self._state) if PENDING in s]
 
     def failed_parts(self) -> dict[int, str]:
-        """Part -> reason, for every part with a failed layer (stop the pending ones first).
+        """Part -> reason, for every part with a failed layer or that failed or was invalidated
+        after its layers were released (stop the pending ones first).
         When the consumer gave up (the pool's counter failed a layer) every part counts: the
         forward went past that layer without knowing which copy was late."""
         consumer = self.counter.failure_reason(self.pid) if self.counter.failed_layers(
@@ -120,7 +127,7 @@ class BatchLayerCounter:
         with self._lock:
             return {p: (self._reason[p] or consumer or "a layer was not copied")
                     for p, s in enumerate(self._state)
-                    if consumer is not None or FAILED in s}
+                    if consumer is not None or FAILED in s or self._reason[p] is not None}
 
     # ---- internals -------------------------------------------------------------------------
     def _part(self, producer_id: int | None) -> int:

@@ -14,13 +14,17 @@ unified_cache_linker.py`), driven through the plugin's scheduler hooks:
    worker hands it to the counter before the forward, and each attention layer waits in the
    pool's buffer getter for that layer only;
 3. after the forward (`settle`, after `Scheduler.run_batch`): a request whose copy failed (donor
-   gone, read deadline passed, pages reclaimed) is finished with an abort before its output is
-   used and never inserts its KV; the others keep theirs. Tickets close once the copies are
-   finished (`poll`, every step): until then the donor nodes stay pinned, so their pages are
-   neither dropped nor reused by another store.
+   gone, read deadline passed, pages reclaimed) is finished with an abort before its output is used
+   and never inserts its KV; the others keep theirs. "Failed" includes a copy whose bytes were
+   checked after they landed and found invalid (donor gone, lease epoch changed, blocks fenced
+   since the copy began): on CPU the copy thread checks each layer before releasing it; on a GPU
+   `InFlightCopy.confirm` checks here, once the copy's marker event has passed. Tickets close once
+   the copies are finished (`poll`, every step): until then the donor nodes stay pinned, so their
+   pages are neither dropped nor reused by another store.
 
 The scheduler thread never waits for a copy here; `stats["load_wait_s"]` counts the exceptions
-(stopping a copy the forward went past: at most the layer being copied), `stats["layer_wait_s"]`
+(stopping a copy the forward went past: at most the layer being copied; on a GPU, a copy still
+running when its batch settles, waited for before its bytes are judged), `stats["layer_wait_s"]`
 the time attention waited for a layer inside the forward (`TimedLayerCounter`). That wait ends
 at the batch's deadline, `wait_budget(tokens)` after the batch started: the copies still running
 then fail and their requests are aborted, so a copy that never finishes costs its requests, not
@@ -156,6 +160,15 @@ class StreamingLoads:
                 w0 = time.perf_counter()
                 copy.abort("the forward finished before the copy")
                 self.stats["load_wait_s"] += time.perf_counter() - w0
+        for part, copy in entry.copies:  # after each copy, before its bytes' output is used
+            if part in late:
+                continue
+            w0 = time.perf_counter()
+            reason = copy.confirm()  # CPU: checked per layer already; GPU: see confirm
+            if copy.marker is not None:  # GPU: an event query, or the copy's remaining time
+                self.stats["load_wait_s"] += time.perf_counter() - w0
+            if reason is not None:
+                fan.invalidate(reason, part)
         failed = fan.failed_parts()
         for load in entry.loads:
             reasons = [failed[p] for p in sorted(load.parts) if p in failed]
