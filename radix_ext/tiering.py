@@ -231,7 +231,9 @@ class TieringMixin:
         """A copy pushed out of `tier` moves down to the first other tier, in demotion order,
         with free room (never sideways to another lease of the same tier: a copy that hops to
         a flakier donor takes its whole subtree down with it when that donor reclaims), else
-        it is dropped."""
+        it is dropped. Never with `TreeConfig.cascade` off."""
+        if not self.config.cascade:
+            return
         for target, pref in self.demotion.targets(x, self):
             if target == tier or target not in self.tiers:
                 continue

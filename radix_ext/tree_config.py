@@ -11,7 +11,9 @@ from radix_ext.placement import DEMOTION_POLICIES, EVICTION_POLICIES, CostModel
 class TreeConfig:
     """`page_size`: tokens per page (keys and splits are page-aligned; one donor block = one page).
     `host_capacity`: host pool tokens, 0 for no host tier. `donor`: whether a donor tier exists
-    (its leases are added at run time). `eviction` / `demotion`: policy names."""
+    (its leases are added at run time). `eviction` / `demotion`: policy names. `cascade`: a copy
+    pushed out of one lower tier moves to another lower tier with free room (False: it is
+    dropped; for a caller with no data path between its lower tiers)."""
 
     page_size: int = 1
     host_capacity: int = 0
@@ -19,6 +21,7 @@ class TreeConfig:
     eviction: str = "lru"
     demotion: str = "tiered"
     cost: CostModel = field(default_factory=CostModel)
+    cascade: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -67,6 +67,9 @@ class SwiftConfig:
     """What one SwiftCache-enabled server does. Defaults are safe for a single server on a node."""
 
     enabled: bool = False
+    # set by the launcher, not an option: --enable-hierarchical-cache was given, so the tree has
+    # a host tier on SGLang's host pool (integration/host_tier.py)
+    host_tier: bool = False
     role: str = field(default="auto", metadata=_opt(_choice("role", ROLES),
         "donor lends, borrower borrows, both, or auto (lends when a lend fraction is set, "
         "borrows when a borrow limit is set)"))
@@ -191,14 +194,16 @@ class SwiftConfig:
         """The server runs a SwiftRuntime (control agent, arenas, copies)."""
         return self.lends or self.borrows or self.streams_from_donor
 
-    def tree_config(self, page_size: int) -> Any:
+    def tree_config(self, page_size: int, host_capacity: int = 0) -> Any:
         """The radix_ext `TreeConfig` of this server's tree. The donor tier exists when the
-        server borrows; there is no host tier (no host data path in the server yet)."""
+        server borrows, the host tier (`host_capacity` tokens) with --enable-hierarchical-cache.
+        Copies pushed out of one lower tier are dropped, not moved to the other (`cascade`):
+        the server has no donor<->host data path yet."""
         from radix_ext import TreeConfig
 
         demotion = "cost_aware" if self.eviction_policy == "cost_aware" else "tiered"
         return TreeConfig(page_size=page_size, eviction=self.eviction_policy, donor=self.borrows,
-                          demotion=demotion)
+                          demotion=demotion, host_capacity=host_capacity, cascade=False)
 
     def resolved_rendezvous_dir(self) -> str:
         """The rendezvous directory; by default the control channel's (what `ctl` reads)."""

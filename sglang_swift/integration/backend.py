@@ -14,16 +14,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-# SwiftCache's tree has no host tier: a borrower's evicted prefixes go to donor pages or are
-# dropped. Joining HiCache's host and L3 tiers is planned (docs/hierarchy.md), not implemented.
-HICACHE_NOT_YET = (
-    "--enable-hierarchical-cache (SwiftCache together with HiCache is not supported yet; "
-    "meanwhile choose HiCache alone: drop --enable-swiftcache and keep "
-    "--enable-hierarchical-cache with its --hicache-ratio/--hicache-size, "
-    "--hicache-write-policy, --hicache-storage-backend options; or SwiftCache without a host "
-    "tier: drop --enable-hierarchical-cache and every --hicache-* option; a borrower then keeps "
-    "evicted prefixes in donor memory, up to --swiftcache-max-borrow-blocks, and recomputes "
-    "what does not fit)")
+# --enable-hierarchical-cache reaches the scheduler as SwiftConfig.host_tier (the launcher clears
+# SGLang's own flag, so SGLang builds no HiCache tree beside ours: plugin.py). A tree cache built
+# with SGLang's flag still on was not started through --enable-swiftcache.
+HICACHE_DIRECT = (
+    "--enable-hierarchical-cache with --radix-cache-backend swiftcache (start the server with "
+    "--enable-swiftcache instead: it gives SwiftCache's tree a host tier on SGLang's host pool)")
 
 
 def model_kind(ctx: Any) -> str:
@@ -41,7 +37,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         ("hybrid sliding-window attention", getattr(ctx, "is_hybrid_swa", False)),
         ("hybrid SSM/mamba layers", getattr(ctx, "is_hybrid_ssm", False)),
         ("DSA attention", getattr(ctx, "is_dsa", False)),
-        (HICACHE_NOT_YET, getattr(ctx, "enable_hierarchical_cache", False)),
+        (HICACHE_DIRECT, getattr(ctx, "enable_hierarchical_cache", False)),
     ) if on]
     params = ctx.params
     if (getattr(params, "eviction_policy", "lru") or "lru").lower() != "lru":
@@ -60,9 +56,17 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                          f"those options or run without --enable-swiftcache.")
     from .cache import SwiftRadixCache
 
-    tree_config = config.tree_config(params.page_size)
+    host_kv = None
+    if config.host_tier:
+        from .host_tier import HostKV
+
+        host_kv = HostKV.from_server_args(params.token_to_kv_pool_allocator.get_kvcache(),
+                                          ctx.server_args, params.page_size)
+    tree_config = config.tree_config(params.page_size,
+                                     host_kv.capacity if host_kv is not None else 0)
     if not config.uses_donation:
-        cache = SwiftRadixCache(params, tree_config)
+        cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,
+                                host_kv=host_kv)
     else:
         server_args = ctx.server_args
         model = getattr(server_args, "served_model_name", None) or server_args.model_path
@@ -71,13 +75,13 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
 
         try:
             cache = SwiftRadixCache(params, tree_config, config, model=str(model),
-                                    agent_id=agent_id, tp_worker=ctx.tp_worker,
+                                    agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
                                     enable_metrics=bool(getattr(server_args, "enable_metrics",
                                                                 False)))
         except UnshareablePool as exc:
             raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
                              f"{exc}") from None
-    logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, runtime %s)",
-                params.page_size, cache.tree_config.eviction,
-                "on" if cache.runtime is not None else "off")
+    logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, host tier %d tokens, "
+                "runtime %s)", params.page_size, cache.tree_config.eviction,
+                cache.tree_config.host_capacity, "on" if cache.runtime is not None else "off")
     return cache

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from radix_ext import DEVICE, DONOR, DevicePool, RadixTree, TreeConfig
+from radix_ext import DEVICE, DONOR, HOST, DevicePool, RadixTree, TreeConfig
 
 from .donor_hits import DonorHitsMixin
 
@@ -58,7 +58,10 @@ REPORT_INTERVAL_S = 5.0
 METRICS_INTERVAL_S = 1.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
-                "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed")
+                "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
+                "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens")
+# a tree without a runtime (no lending or borrowing) but with a host tier counts these itself
+LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:
@@ -115,22 +118,30 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
 
     def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
                  model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False,
-                 tp_worker: Any = None):
+                 tp_worker: Any = None, host_kv: Any = None):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
-        if tree_config.host_capacity:
-            raise ValueError("SwiftCache's server has no host data path yet: build the tree "
-                             "config with host_capacity=0 (SwiftConfig.tree_config does)")
+        if bool(tree_config.host_capacity) != (host_kv is not None) or (
+                host_kv is not None and tree_config.host_capacity > host_kv.capacity):
+            raise ValueError("the tree's host tier needs host memory of its size: pass host_kv "
+                             "(host_tier.HostKV) and host_capacity <= host_kv.capacity, or "
+                             "neither")
         self.tree_config = tree_config
+        self.host_kv = host_kv
         self.runtime = self.loads = self.demotions = None
         super().__init__(params)  # calls self.reset()
         self.slots = KVSlots(self)
         self.metrics = None
+        self._own_stats: dict = {}
         self._last_step = self._last_report = self._last_metrics = 0.0
         self._reported: dict = {}
         if config is not None and config.uses_donation:
             self._start_runtime(config, model, agent_id, enable_metrics, tp_worker)
+        elif host_kv is not None:  # a host tier alone: loads and stores, no control channel
+            self._own_stats = {k: 0 for k in (*LOCAL_STATS, *STREAM_STATS)}
+            self._start_streaming(config, self.token_to_kv_pool_allocator.get_kvcache(),
+                                  tp_worker)
 
     def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
                        enable_metrics: bool, tp_worker: Any) -> None:
@@ -141,13 +152,19 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
                                     page_size=self.page_size, agent_id=agent_id)
         self.runtime.stats.update({k: 0 for k in STREAM_STATS})
-        if config.borrows:
+        if config.borrows or self.host_kv is not None:
             self._start_streaming(config, kv_pool, tp_worker)
         if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics
             from .metrics import SwiftMetrics
 
             self.metrics = SwiftMetrics({"agent": self.runtime.agent_id, "role": config.role})
         self.runtime.start()
+
+    @property
+    def stats(self) -> dict:
+        """The counters of loads and stores: the runtime's when there is one (with the control
+        channel's), else the tree's own (a host tier alone)."""
+        return self.runtime.stats if self.runtime is not None else self._own_stats
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -174,13 +191,14 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         """Called once per scheduler loop iteration (plugin hook): close finished copies and
         handle control events at most every STEP_INTERVAL_S, so an idle server still takes
         leases and reclaims."""
-        if self.runtime is None:
-            return
         if self.loads is not None:
             self.demotions.poll()
             self.loads.poll()
-            self.runtime.stats["layer_wait_s"] = self.counter.wait_s
+            self.stats["layer_wait_s"] = self.counter.wait_s
         now = time.monotonic()
+        if self.runtime is None:
+            self._report(now)
+            return
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
             self.runtime.pump()
@@ -192,10 +210,16 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self.metrics.update(self.runtime.stats, gauges_of(self.runtime, self.tree))
             if self.runtime.lender is not None:
                 self.metrics.observe_reclaims(self.runtime.lender.reclaim_latencies)
-        if now - self._last_report >= REPORT_INTERVAL_S and self.runtime.stats != self._reported:
-            self._last_report, self._reported = now, dict(self.runtime.stats)
-            logger.info("SwiftCache stats: %s; donor tier %d tokens", self._reported,
-                        self.tree.tier_size(DONOR) if self.tree.donor is not None else 0)
+        self._report(now)
+
+    def _report(self, now: float) -> None:
+        """Log the counters every REPORT_INTERVAL_S while they change."""
+        if now - self._last_report >= REPORT_INTERVAL_S and self.stats != self._reported:
+            self._last_report, self._reported = now, dict(self.stats)
+            logger.info("SwiftCache stats: %s; donor tier %d tokens, host tier %d tokens",
+                        self._reported,
+                        self.tree.tier_size(DONOR) if self.tree.donor is not None else 0,
+                        self.tree.tier_size(HOST) if self.tree.host is not None else 0)
 
     # ---- tree operations ----------------------------------------------------------------------
 
@@ -207,7 +231,7 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             return self._empty_match_result
         m = self.tree.match(key.raw_token_ids(), namespace_of(key))
         length, node = m.device_len, m.last_device_node
-        hit, best = self._donor_hit(m) if self.loads is not None else (0, node)
+        hit, best = self._lower_hit(m) if self.loads is not None else (0, node)
         if length == 0 and hit == 0:
             return self._empty_match_result
         return MatchResult(device_prefix_len=length, last_device_node=node,

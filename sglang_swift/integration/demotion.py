@@ -24,22 +24,29 @@ evictions that stored something; the longest single one is `stats["evict_store_m
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from typing import Any
 
+import torch
+
 from radix_ext import admission
+from radix_ext.residency import HOST
 from radix_ext.results import Released, StoreTicket, Transfer
 
 from .copies import InFlightCopy, runs_by_lease, store_now
+
+logger = logging.getLogger(__name__)
 
 
 class Demotions:
     """The demotions of one borrower's cache; runs on the scheduler thread."""
 
-    def __init__(self, cache: Any, runtime: Any, stats: dict):
+    def __init__(self, cache: Any, runtime: Any, stats: dict, host_kv: Any = None):
         self.cache = cache  # .tree (replaced on reset) and .slots (the device pool)
-        self.runtime = runtime
+        self.runtime = runtime  # None: no donor tier
+        self.host_kv = host_kv  # host_tier.HostKV, or None: no host tier
         self.stats = stats
         self.stats.setdefault("evict_store_max_s", 0.0)
         self._enqueued: list[InFlightCopy] = []  # GPU stores still on their side streams
@@ -55,11 +62,15 @@ class Demotions:
         for step in plan.steps:
             if type(step) is StoreTicket:
                 stores.append(step)
-            elif type(step) is Transfer:
-                raise RuntimeError(f"no data path from {step.src_tier} to {step.dst_tier}: "
-                                   f"SwiftCache's server runs the tree without a host tier")
+            elif type(step) is Transfer:  # the tree's config has cascade off for this reason
+                raise RuntimeError(f"no data path from {step.src_tier} to {step.dst_tier} in "
+                                   f"SwiftCache's server: build its tree with cascade=False")
             elif type(step) is Released and step.tier == "device":
                 to_free.extend(step.residency.indices)
+        hosted = [t for t in stores if t.dst_tier == HOST]
+        if hosted:
+            to_free.extend(self._store_host(hosted))
+            stores = [t for t in stores if t.dst_tier != HOST]
         if stores:
             to_free.extend(self._store(stores))
         if len(to_free):
@@ -84,6 +95,39 @@ class Demotions:
             else:  # the donor is not writable now: the eviction drops them instead
                 self.stats["refused_stores"] += 1
             to_free.extend(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
+        took = time.perf_counter() - start
+        self.stats["evict_wait_s"] += took
+        self.stats["evict_waits"] += 1
+        self.stats["evict_store_max_s"] = max(self.stats["evict_store_max_s"], took)
+        return to_free
+
+    def _store_host(self, stores: list) -> array:
+        """Copy each ticket's victim into its host slots through SGLang's host pool (one
+        `backup_from_device_all_layer` for all of them) and settle the tickets: on the
+        scheduler's stream, so on a GPU the forward that rewrites the freed slots runs after
+        the copy, and the host does not wait (CPU: copied here)."""
+        from .cache import indices_to_tensor
+
+        start = time.perf_counter()
+        dev = array("q")
+        host = array("q")
+        for t in stores:
+            dev.extend(t.src.indices)
+            host.extend(t.dst.indices)
+        try:
+            self.host_kv.store(indices_to_tensor(dev, self.host_kv.device),
+                               indices_to_tensor(host, torch.device("cpu")))
+            ok = True
+        except Exception:  # noqa: BLE001 - a failed store drops its victims, never wrong KV
+            logger.exception("SwiftCache: a store into the host tier failed; its prefixes are "
+                             "dropped and recomputed when asked again")
+            ok = False
+        self.stats["stores_started"] += len(stores)
+        if ok:
+            self.stats["host_stored_tokens"] += len(dev)
+        else:
+            self.stats["refused_stores"] += 1
+        to_free = admission.settle(self.cache.tree, stores, [ok] * len(stores))
         took = time.perf_counter() - start
         self.stats["evict_wait_s"] += took
         self.stats["evict_waits"] += 1

@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-from radix_ext import DONOR, RadixTree, admission
+from radix_ext import RadixTree, admission
+from radix_ext.residency import DonorResidency
 
 from .copies import exchange_now
 
@@ -68,15 +69,16 @@ class DonorHitsMixin:
             raise ValueError("a borrowing SwiftCache server needs SGLang's tp worker to register "
                              "its layer counter; build the cache through the backend factory")
         self.counter = TimedLayerCounter(make_layer_counter(
-            kv_pool.layer_num, self.runtime.device, timeout_s=LOAD_WAIT_FLOOR_S))
+            kv_pool.layer_num, kv_pool.k_buffer[0].device, timeout_s=LOAD_WAIT_FLOOR_S))
         kv_pool.register_layer_transfer_counter(self.counter)
         tp_worker.register_hicache_layer_transfer_counter(self.counter)
         token_bytes = sum(buf[0].numel() * buf.element_size()
                           for buf in (*kv_pool.k_buffer, *kv_pool.v_buffer))
-        self.loads = StreamingLoads(self, self.runtime, self.counter, self.runtime.stats,
+        self.loads = StreamingLoads(self, self.runtime, self.counter, self.stats,
                                     wait_budget=lambda tokens: LOAD_WAIT_FLOOR_S + (
-                                        tokens * token_bytes / LOAD_MIN_BYTES_PER_S))
-        self.demotions = Demotions(self, self.runtime, self.runtime.stats)
+                                        tokens * token_bytes / LOAD_MIN_BYTES_PER_S),
+                                    host_kv=self.host_kv)
+        self.demotions = Demotions(self, self.runtime, self.stats, host_kv=self.host_kv)
 
     def swift_batch_built(self, batch: Any) -> None:
         """A prefill batch was built (plugin hook): start the loads its requests queued."""
@@ -88,21 +90,25 @@ class DonorHitsMixin:
         if self.loads is not None:
             self.loads.settle(scheduler, batch)
 
-    def _donor_hit(self, m: Any) -> tuple[int, Any]:
-        """The donor part of match `m` SGLang may load: up to its first segment whose lease
-        is not readable now; (tokens, deepest node), or (0, last device node)."""
+    def _lower_hit(self, m: Any) -> tuple[int, Any]:
+        """The part of match `m` below the device that SGLang may load (donor and host
+        segments): up to its first donor segment whose lease is not readable now; (tokens,
+        deepest node), or (0, last device node)."""
         hit, best = 0, m.last_device_node
         for seg in m.loads:
-            if seg.tier != DONOR or not self._readable(seg.source):
-                self.runtime.stats["hits_unreadable"] += 1
+            if not self._readable(seg.source):
+                self.stats["hits_unreadable"] += 1
                 break
             hit, best = hit + seg.num_tokens, seg.node
         return hit, best
 
     def _readable(self, res: Any) -> bool:
-        """Whether donor residency `res` can be read now: its lease is held, within its read
-        deadline, its blocks not reclaimed (fenced) since, and the donor process is there (a
-        donor killed or a reclaim since is a recompute, not a failed load)."""
+        """Whether residency `res` below the device can be read now: a host one always; a
+        donor one while its lease is held, within its read deadline, its blocks not reclaimed
+        (fenced) since, and the donor process is there (a donor killed or a reclaim since is a
+        recompute, not a failed load)."""
+        if type(res) is not DonorResidency:
+            return True
         engine = self.runtime.lease_engine(res.donor, res.lease)
         return engine is not None and engine.liveness() and not engine.fenced(res.blocks)
 
@@ -142,11 +148,13 @@ class DonorHitsMixin:
             self.slots.free(self.tree.abort_load_back(ticket).device_indices_to_free)
             ticket = None  # the tree or a donor changed since the match: recompute
             # a donor gone, past its read deadline or fenced by a reclaim: refused, not failed
-            self.runtime.stats["refused_loads"] += int(unreadable)
+            self.stats["refused_loads"] += int(unreadable)
         self.tree.unlock(a.anchor)
         if ticket is None:
             return self._decline(req, "the match or its donor changed since")
         self.loads.queue(req, ticket, self.device)
+        for c in ticket.copies:  # hits by the tier they load from
+            self.stats[f"{c.src_tier}_hit_tokens"] += len(c.dst.indices)
         return len(ticket.device_indices), req.last_node
 
     def _exchange(self, req: Any, found: tuple, hit_len: int,
@@ -175,10 +183,10 @@ class DonorHitsMixin:
             return None
         if not x.ok:  # both sides dropped: the hit is recomputed, the victims were evicted
             self.slots.free(x.device_indices_to_free)
-            self.runtime.stats["exchanges_failed"] += 1
+            self.stats["exchanges_failed"] += 1
             return self._decline(req, "its exchange with the donor tier failed")
-        self.runtime.stats["exchanges"] += 1
-        self.runtime.stats["exchanged_tokens"] += x.num_tokens
+        self.stats["exchanges"] += 1
+        self.stats["exchanged_tokens"] += x.num_tokens
         rest = need - x.num_tokens
         if self.slots.available() < rest:
             self.tree.lock(x.last_node)
@@ -191,7 +199,7 @@ class DonorHitsMixin:
 
     def _decline(self, req: Any, why: str) -> tuple[int, Any]:
         """Recompute instead of loading (SGLang re-plans the request without the donor part)."""
-        self.runtime.stats["loads_declined"] += 1
+        self.stats["loads_declined"] += 1
         logger.info("SwiftCache: request %s recomputes its donor hit: %s", req.rid, why)
         return 0, req.last_node
 

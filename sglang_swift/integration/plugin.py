@@ -12,11 +12,12 @@ Every target touched is an entry of `touchpoints.py`; a process registers only w
   as CONFIG_ENV, and selects the `swiftcache` backend; without it: leaves ServerArgs as stock);
 - a process of a server started with the flag (CONFIG_ENV inherited): the `swiftcache` backend
   (`register_radix_cache_backend`) and the hooks its configuration uses (`server_hooks`):
-  BEFORE `Scheduler.get_next_batch_to_run` when it lends or borrows (control events once per
-  loop); AFTER `Scheduler.get_new_batch_prefill` and `Scheduler.run_batch` when it borrows (a
-  borrower starts the donor loads its batch queued, and after the forward aborts the requests
-  whose load failed: SGLang 0.5.23 drives its own layer-wise loads this way only for HiCache and
-  the external linker); AROUND `MHATokenToKVPool._create_buffers_normal` when it lends (the pool
+  BEFORE `Scheduler.get_next_batch_to_run` when it lends, borrows or has a host tier (control
+  events and finished copies once per loop); AFTER `Scheduler.get_new_batch_prefill` and
+  `Scheduler.run_batch` when it borrows or has a host tier (the loads its batch queued start,
+  and after the forward the requests whose load failed are aborted: SGLang 0.5.23 drives its
+  own layer-wise loads this way only for HiCache and the external linker); AROUND
+  `MHATokenToKVPool._create_buffers_normal` when it lends (the pool
   in shareable memory, `shared_kv_pool.py`); the layer stream cache's hooks
   (`layer_stream/hooks.py`) when it streams layers;
 - where the debug seam has a forward observer (`debug_seam.py`, benchmarks only): AROUND the
@@ -158,11 +159,31 @@ def _after_from_cli_args(server_args: Any, cls: Any, args: argparse.Namespace, *
     from ..layer_stream.hooks import check_server_args
 
     check_server_args(server_args, config)
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        config = _with_host_tier(server_args, config)
     server_args.radix_cache_backend = BACKEND_NAME
     setattr(server_args, CONFIG_ATTR, config.to_json())
     os.environ[CONFIG_ENV] = config.to_json()  # inherited by the spawned processes: register()
     # there reads it and registers the hooks this configuration uses
     return None
+
+
+def _with_host_tier(server_args: Any, config: SwiftConfig) -> SwiftConfig:
+    """--enable-hierarchical-cache with --enable-swiftcache: SwiftCache's tree gets a host tier
+    on SGLang's host pool, sized and laid out by HiCache's options as SGLang resolved them
+    (`host_tier.py`). SGLang's own flag is cleared (touchpoints.HICACHE_FLAG), so its scheduler
+    builds and drives no HiCache tree of its own beside SwiftCache's; options the host tier does
+    not honour yet are refused here, before any model loads, each named."""
+    from .host_tier import host_tier_problems
+
+    problems = host_tier_problems(server_args, config)
+    if problems:
+        raise SystemExit("--enable-swiftcache with --enable-hierarchical-cache does not support: "
+                         + "; ".join(problems))
+    server_args.enable_hierarchical_cache = False  # touchpoints.HICACHE_FLAG
+    import dataclasses
+
+    return dataclasses.replace(config, host_tier=True)
 
 
 def _refuse_from_cli_args(problems: list[str]) -> Callable[..., None]:
@@ -245,9 +266,9 @@ def server_hooks(config: SwiftConfig | None,
     forward observer is installed (registered last: the outermost wrapper)."""
     hooks: list[tuple[TouchPoint, Callable]] = []
     if config is not None:
-        if config.uses_donation:
+        if config.uses_donation or config.host_tier:
             hooks.append((tp.SCHEDULER_STEP, _before_scheduler_step))
-        if config.borrows:
+        if config.borrows or config.host_tier:
             hooks += [(tp.BATCH_BUILT, _after_batch_built), (tp.BATCH_RAN, _after_batch_ran)]
         if config.lends:
             from .shared_kv_pool import create_buffers_in_shared_region

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 import torch
+
+from radix_ext.residency import DONOR, HOST
 
 from .copies import runs_by_lease, start_copy
 from .debug_seam import OBSERVERS
@@ -72,9 +75,10 @@ class StreamingLoads:
     """Queued and running load-backs of one cache; runs on the scheduler thread."""
 
     def __init__(self, cache: Any, runtime: Any, counter: Any, stats: dict,
-                 wait_budget: Any = None):
+                 wait_budget: Any = None, host_kv: Any = None):
         self.cache = cache  # its .tree changes on reset
-        self.runtime = runtime
+        self.runtime = runtime  # None: no donor tier (a host tier only)
+        self.host_kv = host_kv  # host_tier.HostKV, or None: no host tier
         self.counter = counter  # TimedLayerCounter, registered with the pool and tp worker
         self.stats = stats
         # tokens -> seconds a forward may wait for a batch's loads after the batch started
@@ -123,7 +127,10 @@ class StreamingLoads:
             self._closing.append(BatchLoad(None, loads, [], self._wait_mark,
                                              store_mark=self._store_mark))
             return
-        items = [(load, c) for load in loads for c in load.ticket.copies]
+        items = [(load, c) for load in loads for c in load.ticket.copies if c.src_tier == DONOR]
+        hosted = [(load, c) for load in loads for c in load.ticket.copies if c.src_tier == HOST]
+        if hosted:
+            self._load_from_host(fan, hosted)
         copies = []
         for key, idx in runs_by_lease([c.src for _, c in items]):
             slots = [s for i in idx for s in items[i][1].dst.indices]
@@ -205,6 +212,36 @@ class StreamingLoads:
         self._private.clear()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _load_from_host(self, fan: BatchLayerCounter, hosted: list) -> None:
+        """The batch's host segments, one part of its layer fan-in: SGLang's host pool copies
+        each layer (`HostKV.load_layer`) on the scheduler's stream, which releases the layer
+        as it goes (GPU: enqueued ahead of the forward on the same stream, so attention reads
+        it in order, no host wait; CPU: copied here, before the forward)."""
+        from .cache import indices_to_tensor
+
+        host = array("q")
+        dev = array("q")
+        for _, c in hosted:
+            host.extend(c.src.indices)
+            dev.extend(c.dst.indices)
+        host_t = indices_to_tensor(host, torch.device("cpu"))
+        dev_t = indices_to_tensor(dev, self.host_kv.device)
+        pid = fan.update_producer()
+        stream = torch.cuda.current_stream() if self.host_kv.device.type == "cuda" else None
+        try:
+            for layer in range(self.host_kv.num_layers):
+                self.host_kv.load_layer(host_t, dev_t, layer)
+                fan.complete(layer, pid, stream=stream)
+        except Exception as exc:  # noqa: BLE001 - a failed copy aborts its requests
+            logger.exception("SwiftCache: a host tier load failed")
+            fan.fail(f"host copy failed: {exc}", pid)
+            for load, _ in hosted:
+                load.parts.add(pid)
+            return
+        for load, _ in hosted:
+            load.parts.add(pid)
+        self.stats["host_loaded_tokens"] += len(host)
+
     def _close(self, entry: BatchLoad) -> None:
         """Give the tickets back. Their slots stay with the requests, which own them (a failed
         one frees them when it finishes), so nothing the tree returns is freed here."""

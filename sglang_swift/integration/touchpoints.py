@@ -215,6 +215,37 @@ KV_POOL_BUFFERS = TouchPoint(
     "sglang_swift.integration.shared_kv_pool",
     (Check(How.LEADING_PARAMS, names=("self",)),))
 
+# ---- the host tier (--enable-swiftcache with --enable-hierarchical-cache) ---------------------
+HOST_POOL = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
+HICACHE_FLAG = TouchPoint(
+    f"{SERVER_ARGS}.enable_hierarchical_cache", Kind.PRIVATE_WRITE,
+    "cleared in the launcher once SwiftCache took HiCache's options for its tree's host tier, "
+    "so the scheduler builds and drives no HiCache tree beside SwiftCache's",
+    "the scheduler calls HiCache's tree members on SwiftCache's tree and fails at start-up",
+    f"{INTEGRATION}.plugin",
+    (Check(How.SOURCE, "sglang.srt.mem_cache.registry.create_tree_cache",
+           ("enable_hierarchical_cache",)),))
+HOST_POOL_CLASS = TouchPoint(
+    "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls", Kind.EXTENSION,
+    "the host tier's memory is SGLang's own host pool class for the device pool, built as "
+    "HiCache builds it (ratio or size, layout, the device pool's buffer info)",
+    "the server refuses to start with --enable-hierarchical-cache (the pool cannot be built)",
+    f"{INTEGRATION}.host_tier",
+    (Check(How.KEYWORD_PARAMS, f"{HOST_POOL}.__init__",
+           ("device_capacity_tokens", "start_layer", "end_layer", "write_back_staging")),
+     Check(probe=f"{MHA_POOL}.get_device_pool_infos")))
+HOST_POOL_TRANSFERS = TouchPoint(
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache.load_to_device_per_layer", Kind.SIGNATURE,
+    "host tier copies go through the host pool's own transfer methods (also "
+    "`backup_from_device_all_layer`) with --hicache-io-backend",
+    "host tier stores and loads fail: those prefixes are recomputed (never wrong KV)",
+    f"{INTEGRATION}.host_tier",
+    (Check(How.LEADING_PARAMS, names=("self", "device_pool", "host_indices", "device_indices",
+                                      "layer_id", "io_backend")),
+     Check(How.LEADING_PARAMS, "sglang.srt.mem_cache.pool_host.base.HostKVCache."
+           "backup_from_device_all_layer",
+           ("self", "device_pool", "host_indices", "device_indices", "io_backend"))))
+
 # ---- the layer stream cache (--swiftcache-layer-stream host|donor) ---------------------------
 LAYER_STREAM = "sglang_swift.layer_stream"
 CONFIG_FROM_BUDGET = TouchPoint(
@@ -282,6 +313,7 @@ ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
     RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
+    HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
     RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, *HICACHE_STAND_INS,
 )

@@ -1,0 +1,112 @@
+"""The host tier of SwiftCache's tree: SGLang's own host KV pool, as HiCache's options build it.
+
+With `--enable-hierarchical-cache`, a SwiftCache server keeps the prefixes it evicts from the
+device in this order: donor pages while a lease has room (a borrower), then host memory. The host
+memory is SGLang's host pool class for the server's device pool (`get_mha_host_pool_cls`:
+`MHATokenToKVPoolHost` and its variants), sized by `--hicache-ratio` / `--hicache-size`, laid out
+by `--hicache-mem-layout`, and every byte moves through its own transfer methods
+(`backup_from_device_all_layer`, `load_to_device_per_layer`) with `--hicache-io-backend`: on a GPU
+SGLang's kernels, in the CPU venv the stand-ins of `cpu_compat/hicache.py`. The tree's `HostTier`
+books the pool's token slots 0 .. capacity-1; the pool's own allocator stays unused.
+
+`host_tier_problems` lists the HiCache options SwiftCache's host tier does not honour yet, each
+with the option named and what to pass instead; the launcher refuses them before any model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# What the host tier implements of HiCache's write policies: a prefix is copied to host when it
+# leaves the device (HiCache's write_back). write_through copies at insert, while the prefix is
+# still on the device (an inclusive host tier); the tree keeps one copy per tier and moves
+# prefixes down on eviction, so it does not make those copies.
+WRITE_POLICY = "write_back"
+
+
+def host_tier_problems(server_args: Any, config: Any) -> list[str]:
+    """Why `--enable-swiftcache` cannot serve these HiCache options (empty: it can)."""
+    problems = []
+    policy = getattr(server_args, "hicache_write_policy", WRITE_POLICY)
+    if policy != WRITE_POLICY:
+        problems.append(
+            f"--hicache-write-policy {policy} (SwiftCache's host tier receives a prefix when it "
+            f"leaves the device, HiCache's {WRITE_POLICY}: pass --hicache-write-policy "
+            f"{WRITE_POLICY})")
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend:
+        problems.append(
+            f"--hicache-storage-backend {backend} (L3 storage below SwiftCache's host tier is not "
+            f"implemented yet: drop it, or run HiCache without --enable-swiftcache)")
+    mode = getattr(server_args, "hicache_host_memory_mode", "cache")
+    if mode != "cache":
+        problems.append(f"--hicache-host-memory-mode {mode} (the host tier caches prefixes: "
+                        f"use --hicache-host-memory-mode cache)")
+    if getattr(config, "streams_layers", False):
+        problems.append("--swiftcache-layer-stream with --enable-hierarchical-cache (the layer "
+                        "stream cache keeps its own host store: drop one of the two)")
+    return problems
+
+
+class HostKV:
+    """Host memory for the tree's host tier: SGLang's host pool over device pool `kv_pool`.
+
+    `store(device_slots, host_slots)` copies every layer of device rows into host rows;
+    `load_layer(host_slots, device_slots, layer)` copies one layer back. Both issue their copies
+    on the caller's stream (GPU: ordered with the forward that follows, no host wait; CPU: done
+    when they return). Index tensors: int64, host slots on the CPU, device slots on the pool's
+    device."""
+
+    def __init__(self, kv_pool: Any, *, ratio: float, size_gb: int, layout: str,
+                 io_backend: str, page_size: int):
+        from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+        infos = kv_pool.get_device_pool_infos()
+        if len(infos) != 1:
+            raise ValueError(f"SwiftCache's host tier serves one MHA device pool; this server's "
+                             f"KV cache has {len(infos)} pools")
+        info = infos[0].buffer_info
+        cls = get_mha_host_pool_cls(info)
+        self.kv_pool = kv_pool
+        self.io_backend = io_backend
+        self.pool = cls(info, ratio, size_gb, page_size, layout,
+                        device_capacity_tokens=kv_pool.size, start_layer=kv_pool.start_layer,
+                        end_layer=kv_pool.end_layer,
+                        write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
+        self.capacity = self.pool.size
+        self.token_bytes = self.pool.size_per_token
+        self.device = torch.device(kv_pool.device) if isinstance(kv_pool.device, str) \
+            else kv_pool.device
+        logger.info("SwiftCache host tier: %s, %d tokens (%.2f GB), layout %s, io %s",
+                    cls.__name__, self.capacity, self.capacity * self.token_bytes / 1e9,
+                    layout, io_backend)
+
+    @classmethod
+    def from_server_args(cls, kv_pool: Any, server_args: Any, page_size: int) -> "HostKV":
+        """Sized and laid out by the server's HiCache options, as SGLang resolved them."""
+        ratio = getattr(server_args, "hicache_ratio", None) or 2.0
+        return cls(kv_pool, ratio=float(ratio), size_gb=int(server_args.hicache_size or 0),
+                   layout=server_args.hicache_mem_layout,
+                   io_backend=server_args.hicache_io_backend, page_size=page_size)
+
+    def _device_index(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.to(self.device, non_blocking=True)
+
+    def store(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self.pool.backup_from_device_all_layer(self.kv_pool, host_slots,
+                                               self._device_index(device_slots), self.io_backend)
+
+    def load_layer(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
+                   layer: int) -> None:
+        self.pool.load_to_device_per_layer(self.kv_pool, host_slots,
+                                           self._device_index(device_slots), layer,
+                                           self.io_backend)
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_pool.layer_num

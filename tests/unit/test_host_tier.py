@@ -1,0 +1,191 @@
+"""The host tier of SwiftCache's tree on SGLang's own host pool (integration/host_tier.py).
+
+Invariants: a store then a load through SGLang's host pool returns the device rows bit for bit
+for every io-backend/layout pair the CPU venv serves; a tree with a host tier demotes device
+victims there and a later match loads them back layer by layer before attention reads them
+(the request's prefix slots hold the original KV after the device rows were overwritten);
+HiCache options the host tier does not honour are refused with the option named.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SLOTS = 64
+LAYERS = 3
+SERVED = [("layer_first", "kernel"), ("layer_first", "direct"), ("page_first", "kernel"),
+          ("page_first_direct", "direct")]
+
+
+def _device_pool(size: int = SLOTS, page_size: int = 1):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=2,
+                            head_dim=8, layer_num=LAYERS, device="cpu",
+                            enable_memory_saver=False, v_head_dim=8, start_layer=0,
+                            end_layer=LAYERS - 1)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_(torch.randn_like(buf))
+    return pool, TokenToKVPoolAllocator(size, torch.float32, "cpu", pool, need_sort=False)
+
+
+def _host(pool, layout="layer_first", io="kernel", ratio=2.0, page_size=1):
+    from sglang_swift.integration.host_tier import HostKV
+
+    return HostKV(pool, ratio=ratio, size_gb=0, layout=layout, io_backend=io,
+                  page_size=page_size)
+
+
+@pytest.mark.parametrize("layout,io", SERVED)
+def test_a_store_and_a_load_through_sglangs_host_pool_return_the_rows(layout, io):
+    pool, _ = _device_pool()
+    host = _host(pool, layout, io)
+    assert host.capacity >= 2 * SLOTS  # --hicache-ratio 2 of the device pool
+    src = torch.arange(3, 19)
+    want = [(pool.k_buffer[layer][src].clone(), pool.v_buffer[layer][src].clone())
+            for layer in range(LAYERS)]
+    slots = torch.arange(40, 56)
+    host.store(src, slots)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.zero_()
+    dst = torch.arange(20, 36)
+    for layer in range(LAYERS):
+        host.load_layer(slots, dst, layer)
+        assert torch.equal(pool.k_buffer[layer][dst], want[layer][0])
+        assert torch.equal(pool.v_buffer[layer][dst], want[layer][1])
+
+
+class Rig:
+    """A SwiftRadixCache with a host tier and no control channel, on SGLang's real pools."""
+
+    def __init__(self, layout="layer_first", io="kernel"):
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+        from sglang_swift.config import SwiftConfig
+        from sglang_swift.integration.cache import SwiftRadixCache
+
+        self.pool, self.alloc = _device_pool()
+        self.host = _host(self.pool, layout, io)
+        self.registered = []
+        config = SwiftConfig(enabled=True, host_tier=True)
+        tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=self.registered.append)
+        self.cache = SwiftRadixCache(
+            CacheInitParams(disable=False, req_to_token_pool=None,
+                            token_to_kv_pool_allocator=self.alloc, page_size=1),
+            config.tree_config(1, self.host.capacity), config, tp_worker=tp_worker,
+            host_kv=self.host)
+
+    def insert(self, tokens):
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        slots = self.alloc.alloc(len(tokens))
+        for layer in range(LAYERS):  # each token's KV names the token and the layer
+            t = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
+            self.pool.k_buffer[layer][slots] = t * 10 + layer
+            self.pool.v_buffer[layer][slots] = -(t * 10 + layer)
+        self.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots))
+
+    def match(self, tokens):
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
+
+    def admit(self, tokens, rid="r"):
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        m = self.match(tokens)
+        req = SimpleNamespace(rid=rid, last_node=m.last_device_node, prefix_len=m.device_prefix_len,
+                              full_untruncated_fill_ids=list(tokens) + [0],
+                              skip_radix_cache_insert=False, discard_output_reason=None)
+        out = self.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length,
+                                                           req=req))
+        req.prefix_len += out[0]
+        return req, m, out
+
+    def kv_is(self, slots, tokens) -> bool:
+        want = torch.tensor(tokens, dtype=torch.float32)
+        return all(torch.equal(self.pool.k_buffer[layer][slots][:, 0, 0], want * 10 + layer)
+                   and torch.equal(self.pool.v_buffer[layer][slots][:, 0, 0],
+                                   -(want * 10 + layer))
+                   for layer in range(LAYERS))
+
+
+@pytest.mark.parametrize("layout,io", SERVED)
+def test_evicted_prefixes_go_to_host_and_load_back_before_attention_reads_them(layout, io):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from radix_ext import HOST
+
+    rig = Rig(layout, io)
+    tokens = list(range(100, 124))
+    rig.insert(tokens)
+    rig.cache.evict(EvictParams(num_tokens=rig.cache.evictable_size()))
+    assert rig.cache.tree.tier_size(HOST) == len(tokens)
+    assert rig.cache.stats["host_stored_tokens"] == len(tokens)
+    assert rig.alloc.available_size() == SLOTS  # the device slots came back at once
+    for buf in rig.pool.k_buffer + rig.pool.v_buffer:  # the freed rows are reused meanwhile
+        buf.fill_(7777.0)
+    req, m, out = rig.admit(tokens + [1, 2])
+    assert m.device_prefix_len == 0 and m.host_hit_length == len(tokens)
+    assert out[0] == len(tokens)
+    slots = rig.cache.prefix_device_indices(req)  # what prepare_for_extend writes to its row
+    batch = SimpleNamespace(hicache_consumer_index=-1)
+    rig.cache.swift_batch_built(batch)
+    assert batch.hicache_consumer_index >= 0
+    counter = rig.cache.counter
+    counter.set_consumer(batch.hicache_consumer_index)
+    assert all(counter.wait_until(layer) for layer in range(LAYERS))
+    counter.set_consumer(-1)
+    assert rig.kv_is(slots, tokens)
+    rig.cache.swift_batch_ran(SimpleNamespace(chunked_req=None), batch)
+    assert req.discard_output_reason is None
+    assert rig.cache.stats["host_loaded_tokens"] == len(tokens)
+    assert rig.cache.stats["host_hit_tokens"] == len(tokens)
+    rig.cache.swift_step(None)  # closes the ticket
+    rig.cache.check_integrity()
+
+
+def test_a_full_host_tier_drops_its_least_recently_used_prefix():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from radix_ext import HOST
+
+    rig = Rig()
+    cap = rig.host.capacity
+    first, second = list(range(0, 40)), list(range(1000, 1040))
+    while rig.cache.tree.tier_size(HOST) + 40 <= cap:  # fill host with other prefixes
+        base = 5000 + rig.cache.tree.tier_size(HOST) * 10
+        rig.insert(list(range(base, base + 40)))
+        rig.cache.evict(EvictParams(num_tokens=rig.cache.evictable_size()))
+    rig.insert(first)
+    rig.cache.evict(EvictParams(num_tokens=rig.cache.evictable_size()))
+    rig.insert(second)
+    rig.cache.evict(EvictParams(num_tokens=rig.cache.evictable_size()))
+    assert rig.cache.tree.tier_size(HOST) <= cap
+    assert rig.match(second).host_hit_length == len(second)
+    rig.cache.check_integrity()
+
+
+def test_hicache_options_the_host_tier_does_not_honour_are_refused_by_name():
+    from sglang_swift.config import SwiftConfig
+    from sglang_swift.integration.host_tier import host_tier_problems
+
+    ok = SimpleNamespace(hicache_write_policy="write_back", hicache_storage_backend=None,
+                         hicache_host_memory_mode="cache")
+    assert host_tier_problems(ok, SwiftConfig(enabled=True)) == []
+    bad = SimpleNamespace(hicache_write_policy="write_through", hicache_storage_backend="file",
+                          hicache_host_memory_mode="buffer_only")
+    problems = host_tier_problems(bad, SwiftConfig(enabled=True))
+    text = "; ".join(problems)
+    assert len(problems) == 3
+    for option in ("--hicache-write-policy write_through", "--hicache-storage-backend file",
+                   "--hicache-host-memory-mode buffer_only"):
+        assert option in text
+    streamed = host_tier_problems(ok, SwiftConfig.parse(enabled=True, layer_stream="host"))
+    assert len(streamed) == 1 and "--swiftcache-layer-stream" in streamed[0]
