@@ -206,12 +206,14 @@ class LostPrefix:
 class RevokeResult:
     """`lost`: a `LostPrefix` per subtree that lost its last copy; `released`: residencies
     dropped (donor ones as revoked, others freed in their tier); `stale_tickets`: ids of
-    in-flight loads and stores that must now fail."""
+    in-flight loads and stores that must now fail; `moved`: `Transfer`s donor -> host of the
+    copies a rescue kept (the caller copies them from the bytes it read before the revoke)."""
 
     lost: tuple = ()
     released: tuple = ()
     stale_tickets: tuple = ()
     num_tokens_lost: int = 0
+    moved: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)

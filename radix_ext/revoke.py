@@ -5,13 +5,14 @@ from __future__ import annotations
 from array import array
 from typing import Iterable, Optional
 
-from radix_ext.residency import DONOR, DonorResidency
-from radix_ext.results import LostPrefix, Released, RevokeResult
+from radix_ext.residency import DONOR, HOST, DonorResidency
+from radix_ext.results import LostPrefix, Released, RevokeResult, Transfer
 
 
 class RevokeMixin:
     def revoke(
-        self, donor: str, lease_id: Optional[int] = None, blocks: Optional[Iterable[int]] = None
+        self, donor: str, lease_id: Optional[int] = None, blocks: Optional[Iterable[int]] = None,
+        rescue: bool = False,
     ) -> RevokeResult:
         """A donor takes back `blocks` of one lease, a whole lease, or (both None) all its leases.
 
@@ -22,6 +23,13 @@ class RevokeMixin:
         nothing is lost yet); its other blocks stay reserved until it settles. The revoked blocks
         leave the donor tier for good; a revoked lease is forgotten. An expected event, never an
         error: the caller falls back to host or recompute.
+
+        With `rescue` (the caller still has the revoked blocks' bytes, read before it let them
+        go) and a host tier, a dropped donor copy with no host copy moves to host first, room
+        made there as for a demotion (the least valuable host copies dropped; nothing pinned or
+        on the revoked path): `moved` lists one `Transfer(donor -> host)` per rescued copy, for
+        the caller to copy from those bytes before anything reads the host slots. A copy that
+        finds no host room is dropped as without `rescue`.
         """
         if self.donor is None:
             return RevokeResult()
@@ -58,6 +66,9 @@ class RevokeMixin:
                 d = t.dst
                 t.dst = DonorResidency(d.donor, d.lease, d.epoch, keep) if keep else None
         orphans = []
+        moved: list = []
+        if rescue and self.host is not None:
+            moved = self._rescue(victims, released)
         for x in victims:
             if x.pins:
                 stale.extend(self._mark_stale(x))
@@ -87,7 +98,34 @@ class RevokeMixin:
             for key in [k for k in self.donor.leases if k[0] == donor]:
                 if lease_id is None or key[1] == lease_id:
                     self.donor.remove_lease(*key)
-        return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost)
+        return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
+                            tuple(moved))
+
+    def _rescue(self, victims: list, released: list) -> list:
+        """Host copies for the victims that have none, shallowest first (a prefix is kept from
+        its root down, so a rescued node never hangs below a lost one); returns the transfers.
+        Room is made with every victim held, so making it never drops another victim."""
+        todo = sorted((x for x in victims if HOST not in x.res), key=self._depth)
+        for x in todo:
+            x.pins += 1
+        moved = []
+        try:
+            for x in todo:
+                n = len(x.key)
+                res = self.host.alloc(n)
+                if res is None:
+                    for step in self._make_room(HOST, n, chunk=False).steps:
+                        if type(step) is Released:
+                            released.append(step)
+                    res = self.host.alloc(n)
+                if res is None:
+                    break  # host holds nothing more that may go: the rest are dropped
+                self._add_res(x, res)
+                moved.append(Transfer(DONOR, x.res[DONOR], HOST, res))
+        finally:
+            for x in todo:
+                x.pins -= 1
+        return moved
 
     def _pending_donor(self) -> list:
         """Donor residencies of stores in flight (allocated, not yet in any node)."""

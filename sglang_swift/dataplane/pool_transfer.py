@@ -170,11 +170,17 @@ class PoolTransferEngine:
         `store_here`)."""
         return self._here(slots, blocks, exchange=True)
 
-    def _here(self, slots, blocks, exchange: bool) -> TransferResult:
+    def load_here(self, slots, blocks) -> TransferResult:
+        """Lease blocks `blocks` copied into local `slots`, every layer, run to its end on the
+        calling thread, for a CPU engine (as `store_here`; no layer counter: the caller reads
+        the slots once this returns ok)."""
+        return self._here(slots, blocks, exchange=False, load=True)
+
+    def _here(self, slots, blocks, exchange: bool, load: bool = False) -> TransferResult:
         if self.lane.stream is not None:
-            raise ValueError("store_here / exchange_here run a CPU engine's copy on the caller's "
-                             "thread; a GPU engine's is enqueued with begin_store / begin_exchange")
-        plan = self._plan(slots, blocks, store=not exchange)
+            raise ValueError("store_here / exchange_here / load_here run a CPU engine's copy on "
+                             "the caller's thread; a GPU engine's is enqueued with begin_*")
+        plan = self._plan(slots, blocks, store=not (exchange or load))
         if plan is None:
             return TransferResult(True, (), None)
         handle = self._arm(PoolTransferHandle(), blocks)
@@ -186,8 +192,9 @@ class PoolTransferEngine:
             if staging is None or staging.numel() < max(plan.unit, STAGING_BYTES):
                 staging = _here.staging = torch.empty(max(plan.unit, STAGING_BYTES),
                                                       dtype=torch.uint8)
-        return self._layers_job(plan, handle, staging,
-                                self._exchange_layer if exchange else self._store_layer)
+        copy_layer = (self._exchange_layer if exchange else self._load_layer if load
+                      else self._store_layer)
+        return self._layers_job(plan, handle, staging, copy_layer)
 
     def _layers_job(self, plan: CopyPlan, handle: PoolTransferHandle,
                     staging: torch.Tensor | None, copy_layer) -> TransferResult:
@@ -209,6 +216,10 @@ class PoolTransferEngine:
     def _store_layer(self, plan: CopyPlan, layer: int,
                      staging: torch.Tensor | None) -> str | None:
         return self._copy_layer(plan, layer, store=True, staging=staging)
+
+    def _load_layer(self, plan: CopyPlan, layer: int,
+                    staging: torch.Tensor | None) -> str | None:
+        return self._copy_layer(plan, layer, store=False, staging=staging)
 
     def _fenced_store(self) -> TransferResult:
         return TransferResult(False, tuple(range(self.packing.borrower.num_layers)), FENCED)

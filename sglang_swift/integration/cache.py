@@ -59,7 +59,8 @@ METRICS_INTERVAL_S = 1.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
                 "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
-                "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens")
+                "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens",
+                "rescued_tokens")
 # a tree without a runtime (no lending or borrowing) but with a host tier counts these itself
 LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
 
@@ -152,6 +153,8 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
                                     page_size=self.page_size, agent_id=agent_id)
         self.runtime.stats.update({k: 0 for k in STREAM_STATS})
+        if self.host_kv is not None and config.borrows:  # a reclaimed donor page goes to host
+            self.runtime.borrowing.write_host = self.host_kv.write_rows
         if config.borrows or self.host_kv is not None:
             self._start_streaming(config, kv_pool, tp_worker)
         if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics

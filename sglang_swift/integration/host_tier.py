@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 # still on the device (an inclusive host tier); the tree keeps one copy per tier and moves
 # prefixes down on eviction, so it does not make those copies.
 WRITE_POLICY = "write_back"
+# Host layouts with a per-layer row view of the pool's buffer (`HostKV.write_rows`), which a
+# borrower needs to keep what a reclaimed donor page held.
+ROW_LAYOUTS = ("layer_first", "page_first")
 
 
 def host_tier_problems(server_args: Any, config: Any) -> list[str]:
@@ -47,6 +50,11 @@ def host_tier_problems(server_args: Any, config: Any) -> list[str]:
     if mode != "cache":
         problems.append(f"--hicache-host-memory-mode {mode} (the host tier caches prefixes: "
                         f"use --hicache-host-memory-mode cache)")
+    layout = getattr(server_args, "hicache_mem_layout", "layer_first")
+    if getattr(config, "borrows", False) and layout not in ROW_LAYOUTS:
+        problems.append(f"--hicache-mem-layout {layout} with --swiftcache-max-borrow-blocks (a "
+                        f"reclaimed donor page is moved into host memory by layer rows: use "
+                        f"--hicache-mem-layout {' or '.join(ROW_LAYOUTS)})")
     if getattr(config, "streams_layers", False):
         problems.append("--swiftcache-layer-stream with --enable-hierarchical-cache (the layer "
                         "stream cache keeps its own host store: drop one of the two)")
@@ -106,6 +114,18 @@ class HostKV:
         self.pool.load_to_device_per_layer(self.kv_pool, host_slots,
                                            self._device_index(device_slots), layer,
                                            self.io_backend)
+
+    def write_rows(self, host_slots: torch.Tensor, k_rows: list, v_rows: list) -> None:
+        """Write token rows (per layer, `[n, heads, dim]` on any device) into `host_slots`,
+        through the pool's per-layer views of its buffer (ROW_LAYOUTS only): how a donor
+        page's content reaches host memory when the donor takes the page back."""
+        buf = self.pool.kv_buffer
+        idx = host_slots.to("cpu")
+        for layer, (k, v) in enumerate(zip(k_rows, v_rows)):
+            for half, rows in ((0, k), (1, v)):
+                view = buf[half, layer] if self.pool.layout == "layer_first" \
+                    else buf[half, :, layer]
+                view.index_copy_(0, idx, rows.to("cpu", view.dtype))
 
     @property
     def num_layers(self) -> int:
