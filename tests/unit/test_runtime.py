@@ -18,7 +18,7 @@ import pytest
 import torch
 from unit.copy_helpers import hold_in_layer
 
-from radix_ext import DONOR, RadixTree
+from radix_ext import DONOR, HOST, RadixTree
 from sglang_swift.config import CONFIG_ENV, SwiftConfig
 from sglang_swift.dataplane import make_layer_counter
 from sglang_swift.integration.copies import start_copy
@@ -386,6 +386,56 @@ def test_the_relend_cooldown_is_the_donors_option(tmp_path, monkeypatch):
         assert donor.lent_tokens == 0
         _pump_until(pair, lambda: donor.lent_tokens > 0, timeout_s=4.0)  # the default: 5 s
         assert time.monotonic() - demanded >= cooldown
+    finally:
+        borrower.stop()
+        donor.stop()
+
+
+def test_a_reclaim_moves_the_donor_tier_into_host_memory_instead_of_dropping_it(
+        tmp_path, monkeypatch):
+    """With a host tier, the borrower reads the reclaimed blocks on the agent's thread before
+    it acknowledges, and the tree keeps their prefixes in host slots: the same bytes."""
+    from sglang_swift.integration.host_tier import HostKV
+
+    donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
+                     lend_fraction=0.5)
+    borrower = _runtime(tmp_path, monkeypatch, "borrower", BORROWER_SHAPE, role="borrower",
+                        max_borrow_blocks=16)
+    host = HostKV(borrower.kv_pool, ratio=1.0, size_gb=0, layout="layer_first",
+                  io_backend="kernel", page_size=1)
+    borrower.tree = RadixTree(borrower.config.tree_config(1, host.capacity))
+    borrower.borrowing.write_host = host.write_rows
+    donor.start()
+    borrower.start()
+    try:
+        pair = (donor, borrower)
+        _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+        tree, pool = borrower.tree, borrower.kv_pool
+        slots = array("q", range(1, 9))
+        expect = [(k[1:9].clone(), v[1:9].clone()) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+        tree.insert(list(range(100, 108)), slots)
+        (ticket,) = tree.evict_device(8).stores
+        assert ticket.dst_tier == DONOR
+        dst = ticket.transfer.dst
+        assert _copy(borrower, (dst.donor, dst.lease), ticket.src.indices, dst.blocks)
+        tree.complete_store(ticket)
+        for buf in pool.k_buffer + pool.v_buffer:  # the device rows are reused meanwhile
+            buf.zero_()
+
+        own = donor.allocator.alloc(donor.allocator.available_size())
+        assert own is not None
+        _pump_until(pair, lambda: donor.lent_tokens == 0)
+        assert tree.tier_size(DONOR) == 0 and tree.tier_size(HOST) == 8
+        assert borrower.stats["revoked_tokens"] == 0 and borrower.stats["rescued_tokens"] == 8
+        m = tree.match(list(range(100, 108)))
+        assert m.load_len == 8 and [s.tier for s in m.loads] == [HOST]
+        rows = torch.as_tensor(m.loads[0].source.indices)
+        dst_slots = torch.arange(30, 38)
+        for layer in range(BORROWER_SHAPE["layer_num"]):
+            host.load_layer(rows, dst_slots, layer)
+            assert torch.equal(pool.k_buffer[layer][30:38], expect[layer][0])
+            assert torch.equal(pool.v_buffer[layer][30:38], expect[layer][1])
+        tree.check_integrity()
     finally:
         borrower.stop()
         donor.stop()
