@@ -64,20 +64,21 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                                           ctx.server_args, params.page_size)
     tree_config = config.tree_config(params.page_size,
                                      host_kv.capacity if host_kv is not None else 0)
+    server_args = ctx.server_args
+    model = getattr(server_args, "served_model_name", None) or server_args.model_path
+    agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
+    metrics = bool(getattr(server_args, "enable_metrics", False))
     if not config.uses_donation:
         cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,
-                                host_kv=host_kv)
+                                host_kv=host_kv, model=str(model), agent_id=agent_id,
+                                enable_metrics=metrics and host_kv is not None)
     else:
-        server_args = ctx.server_args
-        model = getattr(server_args, "served_model_name", None) or server_args.model_path
-        agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
         from ..dataplane import UnshareablePool
 
         try:
             cache = SwiftRadixCache(params, tree_config, config, model=str(model),
                                     agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
-                                    enable_metrics=bool(getattr(server_args, "enable_metrics",
-                                                                False)))
+                                    enable_metrics=metrics)
         except UnshareablePool as exc:
             raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
                              f"{exc}") from None

@@ -143,6 +143,11 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self._own_stats = {k: 0 for k in (*LOCAL_STATS, *STREAM_STATS)}
             self._start_streaming(config, self.token_to_kv_pool_allocator.get_kvcache(),
                                   tp_worker)
+            if enable_metrics:
+                from .metrics import SwiftMetrics
+
+                self.metrics = SwiftMetrics({"agent": agent_id or model or "server",
+                                             "role": "host"})
 
     def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
                        enable_metrics: bool, tp_worker: Any) -> None:
@@ -200,20 +205,27 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self.stats["layer_wait_s"] = self.counter.wait_s
         now = time.monotonic()
         if self.runtime is None:
+            self._update_metrics(now)
             self._report(now)
             return
         if now - self._last_step >= STEP_INTERVAL_S:
             self._last_step = now
             self.runtime.pump()
         self.runtime.lend(scheduler)  # every loop: a burst's demand leaves in the loop it arrived
-        if self.metrics is not None and now - self._last_metrics >= METRICS_INTERVAL_S:
-            from .metrics import gauges_of
-
-            self._last_metrics = now
-            self.metrics.update(self.runtime.stats, gauges_of(self.runtime, self.tree))
-            if self.runtime.lender is not None:
-                self.metrics.observe_reclaims(self.runtime.lender.reclaim_latencies)
+        self._update_metrics(now)
         self._report(now)
+
+    def _update_metrics(self, now: float) -> None:
+        """Push the counters and gauges to /metrics every METRICS_INTERVAL_S."""
+        if self.metrics is None or now - self._last_metrics < METRICS_INTERVAL_S:
+            return
+        from .metrics import gauges_of
+
+        self._last_metrics = now
+        self.metrics.update(self.stats, gauges_of(self.runtime, self.tree,
+                                                  self.token_to_kv_pool_allocator.size))
+        if self.runtime is not None and self.runtime.lender is not None:
+            self.metrics.observe_reclaims(self.runtime.lender.reclaim_latencies)
 
     def _report(self, now: float) -> None:
         """Log the counters every REPORT_INTERVAL_S while they change."""

@@ -45,6 +45,17 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "evict_waits": ("swiftcache_evict_waits", "evictions that stored a victim"),
     "layer_wait_s": ("swiftcache_layer_wait_seconds", "time attention waited for a layer being "
                      "loaded (the part of the copies the forward did not hide)"),
+    # hits and copies by tier (device hits are SGLang's own `sglang:cached_tokens_total`)
+    "donor_hit_tokens": ("swiftcache_donor_hit_tokens", "cached tokens admitted from the donor "
+                         "tier (loaded under the forward)"),
+    "host_hit_tokens": ("swiftcache_host_hit_tokens", "cached tokens admitted from the host "
+                        "tier (loaded from SGLang's host pool)"),
+    "host_stored_tokens": ("swiftcache_host_stored_tokens", "tokens copied into the host tier "
+                           "as they left the device"),
+    "host_loaded_tokens": ("swiftcache_host_loaded_tokens", "tokens loaded back from the host "
+                           "tier"),
+    "rescued_tokens": ("swiftcache_rescued_tokens", "tokens a reclaim moved from donor memory "
+                       "into the host tier instead of dropping them"),
     "own_pages_wait_s": ("swiftcache_own_pages_wait_seconds", "donor: scheduler-thread time "
                          "spent waiting (at most 50 ms a time) for lent pages its own requests "
                          "needed"),
@@ -55,6 +66,8 @@ GAUGES = {
     "borrowed_tokens": "tokens of this model's KV that borrowed donor memory can hold now",
     "usable_tokens": "this server's own usable KV capacity now (pool minus lent)",
     "donor_tier_tokens": "cached tokens whose KV is in donor memory now",
+    "host_tier_tokens": "cached tokens whose KV is in the host tier now",
+    "host_capacity_tokens": "the host tier's size (SGLang's host pool), tokens",
 }
 RECLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -93,9 +106,16 @@ class SwiftMetrics:
             self._gauges[key].set(value)
 
 
-def gauges_of(runtime: Any, tree: Any) -> dict[str, float]:
-    from radix_ext import DONOR
+def gauges_of(runtime: Any, tree: Any, pool_tokens: int) -> dict[str, float]:
+    """The gauges of a server: `runtime` None for one without a control channel."""
+    from radix_ext import DONOR, HOST
 
-    return {"kv_pool_tokens": runtime.allocator.size, "lent_tokens": runtime.lent_tokens,
-            "borrowed_tokens": runtime.borrowed_tokens(), "usable_tokens": runtime.usable_tokens(),
-            "donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0}
+    out = {"kv_pool_tokens": pool_tokens, "lent_tokens": 0, "borrowed_tokens": 0,
+           "usable_tokens": pool_tokens,
+           "donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0,
+           "host_tier_tokens": tree.tier_size(HOST) if tree.host is not None else 0,
+           "host_capacity_tokens": tree.host.capacity_tokens() if tree.host is not None else 0}
+    if runtime is not None:
+        out.update(lent_tokens=runtime.lent_tokens, borrowed_tokens=runtime.borrowed_tokens(),
+                   usable_tokens=runtime.usable_tokens())
+    return out

@@ -61,3 +61,65 @@ def test_write_through_is_refused_with_the_option_named(tiny_model, tmp_path):
         server.start()
     server.stop()
     assert "--hicache-write-policy write_through" in server.log_text()
+
+
+def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model, tmp_path):
+    """The whole hierarchy: device, donor pages (while lent), host. A donor burst takes every
+    lent page back; the borrower moves what it kept there into its host tier before it
+    acknowledges, so nothing is dropped, and replaying the conversations is served from host,
+    token-identical to stock SGLang."""
+    from integration.harness import metric, wait_for
+    from integration.test_donation_e2e import (
+        DONOR_POOL,
+        SMALL_POOL,
+        _args,
+        _check,
+        _donor_burst,
+        _replay,
+    )
+
+    from benchmarks.tools.demo import wait_for_lease
+    from benchmarks.tools.tiny_model import ensure_tiny_model
+    from benchmarks.workloads.sharegpt import load_conversations
+
+    rendezvous = str(tmp_path / "rv")
+    small_model = ensure_tiny_model(shape="small")
+    convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
+    stock_args = ["--enable-cache-report", "--dtype", "float32"]
+    with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
+                     extra_args=stock_args, log_path=tmp_path / "stock.log") as stock:
+        ref = _replay(stock, convs, 3)
+        ref_tail = _replay(stock, convs, 4)
+    donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
+                        extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
+                                         "--swiftcache-reclaim-watermark", "0.5",
+                                         "--swiftcache-relend-cooldown-s", "600",
+                                         "--enable-metrics"))
+    host = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
+            "write_back", "--hicache-mem-layout", "layer_first"]
+    borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
+                           extra_args=_args(rendezvous, "borrower", "--enable-metrics",
+                                            "--swiftcache-max-borrow-blocks", "1500", *host))
+    with donor, borrower:
+        wait_for_lease(rendezvous, timeout_s=90)
+        wait_for(lambda: metric(borrower, "swiftcache_borrowed_tokens"), 30,
+                 "the borrower to report the pages it borrowed")
+        got = _replay(borrower, convs, 3, forced=ref)
+        _check(got, ref)
+        wait_for(lambda: metric(borrower, "swiftcache_donor_tier_tokens"), 30,
+                 "prefixes kept in the donor tier")
+        in_donor = metric(borrower, "swiftcache_donor_tier_tokens")
+        host_hits = metric(borrower, "swiftcache_host_hit_tokens_total") or 0
+        _donor_burst(donor)  # its own traffic takes every lent page back
+        wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
+                 "the donor to take its pages back")
+        rescued = wait_for(lambda: metric(borrower, "swiftcache_rescued_tokens_total"), 30,
+                           "the borrower to move the reclaimed prefixes into host memory")
+        assert (metric(borrower, "swiftcache_revoked_tokens_total") or 0) == 0
+        got_tail = _replay(borrower, convs, 4, forced=ref_tail)
+        _check(got_tail, ref_tail)
+        wait_for(lambda: (metric(borrower, "swiftcache_host_hit_tokens_total") or 0) > host_hits,
+                 30, "host hits after the reclaim")
+        print(f"donor tier before the reclaim {in_donor} tokens; rescued {rescued}; host hits "
+              f"{host_hits} -> {metric(borrower, 'swiftcache_host_hit_tokens_total')}")
+        assert borrower.proc.poll() is None, borrower.log_tail()
