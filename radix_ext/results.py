@@ -207,13 +207,16 @@ class RevokeResult:
     """`lost`: a `LostPrefix` per subtree that lost its last copy; `released`: residencies
     dropped (donor ones as revoked, others freed in their tier); `stale_tickets`: ids of
     in-flight loads and stores that must now fail; `moved`: `Transfer`s donor -> host of the
-    copies a rescue kept (the caller copies them from the bytes it read before the revoke)."""
+    copies a rescue kept (the caller copies them from the bytes it read before the revoke);
+    `lost_paths`: a `LostPrefix` per path from the root to a leaf of a lost subtree (what a
+    request would have to prefill again)."""
 
     lost: tuple = ()
     released: tuple = ()
     stale_tickets: tuple = ()
     num_tokens_lost: int = 0
     moved: tuple = ()
+    lost_paths: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)

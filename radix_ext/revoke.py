@@ -82,11 +82,20 @@ class RevokeMixin:
         removed: set = set()
         lost = []
         num_lost = 0
+        leaves: list = []
         for x in orphans:
             if x in removed:
                 continue
             ns, tokens = self.prefix_of(x)
             lost.append(LostPrefix(ns, tokens, len(tokens) - len(x.key)))
+            cached = len(tokens) - len(x.key)
+            stack = [x]
+            while stack:  # every path that ended in the lost subtree
+                y = stack.pop()
+                if y.children:
+                    stack.extend(y.children.values())
+                else:
+                    leaves.append(LostPrefix(ns, self.prefix_of(y)[1], cached))
             for y in self._remove_subtree(x, released):
                 removed.add(y)
                 num_lost += len(y.key)
@@ -99,7 +108,7 @@ class RevokeMixin:
                 if lease_id is None or key[1] == lease_id:
                     self.donor.remove_lease(*key)
         return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
-                            tuple(moved))
+                            tuple(moved), tuple(leaves))
 
     def _rescue(self, victims: list, released: list) -> list:
         """Host copies for the victims that have none, shallowest first (a prefix is kept from

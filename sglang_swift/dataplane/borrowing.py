@@ -91,6 +91,10 @@ class Borrowing:
     """All leases this server holds; runs on the scheduler thread (`fence`: any thread)."""
 
     last_fence: FenceSteps | None = None  # the latest fence's steps (runtime's log line)
+    # With a host tier below (set by the cache): `fence` first reads the reclaimed blocks
+    # into memory of this server's own (`_stage`), and `on_reclaim` moves what the tree
+    # rescues into host slots through `write_host(host_slots, k_rows, v_rows)`.
+    write_host: Any = None
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
                  stats: dict) -> None:
@@ -109,10 +113,6 @@ class Borrowing:
         self._retry_at = 0.0
         self._failures = 0
         self._inflight: dict[tuple[str, int], list[tuple[Any, set[int]]]] = {}
-        # With a host tier below (set by the cache): `fence` first reads the reclaimed blocks
-        # into memory of this server's own (`_stage`), and `on_reclaim` moves what the tree
-        # rescues into host slots through `write_host(host_slots, k_rows, v_rows)`.
-        self.write_host: Any = None
         self._staged: dict[tuple[str, int], list[Staged]] = {}
         self._staged_lock = threading.Lock()
 
@@ -234,8 +234,10 @@ class Borrowing:
         self.fence(ev)
         local = [b for b in held.packing.blocks_touching(ev.blocks, strict=False)
                  if b not in held.gone]
-        with self._staged_lock:
-            staged = self._staged.pop((ev.key.donor, ev.key.lease_id), [])
+        staged = []
+        if self.write_host is not None:
+            with self._staged_lock:
+                staged = self._staged.pop((ev.key.donor, ev.key.lease_id), [])
         rows = {b: (part, i) for part in staged for i, b in enumerate(part.blocks)}
         rescue = bool(local) and all(b in rows for b in local)
         result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local,

@@ -30,6 +30,14 @@ def model_kind(ctx: Any) -> str:
     return f"model type {kind!r} ({archs})"
 
 
+def _identity(server_args: Any) -> tuple[str, str, bool]:
+    """(model, agent id, --enable-metrics) of the server: the agent id names the model's
+    directory and the port, as `ctl status` shows it."""
+    model = str(getattr(server_args, "served_model_name", None) or server_args.model_path)
+    agent_id = f"{model.rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
+    return model, agent_id, bool(getattr(server_args, "enable_metrics", False))
+
+
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's
     TreeCacheBuildContext."""
@@ -64,19 +72,19 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                                           ctx.server_args, params.page_size)
     tree_config = config.tree_config(params.page_size,
                                      host_kv.capacity if host_kv is not None else 0)
-    server_args = ctx.server_args
-    model = getattr(server_args, "served_model_name", None) or server_args.model_path
-    agent_id = f"{str(model).rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
-    metrics = bool(getattr(server_args, "enable_metrics", False))
-    if not config.uses_donation:
+    if not config.uses_donation and host_kv is None:
+        cache = SwiftRadixCache(params, tree_config)
+    elif not config.uses_donation:
+        model, agent_id, metrics = _identity(ctx.server_args)
         cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,
-                                host_kv=host_kv, model=str(model), agent_id=agent_id,
-                                enable_metrics=metrics and host_kv is not None)
+                                host_kv=host_kv, model=model, agent_id=agent_id,
+                                enable_metrics=metrics)
     else:
+        model, agent_id, metrics = _identity(ctx.server_args)
         from ..dataplane import UnshareablePool
 
         try:
-            cache = SwiftRadixCache(params, tree_config, config, model=str(model),
+            cache = SwiftRadixCache(params, tree_config, config, model=model,
                                     agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
                                     enable_metrics=metrics)
         except UnshareablePool as exc:

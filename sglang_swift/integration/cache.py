@@ -60,7 +60,7 @@ STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "l
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
                 "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
                 "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens",
-                "rescued_tokens")
+                "rescued_tokens", "recomputed_after_reclaim_tokens")
 # a tree without a runtime (no lending or borrowing) but with a host tier counts these itself
 LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
 
@@ -244,8 +244,12 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         key = params.key
         if self.disable or len(key) == 0:
             return self._empty_match_result
-        m = self.tree.match(key.raw_token_ids(), namespace_of(key))
+        tokens = key.raw_token_ids()
+        m = self.tree.match(tokens, namespace_of(key))
         length, node = m.device_len, m.last_device_node
+        if self.runtime is not None and self.runtime.reclaim_loss:
+            self.stats["recomputed_after_reclaim_tokens"] += \
+                self.runtime.reclaim_loss.recomputed(tokens, namespace_of(key), m.prefix_len)
         hit, best = self._lower_hit(m) if self.loads is not None else (0, node)
         if length == 0 and hit == 0:
             return self._empty_match_result

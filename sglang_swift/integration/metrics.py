@@ -56,6 +56,9 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
                            "tier"),
     "rescued_tokens": ("swiftcache_rescued_tokens", "tokens a reclaim moved from donor memory "
                        "into the host tier instead of dropping them"),
+    "recomputed_after_reclaim_tokens": ("swiftcache_recomputed_after_reclaim_tokens",
+                                        "tokens that were in the donor tier when a reclaim "
+                                        "came and that a later request prefilled again"),
     "own_pages_wait_s": ("swiftcache_own_pages_wait_seconds", "donor: scheduler-thread time "
                          "spent waiting (at most 50 ms a time) for lent pages its own requests "
                          "needed"),

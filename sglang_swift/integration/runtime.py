@@ -41,6 +41,7 @@ from ..dataplane import pool_geometry
 from ..dataplane.borrowing import Borrowing
 from .debug_seam import OBSERVERS
 from .lending import PoolLender, own_demand_tokens
+from .reclaim_loss import ReclaimLoss
 from .shared_kv_pool import shared_region_of
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class SwiftRuntime:
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
                       "lost_leases": 0, "own_pages_wait_s": 0.0}
+        self.reclaim_loss = ReclaimLoss()  # what reclaims dropped, counted when asked again
         self.lender: PoolLender | None = None
         self.borrowing: Borrowing | None = None
         self._peers_present = False  # as of the last pump
@@ -219,7 +221,10 @@ class SwiftRuntime:
 
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
         if self.borrowing is not None:
-            self.forget(self.borrowing.on_reclaim(ev, self.tree))
+            result = self.borrowing.on_reclaim(ev, self.tree)
+            self.forget(result)
+            if result is not None:
+                self.reclaim_loss.add(result.lost_paths)
         self.stats["reclaims"] += 1
         logger.info("SwiftCache: %s reclaimed %d pages of lease %d", ev.key.donor,
                     len(ev.blocks), ev.key.lease_id)

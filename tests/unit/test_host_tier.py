@@ -189,3 +189,53 @@ def test_hicache_options_the_host_tier_does_not_honour_are_refused_by_name():
         assert option in text
     streamed = host_tier_problems(ok, SwiftConfig.parse(enabled=True, layer_stream="host"))
     assert len(streamed) == 1 and "--swiftcache-layer-stream" in streamed[0]
+
+
+def _tree_with_donor_prefixes(host_capacity: int):
+    """A tree whose two prefixes (a shared 4-token root, then two 6-token branches) were
+    demoted into one donor lease."""
+    from array import array
+
+    from radix_ext import RadixTree, TreeConfig, admission
+
+    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=host_capacity,
+                                cascade=False))
+    tree.donor.add_lease("d", 0, 1, 32)
+    a = array("q", [1, 2, 3, 4, 10, 11, 12, 13, 14, 15])
+    b = array("q", [1, 2, 3, 4, 20, 21, 22, 23, 24, 25])
+    tree.insert(a, array("q", range(10)), None)
+    tree.insert(b, array("q", range(10, 20)), None)
+    plan = tree.evict_device(16)
+    admission.settle(tree, plan.stores, [True] * len(plan.stores))
+    return tree, a, b
+
+
+def test_a_rescue_keeps_every_revoked_prefix_in_host_and_loses_nothing():
+    from radix_ext import DONOR, HOST
+
+    tree, a, b = _tree_with_donor_prefixes(host_capacity=64)
+    assert tree.tier_size(DONOR) == 16
+    result = tree.revoke("d", rescue=True)
+    assert result.num_tokens_lost == 0 and result.lost_paths == ()
+    assert sum(len(t.dst.indices) for t in result.moved) == 16
+    assert all((t.src_tier, t.dst_tier) == (DONOR, HOST) for t in result.moved)
+    for key in (a, b):
+        m = tree.match(key, None)
+        assert m.prefix_len == 10 and {s.tier for s in m.loads} == {HOST}
+    tree.check_integrity()
+
+
+def test_without_host_room_a_reclaim_loses_the_prefixes_and_their_reuse_is_counted_once():
+    from sglang_swift.integration.reclaim_loss import ReclaimLoss
+
+    tree, a, b = _tree_with_donor_prefixes(host_capacity=0)
+    result = tree.revoke("d", rescue=True)
+    assert result.num_tokens_lost == 16 and result.moved == ()
+    assert sorted(list(p.tokens) for p in result.lost_paths) == sorted([list(a), list(b)])
+    loss = ReclaimLoss()
+    loss.add(result.lost_paths)
+    assert loss.recomputed(list(a) + [99], None, 0) == 10  # all of a, nothing of b
+    assert loss.recomputed(list(a), None, 0) == 0  # already counted: prefilled again then
+    assert loss.recomputed(list(b), None, 4) == 6  # its first 4 tokens were cached again
+    assert not loss
+    assert loss.recomputed(list(b), "other namespace", 0) == 0

@@ -88,6 +88,35 @@ def test_flag_selects_backend_and_carries_config(loaded_plugins, monkeypatch):
     assert plugin.config_for_server(clone) == cfg
 
 
+def test_hierarchical_cache_becomes_the_trees_host_tier(loaded_plugins, monkeypatch):
+    """--enable-hierarchical-cache with the flag: HiCache's options stay as SGLang resolved them
+    (for SwiftCache's host tier), the config says the tree has a host tier, and SGLang's own
+    flag is cleared so its scheduler builds no HiCache tree beside SwiftCache's."""
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    sa = _prepare(["--enable-swiftcache", "--enable-hierarchical-cache", "--hicache-ratio", "3",
+                   "--hicache-write-policy", "write_back", "--hicache-mem-layout", "layer_first"])
+    cfg = plugin.config_for_server(sa)
+    assert cfg.host_tier and not sa.enable_hierarchical_cache
+    assert sa.hicache_ratio == 3 and sa.hicache_mem_layout == "layer_first"
+    assert plugin.server_hooks(cfg, plugin.debug_seam.Observers()) != []  # loads and stores
+    stock = _prepare(["--enable-hierarchical-cache"])  # without the flag: HiCache as shipped
+    assert stock.enable_hierarchical_cache and stock.radix_cache_backend in (None, "")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "--hicache-write-policy write_through"),
+    (["--hicache-write-policy", "write_back", "--hicache-storage-backend", "file"],
+     "--hicache-storage-backend file"),
+    (["--hicache-write-policy", "write_back", "--swiftcache-max-borrow-blocks", "8",
+      "--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct"],
+     "--hicache-mem-layout page_first_direct"),
+])
+def test_hicache_options_the_host_tier_cannot_honour_stop_the_launch(loaded_plugins, argv,
+                                                                       needle):
+    with pytest.raises(SystemExit, match=needle):
+        _prepare(["--enable-swiftcache", "--enable-hierarchical-cache", *argv])
+
+
 def test_without_flag_server_args_are_stock(loaded_plugins, monkeypatch):
     """Without the flag nothing changes: no backend override, no config attribute."""
     monkeypatch.delenv(CONFIG_ENV, raising=False)

@@ -22,6 +22,7 @@ from sglang_swift.dataplane import KVGeometry, LeasePacking, PoolTransferEngine
 from sglang_swift.dataplane.layer_counter import CpuLayerCounter
 from sglang_swift.dataplane.streams import CpuLane
 from sglang_swift.integration.layer_fan_in import BatchLayerCounter
+from sglang_swift.integration.reclaim_loss import ReclaimLoss
 from tests.unit.test_packing import pool_of
 
 G = KVGeometry(4, 2, 8, 8, "float32", 1)  # the borrower: 4 layers, page 1
@@ -61,6 +62,7 @@ class Runtime:
         self.engines, self.dead, self.tracked = {}, set(), {}
         self.device = torch.device("cpu")
         self.lent_tokens = 0  # a borrower lends nothing
+        self.reclaim_loss = ReclaimLoss()  # no reclaim in these tests: nothing lost
         self.stats = {k: 0 for k in ("stored_tokens", "loaded_tokens", "refused_stores",
                                      "refused_loads", *stats_keys)}
 
