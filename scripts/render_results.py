@@ -292,6 +292,46 @@ RECORDS: dict[str, RecordSpec] = {
             "reload_cost": "per donor size (x device), the reload cost of LRU and cost_aware "
                            "with a stable and a flaky donor (one token's recompute = 1)",
         }, [Headline("radix_ext ops/s / SGLang's", key("ratio"))]),
+    "bench_tiers_quick": RecordSpec(
+        "The cache hierarchy: HiCache (h), HiCache with SwiftCache and a lending donor (s), the "
+        "ideal (i), stock (r) and a HiCache twin (t)",
+        "hierarchy, device/donor/host (CPU)",
+        "python scripts/bench_tiers.py --quick", "docs/hierarchy.md", {
+            "identical": "every busy output of (s) equals stock SGLang's (r), request by "
+                         "request (greedy)",
+            "mismatches": "per run, busy outputs that differ from (r)'s",
+            "cached_tokens": "per run, the busy model's prompt tokens served from cache",
+            "cached_vs_hicache": "busy cached tokens, (s) / (h)",
+            "cached_vs_ideal": "busy cached tokens, (s) / (i)",
+            "ttft_p50_ms": "per run, the busy requests' TTFT P50 (ms)",
+            "ttft_p99_ms": "per run, the busy requests' TTFT P99 (ms)",
+            "ttft_p50_vs_hicache": "busy TTFT P50, (s) / (h)",
+            "ttft_p99_vs_hicache": "busy TTFT P99, (s) / (h)",
+            "ttft_p50_noise": "busy TTFT P50, twin (t) / (h): what two identical runs differ by",
+            "ttft_p99_noise": "busy TTFT P99, twin (t) / (h)",
+            "ttft_p99_ideal_vs_hicache": "busy TTFT P99, (i) / (h)",
+            "hits_by_tier": "(s)'s busy cached tokens by the tier they came from",
+            "recomputed_after_reclaim_tokens": "tokens in (s)'s donor tier when the burst "
+                                               "reclaimed every lent page that a later request "
+                                               "prefilled again",
+            "rescued_tokens": "tokens the reclaim moved from donor pages into (s)'s host tier",
+            "revoked_tokens": "cached tokens (s) lost to the reclaim",
+            "reclaims": "reclaims (s)'s busy server acknowledged",
+            "loads_failed": "(s)'s loads that failed (their requests would have been aborted)",
+            "history_tokens": "the busy model's histories at the end (prompt + answer of each "
+                              "conversation's last turn)",
+            "device_plus_host_tokens": "the busy server's device pool plus host tier in (h)",
+            "busy_model": "the busy model, with its prefill FLOPs per KV byte",
+            "wall_s": "seconds each run took (servers' start included)",
+            "loadavg": "per run, the load average before and after (1, 5, 15 min each)",
+            "total_wall_s": "seconds the benchmark ran",
+        }, [Headline("identical", key("identical")),
+            Headline("cached tokens (s) / HiCache", key("cached_vs_hicache")),
+            Headline("cached tokens (s) / ideal", key("cached_vs_ideal")),
+            Headline("recomputed after the reclaim (tokens)",
+                     key("recomputed_after_reclaim_tokens")),
+            Headline("TTFT P99 (s) / HiCache", key("ttft_p99_vs_hicache")),
+            Headline("twin / HiCache, TTFT P99 (noise floor)", key("ttft_p99_noise"))]),
 }
 
 

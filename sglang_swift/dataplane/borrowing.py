@@ -114,6 +114,7 @@ class Borrowing:
         self._failures = 0
         self._inflight: dict[tuple[str, int], list[tuple[Any, set[int]]]] = {}
         self._staged: dict[tuple[str, int], list[Staged]] = {}
+        self._fenced: set = set()  # (lease key, reclaim id) of reclaims fenced once already
         self._staged_lock = threading.Lock()
 
     # ---- asking for leases --------------------------------------------------------------
@@ -206,8 +207,10 @@ class Borrowing:
             return False
         start = time.perf_counter()
         blocks = held.packing.blocks_touching(ev.blocks, strict=False)
-        if self.write_host is not None:
-            self._stage(held, [b for b in blocks if b not in held.gone])
+        if self.write_host is not None and self._first_fence(ev):
+            # only before the ack, which follows the first fence of a reclaim: a later fence
+            # (the scheduler's, at its pump) may run after the donor took the pages back
+            self._stage(held, [b for b in blocks if b not in held.gone], ev.deadline)
         mid = time.perf_counter()
         aborted = held.engine.fence(blocks)
         # the steps of this fence, for the runtime's log line (read on the thread that fenced)
@@ -238,6 +241,7 @@ class Borrowing:
         if self.write_host is not None:
             with self._staged_lock:
                 staged = self._staged.pop((ev.key.donor, ev.key.lease_id), [])
+                self._fenced.discard((ev.key, ev.reclaim_id))
         rows = {b: (part, i) for part in staged for i, b in enumerate(part.blocks)}
         rescue = bool(local) and all(b in rows for b in local)
         result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local,
@@ -247,7 +251,16 @@ class Borrowing:
             self._write_rescued(result.moved, rows, held.packing.borrower.page_size)
         return result
 
-    def _stage(self, held: BorrowedLease, blocks: list[int]) -> None:
+    def _first_fence(self, ev: ReclaimRequested) -> bool:
+        """Whether this is the first fence of reclaim `ev` (any thread)."""
+        tag = (ev.key, ev.reclaim_id)
+        with self._staged_lock:
+            if tag in self._fenced:
+                return False
+            self._fenced.add(tag)
+            return True
+
+    def _stage(self, held: BorrowedLease, blocks: list[int], deadline: float) -> None:
         """Read lease blocks `blocks` into fresh local memory before the fence lets them go
         (CPU engines: on the calling thread, the agent's; a GPU lease is not staged yet, so its
         reclaimed prefixes are recomputed as without a host tier). What could not be read is
@@ -262,9 +275,12 @@ class Borrowing:
         vs = [torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
               for _ in range(g.num_layers)]
         e = held.engine
+        # the lease's own read deadline (its donor vouched for it recently) and the reclaim's
+        # (the donor may take the pages back without an ack after it): bytes read past either
+        # could be the donor's own again, so the read fails and the prefixes are recomputed
         reader = PoolTransferEngine(held.packing, e.region, ks, vs, lane=e.lane,
-                                    liveness=e.liveness, read_deadline=e.read_deadline,
-                                    lease_epoch=e.lease_epoch)
+                                    liveness=e.liveness, lease_epoch=e.lease_epoch,
+                                    read_deadline=lambda: min(e.read_deadline(), deadline))
         result = reader.load_here(torch.arange(rows), blocks)
         if not result.ok:
             logger.warning("SwiftCache: could not read the reclaimed blocks of lease %s before "

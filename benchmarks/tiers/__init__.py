@@ -1,0 +1,1 @@
+"""The hierarchy benchmark (scripts/bench_tiers.py): HiCache, HiCache with SwiftCache, the ideal."""

@@ -1,0 +1,144 @@
+"""`scripts/bench_tiers.py`: the hierarchy (device, donor pages, host) against HiCache and the
+ideal, at the same memory per server; see plan.py for the runs and docs/hierarchy.md for the
+keys. The last line printed is the JSON summary; `--out` keeps every request's record.
+
+Summary keys:
+- `identical`: every busy output of (s) equals stock SGLang's (r), greedy, request by request;
+  `mismatches`: per run, the busy outputs that differ from (r)'s (a stock HiCache run can differ
+  at a float near-tie: its cached prefixes change the prefill's arithmetic);
+- `cached_tokens`: per run, prompt tokens the busy server served from cache (any tier);
+  `cached_vs_hicache` = (s) / (h), `cached_vs_ideal` = (s) / (i);
+- `ttft_p50_vs_hicache`, `ttft_p99_vs_hicache`: (s) / (h) over the busy requests; beside them
+  `ttft_p50_noise`, `ttft_p99_noise`: the twin (t) / (h), what two identical runs differ by;
+- `hits_by_tier`: (s)'s cached tokens by where they came from (device, donor, host, L3);
+- `recomputed_after_reclaim_tokens`: tokens in (s)'s donor tier when the donor's burst reclaimed
+  every lent page that a later request prefilled again; `rescued_tokens`: those the reclaim moved
+  into host instead; `history_tokens`: the busy model's histories at the end, against
+  `device_plus_host_tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..loadgen.stats import pct
+from ..nodebench.plan import ModelFacts
+from ..tools.tiny_model import ensure_tiny_model
+from ..workloads.sharegpt import load_conversations
+from .plan import FULL, NAMES, QUICK, RUNS, servers
+from .runner import run_one
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def summarize(plan, results: dict, busy: ModelFacts) -> dict:
+    ref = {(r.session, r.turn): r.text for r in results["r"].records}
+    mismatches = {run: sum(1 for r in res.records if r.text != ref.get((r.session, r.turn)))
+                  for run, res in results.items() if run != "r"}
+    cached = {run: sum(r.cached_tokens or 0 for r in res.records) for run, res in results.items()}
+    ttft = {run: [r.ttft * 1e3 for r in res.records if r.ttft is not None]
+            for run, res in results.items()}
+    p50 = {run: pct(v, 50) for run, v in ttft.items()}
+    p99 = {run: pct(v, 99) for run, v in ttft.items()}
+    out = {"identical": mismatches.get("s") == 0, "mismatches": mismatches,
+           "cached_tokens": cached,
+           "cached_vs_hicache": _ratio(cached.get("s"), cached.get("h")),
+           "cached_vs_ideal": _ratio(cached.get("s"), cached.get("i")),
+           "ttft_p50_ms": p50, "ttft_p99_ms": p99,
+           "ttft_p50_vs_hicache": _ratio(p50.get("s"), p50.get("h")),
+           "ttft_p99_vs_hicache": _ratio(p99.get("s"), p99.get("h")),
+           "ttft_p50_noise": _ratio(p50.get("t"), p50.get("h")),
+           "ttft_p99_noise": _ratio(p99.get("t"), p99.get("h")),
+           "ttft_p99_ideal_vs_hicache": _ratio(p99.get("i"), p99.get("h"))}
+    s = results.get("s")
+    if s is not None:
+        m = s.metrics
+        donor = int(m.get("swiftcache_donor_hit_tokens_total", 0))
+        host = int(m.get("swiftcache_host_hit_tokens_total", 0))
+        out["hits_by_tier"] = {"device": cached["s"] - donor - host, "donor": donor,
+                               "host": host, "l3": 0}
+        out["recomputed_after_reclaim_tokens"] = int(
+            m.get("swiftcache_recomputed_after_reclaim_tokens_total", 0))
+        out["rescued_tokens"] = int(m.get("swiftcache_rescued_tokens_total", 0))
+        out["revoked_tokens"] = int(m.get("swiftcache_revoked_tokens_total", 0))
+        out["reclaims"] = int(m.get("swiftcache_reclaims_total", 0))
+        out["loads_failed"] = int(m.get("swiftcache_loads_failed_total", 0))
+    last = {}
+    for r in results["r"].records:
+        last[r.session] = (r.prompt_tokens or 0) + (r.completion_tokens or 0)
+    out["history_tokens"] = sum(last.values())
+    out["device_plus_host_tokens"] = plan.busy_pool + plan.host_tokens()
+    out["busy_model"] = busy.describe()
+    out["wall_s"] = {run: round(res.wall_s, 1) for run, res in results.items()}
+    out["loadavg"] = {run: [round(x, 2) for x in res.loadavg[0] + res.loadavg[1]]
+                      for run, res in results.items()}
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = [f"{'run':<20} {'cached tok':>10} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
+             f"{'mismatches':>10}"]
+    for run in RUNS:
+        if run not in summary["cached_tokens"]:
+            continue
+        lines.append(f"{run + ' ' + NAMES[run]:<20} {summary['cached_tokens'][run]:>10} "
+                     f"{summary['ttft_p50_ms'][run]:>11.1f} {summary['ttft_p99_ms'][run]:>11.1f} "
+                     f"{summary['mismatches'].get(run, 0):>10}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the quick plan (default)")
+    size.add_argument("--full", action="store_true", help="more conversations and turns")
+    ap.add_argument("--conversations", type=int, help="override the plan's conversation count")
+    ap.add_argument("--turns", type=int, help="override the plan's turns per conversation")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench_tiers"),
+                    help="directory for the server logs and the records (default %(default)s)")
+    args = ap.parse_args(argv)
+    plan = FULL if args.full else QUICK
+    if args.conversations:
+        plan = replace(plan, conversations=args.conversations)
+    if args.turns:
+        plan = replace(plan, turns=args.turns)
+    if plan.burst_after_turn >= plan.turns:
+        ap.error(f"the burst comes after turn {plan.burst_after_turn}: give more turns")
+    args.out.mkdir(parents=True, exist_ok=True)
+    busy_dir, donor_dir = ensure_tiny_model(shape="small"), ensure_tiny_model(shape="tiny")
+    busy, donor = ModelFacts.from_dir(busy_dir), ModelFacts.from_dir(donor_dir)
+    print(f"busy: {busy.describe()}\ndonor: {donor.describe()}", flush=True)
+    convs = load_conversations(plan.conversations, min_turns=plan.turns,
+                               max_chars_per_message=plan.max_chars)
+    rendezvous = str((args.out / "rendezvous").resolve())
+    results = {}
+    forced = None
+    t0 = time.monotonic()
+    for run in RUNS:
+        spec = servers(run, plan, busy_dir, donor_dir, rendezvous, busy, donor)
+        print(f"[{run}] {NAMES[run]}: busy pool {spec['busy'].pool}, donor pool "
+              f"{spec['donor'].pool} ...", flush=True)
+        results[run] = run_one(run, spec, plan, convs, forced, args.out, rendezvous)
+        if run == "r":
+            forced = {(r.session, r.turn): r.text for r in results[run].records}
+        print(f"[{run}] done in {results[run].wall_s:.0f}s", flush=True)
+    summary = summarize(plan, results, busy)
+    summary["total_wall_s"] = round(time.monotonic() - t0, 1)
+    (args.out / "records.json").write_text(json.dumps(
+        {"plan": plan.__dict__, "summary": summary,
+         "records": {run: [r.to_json() for r in res.records] for run, res in results.items()},
+         "metrics": {run: res.metrics for run, res in results.items()}}, indent=1))
+    print(table(summary))
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""What the hierarchy benchmark runs: sizes, traffic, and the five runs' servers.
+
+Two models as in the node benchmark: the busy `small` model and a `tiny` donor. Every run gives
+each server the same memory; the busy model's histories are larger than its device pool plus its
+host tier, so what it keeps below the device decides how much it reuses.
+
+The runs (same traffic each, one request at a time, the histories carrying run (r)'s answers):
+- `r` stock SGLang, no HiCache: the reference outputs (`identical`) and a cache without lower tiers;
+- `h` HiCache (`--enable-hierarchical-cache`, host tier `host_ratio` x the device pool);
+- `s` HiCache with SwiftCache: the busy server borrows (device, donor pages while lent, host), the
+  donor lends `lend_fraction` of its own pool;
+- `i` the ideal: HiCache with what (s)'s donor lends added to the busy server's device pool (and
+  taken from the donor's), the host tier as big in tokens as in (h);
+- `t` HiCache again, a twin of (h): the noise floor of a TTFT ratio against (h).
+Every HiCache run uses `--hicache-write-policy write_back` (SwiftCache's host tier receives a
+prefix when it leaves the device; (h) and (i) do the same, so the runs differ only in the tiers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..nodebench.plan import COMMON_ARGS, HEARTBEAT_ARGS, ModelFacts
+
+RUNS = ("r", "h", "s", "i", "t")
+NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "i": "ideal",
+         "t": "hicache twin"}
+WRITE_POLICY = ("--hicache-write-policy", "write_back", "--hicache-mem-layout", "layer_first")
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Sizes of one benchmark: pools in each model's own tokens."""
+
+    busy_pool: int = 384
+    host_ratio: float = 2.0
+    donor_pool: int = 4096
+    lend_fraction: float = 0.5
+    conversations: int = 6
+    turns: int = 5
+    max_chars: int = 200
+    max_tokens: int = 16
+    burst_after_turn: int = 3  # the donor's burst comes after this many turns of every history
+    burst_requests: int = 4
+    burst_words: int = 350
+    burst_max_tokens: int = 32
+
+    def lent_busy_tokens(self, busy: ModelFacts, donor: ModelFacts) -> int:
+        """What the donor lends, in the busy model's tokens (bytes over its bytes per token)."""
+        lent_bytes = int(self.donor_pool * self.lend_fraction) * donor.kv_bytes_per_token
+        return lent_bytes // busy.kv_bytes_per_token
+
+    def host_tokens(self) -> int:
+        return int(self.busy_pool * self.host_ratio)
+
+
+QUICK = TierPlan()
+FULL = TierPlan(conversations=10, turns=6, burst_after_turn=4)
+
+
+@dataclass(frozen=True)
+class Server:
+    model: Path
+    pool: int
+    args: tuple
+    swiftcache: bool
+
+
+def servers(run: str, plan: TierPlan, busy_dir: Path, donor_dir: Path, rendezvous: str,
+            busy: ModelFacts, donor: ModelFacts) -> dict[str, Server]:
+    """The busy and donor servers of run `run`."""
+    lent = plan.lent_busy_tokens(busy, donor)
+    lent_donor_tokens = int(plan.donor_pool * plan.lend_fraction)
+    hicache = ("--enable-hierarchical-cache", "--hicache-ratio", str(plan.host_ratio),
+               *WRITE_POLICY)
+    if run == "r":
+        return {"busy": Server(busy_dir, plan.busy_pool, COMMON_ARGS, False),
+                "donor": Server(donor_dir, plan.donor_pool, COMMON_ARGS, False)}
+    if run in ("h", "t"):
+        return {"busy": Server(busy_dir, plan.busy_pool, COMMON_ARGS + hicache, False),
+                "donor": Server(donor_dir, plan.donor_pool, COMMON_ARGS, False)}
+    if run == "i":
+        pool = plan.busy_pool + lent
+        ratio = plan.host_tokens() / pool  # the same host tokens as (h)
+        ideal = ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}", *WRITE_POLICY)
+        return {"busy": Server(busy_dir, pool, COMMON_ARGS + ideal, False),
+                "donor": Server(donor_dir, plan.donor_pool - lent_donor_tokens, COMMON_ARGS,
+                                False)}
+    if run == "s":
+        swift = ("--swiftcache-rendezvous-dir", rendezvous, *HEARTBEAT_ARGS)
+        return {"busy": Server(busy_dir, plan.busy_pool,
+                               COMMON_ARGS + hicache + swift + (
+                                   "--swiftcache-role", "borrower",
+                                   "--swiftcache-max-borrow-blocks", str(2 * lent)), True),
+                "donor": Server(donor_dir, plan.donor_pool,
+                                COMMON_ARGS + swift + ("--swiftcache-role", "donor",
+                                                       "--swiftcache-lend-fraction",
+                                                       str(plan.lend_fraction)), True)}
+    raise ValueError(f"unknown run {run!r}; use one of {RUNS}")
