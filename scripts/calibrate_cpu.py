@@ -108,6 +108,18 @@ async def _ids(http, url: str, messages: list[dict], max_tokens: int) -> tuple[l
     return ch["prompt_token_ids"], ch["response_token_ids"], ch["message"]["content"] or ""
 
 
+async def _generate_ids(http, url: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy output token ids of a token-id prompt (SGLang's /generate, as bench_node's burst
+    sends it)."""
+    payload = {"input_ids": prompt_ids, "sampling_params": {
+        "max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    async with http.post(url + "/generate", json=payload) as resp:
+        body = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"trace request to {url} failed: HTTP {resp.status} {body}")
+    return list(body["output_ids"])
+
+
 async def conversation_trace(http, url, convs, turns: int, max_tokens: int) -> list[dict]:
     """Turns 1..`turns` of each conversation, history carrying the model's own answers (as
     BusyReplay does); one record per (session, turn)."""
@@ -168,10 +180,10 @@ async def drive(busy: LocalServer, donor: LocalServer, traffic, plan: NodePlan, 
             light = await conversation_trace(http, donor.base_url, traffic.donor, turns,
                                              plan.donor_max_tokens)
             burst = []
-            for i, text in enumerate(traffic.burst):
-                p, a, _ = await _ids(http, donor.base_url, [{"role": "user", "content": text}],
-                                     plan.burst_max_tokens)
-                burst.append({"session": f"burst-{i}", "turn": 1, "prompt_ids": p, "output_ids": a})
+            for i, ids in enumerate(traffic.burst):  # token ids, sent as bench_node sends them
+                a = await _generate_ids(http, donor.base_url, list(ids), plan.burst_max_tokens)
+                burst.append({"session": f"burst-{i}", "turn": 1, "prompt_ids": list(ids),
+                              "output_ids": a})
             return t, light, burst
 
         busy_timing, (donor_timing, light, burst) = await asyncio.gather(

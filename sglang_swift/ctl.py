@@ -92,7 +92,7 @@ def status(args) -> int:
     agents, leases = [], {}
     for rec, st in results:
         if isinstance(st, str):
-            agents.append([rec.agent_id, rec.epoch, rec.pid, rec.model, st] + ["-"] * 10)
+            agents.append([rec.agent_id, rec.epoch, rec.pid, rec.model, st] + ["-"] * 15)
             continue
         agents.append(
             [
@@ -131,6 +131,11 @@ def status(args) -> int:
                 "LENT_TOK",
                 "BORROWED_TOK",
                 "USABLE_TOK",
+                "DONOR_TIER_TOK",
+                "HOST_TIER_TOK",
+                "HOST_CAP_TOK",
+                "DONOR_HITS",
+                "HOST_HITS",
                 "PEERS",
             ],
         )
@@ -151,8 +156,10 @@ def status(args) -> int:
 def _capacity(c: p.CapacityStatus | None) -> list:
     """The server's KV capacity in its own tokens; '-' for an agent without a server."""
     if c is None:
-        return ["-"] * 4
-    return [c.kv_pool_tokens, c.lent_tokens, c.borrowed_tokens, c.usable_tokens]
+        return ["-"] * 9
+    return [c.kv_pool_tokens, c.lent_tokens, c.borrowed_tokens, c.usable_tokens,
+            c.donor_tier_tokens, c.host_tier_tokens, c.host_capacity_tokens, c.donor_hit_tokens,
+            c.host_hit_tokens]
 
 
 def _peers(peers: list[p.PeerStatus]) -> str:

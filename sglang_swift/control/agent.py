@@ -141,10 +141,12 @@ class ControlAgent(AgentIO):
 
     # ---- owner API (thread-safe, non-blocking) ----
     def set_capacity(self, kv_pool_tokens: int, lent_tokens: int, borrowed_tokens: int,
-                     usable_tokens: int) -> None:
-        """The owner's KV capacity for `status()` (one reference swap: no lock needed)."""
+                     usable_tokens: int, **tiers: int) -> None:
+        """The owner's KV capacity for `status()` (one reference swap: no lock needed);
+        `tiers`: the lower tiers' fields of `CapacityStatus` (donor_tier_tokens, ...)."""
         self.capacity = p.CapacityStatus(int(kv_pool_tokens), int(lent_tokens),
-                                         int(borrowed_tokens), int(usable_tokens))
+                                         int(borrowed_tokens), int(usable_tokens),
+                                         **{k: int(v) for k, v in tiers.items()})
 
     def set_memory(self, memory: p.MemoryDescriptor | dict) -> None:
         """The arena this donor lends (the data plane's descriptor dict or struct). Its

@@ -230,6 +230,13 @@ class CapacityStatus(msgspec.Struct, frozen=True):
     lent_tokens: U64
     borrowed_tokens: U64
     usable_tokens: U64
+    # where the tree keeps cached tokens below the device now, and what was admitted from
+    # each lower tier so far (an older peer sends none of these: 0)
+    donor_tier_tokens: U64 = 0
+    host_tier_tokens: U64 = 0
+    host_capacity_tokens: U64 = 0
+    donor_hit_tokens: U64 = 0
+    host_hit_tokens: U64 = 0
 
 
 class AgentStatus(msgspec.Struct, frozen=True):

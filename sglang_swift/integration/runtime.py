@@ -132,7 +132,18 @@ class SwiftRuntime:
         if self.borrowing is not None:
             self.borrowing.maybe_request(self._peers_present)
         self.agent.set_capacity(self.allocator.size, self.lent_tokens, self.borrowed_tokens(),
-                                self.usable_tokens())
+                                self.usable_tokens(), **self._tiers())
+
+    def _tiers(self) -> dict:
+        """The tree's lower tiers for `ctl status`: cached tokens in each, hits admitted."""
+        from radix_ext import DONOR, HOST
+
+        tree = self.tree
+        return {"donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0,
+                "host_tier_tokens": tree.tier_size(HOST) if tree.host is not None else 0,
+                "host_capacity_tokens": tree.host.capacity_tokens() if tree.host else 0,
+                "donor_hit_tokens": self.stats.get("donor_hit_tokens", 0),
+                "host_hit_tokens": self.stats.get("host_hit_tokens", 0)}
 
     def lend(self, scheduler: Any = None) -> None:
         """A donor's step, every scheduler loop (cheap: O(own requests)): demand lent pages back

@@ -73,6 +73,7 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
         DONOR_POOL,
         SMALL_POOL,
         _args,
+        _capacity,
         _check,
         _donor_burst,
         _replay,
@@ -109,6 +110,11 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
         wait_for(lambda: metric(borrower, "swiftcache_donor_tier_tokens"), 30,
                  "prefixes kept in the donor tier")
         in_donor = metric(borrower, "swiftcache_donor_tier_tokens")
+        cap = wait_for(lambda: _capacity(rendezvous, "small-llama").get("host_capacity_tokens")
+                       and _capacity(rendezvous, "small-llama"), 30,
+                       "`ctl status` to show the borrower's tiers")
+        assert cap["host_capacity_tokens"] >= 3 * SMALL_POOL  # --hicache-ratio 3
+        assert cap["donor_tier_tokens"] > 0 and cap["donor_hit_tokens"] > 0
         host_hits = metric(borrower, "swiftcache_host_hit_tokens_total") or 0
         _donor_burst(donor)  # its own traffic takes every lent page back
         wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
