@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from radix_ext.residency import DEVICE
+from radix_ext.residency import DEVICE, DONOR, HOST
 from radix_ext.results import EvictionPlan, MakeRoomResult, Released, StoreTicket, Transfer
 from radix_ext.store import UNDECIDED
 
@@ -41,7 +41,12 @@ class TieringMixin:
             n = len(x.key)
             evicted += n
             parent = x.parent
-            if (had_copy and not self.demotion.make_room_first) or self._demote(x, dev, steps):
+            if had_copy and not self.demotion.make_room_first:
+                if (self.config.donor_over_host and self.donor is not None
+                        and DONOR not in x.res and HOST in x.res):
+                    self._place(x, dev, DONOR, (), steps, None)  # free room only
+                demoted += n
+            elif self._demote(x, dev, steps):
                 demoted += n
             elif had_copy:
                 demoted += n  # kept the lower copy it had: no better target took it

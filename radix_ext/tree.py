@@ -23,6 +23,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Optional, Sequence
 
+from radix_ext.backup import BackupMixin
 from radix_ext.exchange import ExchangeMixin
 from radix_ext.integrity import IntegrityMixin
 from radix_ext.loadback import LoadBackMixin
@@ -61,7 +62,7 @@ DEFAULT_CONFIG = TreeConfig()
 
 
 class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeMixin, ExchangeMixin,
-                IntegrityMixin):
+                BackupMixin, IntegrityMixin):
     """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
     returns what the caller must copy and free."""
 

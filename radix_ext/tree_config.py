@@ -13,7 +13,9 @@ class TreeConfig:
     `host_capacity`: host pool tokens, 0 for no host tier. `donor`: whether a donor tier exists
     (its leases are added at run time). `eviction` / `demotion`: policy names. `cascade`: a copy
     pushed out of one lower tier moves to another lower tier with free room (False: it is
-    dropped; for a caller with no data path between its lower tiers)."""
+    dropped; for a caller with no data path between its lower tiers). `donor_over_host`: a device
+    victim that already has a host copy (write-through) is also stored in donor memory when a
+    lease has free room, a faster copy to load from."""
 
     page_size: int = 1
     host_capacity: int = 0
@@ -22,6 +24,7 @@ class TreeConfig:
     demotion: str = "tiered"
     cost: CostModel = field(default_factory=CostModel)
     cascade: bool = True
+    donor_over_host: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

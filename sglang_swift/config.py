@@ -194,16 +194,19 @@ class SwiftConfig:
         """The server runs a SwiftRuntime (control agent, arenas, copies)."""
         return self.lends or self.borrows or self.streams_from_donor
 
-    def tree_config(self, page_size: int, host_capacity: int = 0) -> Any:
+    def tree_config(self, page_size: int, host_capacity: int = 0,
+                    write_through: bool = False) -> Any:
         """The radix_ext `TreeConfig` of this server's tree. The donor tier exists when the
-        server borrows, the host tier (`host_capacity` tokens) with --enable-hierarchical-cache.
-        Copies pushed out of one lower tier are dropped, not moved to the other (`cascade`):
-        the server has no donor<->host data path yet."""
+        server borrows, the host tier (`host_capacity` tokens) with --enable-hierarchical-cache;
+        with `write_through` (host copies of what the device caches) a device victim also goes
+        to donor pages when a lease has room. Copies pushed out of one lower tier are dropped,
+        not moved to the other (`cascade`): the server has no donor<->host data path yet."""
         from radix_ext import TreeConfig
 
         demotion = "cost_aware" if self.eviction_policy == "cost_aware" else "tiered"
         return TreeConfig(page_size=page_size, eviction=self.eviction_policy, donor=self.borrows,
-                          demotion=demotion, host_capacity=host_capacity, cascade=False)
+                          demotion=demotion, host_capacity=host_capacity, cascade=False,
+                          donor_over_host=write_through and self.borrows)
 
     def resolved_rendezvous_dir(self) -> str:
         """The rendezvous directory; by default the control channel's (what `ctl` reads)."""

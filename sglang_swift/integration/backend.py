@@ -71,7 +71,8 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         host_kv = HostKV.from_server_args(params.token_to_kv_pool_allocator.get_kvcache(),
                                           ctx.server_args, params.page_size)
     tree_config = config.tree_config(params.page_size,
-                                     host_kv.capacity if host_kv is not None else 0)
+                                     host_kv.capacity if host_kv is not None else 0,
+                                     write_through=host_kv is not None and host_kv.write_through)
     if not config.uses_donation and host_kv is None:
         cache = SwiftRadixCache(params, tree_config)
     elif not config.uses_donation:

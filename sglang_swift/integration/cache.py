@@ -271,8 +271,31 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         else:
             slots = tensor_to_indices(params.value[:n])
         r = self.tree.insert(tokens[:n], slots, namespace_of(key))
+        if self.host_kv is not None and self.host_kv.write_through and params.value is not None:
+            self._write_through(r.last_node)
         # SGLang's caller frees its slots in [cache_protected_len, prefix_len): the duplicates.
         return InsertResult(prefix_len=r.duplicate_len, last_device_node=r.last_node)
+
+    def _write_through(self, node: Any) -> None:
+        """--hicache-write-policy write_through: host copies of the path the tree just took,
+        through SGLang's host pool on the scheduler's stream (GPU: ordered before anything that
+        could rewrite the device rows, no host wait; CPU: copied here). A copy that fails is
+        taken back: the prefix is then on the device only, as under write_back."""
+        transfers, _ = self.tree.back_up(node, HOST)
+        if not transfers:
+            return
+        dev, host = array("q"), array("q")
+        for t in transfers:
+            dev.extend(t.src.indices)
+            host.extend(t.dst.indices)
+        try:
+            self.host_kv.store(indices_to_tensor(dev, self.host_kv.device),
+                               indices_to_tensor(host, torch.device("cpu")))
+        except Exception:  # noqa: BLE001 - the host copy is an optimisation; the device has it
+            logger.exception("SwiftCache: a write-through copy into the host tier failed")
+            self.tree.forget_backup(transfers)
+            return
+        self.stats["host_stored_tokens"] += len(dev)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Evict through the tree. SGLang's allocator needs the room when this returns: a

@@ -22,11 +22,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# What the host tier implements of HiCache's write policies: a prefix is copied to host when it
-# leaves the device (HiCache's write_back). write_through copies at insert, while the prefix is
-# still on the device (an inclusive host tier); the tree keeps one copy per tier and moves
-# prefixes down on eviction, so it does not make those copies.
-WRITE_POLICY = "write_back"
+# HiCache's write policies the host tier implements: write_back, a prefix is copied to host when
+# it leaves the device (the tiers hold different prefixes: their capacities add up); and
+# write_through, every prefix the device caches is copied to host when the tree takes it (a
+# device eviction then copies nothing, a reclaimed donor page has its host copy already).
+# write_through_selective (host copies only of prefixes hit twice) is not implemented.
+WRITE_POLICIES = ("write_back", "write_through")
 # Host layouts with a per-layer row view of the pool's buffer (`HostKV.write_rows`), which a
 # borrower needs to keep what a reclaimed donor page held.
 ROW_LAYOUTS = ("layer_first", "page_first")
@@ -35,12 +36,11 @@ ROW_LAYOUTS = ("layer_first", "page_first")
 def host_tier_problems(server_args: Any, config: Any) -> list[str]:
     """Why `--enable-swiftcache` cannot serve these HiCache options (empty: it can)."""
     problems = []
-    policy = getattr(server_args, "hicache_write_policy", WRITE_POLICY)
-    if policy != WRITE_POLICY:
+    policy = getattr(server_args, "hicache_write_policy", "write_through")
+    if policy not in WRITE_POLICIES:
         problems.append(
-            f"--hicache-write-policy {policy} (SwiftCache's host tier receives a prefix when it "
-            f"leaves the device, HiCache's {WRITE_POLICY}: pass --hicache-write-policy "
-            f"{WRITE_POLICY})")
+            f"--hicache-write-policy {policy} (SwiftCache's host tier implements "
+            f"{' and '.join(WRITE_POLICIES)}: pass --hicache-write-policy write_through)")
     backend = getattr(server_args, "hicache_storage_backend", None)
     if backend:
         problems.append(
@@ -87,6 +87,7 @@ class HostKV:
                         end_layer=kv_pool.end_layer,
                         write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
         self.capacity = self.pool.size
+        self.write_through = False  # set by from_server_args for --hicache-write-policy
         self.token_bytes = self.pool.size_per_token
         self.device = torch.device(kv_pool.device) if isinstance(kv_pool.device, str) \
             else kv_pool.device
@@ -98,9 +99,11 @@ class HostKV:
     def from_server_args(cls, kv_pool: Any, server_args: Any, page_size: int) -> "HostKV":
         """Sized and laid out by the server's HiCache options, as SGLang resolved them."""
         ratio = getattr(server_args, "hicache_ratio", None) or 2.0
-        return cls(kv_pool, ratio=float(ratio), size_gb=int(server_args.hicache_size or 0),
+        host = cls(kv_pool, ratio=float(ratio), size_gb=int(server_args.hicache_size or 0),
                    layout=server_args.hicache_mem_layout,
                    io_backend=server_args.hicache_io_backend, page_size=page_size)
+        host.write_through = server_args.hicache_write_policy == "write_through"
+        return host
 
     def _device_index(self, slots: torch.Tensor) -> torch.Tensor:
         return slots.to(self.device, non_blocking=True)

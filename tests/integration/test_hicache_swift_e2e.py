@@ -7,7 +7,9 @@ Invariants, on real CPU servers with the same small device pool as the stock HiC
 - prefixes really came back from the host tier (the server's own counters: host tokens stored
   and loaded > 0), so the outputs were computed from KV that went device -> host -> device
   through SGLang's host pool;
-- HiCache's default write policy (write_through) is refused at start-up with the option named.
+- with HiCache's default write policy (write_through) the host copies are made at insert and
+  evictions copy nothing, with the same outputs; write_through_selective is refused at start-up
+  with the option named.
 """
 
 from __future__ import annotations
@@ -53,21 +55,45 @@ def test_swiftcache_with_a_host_tier_serves_like_stock(tiny_model, tmp_path, sto
     check_same(got, want, "SwiftCache with a host tier against stock")
 
 
-def test_write_through_is_refused_with_the_option_named(tiny_model, tmp_path):
-    args = ARGS + ["--enable-hierarchical-cache", "--hicache-ratio", "4"]
+def test_write_through_copies_at_insert_and_serves_like_stock(tiny_model, tmp_path,
+                                                              stock_servers):
+    """HiCache's default policy: host copies made as the tree takes each prefix; evictions copy
+    nothing; the outputs stay stock SGLang's."""
+    args = ARGS + ["--enable-hierarchical-cache", "--hicache-ratio", "4"]  # write_through
+    with LocalServer(tiny_model, max_total_tokens=POOL, extra_args=args,
+                     log_path=tmp_path / "swift-wt.log") as server:
+        got, _ = replay(server)
+        time.sleep(REPORT_INTERVAL_S + 0.5)
+        ask(server, [{"role": "user", "content": "hi"}])
+        log = server.log_text()
+    want, _ = replay(stock_servers.get(tiny_model, POOL, ARGS))
+    stats = last_stats(log)
+    print(f"write_through: host stored {stats['host_stored_tokens']}, loaded "
+          f"{stats['host_loaded_tokens']}, eviction stores {stats['stores_started']}")
+    assert stats["host_stored_tokens"] > 0 and stats["host_loaded_tokens"] > 0
+    assert stats["stores_started"] == 0  # every victim had its host copy already
+    check_same(got, want, "SwiftCache with a write-through host tier against stock")
+
+
+def test_write_through_selective_is_refused_with_the_option_named(tiny_model, tmp_path):
+    args = ARGS + ["--enable-hierarchical-cache", "--hicache-ratio", "4",
+                   "--hicache-write-policy", "write_through_selective"]
     server = LocalServer(tiny_model, max_total_tokens=POOL, extra_args=args,
                          log_path=tmp_path / "refused.log")
     with pytest.raises(ServerStartError):
         server.start()
     server.stop()
-    assert "--hicache-write-policy write_through" in server.log_text()
+    assert "--hicache-write-policy write_through_selective" in server.log_text()
 
 
-def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model, tmp_path):
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model, tmp_path,
+                                                                     policy):
     """The whole hierarchy: device, donor pages (while lent), host. A donor burst takes every
-    lent page back; the borrower moves what it kept there into its host tier before it
-    acknowledges, so nothing is dropped, and replaying the conversations is served from host,
-    token-identical to stock SGLang."""
+    lent page back; under write_back the borrower moves what it kept there into its host tier
+    before it acknowledges, under write_through each of those prefixes has its host copy
+    already; either way nothing is dropped, and replaying the conversations is served from
+    host, token-identical to stock SGLang."""
     from integration.harness import metric, wait_for
     from integration.test_donation_e2e import (
         DONOR_POOL,
@@ -97,7 +123,7 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
                                          "--swiftcache-relend-cooldown-s", "600",
                                          "--enable-metrics"))
     host = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
-            "write_back", "--hicache-mem-layout", "layer_first"]
+            policy, "--hicache-mem-layout", "layer_first"]
     borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
                            extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                             "--swiftcache-max-borrow-blocks", "1500", *host))
@@ -119,8 +145,12 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
         _donor_burst(donor)  # its own traffic takes every lent page back
         wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
                  "the donor to take its pages back")
-        rescued = wait_for(lambda: metric(borrower, "swiftcache_rescued_tokens_total"), 30,
-                           "the borrower to move the reclaimed prefixes into host memory")
+        if policy == "write_back":  # the donor tier's prefixes had no host copy: moved there
+            rescued = wait_for(lambda: metric(borrower, "swiftcache_rescued_tokens_total"), 30,
+                               "the borrower to move the reclaimed prefixes into host memory")
+        else:  # each had its host copy already: nothing to move
+            wait_for(lambda: "reclaimed" in borrower.log_text(), 30, "the reclaim")
+            rescued = metric(borrower, "swiftcache_rescued_tokens_total")
         assert (metric(borrower, "swiftcache_revoked_tokens_total") or 0) == 0
         got_tail = _replay(borrower, convs, 4, forced=ref_tail)
         _check(got_tail, ref_tail)

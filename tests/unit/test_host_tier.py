@@ -88,7 +88,9 @@ class Rig:
             t = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
             self.pool.k_buffer[layer][slots] = t * 10 + layer
             self.pool.v_buffer[layer][slots] = -(t * 10 + layer)
-        self.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots))
+        r = self.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=slots))
+        if r.prefix_len:  # duplicates of what the tree holds: freed by the caller, as SGLang
+            self.alloc.free(slots[:r.prefix_len])
 
     def match(self, tokens):
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -179,12 +181,16 @@ def test_hicache_options_the_host_tier_does_not_honour_are_refused_by_name():
     ok = SimpleNamespace(hicache_write_policy="write_back", hicache_storage_backend=None,
                          hicache_host_memory_mode="cache")
     assert host_tier_problems(ok, SwiftConfig(enabled=True)) == []
-    bad = SimpleNamespace(hicache_write_policy="write_through", hicache_storage_backend="file",
-                          hicache_host_memory_mode="buffer_only")
+    assert host_tier_problems(SimpleNamespace(**{**ok.__dict__,
+                                                 "hicache_write_policy": "write_through"}),
+                              SwiftConfig(enabled=True)) == []
+    bad = SimpleNamespace(hicache_write_policy="write_through_selective",
+                          hicache_storage_backend="file", hicache_host_memory_mode="buffer_only")
     problems = host_tier_problems(bad, SwiftConfig(enabled=True))
     text = "; ".join(problems)
     assert len(problems) == 3
-    for option in ("--hicache-write-policy write_through", "--hicache-storage-backend file",
+    for option in ("--hicache-write-policy write_through_selective",
+                   "--hicache-storage-backend file",
                    "--hicache-host-memory-mode buffer_only"):
         assert option in text
     streamed = host_tier_problems(ok, SwiftConfig.parse(enabled=True, layer_stream="host"))
@@ -239,3 +245,59 @@ def test_without_host_room_a_reclaim_loses_the_prefixes_and_their_reuse_is_count
     assert loss.recomputed(list(b), None, 4) == 6  # its first 4 tokens were cached again
     assert not loss
     assert loss.recomputed(list(b), "other namespace", 0) == 0
+
+
+def test_write_through_backs_up_the_path_and_an_eviction_then_copies_nothing():
+    """write_through: every prefix the tree takes gets its host copy at once (root first), the
+    bytes equal the device rows; evicting it later frees the device slots without a store, and
+    a match loads it from host."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from radix_ext import HOST
+
+    rig = Rig()
+    rig.host.write_through = True
+    tokens = list(range(300, 320))
+    rig.insert(tokens)
+    assert rig.cache.tree.tier_size(HOST) == len(tokens)
+    assert rig.cache.stats["host_stored_tokens"] == len(tokens)
+    rig.insert(tokens + [1, 2, 3, 4])  # only the new tail is copied
+    assert rig.cache.stats["host_stored_tokens"] == len(tokens) + 4
+    stores = rig.cache.stats["stores_started"]
+    rig.cache.evict(EvictParams(num_tokens=rig.cache.evictable_size()))
+    assert rig.cache.stats["stores_started"] == stores  # nothing copied by the eviction
+    assert rig.alloc.available_size() == SLOTS
+    for buf in rig.pool.k_buffer + rig.pool.v_buffer:
+        buf.fill_(7777.0)
+    m = rig.match(tokens + [1, 2, 3, 4])
+    assert m.device_prefix_len == 0 and m.host_hit_length == len(tokens) + 4
+    rows = torch.tensor([i for seg in rig.cache.tree.match(tokens + [1, 2, 3, 4]).loads
+                         for i in seg.source.indices])
+    dst = torch.arange(len(rows))
+    for layer in range(LAYERS):
+        rig.host.load_layer(rows, dst, layer)
+    assert rig.kv_is(dst, tokens + [1, 2, 3, 4])
+    rig.cache.check_integrity()
+
+
+def test_write_through_with_a_donor_tier_keeps_a_donor_copy_and_a_reclaim_loses_nothing():
+    from array import array
+
+    from radix_ext import DONOR, HOST, RadixTree, TreeConfig, admission
+
+    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=64, cascade=False,
+                                donor_over_host=True))
+    tree.donor.add_lease("d", 0, 1, 32)
+    key = array("q", range(50, 62))
+    r = tree.insert(key, array("q", range(12)), None)
+    (t,), _ = tree.back_up(r.last_node, HOST)
+    assert (t.src_tier, t.dst_tier, len(t.dst.indices)) == ("device", HOST, 12)
+    plan = tree.evict_device(12)
+    assert [s.dst_tier for s in plan.stores] == [DONOR]  # a faster copy beside the host one
+    admission.settle(tree, plan.stores, [True])
+    m = tree.match(key, None)
+    assert [s.tier for s in m.loads] == [DONOR]  # loads from the faster copy
+    result = tree.revoke("d")
+    assert result.num_tokens_lost == 0 and tree.tier_size(HOST) == 12
+    assert [s.tier for s in tree.match(key, None).loads] == [HOST]
+    tree.check_integrity()

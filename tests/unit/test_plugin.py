@@ -104,7 +104,8 @@ def test_hierarchical_cache_becomes_the_trees_host_tier(loaded_plugins, monkeypa
 
 
 @pytest.mark.parametrize("argv, needle", [
-    ([], "--hicache-write-policy write_through"),
+    (["--hicache-write-policy", "write_through_selective"],
+     "--hicache-write-policy write_through_selective"),
     (["--hicache-write-policy", "write_back", "--hicache-storage-backend", "file"],
      "--hicache-storage-backend file"),
     (["--hicache-write-policy", "write_back", "--swiftcache-max-borrow-blocks", "8",
