@@ -51,8 +51,11 @@ class TreeCache:
                  eviction: str = "lru", demotion: str = "tiered") -> None:
         if device_pages <= 0:
             raise ValueError(f"device_pages must be positive, got {device_pages}")
+        # cascade off, as the live server's tree (SwiftConfig.tree_config): a copy pushed out
+        # of one lower tier is dropped, not moved to the other
         self.tree = CountingTree(TreeConfig(page_size=1, host_capacity=host_pages, donor=donor,
-                                            eviction=eviction, demotion=demotion))
+                                            eviction=eviction, demotion=demotion,
+                                            cascade=False))
         self.device_pages = device_pages
         self._free = array("q", range(device_pages - 1, -1, -1))
 
