@@ -70,6 +70,7 @@ class ControlAgent(AgentIO):
         self.counters: dict[str, int] = {}
         self.donor = DonorSide(self)
         self.borrower = BorrowerSide(self)
+        self._avoided: frozenset = frozenset()  # donors whose memory cannot be read from here
         if memory is not None:
             self.donor.set_memory(p.MemoryDescriptor.coerce(memory))
         self.liveness = Liveness(self)
@@ -243,8 +244,15 @@ class ControlAgent(AgentIO):
             self.borrower.check_integrity()
 
     def pick_donor(self, num_blocks: int) -> Peer | None:
-        best = max(list(self.peers.values()), key=lambda q: q.lendable, default=None)
+        avoid = self._avoided
+        best = max((q for q in list(self.peers.values()) if q.agent_id not in avoid),
+                   key=lambda q: q.lendable, default=None)
         return best if best is not None and best.lendable > 0 else None
+
+    def avoid_donor(self, agent_id: str) -> None:
+        """Never ask `agent_id` for a lease again (its memory cannot be read from here); any
+        thread (one reference swap)."""
+        self._avoided = self._avoided | {agent_id}
 
     def donor_layout(self) -> p.PoolLayoutMsg | None:
         """The pool layout (from its Hello) of the donor a request would go to now, if it lends

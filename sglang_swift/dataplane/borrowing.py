@@ -161,6 +161,10 @@ class Borrowing:
     def on_granted(self, ev: LeaseGranted, tree: Any) -> None:
         self._pending = False
         try:
+            if ev.memory.kind == "cuda_ipc":  # the same GPU numbering, and peer access
+                from .cuda_ipc import check_reachable
+
+                check_reachable(ev.memory.device, self.kv_pool.k_buffer[0].device)
             mapped = self._map(ev.memory)
             packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks))
             donor = ev.key.donor
@@ -170,9 +174,15 @@ class Borrowing:
                                         lane=self._lane,
                                         lease_epoch=self._epoch_reader(ev.key))
         except (MappingError, ValueError) as exc:  # expected: give the pages back, run without
-            logger.warning("SwiftCache: cannot use the lease from %s (%s); releasing it",
-                           ev.key.donor, exc)
             self.agent.release(ev.key)
+            if getattr(exc, "reason", None) == "unreachable":  # a deployment fault: never again
+                self.agent.avoid_donor(ev.key.donor)
+                logger.warning("SwiftCache: cannot read donor %s's memory (%s); this server "
+                               "will not borrow from it, and both keep serving", ev.key.donor,
+                               exc)
+            else:
+                logger.warning("SwiftCache: cannot use the lease from %s (%s); releasing it",
+                               ev.key.donor, exc)
             self.on_failed(ev.key.donor, "unusable grant")
             return
         self._failures = 0

@@ -15,6 +15,52 @@ import torch
 from .sharing import MappingError
 
 
+def device_label(device: torch.device) -> str:
+    """The donor's device as a grant names it: `cuda:<index>@<uuid>` (the index is the one its
+    CUDA IPC handle opens on; the uuid says which physical GPU that is), or `cpu`."""
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index}@{torch.cuda.get_device_properties(index).uuid}"
+
+
+FIX = ("launch every SwiftCache server of the node with all its GPUs visible (the same "
+       "CUDA_VISIBLE_DEVICES, or none) and pick each server's GPU with --base-gpu-id")
+
+
+def check_reachable(label: str, local: torch.device) -> None:
+    """Whether this process can read donor memory on device `label` (`device_label`) from its
+    own device `local`: the handle's index must name the same physical GPU here (the same
+    device numbering in both processes) and, across GPUs, peer access must exist. Raises
+    MappingError("unreachable", why and the fix) when it cannot."""
+    if not label.startswith("cuda:"):
+        return
+    index_text, _, uuid = label[len("cuda:"):].partition("@")
+    try:
+        index = int(index_text)
+    except ValueError:
+        raise MappingError("bad_descriptor",
+                           f"donor device {label!r} is not cuda:<index>@<uuid>") from None
+    if not torch.cuda.is_available():
+        raise MappingError("unreachable", f"the donor's memory is on {label}, and this process "
+                           f"sees no CUDA device")
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise MappingError("unreachable", f"the donor's memory is on its GPU {index}, but this "
+                           f"process sees {count} GPU(s): {FIX}")
+    here = str(torch.cuda.get_device_properties(index).uuid)
+    if uuid and here != uuid:
+        raise MappingError("unreachable", f"the donor's GPU {index} is {uuid}, this process's "
+                           f"GPU {index} is {here} (the two see the GPUs under different "
+                           f"numbers): {FIX}")
+    mine = local.index if local.index is not None else torch.cuda.current_device()
+    if mine != index and not torch.cuda.can_device_access_peer(mine, index):
+        raise MappingError("unreachable", f"no peer access from GPU {mine} to the donor's GPU "
+                           f"{index} (no NVLink or PCIe P2P between them): this borrower and "
+                           f"that donor cannot share memory; place them on GPUs with peer "
+                           f"access")
+
+
 def export_handle(region: torch.Tensor) -> bytes:
     share = region.untyped_storage()._share_cuda_()  # noqa: SLF001
     return _pack_fields(list(share) + [region.storage_offset()])

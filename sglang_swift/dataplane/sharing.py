@@ -47,7 +47,8 @@ DESCRIPTOR_KEYS = (
 
 class MappingError(RuntimeError):
     """The region could not be mapped or is no longer valid. `reason` is one of:
-    bad_descriptor, not_found, owner_dead, size, identity, revoked, unsupported."""
+    bad_descriptor, not_found, owner_dead, size, identity, revoked, unsupported, unreachable
+    (this process cannot read the donor's device: `cuda_ipc.check_reachable`)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(f"{reason}: {message}")
@@ -129,12 +130,19 @@ class SharedArena:
 
         return export_handle(self.region)
 
+    def _device_label(self) -> str:
+        if self._shm is not None:
+            return str(self.device)
+        from .cuda_ipc import device_label
+
+        return device_label(torch.device(self.device))
+
     def export(self) -> dict:
         """The MemoryDescriptor a lease grant carries, as a plain dict (the protocol's keys)."""
         return {
             "kind": "shm" if self._shm is not None else "cuda_ipc",
             "handle": self._handle,
-            "device": str(self.device),
+            "device": self._device_label(),
             "total_bytes": self.total_bytes,
             "block_bytes": self.block_bytes,
             "num_blocks": self.num_blocks,

@@ -366,3 +366,53 @@ def test_pools_that_cannot_be_shared_are_refused_with_the_reason():
     mha.kv_cache_layout, mha.store_dtype = "nhd", torch.float64
     with pytest.raises(UnshareablePool, match="dtype"):
         pool_geometry(mha)
+
+
+def test_a_donor_gpu_this_process_cannot_read_is_refused_with_the_fix(monkeypatch):
+    """A grant names the donor's GPU by the index its CUDA IPC handle opens on and by its uuid;
+    a borrower that numbers the GPUs differently, sees fewer, or has no peer access to it is
+    told so (with the launch fix) before it maps anything. CPU memory is always reachable."""
+    import types
+
+    from sglang_swift.dataplane.cuda_ipc import check_reachable
+
+    uuids = ["GPU-aaaa", "GPU-bbbb"]
+    peer = {"ok": True}
+    fake = types.SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: len(uuids), current_device=lambda: 0,
+        get_device_properties=lambda i: types.SimpleNamespace(uuid=uuids[i]),
+        can_device_access_peer=lambda a, b: peer["ok"])
+    monkeypatch.setattr(torch, "cuda", fake)
+    local = torch.device("cuda", 0)
+    check_reachable("cpu", local)
+    check_reachable("cuda:1@GPU-bbbb", local)  # visible under the same number, peer access
+    for label, needle in (("cuda:2@GPU-cccc", "sees 2 GPU(s)"),
+                          ("cuda:1@GPU-aaaa", "different numbers")):
+        with pytest.raises(MappingError, match="unreachable") as refused:
+            check_reachable(label, local)
+        assert needle in str(refused.value) and "CUDA_VISIBLE_DEVICES" in str(refused.value)
+    peer["ok"] = False
+    with pytest.raises(MappingError, match="no peer access"):
+        check_reachable("cuda:1@GPU-bbbb", local)
+    check_reachable("cuda:0@GPU-aaaa", local)  # the same GPU needs no peer access
+
+
+def test_a_borrower_that_cannot_read_a_donor_releases_its_grant_and_never_asks_it_again():
+    """The pair does not lend (the grant goes back, the donor is avoided from then on) and the
+    borrower keeps serving without the lease."""
+    import types
+
+    from sglang_swift.dataplane.borrowing import Borrowing
+
+    calls = []
+    agent = types.SimpleNamespace(release=lambda key: calls.append(("release", key)),
+                                  avoid_donor=lambda d: calls.append(("avoid", d)))
+    b = Borrowing.__new__(Borrowing)
+    b.agent, b._pending, b._failures, b._retry_at = agent, True, 0, 0.0
+    b.kv_pool = types.SimpleNamespace(k_buffer=[torch.zeros(1)])
+    b.leases = {}
+    key = types.SimpleNamespace(donor="big-gpu1", lease_id=3, epoch=1)
+    memory = types.SimpleNamespace(kind="cuda_ipc", device="cuda:1@GPU-bbbb")
+    b.on_granted(types.SimpleNamespace(key=key, memory=memory, blocks=(0, 1)), tree=None)
+    assert calls == [("release", key), ("avoid", "big-gpu1")]
+    assert b.leases == {} and not b._pending
