@@ -292,6 +292,26 @@ RECORDS: dict[str, RecordSpec] = {
             "reload_cost": "per donor size (x device), the reload cost of LRU and cost_aware "
                            "with a stable and a flaky donor (one token's recompute = 1)",
         }, [Headline("radix_ext ops/s / SGLang's", key("ratio"))]),
+    "bench_sched_overhead_quick": RecordSpec(
+        "Time per scheduler step: SwiftCache against stock SGLang on one trace",
+        "scheduler step (CPU)",
+        "python scripts/bench_sched_overhead.py --quick", "benchmarks/sched_overhead.py", {
+            "overhead_ratio_no_donation": "mean scheduler step time, SwiftCache without "
+                                          "lending or borrowing / stock",
+            "overhead_ratio_borrower": "the same, a borrower with donor hits / stock",
+            "overhead_ratio_borrower_no_hits": "the same, a borrower without a lease (no hits) "
+                                               "/ stock",
+            "noise_ratio": "the same, a second stock run / stock: the noise floor",
+            "outside_forward_ms": "per run, mean step time minus its forwards (ms)",
+            "runs": "per run: steps timed, step time mean, P50, P99, outside the forward (ms)",
+            "identical_to_stock": "per run, whether every output equals stock's",
+            "busy_model": "the model, with its prefill FLOPs per KV byte",
+            "trace": "conversations, turns, KV pool (tokens)",
+            "loadavg": "per run, load average before and after",
+            "wall_s": "seconds the benchmark ran",
+        }, [Headline("step time, no donation / stock", key("overhead_ratio_no_donation")),
+            Headline("step time, borrower with hits / stock", key("overhead_ratio_borrower")),
+            Headline("stock twin / stock (noise floor)", key("noise_ratio"))]),
     "bench_tiers_quick": RecordSpec(
         "The cache hierarchy: HiCache (h), HiCache with SwiftCache and a lending donor (s), the "
         "ideal (i), stock (r) and a HiCache twin (t)",

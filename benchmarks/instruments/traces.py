@@ -7,7 +7,9 @@
 - SWIFTCACHE_LOAD_TRACE=<file>: one JSON line per borrower batch load (scripts/bench_overlap.py's
   timeline): the facts the product hands the seam, as they are;
 - SWIFTCACHE_RECLAIM_SPLIT=1: where a borrower's reclaim fence spent its thread's time
-  (`ThreadSpan`), appended to the acknowledgement's log line.
+  (`ThreadSpan`), appended to the acknowledgement's log line;
+- SWIFTCACHE_STEP_TRACE=<file>: one JSON line per scheduler loop iteration that ran a forward:
+  its wall time (from its start to the next iteration's) and its forwards' (`StepTimer`).
 Each file is read from the environment at install, in the server's start-up.
 """
 
@@ -24,6 +26,7 @@ from .thread_span import ThreadSpan
 FORWARD_TRACE_ENV = "SWIFTCACHE_FORWARD_TRACE"
 LOAD_TRACE_ENV = "SWIFTCACHE_LOAD_TRACE"
 RECLAIM_SPLIT_ENV = "SWIFTCACHE_RECLAIM_SPLIT"
+STEP_TRACE_ENV = "SWIFTCACHE_STEP_TRACE"
 COPY_FIELDS = ("copy_s", "rows_loaded", "rows_saved")
 
 
@@ -37,6 +40,10 @@ def install(observers: Any, environ: Mapping[str, str] | None = None) -> None:
         observers.batch_load = lambda facts: append_line(loads, facts)
     if environ.get(RECLAIM_SPLIT_ENV) == "1":
         observers.reclaim_fence = reclaim_split
+    steps = environ.get(STEP_TRACE_ENV)
+    if steps:
+        timer = StepTimer(steps, observers.forward)
+        observers.step, observers.forward = timer.mark, timer.forward
 
 
 def append_line(path: str, record: dict) -> None:
@@ -97,3 +104,36 @@ def reclaim_split():
     """The `reclaim_fence` point: a ThreadSpan from the fence's start to its acknowledgement."""
     span = ThreadSpan()
     return lambda: span.split().describe()
+
+
+class StepTimer:
+    """The `step` point with the `forward` point: each loop iteration that ran a forward is
+    appended as {"step_ms", "forward_ms", "forwards"} once the next iteration begins (the write
+    falls outside both); `inner` is another forward observer to chain (the forward trace).
+    Scheduler thread only."""
+
+    def __init__(self, path: str, inner: Any = None):
+        self.path, self.inner = path, inner
+        self._start: float | None = None
+        self._forward_s = 0.0
+        self._forwards = 0
+
+    def mark(self) -> None:
+        now = time.perf_counter()
+        if self._start is not None and self._forwards:
+            append_line(self.path, {"step_ms": (now - self._start) * 1e3,
+                                    "forward_ms": self._forward_s * 1e3,
+                                    "forwards": self._forwards})
+        self._start, self._forward_s, self._forwards = time.perf_counter(), 0.0, 0
+
+    def forward(self, runner: Any, forward_batch: Any):
+        t0 = time.perf_counter()
+        inner_done = self.inner(runner, forward_batch) if self.inner is not None else None
+
+        def done() -> None:
+            if inner_done is not None:
+                inner_done()
+            self._forward_s += time.perf_counter() - t0
+            self._forwards += 1
+
+        return done

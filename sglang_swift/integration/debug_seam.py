@@ -9,7 +9,9 @@ Points (`Observers`):
 - `batch_load(facts: dict)`: a borrower settled one batch's donor loads (`streaming.py`): layer
   ready and reached times from the batch's start, the scheduler's waits, the copies;
 - `reclaim_fence() -> finish() -> str`: called as a borrower's agent thread starts fencing a
-  reclaim, `finish()` once acknowledged; its text joins the acknowledgement's log line.
+  reclaim, `finish()` once acknowledged; its text joins the acknowledgement's log line;
+- `step()`: called as each scheduler loop iteration begins (before it takes in requests), with
+  or without SwiftCache: scheduler step times, with `forward`'s share of them.
 
 Installing: `SWIFTCACHE_INSTRUMENTS=package.module:function` in a server's environment, read when
 the plugin registers in each process (never at import); the function receives `OBSERVERS` and the
@@ -34,9 +36,11 @@ class Observers:
     forward: Callable[[Any, Any], Callable[[], None]] | None = None
     batch_load: Callable[[dict], None] | None = None
     reclaim_fence: Callable[[], Callable[[], str]] | None = None
+    step: Callable[[], None] | None = None
 
     def any(self) -> bool:
-        return any(v is not None for v in (self.forward, self.batch_load, self.reclaim_fence))
+        return any(v is not None for v in (self.forward, self.batch_load, self.reclaim_fence,
+                                           self.step))
 
 
 OBSERVERS = Observers()
@@ -66,7 +70,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> str | None:
 
 def reset() -> None:
     """No observer at any point (tests)."""
-    OBSERVERS.forward = OBSERVERS.batch_load = OBSERVERS.reclaim_fence = None
+    OBSERVERS.forward = OBSERVERS.batch_load = OBSERVERS.reclaim_fence = OBSERVERS.step = None
 
 
 def around_forward(orig: Callable, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any):
@@ -79,3 +83,11 @@ def around_forward(orig: Callable, runner: Any, forward_batch: Any, *args: Any, 
         return orig(runner, forward_batch, *args, **kwargs)
     finally:
         done()
+
+
+def before_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on the scheduler's per-iteration intake, registered only where a step
+    observer is installed."""
+    observe = OBSERVERS.step
+    if observe is not None:
+        observe()

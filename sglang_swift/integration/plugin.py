@@ -283,6 +283,8 @@ def server_hooks(config: SwiftConfig | None,
                       (tp.VALIDATE_INPUT, ls.after_validate_input_length)]
             if config.layer_stream_resident_fraction > 0:
                 hooks.append((tp.BUILD_ALLOCATOR, ls.after_build_allocator))
+    if observers.step is not None:
+        hooks.append((tp.STEP_MARK, debug_seam.before_step))
     if observers.forward is not None:
         hooks.append((tp.MODEL_FORWARD, debug_seam.around_forward))
     return hooks

@@ -215,6 +215,13 @@ KV_POOL_BUFFERS = TouchPoint(
     "sglang_swift.integration.shared_kv_pool",
     (Check(How.LEADING_PARAMS, names=("self",)),))
 
+STEP_MARK = TouchPoint(
+    f"{SCHEDULER}.ingest_requests", Kind.BEFORE,
+    "debug seam only (a step observer installed by a benchmark): marks each scheduler loop "
+    "iteration, so scheduler step times can be compared with and without SwiftCache",
+    "the step benchmark gets no step marks (no server behaves differently)",
+    f"{INTEGRATION}.plugin")
+
 # ---- the host tier (--enable-swiftcache with --enable-hierarchical-cache) ---------------------
 HOST_POOL = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
 HICACHE_FLAG = TouchPoint(
@@ -313,7 +320,7 @@ ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
     RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
-    HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS,
+    STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
     RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, *HICACHE_STAND_INS,
 )

@@ -117,3 +117,25 @@ def test_an_unimportable_instrument_fails_with_the_fix(seam):
     with pytest.raises(debug_seam.InstrumentsUnavailable, match="PYTHONPATH"):
         debug_seam.install_from_env({debug_seam.INSTRUMENTS_ENV: "no_such_module:install"})
     assert debug_seam.install_from_env({}) is None and not seam.any()
+
+
+def test_step_trace_writes_one_line_per_iteration_that_ran_a_forward(tmp_path, seam):
+    """The step point with the forward point: an iteration's line comes when the next begins,
+    carries its forwards' time inside its own, and idle iterations (no forward) write none;
+    the plugin registers the step mark only where a step observer is installed."""
+    from sglang_swift.integration import plugin
+
+    path = tmp_path / "steps.jsonl"
+    traces.install(seam, {traces.STEP_TRACE_ENV: str(path)})
+    assert [p.attr for p, _ in plugin.server_hooks(None, seam)] == ["ingest_requests",
+                                                                      "forward"]
+    for forwards in (2, 0, 1):
+        debug_seam.before_step(None)
+        for _ in range(forwards):
+            debug_seam.around_forward(lambda r, fb: None, None, None)
+    debug_seam.before_step(None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["forwards"] for r in rows] == [2, 1]
+    assert all(0 <= r["forward_ms"] <= r["step_ms"] for r in rows)
+    debug_seam.reset()
+    assert plugin.server_hooks(None, debug_seam.OBSERVERS) == []
