@@ -61,6 +61,13 @@ def host_tier_problems(server_args: Any, config: Any) -> list[str]:
     return problems
 
 
+class _ControllerView:
+    """What `HiCacheController.move_indices` reads of its controller."""
+
+    def __init__(self, io_backend: str, device: torch.device, mem_pool_host: Any):
+        self.io_backend, self.device, self.mem_pool_host = io_backend, device, mem_pool_host
+
+
 class HostKV:
     """Host memory for the tree's host tier: SGLang's host pool over device pool `kv_pool`.
 
@@ -105,18 +112,25 @@ class HostKV:
         host.write_through = server_args.hicache_write_policy == "write_through"
         return host
 
-    def _device_index(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots.to(self.device, non_blocking=True)
+    def _indices(self, host_slots: torch.Tensor,
+                 device_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both index tensors where the io backend and layout want them, by SGLang's own rule
+        (`HiCacheController.move_indices`, called with this pool: kernel copies take host
+        indices on the device; direct ones take device indices on the host, layer_first's in
+        host order). Moves are non-blocking, as the controller's."""
+        from sglang.srt.managers.cache_controller import HiCacheController
+
+        me = _ControllerView(self.io_backend, self.device, self.pool)
+        return HiCacheController.move_indices(me, host_slots, device_slots)
 
     def store(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        self.pool.backup_from_device_all_layer(self.kv_pool, host_slots,
-                                               self._device_index(device_slots), self.io_backend)
+        h, d = self._indices(host_slots, device_slots.to(self.device, non_blocking=True))
+        self.pool.backup_from_device_all_layer(self.kv_pool, h, d, self.io_backend)
 
     def load_layer(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
                    layer: int) -> None:
-        self.pool.load_to_device_per_layer(self.kv_pool, host_slots,
-                                           self._device_index(device_slots), layer,
-                                           self.io_backend)
+        h, d = self._indices(host_slots, device_slots.to(self.device, non_blocking=True))
+        self.pool.load_to_device_per_layer(self.kv_pool, h, d, layer, self.io_backend)
 
     def write_rows(self, host_slots: torch.Tensor, k_rows: list, v_rows: list) -> None:
         """Write token rows (per layer, `[n, heads, dim]` on any device) into `host_slots`,

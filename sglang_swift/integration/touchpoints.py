@@ -253,6 +253,15 @@ HOST_POOL_TRANSFERS = TouchPoint(
            "backup_from_device_all_layer",
            ("self", "device_pool", "host_indices", "device_indices", "io_backend"))))
 
+HOST_INDEX_RULE = TouchPoint(
+    "sglang.srt.managers.cache_controller.HiCacheController.move_indices", Kind.SIGNATURE,
+    "host tier copies place their index tensors by HiCache's own rule, called with a view "
+    "that has the controller's `io_backend`, `device` and `mem_pool_host`",
+    "host tier copies get their indices on the wrong device: they fail, and those prefixes "
+    "are recomputed", f"{INTEGRATION}.host_tier",
+    (Check(How.LEADING_PARAMS, names=("self", "host_indices", "device_indices")),
+     Check(How.SOURCE, names=("self.io_backend", "self.mem_pool_host", "self.device"))))
+
 # ---- the layer stream cache (--swiftcache-layer-stream host|donor) ---------------------------
 LAYER_STREAM = "sglang_swift.layer_stream"
 CONFIG_FROM_BUDGET = TouchPoint(
@@ -320,7 +329,7 @@ ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
     RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
-    STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS,
+    STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
     RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, *HICACHE_STAND_INS,
 )
