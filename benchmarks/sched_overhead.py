@@ -5,9 +5,10 @@ Every run serves the same multi-turn trace on the busy `small` model with the sa
 histories do not fit it, so the tree evicts), one request at a time, with the debug seam's step
 observer (`benchmarks/instruments/traces.py`, `SWIFTCACHE_STEP_TRACE`): each scheduler loop
 iteration that ran a forward, from its start to the next one's, and the forward's share of it.
-Runs: `stock`, `stock_twin` (the same again: the noise floor), `no_donation` (SwiftCache, no
-lending or borrowing), `borrower_no_hits` (a borrower alone on its node: a donor tier with no
-lease, so no hits), `borrower_hits` (a borrower beside a `tiny` donor lending half its pool).
+Runs, in this order: `stock`, `no_donation` (SwiftCache, no lending or borrowing),
+`borrower_no_hits` (a borrower alone on its node: a donor tier with no lease, so no hits),
+`borrower_hits` (a borrower beside a `tiny` donor lending half its pool), `stock_twin` (stock
+again, last: the noise floor, drift over the run included).
 
 The last line is a JSON object: `overhead_ratio_no_donation`, `overhead_ratio_borrower` (with
 hits) and `overhead_ratio_borrower_no_hits` are a run's mean step time over stock's;
@@ -36,7 +37,9 @@ from .tools.local_server import LocalServer, start_all
 from .tools.tiny_model import ensure_tiny_model
 from .workloads.sharegpt import load_conversations
 
-RUNS = ("stock", "stock_twin", "no_donation", "borrower_no_hits", "borrower_hits")
+# the twin runs last: the noise floor then includes whatever drifts over the run (caches,
+# clocks), which a ratio against the first run would otherwise credit to SwiftCache
+RUNS = ("stock", "no_donation", "borrower_no_hits", "borrower_hits", "stock_twin")
 POOL = 384
 DONOR_POOL = 4096
 

@@ -81,6 +81,10 @@ class HostKV:
                  io_backend: str, page_size: int):
         from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
+        from ..cpu_compat import hicache as cpu_hicache
+
+        if cpu_hicache.cpu_engine_active():  # the CPU copies serve the pairs a GPU serves
+            cpu_hicache.check_pair(io_backend, layout)
         infos = kv_pool.get_device_pool_infos()
         if len(infos) != 1:
             raise ValueError(f"SwiftCache's host tier serves one MHA device pool; this server's "
