@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from radix_ext.residency import DONOR, HOST, DonorResidency
 from radix_ext.results import LostPrefix, Released, RevokeResult, Transfer
@@ -111,15 +111,20 @@ class RevokeMixin:
                             tuple(moved), tuple(leaves))
 
     def _rescue(self, victims: list, released: list) -> list:
-        """Host copies for the victims that have none, shallowest first (a prefix is kept from
-        its root down, so a rescued node never hangs below a lost one); returns the transfers.
-        Room is made with every victim held, so making it never drops another victim."""
+        """Host copies for the victims that have none, shallowest first; returns the transfers.
+        A victim that finds no room is dropped with its subtree, so nothing below it is moved;
+        another victim may still fit. Room is made with every victim held, so making it never
+        drops another victim."""
         todo = sorted((x for x in victims if HOST not in x.res), key=self._depth)
         for x in todo:
             x.pins += 1
         moved = []
+        failed: set = set()
         try:
             for x in todo:
+                if self._below(x, failed):
+                    failed.add(x)
+                    continue
                 n = len(x.key)
                 res = self.host.alloc(n)
                 if res is None:
@@ -128,13 +133,25 @@ class RevokeMixin:
                             released.append(step)
                     res = self.host.alloc(n)
                 if res is None:
-                    break  # host holds nothing more that may go: the rest are dropped
+                    failed.add(x)  # dropped with its subtree; a smaller one may still fit
+                    continue
                 self._add_res(x, res)
                 moved.append(Transfer(DONOR, x.res[DONOR], HOST, res))
         finally:
             for x in todo:
                 x.pins -= 1
         return moved
+
+    def _below(self, x: Any, nodes: set) -> bool:
+        """Whether an ancestor of `x` is in `nodes`."""
+        if not nodes:
+            return False
+        y = x.parent
+        while y is not None and y is not self.root:
+            if y in nodes:
+                return True
+            y = y.parent
+        return False
 
     def _pending_donor(self) -> list:
         """Donor residencies of stores in flight (allocated, not yet in any node)."""

@@ -79,12 +79,14 @@ class Staged:
 class FenceSteps:
     """What one `Borrowing.fence` did: the lease blocks it fenced, the ms it took to find them
     (`LeasePacking.blocks_touching`) and to fence and stop the copies on them
-    (`PoolTransferEngine.fence`), and how many copies in flight it aborted."""
+    (`PoolTransferEngine.fence`), and how many copies in flight it aborted; `staged_ms`: the
+    read of the blocks for the host tier before the fence (0 without one)."""
 
     blocks: int
     blocks_ms: float
     copies_ms: float
     aborted: int
+    staged_ms: float = 0.0
 
 
 class Borrowing:
@@ -217,6 +219,7 @@ class Borrowing:
             return False
         start = time.perf_counter()
         blocks = held.packing.blocks_touching(ev.blocks, strict=False)
+        found = time.perf_counter()
         if self.write_host is not None and self._first_fence(ev):
             # only before the ack, which follows the first fence of a reclaim: a later fence
             # (the scheduler's, at its pump) may run after the donor took the pages back
@@ -224,8 +227,9 @@ class Borrowing:
         mid = time.perf_counter()
         aborted = held.engine.fence(blocks)
         # the steps of this fence, for the runtime's log line (read on the thread that fenced)
-        self.last_fence = FenceSteps(len(blocks), (mid - start) * 1e3,
-                                     (time.perf_counter() - mid) * 1e3, aborted)
+        self.last_fence = FenceSteps(len(blocks), (found - start) * 1e3,
+                                     (time.perf_counter() - mid) * 1e3, aborted,
+                                     (mid - found) * 1e3)
         return True
 
     def _map(self, memory: Any) -> Any:

@@ -222,8 +222,11 @@ class SwiftRuntime:
             where = finish() if finish is not None else ""
             steps = getattr(self.borrowing, "last_fence", None)
             detail = ("" if steps is None else
-                      f"{steps.blocks} blocks found in {steps.blocks_ms:.2f} ms, their copies "
-                      f"fenced in {steps.copies_ms:.2f} ms ({steps.aborted} aborted)")
+                      f"{steps.blocks} blocks found in {steps.blocks_ms:.2f} ms, "
+                      + (f"read for the host tier in {steps.staged_ms:.2f} ms, "
+                         if steps.staged_ms else "")
+                      + f"their copies fenced in {steps.copies_ms:.2f} ms "
+                        f"({steps.aborted} aborted)")
             # logged once the ack is sent (a log write must not delay the donor)
             self.agent.defer(logger.info, "SwiftCache: acknowledged %s's reclaim of %d pages of "
                              "lease %d from the agent thread after %.2f ms of fencing (%s)",

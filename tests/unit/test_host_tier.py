@@ -301,3 +301,26 @@ def test_write_through_with_a_donor_tier_keeps_a_donor_copy_and_a_reclaim_loses_
     assert result.num_tokens_lost == 0 and tree.tier_size(HOST) == 12
     assert [s.tier for s in tree.match(key, None).loads] == [HOST]
     tree.check_integrity()
+
+
+def test_a_rescue_that_cannot_place_one_prefix_still_places_the_others():
+    """Host room for the small prefix but not the big one: the big one is lost (and counted),
+    the small one moves to host."""
+    from array import array
+
+    from radix_ext import DONOR, HOST, RadixTree, TreeConfig, admission
+
+    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=8, cascade=False))
+    tree.donor.add_lease("d", 0, 1, 64)
+    big, small = array("q", range(100, 120)), array("q", range(200, 204))
+    tree.insert(big, array("q", range(20)), None)
+    tree.insert(small, array("q", range(20, 24)), None)
+    plan = tree.evict_device(24)
+    admission.settle(tree, plan.stores, [True] * len(plan.stores))
+    assert tree.tier_size(DONOR) == 24
+    result = tree.revoke("d", rescue=True)
+    assert result.num_tokens_lost == 20 and [list(p.tokens) for p in result.lost_paths] == \
+        [list(big)]
+    assert [len(t.dst.indices) for t in result.moved] == [4]
+    assert [s.tier for s in tree.match(small, None).loads] == [HOST]
+    tree.check_integrity()
