@@ -26,12 +26,9 @@ touches only the engine's thread-safe fence.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from ..control import LeaseGranted, LeaseKey, LeaseLost, ReclaimRequested
 from . import (
@@ -65,16 +62,6 @@ class BorrowedLease:
         return self.packing.num_blocks - len(self.gone)
 
 
-@dataclass
-class Staged:
-    """Lease blocks read before a reclaim let them go: block `blocks[i]` is rows
-    `i * page_size ...` of the per-layer `k` / `v` tensors."""
-
-    blocks: list
-    k: list
-    v: list
-
-
 @dataclass(frozen=True)
 class FenceSteps:
     """What one `Borrowing.fence` did: the lease blocks it fenced, the ms it took to find them
@@ -94,9 +81,9 @@ class Borrowing:
 
     last_fence: FenceSteps | None = None  # the latest fence's steps (runtime's log line)
     # With a host tier below (set by the cache): `fence` first reads the reclaimed blocks
-    # into memory of this server's own (`_stage`), and `on_reclaim` moves what the tree
-    # rescues into host slots through `write_host(host_slots, k_rows, v_rows)`.
-    write_host: Any = None
+    # into memory of this server's own, and `on_reclaim` moves what the tree rescues into host
+    # slots (`reclaim_staging.ReclaimStaging`).
+    staging: Any = None
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
                  stats: dict) -> None:
@@ -115,9 +102,6 @@ class Borrowing:
         self._retry_at = 0.0
         self._failures = 0
         self._inflight: dict[tuple[str, int], list[tuple[Any, set[int]]]] = {}
-        self._staged: dict[tuple[str, int], list[Staged]] = {}
-        self._fenced: set = set()  # (lease key, reclaim id) of reclaims fenced once already
-        self._staged_lock = threading.Lock()
 
     # ---- asking for leases --------------------------------------------------------------
     @property
@@ -220,10 +204,10 @@ class Borrowing:
         start = time.perf_counter()
         blocks = held.packing.blocks_touching(ev.blocks, strict=False)
         found = time.perf_counter()
-        if self.write_host is not None and self._first_fence(ev):
+        if self.staging is not None and self.staging.first_fence(ev):
             # only before the ack, which follows the first fence of a reclaim: a later fence
             # (the scheduler's, at its pump) may run after the donor took the pages back
-            self._stage(held, [b for b in blocks if b not in held.gone], ev.deadline)
+            self.staging.stage(held, [b for b in blocks if b not in held.gone], ev.deadline)
         mid = time.perf_counter()
         aborted = held.engine.fence(blocks)
         # the steps of this fence, for the runtime's log line (read on the thread that fenced)
@@ -251,86 +235,15 @@ class Borrowing:
         self.fence(ev)
         local = [b for b in held.packing.blocks_touching(ev.blocks, strict=False)
                  if b not in held.gone]
-        staged = []
-        if self.write_host is not None:
-            with self._staged_lock:
-                staged = self._staged.pop((ev.key.donor, ev.key.lease_id), [])
-                self._fenced.discard((ev.key, ev.reclaim_id))
-        rows = {b: (part, i) for part in staged for i, b in enumerate(part.blocks)}
+        rows = self.staging.take(ev) if self.staging is not None else {}
         rescue = bool(local) and all(b in rows for b in local)
         result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local,
                              rescue=rescue)
         held.gone.update(local)
         if result.moved:
-            self._write_rescued(result.moved, rows, held.packing.borrower.page_size)
+            n = self.staging.write(result.moved, rows, held.packing.borrower.page_size)
+            self.stats["rescued_tokens"] = self.stats.get("rescued_tokens", 0) + n
         return result
-
-    def _first_fence(self, ev: ReclaimRequested) -> bool:
-        """Whether this is the first fence of reclaim `ev` (any thread)."""
-        tag = (ev.key, ev.reclaim_id)
-        with self._staged_lock:
-            if tag in self._fenced:
-                return False
-            self._fenced.add(tag)
-            return True
-
-    def _stage(self, held: BorrowedLease, blocks: list[int], deadline: float) -> None:
-        """Read lease blocks `blocks` into fresh local memory before the fence lets them go
-        (CPU engines: on the calling thread, the agent's; a GPU lease is not staged yet, so its
-        reclaimed prefixes are recomputed as without a host tier). What could not be read is
-        not staged: the tree then drops those copies."""
-        if not blocks or held.engine.lane.stream is not None:
-            return
-        g = held.packing.borrower
-        rows = len(blocks) * g.page_size
-        dev = held.engine.local_device
-        ks = [torch.empty(rows, g.num_kv_heads, g.head_dim, dtype=g.dtype, device=dev)
-              for _ in range(g.num_layers)]
-        vs = [torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
-              for _ in range(g.num_layers)]
-        e = held.engine
-        # the lease's own read deadline (its donor vouched for it recently) and the reclaim's
-        # (the donor may take the pages back without an ack after it): bytes read past either
-        # could be the donor's own again, so the read fails and the prefixes are recomputed
-        reader = PoolTransferEngine(held.packing, e.region, ks, vs, lane=e.lane,
-                                    liveness=e.liveness, lease_epoch=e.lease_epoch,
-                                    read_deadline=lambda: min(e.read_deadline(), deadline))
-        result = reader.load_here(torch.arange(rows), blocks)
-        if not result.ok:
-            logger.warning("SwiftCache: could not read the reclaimed blocks of lease %s before "
-                           "letting them go (%s); their prefixes will be recomputed",
-                           held.key, result.reason)
-            return
-        with self._staged_lock:
-            self._staged.setdefault((held.key.donor, held.key.lease_id), []).append(
-                Staged(list(blocks), ks, vs))
-
-    def _write_rescued(self, moved: tuple, rows: dict, page: int) -> None:
-        """Write the staged rows of each rescued copy into the host slots the tree gave it."""
-        host = []
-        picks: dict[int, list] = {}  # id(part) -> (position in the write, row in the part)
-        parts = {}
-        order = []
-        for t in moved:
-            for i, slot in enumerate(t.dst.indices):
-                part, pos = rows[t.src.blocks[i // page]]
-                parts[id(part)] = part
-                picks.setdefault(id(part), []).append((len(host), pos * page + i % page))
-                host.append(slot)
-                order.append(id(part))
-        n = len(host)
-        first = next(iter(parts.values()))
-        ks = [torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=k.device) for k in first.k]
-        vs = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in first.v]
-        for pid, pairs in picks.items():
-            part = parts[pid]
-            at = torch.tensor([a for a, _ in pairs])
-            src = torch.tensor([b for _, b in pairs])
-            for layer in range(len(ks)):
-                ks[layer][at] = part.k[layer][src]
-                vs[layer][at] = part.v[layer][src]
-        self.write_host(torch.tensor(host, dtype=torch.int64), ks, vs)
-        self.stats["rescued_tokens"] = self.stats.get("rescued_tokens", 0) + n
 
     def on_lost(self, ev: LeaseLost, tree: Any) -> Any:
         held = self.leases.pop((ev.key.donor, ev.key.lease_id), None)

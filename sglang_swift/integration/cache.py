@@ -159,7 +159,9 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
                                     page_size=self.page_size, agent_id=agent_id)
         self.runtime.stats.update({k: 0 for k in STREAM_STATS})
         if self.host_kv is not None and config.borrows:  # a reclaimed donor page goes to host
-            self.runtime.borrowing.write_host = self.host_kv.write_rows
+            from ..dataplane.reclaim_staging import ReclaimStaging
+
+            self.runtime.borrowing.staging = ReclaimStaging(self.host_kv.write_rows)
         if config.borrows or self.host_kv is not None:
             self._start_streaming(config, kv_pool, tp_worker)
         if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics

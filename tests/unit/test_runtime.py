@@ -395,6 +395,7 @@ def test_a_reclaim_moves_the_donor_tier_into_host_memory_instead_of_dropping_it(
         tmp_path, monkeypatch):
     """With a host tier, the borrower reads the reclaimed blocks on the agent's thread before
     it acknowledges, and the tree keeps their prefixes in host slots: the same bytes."""
+    from sglang_swift.dataplane.reclaim_staging import ReclaimStaging
     from sglang_swift.integration.host_tier import HostKV
 
     donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
@@ -404,7 +405,7 @@ def test_a_reclaim_moves_the_donor_tier_into_host_memory_instead_of_dropping_it(
     host = HostKV(borrower.kv_pool, ratio=1.0, size_gb=0, layout="layer_first",
                   io_backend="kernel", page_size=1)
     borrower.tree = RadixTree(borrower.config.tree_config(1, host.capacity))
-    borrower.borrowing.write_host = host.write_rows
+    borrower.borrowing.staging = ReclaimStaging(host.write_rows)
     donor.start()
     borrower.start()
     try:

@@ -1,0 +1,115 @@
+"""What a borrower with a host tier keeps of a reclaim: the reclaimed blocks' bytes, read before
+the acknowledgement lets the donor have them back, then written into the host slots the tree
+moves those prefixes to (`RadixTree.revoke(rescue=True)`).
+
+Threads: `first_fence` and `stage` run on the thread that fences (the agent's, or the
+scheduler's when the agent's thread did not know the lease yet); `take` and `write` on the
+scheduler thread at its pump. Only the first fence of a reclaim stages: it comes before the ack,
+a later one may come after it. The read checks the lease's read deadline and the reclaim's (the
+donor may take the pages back without an ack after it), the donor's liveness and the lease epoch,
+as any copy: bytes read past any of them could be the donor's own again, so such a read fails
+and its prefixes are recomputed, never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .pool_transfer import PoolTransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    """Lease blocks read before a reclaim let them go: block `blocks[i]` is rows
+    `i * page_size ...` of the per-layer `k` / `v` tensors."""
+
+    blocks: list
+    k: list
+    v: list
+
+
+class ReclaimStaging:
+    """`write_host(host_slots, k_rows, v_rows)` writes rows into the host tier (`HostKV`)."""
+
+    def __init__(self, write_host: Callable[[torch.Tensor, list, list], None]):
+        self.write_host = write_host
+        self._staged: dict[tuple[str, int], list[Staged]] = {}
+        self._fenced: set = set()  # (lease key, reclaim id) of reclaims fenced once already
+        self._lock = threading.Lock()
+
+    def first_fence(self, ev: Any) -> bool:
+        """Whether this is the first fence of reclaim `ev` (any thread)."""
+        tag = (ev.key, ev.reclaim_id)
+        with self._lock:
+            if tag in self._fenced:
+                return False
+            self._fenced.add(tag)
+            return True
+
+    def stage(self, held: Any, blocks: list[int], deadline: float) -> None:
+        """Read lease `held`'s blocks `blocks` into fresh local memory (CPU engines: on the
+        calling thread; a GPU lease is not staged yet, so its reclaimed prefixes are recomputed
+        as without a host tier). What could not be read is not staged: the tree then drops
+        those copies."""
+        if not blocks or held.engine.lane.stream is not None:
+            return
+        g = held.packing.borrower
+        rows = len(blocks) * g.page_size
+        dev = held.engine.local_device
+        ks = [torch.empty(rows, g.num_kv_heads, g.head_dim, dtype=g.dtype, device=dev)
+              for _ in range(g.num_layers)]
+        vs = [torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
+              for _ in range(g.num_layers)]
+        e = held.engine
+        reader = PoolTransferEngine(held.packing, e.region, ks, vs, lane=e.lane,
+                                    liveness=e.liveness, lease_epoch=e.lease_epoch,
+                                    read_deadline=lambda: min(e.read_deadline(), deadline))
+        result = reader.load_here(torch.arange(rows), blocks)
+        if not result.ok:
+            logger.warning("SwiftCache: could not read the reclaimed blocks of lease %s before "
+                           "letting them go (%s); their prefixes will be recomputed",
+                           held.key, result.reason)
+            return
+        with self._lock:
+            self._staged.setdefault((held.key.donor, held.key.lease_id), []).append(
+                Staged(list(blocks), ks, vs))
+
+    def take(self, ev: Any) -> dict:
+        """The staged blocks of `ev`'s lease, block -> (part, position), forgotten here."""
+        with self._lock:
+            staged = self._staged.pop((ev.key.donor, ev.key.lease_id), [])
+            self._fenced.discard((ev.key, ev.reclaim_id))
+        return {b: (part, i) for part in staged for i, b in enumerate(part.blocks)}
+
+    def write(self, moved: tuple, rows: dict, page: int) -> int:
+        """Write the staged rows of each rescued copy (`Transfer` donor -> host) into the host
+        slots the tree gave it; returns the tokens written."""
+        host: list[int] = []
+        picks: dict[int, list] = {}  # id(part) -> (position in the write, row in the part)
+        parts: dict[int, Staged] = {}
+        for t in moved:
+            for i, slot in enumerate(t.dst.indices):
+                part, pos = rows[t.src.blocks[i // page]]
+                parts[id(part)] = part
+                picks.setdefault(id(part), []).append((len(host), pos * page + i % page))
+                host.append(slot)
+        n = len(host)
+        first = next(iter(parts.values()))
+        ks = [torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=k.device) for k in first.k]
+        vs = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in first.v]
+        for pid, pairs in picks.items():
+            part = parts[pid]
+            at = torch.tensor([a for a, _ in pairs])
+            src = torch.tensor([b for _, b in pairs])
+            for layer in range(len(ks)):
+                ks[layer][at] = part.k[layer][src]
+                vs[layer][at] = part.v[layer][src]
+        self.write_host(torch.tensor(host, dtype=torch.int64), ks, vs)
+        return n
