@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from radix_ext.residency import DEVICE
-from radix_ext.results import Released, Transfer
+from radix_ext.results import Transfer
 
 
 class BackupMixin:
@@ -25,8 +25,7 @@ class BackupMixin:
         tier), chosen by the eviction policy as for a demotion, never one on this path. It stops
         at the first node the tier has no room for (a backup follows the path from the root). A
         copy that could not be made is taken back with `forget_backup`."""
-        t = self.tiers.get(tier)
-        if t is None:
+        if tier not in self.tiers:
             raise ValueError(f"no {tier} tier to back up into")
         path = []
         x = node
@@ -43,12 +42,7 @@ class BackupMixin:
         released: list = []
         try:
             for x in path:
-                n = len(x.key)
-                res = t.alloc(n)
-                if res is None:
-                    released.extend(s for s in self._make_room(tier, n, chunk=False).steps
-                                    if type(s) is Released)
-                    res = t.alloc(n)
+                res = self._alloc_or_make_room(tier, len(x.key), released)
                 if res is None:
                     break
                 self._add_res(x, res)

@@ -125,13 +125,7 @@ class RevokeMixin:
                 if self._below(x, failed):
                     failed.add(x)
                     continue
-                n = len(x.key)
-                res = self.host.alloc(n)
-                if res is None:
-                    for step in self._make_room(HOST, n, chunk=False).steps:
-                        if type(step) is Released:
-                            released.append(step)
-                    res = self.host.alloc(n)
+                res = self._alloc_or_make_room(HOST, len(x.key), released)
                 if res is None:
                     failed.add(x)  # dropped with its subtree; a smaller one may still fit
                     continue

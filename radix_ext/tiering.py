@@ -108,6 +108,18 @@ class TieringMixin:
         self._begin_store(x, dev, tier, res, steps)
         return True
 
+    def _alloc_or_make_room(self, tier: str, n: int, released: list) -> Any:
+        """An `n`-token residency in `tier`, from free room or else from room made by dropping
+        its least valuable droppable copies (appended to `released`); None when none is left.
+        Pinned nodes keep their copies."""
+        t = self.tiers[tier]
+        res = t.alloc(n)
+        if res is None:
+            released.extend(s for s in self._make_room(tier, n, chunk=False).steps
+                            if type(s) is Released)
+            res = t.alloc(n)
+        return res
+
     def _room_scopes(self, t: Any, pref: Any, n: int) -> list:
         """Where room for an `n`-token copy may be made: a copy lives in one lease, so in a donor
         tier without a preference each lease big enough, most free blocks first (room made

@@ -286,18 +286,11 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         transfers, _ = self.tree.back_up(node, HOST)
         if not transfers:
             return
-        dev, host = array("q"), array("q")
-        for t in transfers:
-            dev.extend(t.src.indices)
-            host.extend(t.dst.indices)
         try:
-            self.host_kv.store(indices_to_tensor(dev, self.host_kv.device),
-                               indices_to_tensor(host, torch.device("cpu")))
+            self.stats["host_stored_tokens"] += self.host_kv.store_copies(transfers)
         except Exception:  # noqa: BLE001 - the host copy is an optimisation; the device has it
             logger.exception("SwiftCache: a write-through copy into the host tier failed")
             self.tree.forget_backup(transfers)
-            return
-        self.stats["host_stored_tokens"] += len(dev)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Evict through the tree. SGLang's allocator needs the room when this returns: a

@@ -29,8 +29,6 @@ import time
 from array import array
 from typing import Any
 
-import torch
-
 from radix_ext import admission
 from radix_ext.residency import HOST
 from radix_ext.results import Released, StoreTicket, Transfer
@@ -106,27 +104,16 @@ class Demotions:
         `backup_from_device_all_layer` for all of them) and settle the tickets: on the
         scheduler's stream, so on a GPU the forward that rewrites the freed slots runs after
         the copy, and the host does not wait (CPU: copied here)."""
-        from .cache import indices_to_tensor
-
         start = time.perf_counter()
-        dev = array("q")
-        host = array("q")
-        for t in stores:
-            dev.extend(t.src.indices)
-            host.extend(t.dst.indices)
         try:
-            self.host_kv.store(indices_to_tensor(dev, self.host_kv.device),
-                               indices_to_tensor(host, torch.device("cpu")))
+            self.stats["host_stored_tokens"] += self.host_kv.store_copies(stores)
             ok = True
         except Exception:  # noqa: BLE001 - a failed store drops its victims, never wrong KV
             logger.exception("SwiftCache: a store into the host tier failed; its prefixes are "
                              "dropped and recomputed when asked again")
             ok = False
-        self.stats["stores_started"] += len(stores)
-        if ok:
-            self.stats["host_stored_tokens"] += len(dev)
-        else:
             self.stats["refused_stores"] += 1
+        self.stats["stores_started"] += len(stores)
         to_free = admission.settle(self.cache.tree, stores, [ok] * len(stores))
         took = time.perf_counter() - start
         self.stats["evict_wait_s"] += took

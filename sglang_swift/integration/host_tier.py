@@ -16,6 +16,7 @@ with the option named and what to pass instead; the launcher refuses them before
 from __future__ import annotations
 
 import logging
+from array import array
 from typing import Any
 
 import torch
@@ -130,6 +131,18 @@ class HostKV:
     def store(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         h, d = self._indices(host_slots, device_slots.to(self.device, non_blocking=True))
         self.pool.backup_from_device_all_layer(self.kv_pool, h, d, self.io_backend)
+
+    def store_copies(self, copies: Any) -> int:
+        """`store` for tree records with `.src` device and `.dst` host residencies (store
+        tickets, write-through transfers), in one call; returns the tokens copied."""
+        dev, host = array("q"), array("q")
+        for c in copies:
+            dev.extend(c.src.indices)
+            host.extend(c.dst.indices)
+        if len(dev):
+            self.store(torch.frombuffer(dev, dtype=torch.int64).clone(),
+                       torch.frombuffer(host, dtype=torch.int64).clone())
+        return len(dev)
 
     def load_layer(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
                    layer: int) -> None:
