@@ -36,20 +36,15 @@ class BackupMixin:
         if not path:
             return (), ()
         path.reverse()
-        for x in path:
-            x.pins += 1  # making room must not drop a copy on this path
         transfers: list = []
         released: list = []
-        try:
+        with self._held(path):  # making room must not drop a copy on this path
             for x in path:
                 res = self._alloc_or_make_room(tier, len(x.key), released)
                 if res is None:
                     break
                 self._add_res(x, res)
                 transfers.append(Transfer(DEVICE, x.res[DEVICE], tier, res))
-        finally:
-            for x in path:
-                x.pins -= 1
         return tuple(transfers), tuple(released)
 
     def forget_backup(self, transfers: tuple) -> None:

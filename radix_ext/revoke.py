@@ -116,11 +116,9 @@ class RevokeMixin:
         another victim may still fit. Room is made with every victim held, so making it never
         drops another victim."""
         todo = sorted((x for x in victims if HOST not in x.res), key=self._depth)
-        for x in todo:
-            x.pins += 1
         moved = []
         failed: set = set()
-        try:
+        with self._held(todo):
             for x in todo:
                 if self._below(x, failed):
                     failed.add(x)
@@ -131,9 +129,6 @@ class RevokeMixin:
                     continue
                 self._add_res(x, res)
                 moved.append(Transfer(DONOR, x.res[DONOR], HOST, res))
-        finally:
-            for x in todo:
-                x.pins -= 1
         return moved
 
     def _below(self, x: Any, nodes: set) -> bool:

@@ -4,7 +4,8 @@ set, splits, and read-only queries (path indices, prefixes, sizes)."""
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 from radix_ext.node import Node
 from radix_ext.residency import DEVICE
@@ -12,6 +13,19 @@ from radix_ext.results import LoadSegment
 
 
 class StructureMixin:
+    @contextmanager
+    def _held(self, nodes: Iterable[Node]) -> Iterator[None]:
+        """Pin `nodes` for the block (room made meanwhile never drops their copies), as
+        `admission.holding` does for a match's lower part."""
+        nodes = tuple(nodes)
+        for x in nodes:
+            x.pins += 1
+        try:
+            yield
+        finally:
+            for x in nodes:
+                x.pins -= 1
+
     def _new_node(self, parent: Node, key: array, ck: Any) -> Node:
         node = Node(self._next_id, parent, key, ck, self.clock)
         self._next_id += 1

@@ -8,9 +8,9 @@ The three runs of bench_node (nodebench/plan.py):
               in the leases the live borrower asks for (the first sized one donor page per
               wanted block, before it knows the donor's layout: 128 + 384 blocks here), the
               busy server's radix_ext tree gets a donor tier; an eviction that needs room
-              stores its victims there before the step computes (the live borrower since commit
-              0be01c3; before it, stores ran beside the scheduler and the borrower demoted ahead
-              to keep 1/8 of its pool free: `demote_ahead=0.125`); hits load back layer by layer;
+              stores its victims there before the step computes, as the live borrower does
+              (`demote_ahead` > 0 models demoting ahead to keep that share of the pool free
+              instead); hits load back layer by layer;
               copies cost the measured PoolTransferEngine time
   ideal       stock, the busy pool grown by what the simulated (b) borrowed, the donor's shrunk by
               what it lent

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from radix_ext import DEVICE, DONOR, HOST, DevicePool, RadixTree, TreeConfig
+from radix_ext import DEVICE, HOST, DevicePool, RadixTree, TreeConfig
 
 from .donor_hits import DonorHitsMixin
 
@@ -144,10 +144,7 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self._start_streaming(config, self.token_to_kv_pool_allocator.get_kvcache(),
                                   tp_worker)
             if enable_metrics:
-                from .metrics import SwiftMetrics
-
-                self.metrics = SwiftMetrics({"agent": agent_id or model or "server",
-                                             "role": "host"})
+                self._start_metrics(agent_id or model or "server", "host")
 
     def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
                        enable_metrics: bool, tp_worker: Any) -> None:
@@ -164,11 +161,15 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self.runtime.borrowing.staging = ReclaimStaging(self.host_kv.write_rows)
         if config.borrows or self.host_kv is not None:
             self._start_streaming(config, kv_pool, tp_worker)
-        if enable_metrics:  # SGLang's --enable-metrics: our series join its /metrics
-            from .metrics import SwiftMetrics
-
-            self.metrics = SwiftMetrics({"agent": self.runtime.agent_id, "role": config.role})
+        if enable_metrics:
+            self._start_metrics(self.runtime.agent_id, config.role)
         self.runtime.start()
+
+    def _start_metrics(self, agent: str, role: str) -> None:
+        """SGLang's --enable-metrics: our series join its /metrics."""
+        from .metrics import SwiftMetrics
+
+        self.metrics = SwiftMetrics({"agent": agent, "role": role})
 
     @property
     def stats(self) -> dict:
@@ -232,11 +233,12 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
     def _report(self, now: float) -> None:
         """Log the counters every REPORT_INTERVAL_S while they change."""
         if now - self._last_report >= REPORT_INTERVAL_S and self.stats != self._reported:
+            from .metrics import tier_tokens
+
             self._last_report, self._reported = now, dict(self.stats)
+            tiers = tier_tokens(self.tree)
             logger.info("SwiftCache stats: %s; donor tier %d tokens, host tier %d tokens",
-                        self._reported,
-                        self.tree.tier_size(DONOR) if self.tree.donor is not None else 0,
-                        self.tree.tier_size(HOST) if self.tree.host is not None else 0)
+                        self._reported, tiers["donor_tier_tokens"], tiers["host_tier_tokens"])
 
     # ---- tree operations ----------------------------------------------------------------------
 

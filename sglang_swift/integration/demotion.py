@@ -93,10 +93,7 @@ class Demotions:
             else:  # the donor is not writable now: the eviction drops them instead
                 self.stats["refused_stores"] += 1
             to_free.extend(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
-        took = time.perf_counter() - start
-        self.stats["evict_wait_s"] += took
-        self.stats["evict_waits"] += 1
-        self.stats["evict_store_max_s"] = max(self.stats["evict_store_max_s"], took)
+        self._waited(start)
         return to_free
 
     def _store_host(self, stores: list) -> array:
@@ -115,11 +112,15 @@ class Demotions:
             self.stats["refused_stores"] += 1
         self.stats["stores_started"] += len(stores)
         to_free = admission.settle(self.cache.tree, stores, [ok] * len(stores))
+        self._waited(start)
+        return to_free
+
+    def _waited(self, start: float) -> None:
+        """Account the scheduler-thread time since `start` one eviction spent storing."""
         took = time.perf_counter() - start
         self.stats["evict_wait_s"] += took
         self.stats["evict_waits"] += 1
         self.stats["evict_store_max_s"] = max(self.stats["evict_store_max_s"], took)
-        return to_free
 
     def track(self, copy: InFlightCopy) -> None:
         """A GPU copy enqueued outside an eviction (an exchange) that `poll` releases too."""

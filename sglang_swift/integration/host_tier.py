@@ -62,6 +62,18 @@ def host_tier_problems(server_args: Any, config: Any) -> list[str]:
     return problems
 
 
+def _gather(records: Any, dev_side: str, host_side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device and host slot indices of tree records, as two CPU int64 tensors in order."""
+    dev, host = array("q"), array("q")
+    for r in records:
+        dev.extend(getattr(r, dev_side).indices)
+        host.extend(getattr(r, host_side).indices)
+    return (torch.frombuffer(dev, dtype=torch.int64).clone() if len(dev) else
+            torch.empty(0, dtype=torch.int64),
+            torch.frombuffer(host, dtype=torch.int64).clone() if len(host) else
+            torch.empty(0, dtype=torch.int64))
+
+
 class _ControllerView:
     """What `HiCacheController.move_indices` reads of its controller."""
 
@@ -79,7 +91,7 @@ class HostKV:
     device."""
 
     def __init__(self, kv_pool: Any, *, ratio: float, size_gb: int, layout: str,
-                 io_backend: str, page_size: int):
+                 io_backend: str, page_size: int, write_through: bool = False):
         from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
         from ..cpu_compat import hicache as cpu_hicache
@@ -99,7 +111,7 @@ class HostKV:
                         end_layer=kv_pool.end_layer,
                         write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
         self.capacity = self.pool.size
-        self.write_through = False  # set by from_server_args for --hicache-write-policy
+        self.write_through = write_through  # --hicache-write-policy write_through
         self.token_bytes = self.pool.size_per_token
         self.device = torch.device(kv_pool.device) if isinstance(kv_pool.device, str) \
             else kv_pool.device
@@ -111,11 +123,10 @@ class HostKV:
     def from_server_args(cls, kv_pool: Any, server_args: Any, page_size: int) -> "HostKV":
         """Sized and laid out by the server's HiCache options, as SGLang resolved them."""
         ratio = getattr(server_args, "hicache_ratio", None) or 2.0
-        host = cls(kv_pool, ratio=float(ratio), size_gb=int(server_args.hicache_size or 0),
+        return cls(kv_pool, ratio=float(ratio), size_gb=int(server_args.hicache_size or 0),
                    layout=server_args.hicache_mem_layout,
-                   io_backend=server_args.hicache_io_backend, page_size=page_size)
-        host.write_through = server_args.hicache_write_policy == "write_through"
-        return host
+                   io_backend=server_args.hicache_io_backend, page_size=page_size,
+                   write_through=server_args.hicache_write_policy == "write_through")
 
     def _indices(self, host_slots: torch.Tensor,
                  device_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,19 +146,26 @@ class HostKV:
     def store_copies(self, copies: Any) -> int:
         """`store` for tree records with `.src` device and `.dst` host residencies (store
         tickets, write-through transfers), in one call; returns the tokens copied."""
-        dev, host = array("q"), array("q")
-        for c in copies:
-            dev.extend(c.src.indices)
-            host.extend(c.dst.indices)
+        dev, host = _gather(copies, "src", "dst")
         if len(dev):
-            self.store(torch.frombuffer(dev, dtype=torch.int64).clone(),
-                       torch.frombuffer(host, dtype=torch.int64).clone())
+            self.store(dev, host)
         return len(dev)
 
     def load_layer(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
                    layer: int) -> None:
         h, d = self._indices(host_slots, device_slots.to(self.device, non_blocking=True))
         self.pool.load_to_device_per_layer(self.kv_pool, h, d, layer, self.io_backend)
+
+    def load_copies(self, copies: Any, on_layer: Any) -> int:
+        """Every layer of tree load records (`.src` host, `.dst` device residencies) in one
+        transfer, the indices placed once; `on_layer(layer)` after each layer's copy is issued.
+        Returns the tokens loaded."""
+        dev, host = _gather(copies, "dst", "src")
+        h, d = self._indices(host, dev.to(self.device, non_blocking=True))
+        for layer in range(self.num_layers):
+            self.pool.load_to_device_per_layer(self.kv_pool, h, d, layer, self.io_backend)
+            on_layer(layer)
+        return len(dev)
 
     def write_rows(self, host_slots: torch.Tensor, k_rows: list, v_rows: list) -> None:
         """Write token rows (per layer, `[n, heads, dim]` on any device) into `host_slots`,

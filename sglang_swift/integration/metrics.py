@@ -109,15 +109,20 @@ class SwiftMetrics:
             self._gauges[key].set(value)
 
 
-def gauges_of(runtime: Any, tree: Any, pool_tokens: int) -> dict[str, float]:
-    """The gauges of a server: `runtime` None for one without a control channel."""
+def tier_tokens(tree: Any) -> dict[str, int]:
+    """The tree's lower tiers now (what /metrics, `ctl status` and the log show): cached tokens
+    in donor memory and in the host tier, and the host tier's size; 0 for a tier it lacks."""
     from radix_ext import DONOR, HOST
 
+    return {"donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0,
+            "host_tier_tokens": tree.tier_size(HOST) if tree.host is not None else 0,
+            "host_capacity_tokens": tree.host.capacity_tokens() if tree.host is not None else 0}
+
+
+def gauges_of(runtime: Any, tree: Any, pool_tokens: int) -> dict[str, float]:
+    """The gauges of a server: `runtime` None for one without a control channel."""
     out = {"kv_pool_tokens": pool_tokens, "lent_tokens": 0, "borrowed_tokens": 0,
-           "usable_tokens": pool_tokens,
-           "donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0,
-           "host_tier_tokens": tree.tier_size(HOST) if tree.host is not None else 0,
-           "host_capacity_tokens": tree.host.capacity_tokens() if tree.host is not None else 0}
+           "usable_tokens": pool_tokens, **tier_tokens(tree)}
     if runtime is not None:
         out.update(lent_tokens=runtime.lent_tokens, borrowed_tokens=runtime.borrowed_tokens(),
                    usable_tokens=runtime.usable_tokens())

@@ -6,7 +6,8 @@ what the rescue found no host room for). `ReclaimLoss` keeps those prefixes and,
 counts the tokens of a lost prefix the request asks for beyond what the match found cached; once
 counted, those tokens are cached again by that request's prefill, so they are not counted twice.
 Bounded: at most MAX_PREFIXES prefixes are watched (the oldest go first), and a prefix is dropped
-once every token of it was asked for again. Runs on the scheduler thread.
+once every token of it was asked for again. Runs on the scheduler thread, on every match while
+something is watched: only the prefixes that begin with the request's first token are compared.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ MAX_PREFIXES = 512
 
 class ReclaimLoss:
     def __init__(self, limit: int = MAX_PREFIXES):
-        self._lost: deque = deque(maxlen=limit)  # [namespace, tokens, tokens still cached]
+        self.limit = limit
+        # (namespace, first token) -> [tokens, tokens still cached] per watched prefix
+        self._lost: dict[tuple, list[list]] = {}
+        self._order: deque = deque()  # (head, entry) in the order added, for the bound
 
     def __bool__(self) -> bool:
         return bool(self._lost)
@@ -28,29 +32,45 @@ class ReclaimLoss:
         """Watch the `LostPrefix` records of one reclaim."""
         for p in lost:
             if p.still_cached < len(p.tokens):
-                self._lost.append([p.namespace, p.tokens, p.still_cached])
+                head = (p.namespace, p.tokens[0])
+                entry = [p.tokens, p.still_cached]
+                self._lost.setdefault(head, []).append(entry)
+                self._order.append((head, entry))
+        while len(self._order) > self.limit:
+            self._drop(*self._order.popleft())
 
     def recomputed(self, tokens: Sequence[int], namespace: Any, cached_len: int) -> int:
         """Tokens of lost prefixes a request for `tokens` must prefill again: those of each
         lost prefix it covers past `cached_len` (what its match found in any tier)."""
+        if not len(tokens):
+            return 0
+        head = (namespace, tokens[0])
         spans = []  # positions of the request's tokens each lost prefix covers, uncached
-        keep = []
-        for entry in self._lost:
-            ns, lost, still = entry
-            if ns == namespace:
-                common = _common_prefix(tokens, lost)
-                if common > max(still, cached_len):
-                    spans.append((max(still, cached_len), common))
-                entry[2] = max(still, common)
-            if entry[2] < len(entry[1]):
-                keep.append(entry)
-        if len(keep) != len(self._lost):
-            self._lost = deque(keep, maxlen=self._lost.maxlen)
+        for entry in list(self._lost.get(head, ())):
+            lost, still = entry
+            common = _common_prefix(tokens, lost)
+            if common > max(still, cached_len):
+                spans.append((max(still, cached_len), common))
+            entry[1] = max(still, common)
+            if entry[1] >= len(lost):
+                self._drop(head, entry)
         total = end = 0  # the union of the spans (paths share their first tokens)
         for start, stop in sorted(spans):
             total += max(0, stop - max(start, end))
             end = max(end, stop)
         return total
+
+
+    def _drop(self, head: tuple, entry: list) -> None:
+        entries = self._lost.get(head)
+        if entries is None:
+            return
+        for i, e in enumerate(entries):
+            if e is entry:
+                del entries[i]
+                break
+        if not entries:
+            del self._lost[head]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

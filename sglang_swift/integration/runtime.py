@@ -136,12 +136,9 @@ class SwiftRuntime:
 
     def _tiers(self) -> dict:
         """The tree's lower tiers for `ctl status`: cached tokens in each, hits admitted."""
-        from radix_ext import DONOR, HOST
+        from .metrics import tier_tokens
 
-        tree = self.tree
-        return {"donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0,
-                "host_tier_tokens": tree.tier_size(HOST) if tree.host is not None else 0,
-                "host_capacity_tokens": tree.host.capacity_tokens() if tree.host else 0,
+        return {**tier_tokens(self.tree),
                 "donor_hit_tokens": self.stats.get("donor_hit_tokens", 0),
                 "host_hit_tokens": self.stats.get("host_hit_tokens", 0)}
 

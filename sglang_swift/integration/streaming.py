@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -214,33 +213,19 @@ class StreamingLoads:
     # ---- internals ---------------------------------------------------------------------------
     def _load_from_host(self, fan: BatchLayerCounter, hosted: list) -> None:
         """The batch's host segments, one part of its layer fan-in: SGLang's host pool copies
-        each layer (`HostKV.load_layer`) on the scheduler's stream, which releases the layer
+        each layer (`HostKV.load_copies`) on the scheduler's stream, which releases the layer
         as it goes (GPU: enqueued ahead of the forward on the same stream, so attention reads
         it in order, no host wait; CPU: copied here, before the forward)."""
-        from .cache import indices_to_tensor
-
-        host = array("q")
-        dev = array("q")
-        for _, c in hosted:
-            host.extend(c.src.indices)
-            dev.extend(c.dst.indices)
-        host_t = indices_to_tensor(host, torch.device("cpu"))
-        dev_t = indices_to_tensor(dev, self.host_kv.device)
         pid = fan.update_producer()
+        for load, _ in hosted:
+            load.parts.add(pid)
         stream = torch.cuda.current_stream() if self.host_kv.device.type == "cuda" else None
         try:
-            for layer in range(self.host_kv.num_layers):
-                self.host_kv.load_layer(host_t, dev_t, layer)
-                fan.complete(layer, pid, stream=stream)
+            self.stats["host_loaded_tokens"] += self.host_kv.load_copies(
+                [c for _, c in hosted], lambda layer: fan.complete(layer, pid, stream=stream))
         except Exception as exc:  # noqa: BLE001 - a failed copy aborts its requests
             logger.exception("SwiftCache: a host tier load failed")
             fan.fail(f"host copy failed: {exc}", pid)
-            for load, _ in hosted:
-                load.parts.add(pid)
-            return
-        for load, _ in hosted:
-            load.parts.add(pid)
-        self.stats["host_loaded_tokens"] += len(host)
 
     def _close(self, entry: BatchLoad) -> None:
         """Give the tickets back. Their slots stay with the requests, which own them (a failed
