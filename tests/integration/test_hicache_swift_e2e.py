@@ -16,37 +16,27 @@ in tests/unit/test_plugin.py.
 
 from __future__ import annotations
 
-import re
-import time
-
 import pytest
-from integration.harness import LocalServer
-from integration.test_hicache_cpu import ARGS, POOL, ask, check_same, replay
-
-from sglang_swift.integration.cache import REPORT_INTERVAL_S
+from integration.harness import LocalServer, metric, wait_for
+from integration.test_hicache_cpu import ARGS, POOL, check_same, replay
 
 pytestmark = pytest.mark.integration
-
-def last_stats(log: str) -> dict:
-    """The last counters the tree logged (`SwiftCache stats: {...}`)."""
-    found = re.findall(r"SwiftCache stats: (\{[^}]*\})", log)
-    assert found, "the server never logged its SwiftCache counters"
-    return {k: float(v) for k, v in re.findall(r"'(\w+)': ([0-9.e+-]+)", found[-1])}
 
 
 def test_write_through_copies_at_insert_and_serves_like_stock(tiny_model, tmp_path,
                                                               stock_servers):
     """HiCache's default policy: host copies made as the tree takes each prefix; evictions copy
     nothing; the outputs stay stock SGLang's."""
-    args = ARGS + ["--enable-hierarchical-cache", "--hicache-ratio", "4"]  # write_through
+    args = ARGS + ["--enable-hierarchical-cache", "--hicache-ratio", "4",  # write_through
+                   "--enable-metrics"]
     with LocalServer(tiny_model, max_total_tokens=POOL, extra_args=args,
                      log_path=tmp_path / "swift-wt.log") as server:
         got, _ = replay(server)
-        time.sleep(REPORT_INTERVAL_S + 0.5)
-        ask(server, [{"role": "user", "content": "hi"}])
-        log = server.log_text()
+        wait_for(lambda: metric(server, "swiftcache_host_loaded_tokens_total"), 30,
+                 "the host tier's counters on /metrics")
+        stats = {k: metric(server, f"swiftcache_{k}_total")
+                 for k in ("host_stored_tokens", "host_loaded_tokens", "stores_started")}
     want, _ = replay(stock_servers.get(tiny_model, POOL, ARGS))
-    stats = last_stats(log)
     print(f"write_through: host stored {stats['host_stored_tokens']}, loaded "
           f"{stats['host_loaded_tokens']}, eviction stores {stats['stores_started']}")
     assert stats["host_stored_tokens"] > 0 and stats["host_loaded_tokens"] > 0
