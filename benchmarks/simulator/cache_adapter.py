@@ -38,9 +38,9 @@ class CountingTree(RadixTree):
         self.calls["load"] += 1
         return super().begin_load_back(last_node, device_indices)
 
-    def revoke(self, donor, lease_id=None, blocks=None):
+    def revoke(self, donor, lease_id=None, blocks=None, rescue=False):
         self.calls["revoke"] += 1
-        return super().revoke(donor, lease_id, blocks)
+        return super().revoke(donor, lease_id, blocks, rescue)
 
 
 class TreeCache:
@@ -48,14 +48,25 @@ class TreeCache:
     and eviction run through `radix_ext.admission` (see `server.py`)."""
 
     def __init__(self, device_pages: int, host_pages: int = 0, donor: bool = False,
-                 eviction: str = "lru", demotion: str = "tiered") -> None:
+                 eviction: str = "lru", demotion: str = "tiered",
+                 write_through: bool = False) -> None:
+        """The live server's tree (`SwiftConfig.tree_config`): cascade off (a copy pushed out of
+        one lower tier is dropped, not moved to the other); with `write_through` (HiCache's
+        --hicache-write-policy write_through, needs a host tier) every prefix the tree takes gets
+        its host copy at once (`RadixTree.back_up`, copied through `copier`) and a borrower's
+        victim also goes to donor pages while a lease has room (`donor_over_host`)."""
         if device_pages <= 0:
             raise ValueError(f"device_pages must be positive, got {device_pages}")
-        # cascade off, as the live server's tree (SwiftConfig.tree_config): a copy pushed out
-        # of one lower tier is dropped, not moved to the other
+        if write_through and host_pages <= 0:
+            raise ValueError("write_through needs a host tier (host_pages > 0)")
         self.tree = CountingTree(TreeConfig(page_size=1, host_capacity=host_pages, donor=donor,
                                             eviction=eviction, demotion=demotion,
-                                            cascade=False))
+                                            cascade=False,
+                                            donor_over_host=write_through and donor))
+        self.write_through = write_through
+        # copier(transfers): starts the copies of write-through and rescue transfers (the
+        # server's links); None: they are booked in the tree and cost nothing
+        self.copier = None
         self.device_pages = device_pages
         self._free = array("q", range(device_pages - 1, -1, -1))
 
@@ -97,13 +108,24 @@ class TreeCache:
         return out
 
     def insert(self, key, idx):
-        return self.tree.insert(key, idx)
+        res = self.tree.insert(key, idx)
+        if self.write_through:
+            transfers, _ = self.tree.back_up(res.last_node, HOST)
+            if transfers and self.copier is not None:
+                self.copier(transfers)
+        return res
 
     def add_lease(self, donor: str, lease_id: int, epoch: int, blocks: int) -> None:
         self.tree.donor.add_lease(donor, lease_id, epoch, blocks)
 
     def revoke(self, donor: str, lease_id: int, blocks):
-        return self.tree.revoke(donor, lease_id, blocks)
+        """A reclaim, as the live borrower runs it with a host tier: the revoked blocks' rows
+        are read before the ack and each donor copy without a host copy moves to host where
+        room can be made (`rescue`); only the rest is lost."""
+        res = self.tree.revoke(donor, lease_id, blocks, rescue=self.tree.host is not None)
+        if res.moved and self.copier is not None:
+            self.copier(res.moved)
+        return res
 
     def tier_pages(self, tier: str) -> int:
         return self.tree.device_size() if tier == DEVICE else self.tree.tier_size(tier)

@@ -39,16 +39,23 @@ def lendable_bytes(scn, lend_fraction: float) -> float:
     return sum(lendable_pages(scn, lend_fraction)) * page_bytes(scn.master)
 
 
-def master_tier_pages(scn, host: bool | str, donor: bool) -> dict[str, int]:
+def master_tier_pages(scn, host: bool | str, donor: bool, ideal: bool = False) -> dict[str, int]:
     """Pages of the high-demand model's KV per tier for a system with these `host` and `donor`
     flags.
 
-    host: False (none), True (hicache_ratio x device, HiCache's --hicache-ratio) or "big" (that plus
-    the donor lease, so its cache is as large as SwiftCache's donor + host tiers together).
+    host: False (none), True (HiCache's host tier: `scn.host_bytes`, by default hicache_ratio x
+    device, HiCache's --hicache-ratio) or "big" (that plus the donor lease, so its cache is as large
+    as SwiftCache's donor + host tiers together). `ideal`: the donor lease is added to the device
+    pool instead (the lent memory with no link and no lease).
     """
     dev = device_pages(scn.gpu, scn.master)
     lent = sum(lendable_pages(scn, scn.lend_fraction))
-    host_pages = int(params.SGLANG["hicache_ratio"].value * dev) if host else 0
+    host_pages = 0
+    if host:
+        host_bytes = getattr(scn, "host_bytes", None)
+        host_pages = (int(params.SGLANG["hicache_ratio"].value * dev) if host_bytes is None
+                      else int(host_bytes // page_bytes(scn.master)))
     if host == "big":
         host_pages += lent
-    return {"device": dev, "donor": lent if donor else 0, "host": host_pages}
+    return {"device": dev + (lent if ideal else 0), "donor": lent if donor else 0,
+            "host": host_pages}

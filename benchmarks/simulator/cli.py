@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import experiments as ex
 from . import goodput as gp
-from . import report
+from . import regime_cli, report
 from .scenario import SCENARIOS
 
 HEADLINE_SHARE = 0.5  # donors serve half of their own goodput (docs/simulation.md section 2)
@@ -37,6 +37,7 @@ FULL_RATES = {
     "8xH200/chat": (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0),
 }
 HEADLINE = "paper-4xH20/chat"
+CAPACITY_REFINE_STEPS = 3  # the --quick capacity cell's goodput bisections (as the grid's)
 # The 8-GPU nodes are opt-in: seven donors at half their own goodput serve ~100 chat sessions/s,
 # which takes this event simulator hours per sweep on two CPU cores.
 FULL_DEFAULT = ("paper-4xH20/chat", "paper-4xH20/agent", "paper-4xH20/single")
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "ahead (0 since commit 0be01c3, 0.125 before it): which code the live run "
                         "ran")
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
+    regime_cli.add_options(p)
     return p
 
 
@@ -158,6 +160,12 @@ def run(a: argparse.Namespace, out: Path) -> dict:
                f"### {key}: donor interference (SIMULATED)\n",
                report.interference_table(ev["interference"]), ""]
         _write(res, md, out)
+    if a.quick:  # the capacity-bound cell chosen in docs/simulation.md section 9, one seed
+        cap = regime_cli.capacity_regime(window, a.seed, CAPACITY_REFINE_STEPS, _say)
+        res["capacity_regime"] = cap
+        md += ["## Capacity regime: the realistic cell (SIMULATED, idle donors)\n",
+               "```", json.dumps(cap, indent=1), "```", ""]
+        _write(res, md, out)
     return res
 
 
@@ -186,6 +194,7 @@ def summary(res: dict) -> dict:
         "donor_p99_tpot_change_by_load_share": worst("tpot"),
         "donor_interference_master_rate": (ev["interference"][0]["master_rate"]
                                            if ev["interference"] else None),
+        **({"capacity_regime": res["capacity_regime"]} if "capacity_regime" in res else {}),
     }
 
 
@@ -235,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(a)
     if a.long_context:
         return _long_context(a)
+    if a.grid:
+        return regime_cli.main(a, _say)
     out = Path(a.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -44,7 +44,8 @@ class Points:
         return self.get(system, rate).master
 
 
-def load_sweep(points: Points, rates, systems=tuple(SYSTEMS)) -> list[dict]:
+def load_sweep(points: Points, rates,
+               systems=tuple(s for s in SYSTEMS if s != "ideal")) -> list[dict]:
     """Every system at every rate (the P99-vs-rate table and plot)."""
     return [asdict(points.get(system, rate)) for rate in rates for system in systems]
 

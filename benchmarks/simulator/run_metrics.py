@@ -33,7 +33,33 @@ def metrics(reqs: list[SimRequest], end: float) -> dict:
         "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
         "hit_rate": {k: v / prompt for k, v in hit.items()} if prompt else {},
         "load_p99": _pct(loads, 99), "loads": len(loads),
+        "peak_live_tokens": peak_live_tokens(reqs, end),
     }
+
+
+def peak_live_tokens(reqs: list[SimRequest], end: float) -> int:
+    """The most KV (tokens) the sessions in progress held at once: a session holds its latest
+    turn's prompt + answer from that turn's arrival until its next turn arrives (its history
+    grows) or, after its last turn, until that turn finishes (or `end`). The working set a cache
+    would need to miss nothing but first turns."""
+    by: dict[str, list[SimRequest]] = {}
+    for r in reqs:
+        by.setdefault(r.session, []).append(r)
+    deltas: list[tuple[float, int]] = []
+    for turns in by.values():
+        turns.sort(key=lambda r: r.turn)
+        held = 0
+        for r in turns:
+            size = r.prompt_tokens + r.output_tokens
+            deltas.append((r.arrival, size - held))
+            held = size
+        last = turns[-1]
+        deltas.append((last.finish if last.finish is not None else end, -held))
+    live = peak = 0
+    for _, d in sorted(deltas, key=lambda x: (x[0], x[1])):  # releases first at equal times
+        live += d
+        peak = max(peak, live)
+    return peak
 
 
 def stable(queue: list[tuple[float, int]], window: float) -> bool:

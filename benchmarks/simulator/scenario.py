@@ -8,6 +8,8 @@ Systems compared on the same trace (same sessions, same arrival times):
   swiftcache      + donor HBM over NVLink (leased through the donor ledger), then the host tier
   sglang-hicache-bighost  HiCache whose host tier is as large as SwiftCache's donor + host tiers
                   (the equal-memory baseline: it separates bandwidth from capacity)
+  ideal           HiCache with the donor lease held in its own device pool (the same host tier):
+                  what the lent memory is worth with no link and no lease
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SYSTEMS = {
     "vllm-offload": dict(load_mode="before", host=True, donor=False),
     "swiftcache": dict(load_mode="layerwise", host=True, donor=True),
     "sglang-hicache-bighost": dict(load_mode="layerwise", host="big", donor=False),
+    "ideal": dict(load_mode="layerwise", host=True, donor=False, ideal=True),
 }
 MAIN_SYSTEMS = ("sglang-radix", "sglang-hicache", "vllm-offload", "swiftcache")
 
@@ -54,6 +57,13 @@ class Scenario:
     watermark: float = SwiftConfig().reclaim_watermark
     # stop this long after the last arrival (unfinished requests are counted)
     drain_s: float = 1800.0
+    # The regime knobs (docs/simulation.md section 9); the defaults are the headline's.
+    min_turns: int = 1  # chat: conversations with fewer turns are skipped
+    host_bytes: float | None = None  # HiCache's host tier; None: hicache_ratio x device
+    pcie_bw: float | None = None  # effective PCIe bandwidth per direction; None: the GPU's
+    tool_latency_s: float = 2.0  # agent: mean tool time between a turn and the next
+    donor_think_s: float = 10.0  # the donors' own chat (their traffic is not a regime knob)
+    write_through: bool = False  # --hicache-write-policy write_through (else write_back)
 
 
 PAPER = Scenario("paper-4xH20", "H20", "Qwen3-32B", ("Qwen3-14B", "Qwen3-8B", "Qwen3-4B"))
@@ -72,7 +82,7 @@ def master_memory_bytes(scn: Scenario, system: str) -> dict[str, float]:
     """Bytes of the high-demand model's KV cache per tier (device, donor, host) under `system`:
     exactly what `run_point` gives it (the donor lease is what `Node.lend` grants)."""
     cfg = SYSTEMS[system]
-    pages = master_tier_pages(scn, cfg["host"], cfg["donor"])
+    pages = master_tier_pages(scn, cfg["host"], cfg["donor"], cfg.get("ideal", False))
     return {tier: n * page_bytes(scn.master) for tier, n in pages.items()}
 
 
@@ -81,21 +91,25 @@ def donor_name(scn: Scenario, index: int) -> str:
     return f"donor{index + 1}:{scn.donors[index]}"
 
 
-def _server(node, g, name, model_name, scn, mode, host, donor) -> ModelServer:
+def _server(node, g, name, model_name, scn, mode, host, donor, ideal=False) -> ModelServer:
     m = params.MODELS[model_name]
     hw = params.gpu(scn.gpu)
     if g == 0:  # the high-demand model
-        pages = master_tier_pages(scn, host, donor)
+        pages = master_tier_pages(scn, host, donor, ideal)
         dev, host_pages = pages["device"], pages["host"]
     else:  # a donor: its own pool, no lower tiers
         dev, host_pages = device_pages(scn.gpu, model_name), 0
     rl = Roofline(m, hw["bf16_flops"], hw["hbm_bw"], params.EFFICIENCY["compute"].value,
                   params.EFFICIENCY["hbm"].value)
-    cache = TreeCache(dev, host_pages, donor=donor)
+    cache = TreeCache(dev, host_pages, donor=donor,
+                      write_through=scn.write_through and host_pages > 0)
     srv = ModelServer(name, node.gpus[g], rl, cache, page_tokens=PAGE_TOKENS,
                       chunk=int(params.SGLANG["chunked_prefill_size"].value),
                       max_running=int(params.SGLANG["max_running_requests"].value),
                       load_mode=mode, node=node)
+    # write-through copies go device -> host on this GPU's link; nothing waits for them (the
+    # live server enqueues them on the scheduler's stream ahead of the forward)
+    cache.copier = lambda copies: [node.copy(srv, cp, lambda t: None) for cp in copies]
     node.gpus[g].server = srv
     node.by_name[name] = srv
     return srv
@@ -150,17 +164,21 @@ AGENT_SEED_OFFSET = 17  # agent traces draw apart from the chat traces of the sa
 def master_sessions(scn: Scenario, rate: float, window: float, seed: int):
     arrivals = Arrivals(rate=rate, window_s=window)
     if scn.workload == "agent":
-        return agent_traces(replace(AGENT, seed=seed + AGENT_SEED_OFFSET), arrivals)
+        agent = replace(AGENT, seed=seed + AGENT_SEED_OFFSET,
+                        tool_latency_mean_s=scn.tool_latency_s,
+                        steps_min=max(AGENT.steps_min, scn.min_turns),
+                        steps_max=max(AGENT.steps_max, scn.min_turns))
+        return agent_traces(agent, arrivals)
     # "single" is low reuse: first turns only, nothing to reuse across turns
     turns = 1 if scn.workload == "single" else MAX_CHAT_TURNS
-    return chat_traces(ChatWorkload(max_turns=turns, think_mean_s=scn.think_mean_s, seed=seed),
-                       arrivals)
+    return chat_traces(ChatWorkload(max_turns=turns, think_mean_s=scn.think_mean_s, seed=seed,
+                                    min_turns=min(scn.min_turns, turns)), arrivals)
 
 
 def donor_sessions(scn: Scenario, donor_index: int, rate: float, window: float, seed: int):
     """Chat for donor `donor_index` (0-based): other conversations and another seed than the
     master's."""
-    chat = ChatWorkload(max_turns=MAX_CHAT_TURNS, think_mean_s=scn.think_mean_s,
+    chat = ChatWorkload(max_turns=MAX_CHAT_TURNS, think_mean_s=scn.donor_think_s,
                         conversation_offset=2000 + 500 * donor_index,
                         seed=seed + 101 * (donor_index + 1))
     return chat_traces(chat, Arrivals(rate=rate, window_s=window))
@@ -181,10 +199,10 @@ def run_point(scn: Scenario, system: str, rate: float, window: float, *, seed: i
         raise ValueError(f"donor_rates has {len(drates)} rates for {len(scn.donors)} donors; "
                          f"give one per donor (in Scenario.donors order) or () for idle donors")
     hw = params.gpu(scn.gpu)
-    node = Node(hw["nvlink_bw_dir"], hw["pcie_bw_dir"], 1 + len(scn.donors))
+    node = Node(hw["nvlink_bw_dir"], scn.pcie_bw or hw["pcie_bw_dir"], 1 + len(scn.donors))
     stop_at = window + scn.drain_s
     master = _server(node, 0, "master", scn.master, scn, cfg["load_mode"], cfg["host"],
-                     cfg["donor"])
+                     cfg["donor"], cfg.get("ideal", False))
     donors = []
     if with_donors or lend:
         for i, dm in enumerate(scn.donors):
