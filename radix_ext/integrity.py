@@ -24,6 +24,8 @@ class IntegrityMixin:
             for p in [] if t.stale else self._ticket_path(t):
                 pins_expected[p] = pins_expected.get(p, 0) + 1
         lower: dict = {name: [] for name in self.tiers}
+        for res in self._reserved.values():
+            lower[res.tier].append(res)
         for t in self._stores.values():
             path = self._store_path(t)
             assert sum(len(p.key) for p in path) == t.num_tokens, (

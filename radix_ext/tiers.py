@@ -16,40 +16,99 @@ from radix_ext.residency import DONOR, HOST, DonorResidency, HostResidency
 
 
 class HostTier:
-    """A host pool of `capacity` token slots, indices 0..capacity-1."""
+    """A host pool of `capacity` token slots, indices 0..capacity-1, handed out in whole pages of
+    `page_size` contiguous, page-aligned slots (a page at slot `s` is `s .. s+page_size-1`, as
+    SGLang's host pool and storage backends address it).
+
+    `hold(indices)` marks slots an outside reader still uses (a copy out of them in flight, e.g.
+    into L3 storage); a page freed while held returns to the free set only at its last
+    `release`."""
 
     name = HOST
 
-    def __init__(self, capacity: int):
-        if capacity <= 0:
-            raise ValueError(f"host capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        # array('q'), like the residencies cut from it: alloc slices it and free extends it
-        # without making a Python int per index
-        self._free = array("q", range(capacity - 1, -1, -1))
+    def __init__(self, capacity: int, page_size: int = 1):
+        if page_size < 1:
+            raise ValueError(f"host page_size must be >= 1, got {page_size}")
+        pages = capacity // page_size
+        if pages <= 0:
+            raise ValueError(f"host capacity must hold at least one page of {page_size} "
+                             f"tokens, got {capacity}")
+        self.page_size = page_size
+        self.capacity = pages * page_size
+        # page starts, array('q'), the lowest last: alloc slices the end, free extends it
+        self._free = array("q", range(self.capacity - page_size, -1, -page_size))
+        self._holds: dict[int, int] = {}  # page start -> holds
+        self._parked: set[int] = set()  # freed while held
 
     def available_tokens(self) -> int:
-        return len(self._free)
+        return len(self._free) * self.page_size
 
     def capacity_tokens(self) -> int:
         return self.capacity
 
     def alloc(self, num_tokens: int, preference: Sequence = ()) -> Optional[HostResidency]:
-        """Take `num_tokens` slots, or None (and take nothing) when fewer are free."""
-        if num_tokens > len(self._free):
+        """Take `num_tokens` slots (whole pages), or None (and take nothing) when fewer are
+        free."""
+        page = self.page_size
+        if num_tokens % page:
+            raise ValueError(f"host alloc of {num_tokens} tokens is not a multiple of the "
+                             f"page size {page}")
+        k = num_tokens // page
+        if k > len(self._free):
             return None
-        taken = self._free[len(self._free) - num_tokens :]
-        del self._free[len(self._free) - num_tokens :]
-        return HostResidency(taken)
+        taken = self._free[len(self._free) - k :]
+        del self._free[len(self._free) - k :]
+        if page == 1:
+            return HostResidency(taken)
+        out = array("q")
+        for s in taken:
+            out.extend(range(s, s + page))
+        return HostResidency(out)
 
     def free(self, res: HostResidency) -> None:
-        self._free.extend(res.indices)
+        starts = res.indices[:: self.page_size]
+        if not self._holds:
+            self._free.extend(starts)
+            return
+        for s in starts:
+            if s in self._holds:
+                self._parked.add(s)
+            else:
+                self._free.append(s)
+
+    def hold(self, indices: Sequence[int]) -> None:
+        """Keep the pages of `indices` out of the free set until `release(indices)`."""
+        holds = self._holds
+        for s in indices[:: self.page_size]:
+            holds[s] = holds.get(s, 0) + 1
+
+    def release(self, indices: Sequence[int]) -> None:
+        holds = self._holds
+        for s in indices[:: self.page_size]:
+            n = holds[s] - 1
+            if n:
+                holds[s] = n
+                continue
+            del holds[s]
+            if s in self._parked:
+                self._parked.discard(s)
+                self._free.append(s)
 
     def check_integrity(self, residencies: Iterable[HostResidency]) -> None:
-        used = [i for r in residencies for i in r.indices]
-        everything = used + list(self._free)
+        page = self.page_size
+        used = []
+        for r in residencies:
+            idx = r.indices
+            assert len(idx) % page == 0, "host residency not whole pages"
+            for j in range(0, len(idx), page):
+                s = idx[j]
+                assert s % page == 0 and list(idx[j : j + page]) == list(range(s, s + page)), \
+                    "host page not contiguous and aligned"
+                used.append(s)
+        everything = used + list(self._free) + list(self._parked)
         assert len(set(everything)) == len(everything), "host index owned twice"
-        assert set(everything) == set(range(self.capacity)), "host indices lost or invented"
+        assert set(everything) == set(range(0, self.capacity, page)), \
+            "host indices lost or invented"
 
 
 @dataclass

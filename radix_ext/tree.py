@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 from radix_ext.backup import BackupMixin
 from radix_ext.exchange import ExchangeMixin
+from radix_ext.fetched import FetchedMixin
 from radix_ext.integrity import IntegrityMixin
 from radix_ext.loadback import LoadBackMixin
 from radix_ext.node import Node
@@ -62,7 +63,7 @@ DEFAULT_CONFIG = TreeConfig()
 
 
 class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeMixin, ExchangeMixin,
-                BackupMixin, IntegrityMixin):
+                BackupMixin, FetchedMixin, IntegrityMixin):
     """Radix prefix tree with tiered residency. Never frees or copies memory: every operation
     returns what the caller must copy and free."""
 
@@ -73,7 +74,7 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         self.eviction = make_eviction(config.eviction, config.cost)
         self.demotion = make_demotion(config.demotion, config.cost)
         self.donor: Optional[DonorTier] = DonorTier(config.page_size) if config.donor else None
-        self.host: Optional[HostTier] = (HostTier(config.host_capacity)
+        self.host: Optional[HostTier] = (HostTier(config.host_capacity, config.page_size)
                                          if config.host_capacity else None)
         self.tiers: dict[str, Any] = {}
         if self.donor is not None:
@@ -89,6 +90,8 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
             for t in self._stores.values():
                 if t.dst is not None:
                     self.tiers[t.dst_tier].free(t.dst)
+            for res in self._reserved.values():
+                self.tiers[res.tier].free(res)
             stack = list(self.root.children.values())
             while stack:
                 x = stack.pop()
@@ -109,6 +112,7 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         self._in_tier: dict[str, set[Node]] = {name: set() for name in self.tiers}
         self._tickets: dict = {}  # load tickets in flight, by id
         self._stores: dict = {}  # store tickets in flight, by id (ids shared with loads)
+        self._reserved: dict = {}  # fetch reservations, by id (ids shared with loads)
         self._store_holds: dict = {}  # store id -> nodes it holds on the device (see store.py)
         self._next_ticket = 1
         self._room_floor: dict = {}  # make-room scan cache, see TieringMixin._make_room

@@ -70,6 +70,12 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
 
         host_kv = HostKV.from_server_args(params.token_to_kv_pool_allocator.get_kvcache(),
                                           ctx.server_args, params.page_size)
+    storage = None
+    if host_kv is not None and getattr(ctx.server_args, "hicache_storage_backend", None):
+        from .storage_tier import StorageTier
+
+        storage = StorageTier.build(host_kv, ctx.server_args, page_size=params.page_size,
+                                    model_name=_identity(ctx.server_args)[0])
     tree_config = config.tree_config(params.page_size,
                                      host_kv.capacity if host_kv is not None else 0,
                                      write_through=host_kv is not None and host_kv.write_through)
@@ -78,8 +84,8 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     elif not config.uses_donation:
         model, agent_id, metrics = _identity(ctx.server_args)
         cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,
-                                host_kv=host_kv, model=model, agent_id=agent_id,
-                                enable_metrics=metrics)
+                                host_kv=host_kv, storage=storage, model=model,
+                                agent_id=agent_id, enable_metrics=metrics)
     else:
         model, agent_id, metrics = _identity(ctx.server_args)
         from ..dataplane import UnshareablePool
@@ -87,7 +93,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         try:
             cache = SwiftRadixCache(params, tree_config, config, model=model,
                                     agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
-                                    enable_metrics=metrics)
+                                    storage=storage, enable_metrics=metrics)
         except UnshareablePool as exc:
             raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
                              f"{exc}") from None

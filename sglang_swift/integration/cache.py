@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from radix_ext import DEVICE, HOST, DevicePool, RadixTree, TreeConfig
 
 from .donor_hits import DonorHitsMixin
+from .storage_hits import StorageHitsMixin
 
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
@@ -60,7 +61,8 @@ STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "l
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
                 "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
                 "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens",
-                "rescued_tokens", "recomputed_after_reclaim_tokens")
+                "rescued_tokens", "recomputed_after_reclaim_tokens", "l3_written_pages",
+                "l3_fetched_tokens", "l3_failures")
 # a tree without a runtime (no lending or borrowing) but with a host tier counts these itself
 LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
 
@@ -111,15 +113,16 @@ class KVSlots(DevicePool):
         return self.cache.demotions.make_room(num_tokens)
 
 
-class SwiftRadixCache(DonorHitsMixin, RadixCache):
+class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
     """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size, policies
     and tiers; `config` (a `SwiftConfig`) starts a `SwiftRuntime` when the server lends or
     borrows; `model`, `agent_id` and `enable_metrics` describe it then. A borrower registers its
-    layer counter with the KV pool and `tp_worker`."""
+    layer counter with the KV pool and `tp_worker`. `storage` (a `storage_tier.StorageTier`,
+    with `host_kv` only) is L3 below the host tier (`storage_hits.py`)."""
 
     def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
                  model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False,
-                 tp_worker: Any = None, host_kv: Any = None):
+                 tp_worker: Any = None, host_kv: Any = None, storage: Any = None):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
@@ -128,8 +131,11 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             raise ValueError("the tree's host tier needs host memory of its size: pass host_kv "
                              "(host_tier.HostKV) and host_capacity <= host_kv.capacity, or "
                              "neither")
+        if storage is not None and host_kv is None:
+            raise ValueError("L3 storage sits below the host tier: pass host_kv with storage")
         self.tree_config = tree_config
         self.host_kv = host_kv
+        self._init_storage(storage)
         self.runtime = self.loads = self.demotions = None
         super().__init__(params)  # calls self.reset()
         self.slots = KVSlots(self)
@@ -180,6 +186,8 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def reset(self) -> None:
+        if self.storage is not None and getattr(self, "tree", None) is not None:
+            self._drain_storage()  # no I/O may touch host slots the new tree hands out
         if self.loads is not None:  # the tickets in flight go with the old tree
             self.loads.reset()
             self.demotions.reset()
@@ -206,6 +214,7 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
             self.demotions.poll()
             self.loads.poll()
             self.stats["layer_wait_s"] = self.counter.wait_s
+        self._poll_storage()
         now = time.monotonic()
         if self.runtime is None:
             self._update_metrics(now)
@@ -293,6 +302,8 @@ class SwiftRadixCache(DonorHitsMixin, RadixCache):
         except Exception:  # noqa: BLE001 - the host copy is an optimisation; the device has it
             logger.exception("SwiftCache: a write-through copy into the host tier failed")
             self.tree.forget_backup(transfers)
+            return
+        self._write_to_storage(node)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Evict through the tree. SGLang's allocator needs the room when this returns: a

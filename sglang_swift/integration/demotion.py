@@ -112,6 +112,9 @@ class Demotions:
             self.stats["refused_stores"] += 1
         self.stats["stores_started"] += len(stores)
         to_free = admission.settle(self.cache.tree, stores, [ok] * len(stores))
+        if ok and self.cache.storage is not None:  # L3 takes a copy of what reached host
+            for t in stores:
+                self.cache._write_to_storage(t.node)
         self._waited(start)
         return to_free
 

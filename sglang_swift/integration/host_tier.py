@@ -42,11 +42,6 @@ def host_tier_problems(server_args: Any, config: Any) -> list[str]:
         problems.append(
             f"--hicache-write-policy {policy} (SwiftCache's host tier implements "
             f"{' and '.join(WRITE_POLICIES)}: pass --hicache-write-policy write_through)")
-    backend = getattr(server_args, "hicache_storage_backend", None)
-    if backend:
-        problems.append(
-            f"--hicache-storage-backend {backend} (L3 storage below SwiftCache's host tier is not "
-            f"implemented yet: drop it, or run HiCache without --enable-swiftcache)")
     mode = getattr(server_args, "hicache_host_memory_mode", "cache")
     if mode != "cache":
         problems.append(f"--hicache-host-memory-mode {mode} (the host tier caches prefixes: "

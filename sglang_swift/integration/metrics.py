@@ -59,6 +59,12 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "recomputed_after_reclaim_tokens": ("swiftcache_recomputed_after_reclaim_tokens",
                                         "tokens that were in the donor tier when a reclaim "
                                         "came and that a later request prefilled again"),
+    "l3_written_pages": ("swiftcache_l3_written_pages", "pages written from the host tier to "
+                         "L3 storage (--hicache-storage-backend)"),
+    "l3_fetched_tokens": ("swiftcache_l3_fetched_tokens", "tokens read from L3 storage into the "
+                          "host tier for a request whose prefix the tree did not hold"),
+    "l3_failures": ("swiftcache_l3_failures", "L3 storage queries, reads or writes that "
+                    "failed (those pages are recomputed or stay unwritten)"),
     "own_pages_wait_s": ("swiftcache_own_pages_wait_seconds", "donor: scheduler-thread time "
                          "spent waiting (at most 50 ms a time) for lent pages its own requests "
                          "needed"),

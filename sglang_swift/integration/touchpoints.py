@@ -262,6 +262,54 @@ HOST_INDEX_RULE = TouchPoint(
     (Check(How.LEADING_PARAMS, names=("self", "host_indices", "device_indices")),
      Check(How.SOURCE, names=("self.io_backend", "self.mem_pool_host", "self.device"))))
 
+CONTROLLER = "sglang.srt.managers.cache_controller.HiCacheController"
+STORAGE_BACKEND = TouchPoint(
+    "sglang.srt.mem_cache.storage.StorageBackendFactory.create_backend", Kind.EXTENSION,
+    "L3 below the host tier is SGLang's storage backend named by --hicache-storage-backend, "
+    "built by its factory over the host tier's host pool (`register_mem_pool_host`)",
+    "the server starts without L3 (logged) and serves with device, donor and host tiers",
+    f"{INTEGRATION}.storage_tier",
+    (Check(How.LEADING_PARAMS, names=("backend_name", "storage_config", "mem_pool_host")),))
+STORAGE_HELPERS = TouchPoint(
+    f"{CONTROLLER}._generate_storage_config", Kind.SIGNATURE,
+    "the storage config, the hit query and the page reads and writes are HiCacheController's "
+    "own methods, called with a view holding the host pool, the device pool, the page size "
+    "and the backend (also `_storage_hit_query`, `_generic_page_get/_set`, "
+    "`_page_get/_set_zero_copy`)",
+    "L3 queries, reads or writes raise: they count as misses or failed writes (recomputed, "
+    "never wrong KV); a config that cannot be made leaves the server without L3",
+    f"{INTEGRATION}.storage_tier",
+    (Check(How.LEADING_PARAMS, names=("self", "model_name", "storage_backend_extra_config")),
+     Check(How.SOURCE, names=("self.mem_pool_device", "self.mem_pool_host",
+                              "self.storage_host_pool", "self.page_size")),
+     Check(How.LEADING_PARAMS, f"{CONTROLLER}._storage_hit_query", ("self", "operation")),
+     Check(How.LEADING_PARAMS, f"{CONTROLLER}._generic_page_get",
+           ("self", "operation", "hash_values", "host_indices")),
+     Check(How.LEADING_PARAMS, f"{CONTROLLER}._page_get_zero_copy",
+           ("self", "operation", "hash_values", "host_indices")),
+     Check(How.LEADING_PARAMS, f"{CONTROLLER}._generic_page_set",
+           ("self", "hash_values", "host_indices")),
+     Check(How.LEADING_PARAMS, f"{CONTROLLER}._page_set_zero_copy",
+           ("self", "hash_values", "host_indices"))))
+STORAGE_KEYS = TouchPoint(
+    "sglang.srt.mem_cache.utils.get_storage_hash_str", Kind.SIGNATURE,
+    "L3 pages are keyed as HiCache keys them (namespace seed, one hash per page chained on "
+    "the one before), so SwiftCache and HiCache servers of one model share a store",
+    "keys differ from HiCache's: a shared store misses across the two kinds of servers",
+    f"{INTEGRATION}.storage_hits",
+    (Check(How.LEADING_PARAMS, names=("key", "prior_hash", "page_size")),))
+SCHEDULER_PREFETCH = TouchPoint(
+    "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", Kind.SIGNATURE,
+    "with --hicache-storage-backend set the scheduler calls the tree's L3 members "
+    "(`prefetch_from_storage`, `check_prefetch_progress`, `pop_prefetch_loaded_span`, "
+    "`is_backuped`, `get_last_hash_value`); SwiftCache's tree implements them",
+    "no L3 fetch starts: requests whose prefix is only in storage recompute it",
+    f"{INTEGRATION}.storage_hits",
+    (Check(How.SOURCE, names=("prefetch_from_storage", "is_backuped", "get_last_hash_value",
+                              "matched_prefix_tokens")),
+     Check(How.SOURCE, "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+           ("check_prefetch_progress", "pop_prefetch_loaded_span"))))
+
 # ---- the layer stream cache (--swiftcache-layer-stream host|donor) ---------------------------
 LAYER_STREAM = "sglang_swift.layer_stream"
 CONFIG_FROM_BUDGET = TouchPoint(
@@ -330,6 +378,7 @@ ALL: tuple[TouchPoint, ...] = (
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
     RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
+    STORAGE_BACKEND, STORAGE_HELPERS, STORAGE_KEYS, SCHEDULER_PREFETCH,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
     RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, *HICACHE_STAND_INS,
 )

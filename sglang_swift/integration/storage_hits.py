@@ -1,0 +1,180 @@
+"""L3 in SwiftCache's tree (mixin of `SwiftRadixCache`): what SGLang's scheduler calls on a tree
+when `--hicache-storage-backend` is set, over a `storage_tier.StorageTier`.
+
+The scheduler, as for HiCache: when a request arrives it matches it and calls
+`prefetch_from_storage` with the part the tree does not hold; before admitting it,
+`check_prefetch_progress` (False: keep it waiting) and `pop_prefetch_loaded_span` (the tokens
+storage supplied, SGLang's `cached_tokens_details["storage"]`). A fetch here: the I/O thread
+queries storage; the tree books host slots for the hit (`RadixTree.reserve`), the thread reads
+the pages into them, the tree adds them as host copies below the request's cached prefix
+(`RadixTree.attach`); the request's admission match then finds them in host memory and loads
+them like any host hit. `--hicache-storage-prefetch-policy`: `best_effort` admits the request as
+soon as its query is answered and takes the pages read by then (the read stops at its next
+batch); `wait_complete` waits for every hit page; `timeout` waits up to HiCache's deadline
+(`prefetch_timeout_base` + `prefetch_timeout_per_ki_token` per 1024 tokens).
+
+Writes: every prefix that gets a host copy (a device eviction under write_back, the tree's
+backup under write_through, a reclaimed donor page moved to host) is written to storage from
+there, page by page, once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from radix_ext import HOST
+
+from .storage_tier import Fetch, Write
+
+
+def _radix_key(tokens: Any, namespace: Any) -> Any:
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    extra, salt = namespace if namespace is not None else (None, None)
+    return RadixKey(list(tokens), extra_key=extra, cache_salt=salt)
+
+
+class StorageHitsMixin:
+    storage: Any = None  # a StorageTier, or None: no L3
+    hicache_storage_pass_prefix_keys = False
+
+    def _init_storage(self, storage: Any) -> None:
+        self.storage = storage
+        self.hicache_storage_pass_prefix_keys = bool(storage and storage.pass_prefix_keys)
+        self._fetches: dict = {}  # request handle -> Fetch
+        self._fetched: dict = {}  # request handle -> tokens storage supplied, until popped
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def _write_to_storage(self, node: Any) -> None:
+        """Write the host copies on the path to `node` to storage (pages not written yet)."""
+        if self.storage is None or node is None or self.tree.is_root(node):
+            return
+        ns, tokens = self.tree.prefix_of(node)
+        keys = self.storage.page_keys(_radix_key(tokens, ns))
+        path = []
+        x = node
+        while not self.tree.is_root(x):
+            path.append(x)
+            x = x.parent
+        page, pos = self.page_size, 0
+        for x in reversed(path):
+            res = x.res.get(HOST)
+            n = len(x.key) // page
+            if res is not None:
+                self.storage.write(keys[pos:pos + n], res.indices, self.tree.host)
+            pos += n
+
+    # ---- the scheduler's L3 calls -------------------------------------------------------------
+
+    def is_backuped(self, node: Any) -> bool:
+        """Every node can anchor a fetch: its storage keys come from its path's tokens."""
+        return True
+
+    def get_last_hash_value(self, node: Any) -> Optional[str]:
+        """Unused by this tree (a fetch derives its keys from the request's tokens)."""
+        return None
+
+    def get_prefix_hash_values(self, node: Any) -> list:
+        if self.storage is None or self.tree.is_root(node):
+            return []
+        ns, tokens = self.tree.prefix_of(node)
+        return self.storage.page_keys(_radix_key(tokens, ns))
+
+    def prefetch_from_storage(self, request: Any, last_host_node: Any, new_input_tokens: Any,
+                              last_hash: Optional[str] = None, prefix_keys: Any = None,
+                              matched_prefix_tokens: Any = None, extra_key: Any = None,
+                              cache_salt: Any = None, storage_hit_end: Any = None) -> None:
+        if self.storage is None or request in self._fetches:
+            return
+        matched = list(matched_prefix_tokens or [])
+        key = _radix_key(matched + list(new_input_tokens),
+                         None if extra_key is None and cache_salt is None
+                         else (extra_key, cache_salt))
+        f = self.storage.begin_fetch(request, key, len(matched))
+        if f is not None:
+            self._fetches[request] = f
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        f = self._fetches.get(request)
+        if f is None:
+            return True
+        self._poll_storage()
+        if request not in self._fetches:
+            return True
+        policy = self.storage.policy
+        waiting = policy == "wait_complete" or (
+            policy == "timeout" and time.monotonic() < f.deadline)
+        if f.hit_tokens < 0 and policy == "best_effort":
+            waiting = True  # best effort still waits for the query's answer
+        if waiting:
+            return False
+        self.storage.terminate(f)  # what is read by its next batch is kept
+        return False if f.reading else self._end_fetch(f, 0)
+
+    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
+        return self._fetched.pop(request, 0)
+
+    def release_aborted_request(self, request: Any) -> None:
+        f = self._fetches.get(request)
+        if f is not None:
+            f.abandoned = True
+            self.storage.terminate(f)  # its pages still join the tree when read
+        self._fetched.pop(request, None)
+
+    # ---- progress (scheduler thread) ----------------------------------------------------------
+
+    def _drain_storage(self) -> None:
+        """Stop every fetch, wait for the I/O in flight and settle it (before the tree is
+        replaced): afterwards no thread reads or writes a host slot of this tree."""
+        for f in self._fetches.values():
+            f.abandoned = True
+            self.storage.terminate(f)
+        self.storage.drain()
+        self._poll_storage()
+        for f in list(self._fetches.values()):  # queries answered after the drain's poll
+            self._end_fetch(f, 0)
+
+    def _poll_storage(self) -> None:
+        if self.storage is None:
+            return
+        self.stats["l3_failures"] = self.storage.failures
+        for item in self.storage.poll():
+            if type(item) is Write:
+                self.tree.host.release(item.held)
+                self.stats["l3_written_pages"] += item.ok_pages
+            elif item.reading:
+                self._attach(item)
+            else:
+                self._hit_known(item)
+
+    def _hit_known(self, f: Fetch) -> None:
+        """The query answered: book host slots for the hit and start reading, or end."""
+        if f.hit_tokens <= 0 or f.op.is_terminated():
+            self._end_fetch(f, 0)
+            return
+        got = self.tree.reserve(HOST, f.hit_tokens)
+        if got is None:  # no host room (everything pinned): the request recomputes
+            self._end_fetch(f, 0)
+            return
+        import torch
+
+        rid, res, _ = got
+        self.storage.read(f, rid, torch.frombuffer(res.indices, dtype=torch.int64).clone())
+
+    def _attach(self, f: Fetch) -> None:
+        key = f.key
+        from .cache import namespace_of
+
+        n = self.tree.attach(f.rid, key.raw_token_ids(), f.start, f.op.completed_tokens,
+                             namespace_of(key))
+        self.stats["l3_fetched_tokens"] += n
+        self._end_fetch(f, n)
+
+    def _end_fetch(self, f: Fetch, tokens: int) -> bool:
+        if self._fetches.get(f.handle) is f:
+            del self._fetches[f.handle]
+            if tokens and not f.abandoned:
+                self._fetched[f.handle] = tokens
+        return True
