@@ -172,8 +172,10 @@ def _with_host_tier(server_args: Any, config: SwiftConfig) -> SwiftConfig:
     """--enable-hierarchical-cache with --enable-swiftcache: SwiftCache's tree gets a host tier
     on SGLang's host pool, sized and laid out by HiCache's options as SGLang resolved them
     (`host_tier.py`). SGLang's own flag is cleared (touchpoints.HICACHE_FLAG), so its scheduler
-    builds and drives no HiCache tree of its own beside SwiftCache's; options the host tier does
-    not honour yet are refused here, before any model loads, each named."""
+    builds and drives no HiCache tree of its own beside SwiftCache's. `--hicache-storage-backend`
+    stays set: the scheduler then calls the tree's L3 members (`storage_hits.py`), which run
+    SGLang's storage backend below the host tier. Options the host tier does not honour yet are
+    refused here, before any model loads, each named."""
     from .host_tier import host_tier_problems
 
     problems = host_tier_problems(server_args, config)

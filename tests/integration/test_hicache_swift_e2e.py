@@ -117,3 +117,40 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
         print(f"donor tier before the reclaim {in_donor} tokens; rescued {rescued}; host hits "
               f"{host_hits} -> {metric(borrower, 'swiftcache_host_hit_tokens_total')}")
         assert borrower.proc.poll() is None, borrower.log_tail()
+
+
+def test_l3_below_the_host_tier_serves_after_a_flush_like_stock(tiny_model, tmp_path,
+                                                                stock_servers):
+    """`--hicache-storage-backend file` under SwiftCache's host tier: prefixes that reach host
+    are written to the store, and after /flush_cache (device and host emptied; the store keeps
+    its files) the same replay is fetched from L3 by the scheduler's prefetch and served with
+    stock SGLang's outputs; SGLang's own `cached_tokens_details.storage` counts those tokens."""
+    import json
+
+    from integration.test_hicache_cpu import flush, total
+
+    store = tmp_path / "l3"
+    store.mkdir()
+    extra = {"file_storage_path": str(store), "prefetch_threshold": 16}
+    args = ARGS + ["--enable-hierarchical-cache", "--hicache-ratio", "2",
+                   "--hicache-write-policy", "write_back", "--enable-metrics",
+                   "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy",
+                   "wait_complete", "--hicache-storage-backend-extra-config", json.dumps(extra)]
+    with LocalServer(tiny_model, max_total_tokens=POOL, extra_args=args,
+                     log_path=tmp_path / "swift-l3.log") as server:
+        got, _ = replay(server)
+        wait_for(lambda: metric(server, "swiftcache_l3_written_pages_total"), 30,
+                 "pages written to L3")
+        pages = list(store.rglob("*.bin"))
+        flush(server)  # device and host tiers empty; L3 keeps its files
+        again, details = replay(server)
+        fetched = wait_for(lambda: metric(server, "swiftcache_l3_fetched_tokens_total"), 30,
+                           "tokens fetched from L3")
+        assert server.proc.poll() is None, server.log_tail()
+    want, _ = replay(stock_servers.get(tiny_model, POOL, ARGS))
+    print(f"L3: {len(pages)} files; after the flush {fetched} tokens fetched, storage hits "
+          f"{total(details, 'storage')}, host {total(details, 'host')}")
+    assert pages, f"nothing was written to {store}"
+    assert total(details, "storage") > 0, "SGLang counted no storage hit after the flush"
+    check_same(got, want, "SwiftCache with L3 against stock")
+    check_same(again, want, "SwiftCache with L3 after flush (L3 hits) against stock")
