@@ -19,9 +19,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from . import closed_loop_cli, regime_cli, report
 from . import experiments as ex
 from . import goodput as gp
-from . import regime_cli, report
 from .scenario import SCENARIOS
 
 HEADLINE_SHARE = 0.5  # donors serve half of their own goodput (docs/simulation.md section 2)
@@ -72,7 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "ahead (0 since commit 0be01c3, 0.125 before it): which code the live run "
                         "ran")
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
+    p.add_argument("--long-context-sweep", action="store_true",
+                   help="the long-context model swept: lend fraction x host memory x resident "
+                        "fraction x backing (the live host-backed store, and donor + host "
+                        "additive), idle donors; seconds")
     regime_cli.add_options(p)
+    closed_loop_cli.add_options(p)
     return p
 
 
@@ -219,6 +224,19 @@ def _long_context(a: argparse.Namespace) -> int:
     return 0
 
 
+def _long_context_sweep(a: argparse.Namespace) -> int:
+    from . import long_context as lc
+
+    rep = lc.sweep_report()
+    out = Path(a.out or "runs/sim-long-context-sweep")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "long_context_sweep.json").write_text(json.dumps(rep, indent=1))
+    print("All numbers below are SIMULATED.\n")
+    print(lc.sweep_md(rep))
+    print(json.dumps({"simulated": True, "mode": "long_context_sweep", **rep}))
+    return 0
+
+
 def _validate(a: argparse.Namespace) -> int:
     from . import validate as val
 
@@ -246,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         return _long_context(a)
     if a.grid:
         return regime_cli.main(a, _say)
+    if a.closed_loop:
+        return closed_loop_cli.main(a)
+    if a.long_context_sweep:
+        return _long_context_sweep(a)
     out = Path(a.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -32,7 +32,12 @@ class StreamSetup:
     """Where one streamed request's KV lives and how it reaches the GPU.
 
     donor_bytes: the lease, one entry per donor GPU (each reads out over its own NVLink egress);
-    host_bytes: host memory streamed requests may use; nvlink_bw / pcie_bw: per direction."""
+    host_bytes: host memory streamed requests may use; nvlink_bw / pcie_bw: per direction.
+    resident_tokens: the first tokens of a request have every layer's rows local (resident rows:
+    never loaded, never written through). host_backed: the live server's store, every row in
+    host memory (room for the resident rows too) with the leases holding copies of the first
+    streamed rows, loaded from there; off: the leases hold rows host memory does not (capacities
+    add up, a design the live server does not run)."""
 
     roofline: Roofline
     depth: int
@@ -41,6 +46,8 @@ class StreamSetup:
     nvlink_bw: float
     pcie_bw: float
     chunk: int
+    resident_tokens: int = 0
+    host_backed: bool = False
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.depth > self.roofline.model.layers:
@@ -56,7 +63,13 @@ class StreamSetup:
 
     @property
     def streamable_bytes(self) -> float:
-        return sum(self.donor_bytes) + self.host_bytes
+        return self.host_bytes if self.host_backed else sum(self.donor_bytes) + self.host_bytes
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a context of `tokens` fits the streamable memory (the live store holds every
+        slot, resident ones included; the additive design only the streamed ones)."""
+        held = tokens if self.host_backed else max(0, tokens - self.resident_tokens)
+        return held * self.roofline.model.kv_bytes_per_token <= self.streamable_bytes
 
 
 class _Lane:
@@ -116,9 +129,14 @@ class StreamedRequest:
 
     # -- placement: token ranges to (path, bytes) per layer -------------------------------------
     def _parts(self, start: int, end: int, load: bool) -> list:
-        """Per-layer transfers for tokens [start, end): donors in order, then host."""
+        """Per-layer transfers for tokens [start, end) past the resident ones: donors in order,
+        then host (host-backed: loads as that, writes to host for every token besides)."""
         per = self.s.layer_token_bytes
+        skip = self.s.resident_tokens
+        start, end = max(start, skip) - skip, max(end, skip) - skip
         parts, pos = [], 0.0
+        if end <= start:
+            return parts
         for out_link, in_link, cap in self.donors:
             tokens = cap / self.s.roofline.model.kv_bytes_per_token
             lo, hi = max(start, pos), min(end, pos + tokens)
@@ -126,7 +144,7 @@ class StreamedRequest:
                 path = [out_link, self.nvl_in] if load else [self.nvl_out, in_link]
                 parts.append((path, (hi - lo) * per))
             pos += tokens
-        lo = max(start, pos)
+        lo = start if self.s.host_backed and not load else max(start, pos)
         if end > lo:
             parts.append(([self.h2d] if load else [self.d2h], (end - lo) * per))
         return parts
@@ -205,10 +223,10 @@ def run_request(setup: StreamSetup, context: int, decode_steps: int, streamed: b
         raise ValueError(f"context must be positive and decode_steps >= 0, got {context}, "
                          f"{decode_steps}")
     need = (context + decode_steps) * setup.roofline.model.kv_bytes_per_token
-    if streamed and need > setup.streamable_bytes:
+    if streamed and not setup.fits(context + decode_steps):
         raise ValueError(f"{context + decode_steps} tokens need {need / 1e9:.1f} GB of streamable "
                          f"memory, the setup has {setup.streamable_bytes / 1e9:.1f} GB "
-                         f"(donor lease + host)")
+                         f"({'host' if setup.host_backed else 'donor lease + host'})")
     req = StreamedRequest(setup, streamed)
     ttft, done = 0.0, 0
     while done < context:

@@ -35,6 +35,11 @@ class LongContext:
     host_bytes: float = (params.LONG_CONTEXT["node_host_bytes"].value
                          * params.LONG_CONTEXT["host_share"].value)
     window: int = 0  # tokens; 0: no window limit
+    # of the local KV memory, the part kept as every layer's own rows (the live
+    # --swiftcache-layer-stream-resident-fraction; 0: every row streamed)
+    resident_fraction: float = 0.0
+    # the live store: every row in host memory, the leases holding copies (layer_stream.py)
+    host_backed: bool = False
 
     def roofline(self) -> Roofline:
         hw = params.gpu(self.gpu)
@@ -53,13 +58,20 @@ class LongContext:
                                  mpage) * mpage
                      for d in self.donors)
 
+    def resident_tokens(self) -> int:
+        """Tokens whose every layer is local: the resident part of local memory over a token's
+        KV (L R rows are the fraction f of the local rows)."""
+        kv = params.MODELS[self.model].kv_bytes_per_token
+        return int(self.resident_fraction * self.local_bytes() // kv)
+
     def stream_setup(self, *, nvlink_bw: float | None = None, pcie_bw: float | None = None,
                      depth: int | None = None) -> StreamSetup:
         hw = params.gpu(self.gpu)
         return StreamSetup(self.roofline(), depth or self.depth, self.donor_bytes(),
                            self.host_bytes, nvlink_bw or hw["nvlink_bw_dir"],
                            pcie_bw or hw["pcie_bw_dir"],
-                           int(params.SGLANG["chunked_prefill_size"].value))
+                           int(params.SGLANG["chunked_prefill_size"].value),
+                           self.resident_tokens(), self.host_backed)
 
 
 LWM_H20 = LongContext("paper-4xH20/LWM", "H20", "LWM-Text-1M",
@@ -73,12 +85,13 @@ def admits_resident(lc: LongContext, n: int) -> bool:
 
 
 def admits_streamed(lc: LongContext, ss: StreamSetup, n: int) -> bool:
-    """Its KV (and that of the decode steps) fits the streamable memory, and D layers of it fit
-    the local pool."""
+    """Its KV (and that of the decode steps) fits the streamable memory, and the local rows hold
+    it: every layer of the resident tokens, D layers of the rest."""
     need = n + DECODE_STEPS
-    return ((lc.window == 0 or need <= lc.window)
-            and need * ss.roofline.model.kv_bytes_per_token <= ss.streamable_bytes
-            and ss.depth * need * ss.layer_token_bytes <= lc.local_bytes())
+    r = ss.resident_tokens
+    rows = ss.roofline.model.layers * min(r, need) + ss.depth * max(0, need - r)
+    return ((lc.window == 0 or need <= lc.window) and ss.fits(need)
+            and rows * ss.layer_token_bytes <= lc.local_bytes())
 
 
 def sweep(admits, probe, start: int = 4096, resolution: int = 64) -> tuple[int, list[dict]]:
@@ -133,10 +146,13 @@ def max_context(lc: LongContext, **links) -> dict:
         "setup": lc.name, "gpu": lc.gpu, "model": lc.model, "depth": ss.depth,
         "local_kv_gb": lc.local_bytes() / 1e9, "lent_gb": sum(ss.donor_bytes) / 1e9,
         "host_gb": ss.host_bytes / 1e9, "lend_fraction": lc.lend_fraction,
+        "resident_fraction": lc.resident_fraction, "host_backed": lc.host_backed,
         "nvlink_bw": ss.nvlink_bw, "pcie_bw": ss.pcie_bw,
         "memory_bound_tokens": {
             "streamable": int(ss.streamable_bytes // kv) - DECODE_STEPS,
-            "staging": int(lc.local_bytes() // (ss.depth * ss.layer_token_bytes)) - DECODE_STEPS,
+            "staging": int(ss.resident_tokens + (lc.local_bytes() - ss.resident_tokens
+                                                  * kv) // (ss.depth * ss.layer_token_bytes))
+                       - DECODE_STEPS,
             "window": lc.window or None},
         "max_tokens": {"sglang": base, "vllm": base, "swiftcache": swift},
         "ratio": swift / base if base else None,
@@ -204,4 +220,60 @@ def report_md(rep: dict) -> str:
             lines.append(f"| {r['case']} | {r['decode_step_s'] * 1e3:.1f} / "
                          f"{r['decode_step_resident_s'] * 1e3:.1f} | "
                          f"x{r['decode_slowdown']:.2f} | x{r['prefill_slowdown']:.3f} |")
+    return "\n".join(lines)
+
+
+SWEEP = dict(lend_fraction=(0.5, 0.75, 1.0), host_gb=(0.0, 64.0), resident_fraction=(0.0, 0.5),
+             host_backed=(True, False))
+PAPER_RATIO = 3.98  # the SwiftCache paper's maximum-context gain (arXiv 2606.16135, abstract)
+
+
+def sweep_report(lc: LongContext = LWM_H20, grid: dict = SWEEP) -> dict:
+    """Idle donors: every lend fraction x host memory x resident fraction x backing; per
+    configuration the longest context, its ratio to stock, and the decode step there."""
+    rows = []
+    for backed in grid["host_backed"]:
+        for f in grid["lend_fraction"]:
+            for h in grid["host_gb"]:
+                for r in grid["resident_fraction"]:
+                    c = replace(lc, lend_fraction=f, host_bytes=h * 1e9, resident_fraction=r,
+                                host_backed=backed)
+                    m = max_context(c)
+                    at = m["at_max"]
+                    rows.append({
+                        "backing": "host (live)" if backed else "donor + host (additive)",
+                        "lend_fraction": f, "host_gb": h, "resident_fraction": r,
+                        "lent_gb": round(m["lent_gb"], 1),
+                        "max_context_tokens": m["max_tokens"]["swiftcache"],
+                        # 0 tokens: nothing streams (the live store needs host memory)
+                        "ratio": (round(m["ratio"], 3) if m["ratio"]
+                                  and m["max_tokens"]["swiftcache"] else None),
+                        "decode_step_ms": round(at["decode_step_s"] * 1e3, 2) if at else None,
+                        "decode_step_resident_ms": (round(at["decode_step_resident_s"] * 1e3, 2)
+                                                    if at else None),
+                        "decode_slowdown": round(at["decode_slowdown"], 3) if at else None})
+    base = max_context(lc)["max_tokens"]["sglang"]
+    reach = [r for r in rows if r["ratio"] is not None and r["ratio"] >= PAPER_RATIO]
+    return {"model": lc.model, "gpu": lc.gpu, "depth": lc.depth, "stock_max_tokens": base,
+            "window_tokens": lc.window, "rows": rows, "paper_ratio": PAPER_RATIO,
+            "reaches_paper_ratio": [{k: r[k] for k in ("backing", "lend_fraction", "host_gb",
+                                                       "resident_fraction", "ratio",
+                                                       "decode_step_ms", "decode_slowdown")}
+                                    for r in reach]}
+
+
+def sweep_md(rep: dict) -> str:
+    lines = [f"{rep['model']} on {rep['gpu']} (SIMULATED, depth {rep['depth']}, idle donors): "
+             f"stock SGLang's longest context {rep['stock_max_tokens']:,} tokens, window "
+             f"{rep['window_tokens']:,}", "",
+             "| backing | lend fraction | lease GB | host GB | resident fraction | longest context "
+             "| vs stock | decode step there, streamed / resident (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        step = (f"{r['decode_step_ms']:.1f} / {r['decode_step_resident_ms']:.1f} "
+                f"(x{r['decode_slowdown']:.2f})" if r["decode_step_ms"] is not None else "-")
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "cannot stream"
+        lines.append(f"| {r['backing']} | {r['lend_fraction']} | {r['lent_gb']} | {r['host_gb']:g} "
+                     f"| {r['resident_fraction']} | {r['max_context_tokens']:,} | {ratio} "
+                     f"| {step} |")
     return "\n".join(lines)

@@ -20,8 +20,12 @@ def test_quick_prints_goodput_and_stable_rate_figures_for_both_comparisons(tmp_p
     monkeypatch.setitem(cli.SCENARIOS, PAPER.name, replace(PAPER, drain_s=120.0))
     monkeypatch.setattr(cli.gp, "donor_goodputs",
                         lambda scn, *a, **k: ([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]))
+    cell = {"cell": "chat/think60/turns4/host32.6/pcie32", "goodput_ratio_vs_hicache": 1.0,
+            "p99_ttft_reduction_at_80pct": 0.0}  # its own test: test_sim_regime.py
+    monkeypatch.setattr(cli.regime_cli, "capacity_regime", lambda *a, **k: cell)
     assert cli.main(["--quick", "--out", str(tmp_path)]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["capacity_regime"] == cell
     assert s["simulated"] is True
     assert "p99_ttft_reduction_vs_hicache" not in json.dumps(s)
     assert set(s["comparisons"]) == {"paper_setup", "equal_fast_memory"}
