@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -354,6 +354,19 @@ RECORDS: dict[str, RecordSpec] = {
             Headline("twin / HiCache, TTFT P99 (noise floor)", key("ttft_p99_noise"))]),
 }
 
+RECORDS["bench_tiers_quick"].keys.update({
+    "cached_by_turn": "per run, the busy model's cached tokens turn by turn (the burst comes "
+                      "after turn 3)",
+    "relent_after_burst": "whether (s)'s donor lent again before the run ended"})
+RECORDS["bench_tiers_l3_quick"] = replace(
+    RECORDS["bench_tiers_quick"],
+    title="The cache hierarchy with L3: every HiCache run of bench_tiers with SGLang's `file` "
+          "storage backend below its host tier (write_back)",
+    short="hierarchy with L3 file, device/donor/host/L3 (CPU)",
+    command="python scripts/bench_tiers.py --quick --l3 file",
+    keys={**RECORDS["bench_tiers_quick"].keys,
+          "hits_by_tier": "(s)'s busy cached tokens by the tier they came from (l3: fetched "
+                          "from the store into host, then loaded)"})
 
 # ---- reading -----------------------------------------------------------------------------------
 def load_records(records_dir: Path) -> dict[str, dict]:

@@ -10,7 +10,10 @@ Summary keys:
   `cached_vs_hicache` = (s) / (h), `cached_vs_ideal` = (s) / (i);
 - `ttft_p50_vs_hicache`, `ttft_p99_vs_hicache`: (s) / (h) over the busy requests; beside them
   `ttft_p50_noise`, `ttft_p99_noise`: the twin (t) / (h), what two identical runs differ by;
-- `hits_by_tier`: (s)'s cached tokens by where they came from (device, donor, host, L3);
+- `hits_by_tier`: (s)'s cached tokens by where they came from (device, donor, host, L3: the
+  tokens fetched from storage, `--l3` only);
+- `cached_by_turn`: per run, the busy server's cached tokens turn by turn (the burst comes after
+  turn `burst_after_turn`); `relent_after_burst`: whether (s)'s donor lent again before the end;
 - `recomputed_after_reclaim_tokens`: tokens in (s)'s donor tier when the donor's burst reclaimed
   every lent page that a later request prefilled again; `rescued_tokens`: those the reclaim moved
   into host instead; `history_tokens`: the busy model's histories at the end, against
@@ -45,10 +48,16 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
     cached = {run: sum(r.cached_tokens or 0 for r in res.records) for run, res in results.items()}
     ttft = {run: [r.ttft * 1e3 for r in res.records if r.ttft is not None]
             for run, res in results.items()}
+    by_turn = {}
+    for run, res in results.items():
+        turns = [0] * plan.turns
+        for r in res.records:
+            turns[r.turn - 1] += r.cached_tokens or 0
+        by_turn[run] = turns
     p50 = {run: pct(v, 50) for run, v in ttft.items()}
     p99 = {run: pct(v, 99) for run, v in ttft.items()}
     out = {"identical": mismatches.get("s") == 0, "mismatches": mismatches,
-           "cached_tokens": cached,
+           "cached_tokens": cached, "cached_by_turn": by_turn,
            "cached_vs_hicache": _ratio(cached.get("s"), cached.get("h")),
            "cached_vs_ideal": _ratio(cached.get("s"), cached.get("i")),
            "ttft_p50_ms": p50, "ttft_p99_ms": p99,
@@ -62,8 +71,10 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
         m = s.metrics
         donor = int(m.get("swiftcache_donor_hit_tokens_total", 0))
         host = int(m.get("swiftcache_host_hit_tokens_total", 0))
+        l3 = int(m.get("swiftcache_l3_fetched_tokens_total", 0))
         out["hits_by_tier"] = {"device": cached["s"] - donor - host, "donor": donor,
-                               "host": host, "l3": 0}
+                               "host": host - l3, "l3": l3}
+        out["relent_after_burst"] = m.get("swiftcache_borrowed_tokens", 0) > 0
         out["recomputed_after_reclaim_tokens"] = int(
             m.get("swiftcache_recomputed_after_reclaim_tokens_total", 0))
         out["rescued_tokens"] = int(m.get("swiftcache_rescued_tokens_total", 0))
@@ -101,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", action="store_true", help="more conversations and turns")
     ap.add_argument("--conversations", type=int, help="override the plan's conversation count")
     ap.add_argument("--turns", type=int, help="override the plan's turns per conversation")
+    ap.add_argument("--l3", choices=("file",), default=None,
+                    help="give every HiCache run SGLang's L3 storage backend below its host "
+                         "tier (each run its own empty store)")
+    ap.add_argument("--write-policy", choices=("write_back", "write_through"),
+                    default="write_back", help="every HiCache run's --hicache-write-policy "
+                                               "(default %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench_tiers"),
                     help="directory for the server logs and the records (default %(default)s)")
     args = ap.parse_args(argv)
@@ -109,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, conversations=args.conversations)
     if args.turns:
         plan = replace(plan, turns=args.turns)
+    if args.l3:
+        plan = replace(plan, l3=args.l3)
+    plan = replace(plan, write_policy=args.write_policy)
     if plan.burst_after_turn >= plan.turns:
         ap.error(f"the burst comes after turn {plan.burst_after_turn}: give more turns")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     forced = None
     t0 = time.monotonic()
     for run in RUNS:
-        spec = servers(run, plan, busy_dir, donor_dir, rendezvous, busy, donor)
+        spec = servers(run, plan, busy_dir, donor_dir, rendezvous, busy, donor,
+                       store=(args.out / f"l3-{run}").resolve())
         print(f"[{run}] {NAMES[run]}: busy pool {spec['busy'].pool}, donor pool "
               f"{spec['donor'].pool} ...", flush=True)
         results[run] = run_one(run, spec, plan, convs, forced, args.out, rendezvous)

@@ -12,8 +12,12 @@ The runs (same traffic each, one request at a time, the histories carrying run (
 - `i` the ideal: HiCache with what (s)'s donor lends added to the busy server's device pool (and
   taken from the donor's), the host tier as big in tokens as in (h);
 - `t` HiCache again, a twin of (h): the noise floor of a TTFT ratio against (h).
-Every HiCache run uses `--hicache-write-policy write_back` (SwiftCache's host tier receives a
-prefix when it leaves the device; (h) and (i) do the same, so the runs differ only in the tiers).
+Every HiCache run uses the same `--hicache-write-policy`, `write_back` unless `--write-policy`
+says otherwise (SwiftCache's host tier receives a prefix when it leaves the device; (h) and (i)
+do the same, so the runs differ only in the tiers). With `--l3 file` every HiCache run also has
+SGLang's `file` storage backend below its host tier, each run its own empty store; note that
+stock HiCache starts an L3 prefetch only from a host-backed (or root) prefix, so under
+write_back a request whose prefix begins on the device is not looked up in storage.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from ..nodebench.plan import COMMON_ARGS, HEARTBEAT_ARGS, ModelFacts
 RUNS = ("r", "h", "s", "i", "t")
 NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "i": "ideal",
          "t": "hicache twin"}
-WRITE_POLICY = ("--hicache-write-policy", "write_back", "--hicache-mem-layout", "layer_first")
+LAYOUT = ("--hicache-mem-layout", "layer_first")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,11 @@ class TierPlan:
     burst_requests: int = 4
     burst_words: int = 350
     burst_max_tokens: int = 32
+    l3: str | None = None  # an L3 storage backend below every HiCache run's host tier
+    write_policy: str = "write_back"  # every HiCache run's --hicache-write-policy
+
+    def hicache_policy(self) -> tuple:
+        return ("--hicache-write-policy", self.write_policy, *LAYOUT)
 
     def lent_busy_tokens(self, busy: ModelFacts, donor: ModelFacts) -> int:
         """What the donor lends, in the busy model's tokens (bytes over its bytes per token)."""
@@ -67,13 +76,27 @@ class Server:
     swiftcache: bool
 
 
+def l3_args(plan: TierPlan, store: Path | None) -> tuple:
+    """SGLang's storage backend below a HiCache run's host tier, in its own directory."""
+    if plan.l3 is None:
+        return ()
+    import json
+
+    store.mkdir(parents=True, exist_ok=True)
+    extra = {"file_storage_path": str(store), "prefetch_threshold": 16}
+    return ("--hicache-storage-backend", plan.l3, "--hicache-storage-prefetch-policy",
+            "wait_complete", "--hicache-storage-backend-extra-config", json.dumps(extra))
+
+
 def servers(run: str, plan: TierPlan, busy_dir: Path, donor_dir: Path, rendezvous: str,
-            busy: ModelFacts, donor: ModelFacts) -> dict[str, Server]:
-    """The busy and donor servers of run `run`."""
+            busy: ModelFacts, donor: ModelFacts,
+            store: Path | None = None) -> dict[str, Server]:
+    """The busy and donor servers of run `run`; `store`: its L3 directory (`plan.l3`)."""
     lent = plan.lent_busy_tokens(busy, donor)
     lent_donor_tokens = int(plan.donor_pool * plan.lend_fraction)
+    l3 = l3_args(plan, store)
     hicache = ("--enable-hierarchical-cache", "--hicache-ratio", str(plan.host_ratio),
-               *WRITE_POLICY)
+               *plan.hicache_policy(), *l3)
     if run == "r":
         return {"busy": Server(busy_dir, plan.busy_pool, COMMON_ARGS, False),
                 "donor": Server(donor_dir, plan.donor_pool, COMMON_ARGS, False)}
@@ -83,7 +106,9 @@ def servers(run: str, plan: TierPlan, busy_dir: Path, donor_dir: Path, rendezvou
     if run == "i":
         pool = plan.busy_pool + lent
         ratio = plan.host_tokens() / pool  # the same host tokens as (h)
-        ideal = ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}", *WRITE_POLICY)
+        ideal = ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
+                 *plan.hicache_policy(),
+                 *l3)
         return {"busy": Server(busy_dir, pool, COMMON_ARGS + ideal, False),
                 "donor": Server(donor_dir, plan.donor_pool - lent_donor_tokens, COMMON_ARGS,
                                 False)}

@@ -23,7 +23,8 @@ TIER_METRICS = ("swiftcache_donor_hit_tokens_total", "swiftcache_host_hit_tokens
                 "swiftcache_recomputed_after_reclaim_tokens_total",
                 "swiftcache_reclaims_total", "swiftcache_loads_failed_total",
                 "swiftcache_host_stored_tokens_total", "swiftcache_stored_tokens_total",
-                "swiftcache_borrowed_tokens", "swiftcache_host_capacity_tokens")
+                "swiftcache_borrowed_tokens", "swiftcache_host_capacity_tokens",
+                "swiftcache_l3_fetched_tokens_total", "swiftcache_l3_written_pages_total")
 RECLAIM_WAIT_S = 60.0
 
 
