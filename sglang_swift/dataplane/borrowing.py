@@ -18,6 +18,10 @@ every copy touching them is refused (the ticket aborts; the request recomputes).
 revoked whole on the scheduler thread. A copy whose donor is not readable now (read deadline
 passed, process gone) is refused too.
 
+Tensor parallelism (`tp`, `integration/tp_sync.py`): every rank holds the same leases (rank 0's
+grants, applied by every rank at the same pump) and packs its own shard of each block
+(`LeasePacking(shard=(rank, ranks))`); a grant is used only when every rank could map it.
+
 Threads: everything runs on the scheduler thread except `fence`, which the runtime calls on the
 agent's thread; it reads `leases` (one dict lookup) and the lease's immutable packing, and
 touches only the engine's thread-safe fence.
@@ -86,7 +90,9 @@ class Borrowing:
     staging: Any = None
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
-                 stats: dict) -> None:
+                 stats: dict, tp: Any = None) -> None:
+        self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
+        self.shard = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.max_blocks = max_blocks
         self.geometry = geometry
         self.kv_pool = kv_pool
@@ -121,7 +127,8 @@ class Borrowing:
         if want <= 0:
             return
         layout = next(iter(self._layouts.values()), None) or self._advertised_layout()
-        pages = LeasePacking.pages_for(self.geometry, layout, want) if layout else want
+        pages = (LeasePacking.pages_for(self.geometry, layout, want, ranks=self.shard[1])
+                 if layout else want)
         self.agent.request(max(1, min(pages, 65536)))
         self._pending = True
 
@@ -152,7 +159,8 @@ class Borrowing:
 
                 check_reachable(ev.memory.device, self.kv_pool.k_buffer[0].device)
             mapped = self._map(ev.memory)
-            packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks))
+            packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks),
+                                   shard=self.shard)
             donor = ev.key.donor
             engine = PoolTransferEngine(packing, mapped.region, self.kv_pool.k_buffer,
                                         self.kv_pool.v_buffer, liveness=mapped.alive,
@@ -160,6 +168,8 @@ class Borrowing:
                                         lane=self._lane,
                                         lease_epoch=self._epoch_reader(ev.key))
         except (MappingError, ValueError) as exc:  # expected: give the pages back, run without
+            if self.tp is not None:
+                self.tp.all_ok(False)  # the other ranks wait for this rank's word
             self.agent.release(ev.key)
             if getattr(exc, "reason", None) == "unreachable":  # a deployment fault: never again
                 self.agent.avoid_donor(ev.key.donor)
@@ -170,6 +180,13 @@ class Borrowing:
                 logger.warning("SwiftCache: cannot use the lease from %s (%s); releasing it",
                                ev.key.donor, exc)
             self.on_failed(ev.key.donor, "unusable grant")
+            return
+        if self.tp is not None and not self.tp.all_ok(True):  # another rank could not map it
+            engine.close()
+            self.agent.release(ev.key)
+            logger.warning("SwiftCache: another TP rank cannot use the lease from %s; "
+                           "releasing it", ev.key.donor)
+            self.on_failed(ev.key.donor, "unusable grant on another TP rank")
             return
         self._failures = 0
         self._layouts[ev.key.donor] = mapped.layout

@@ -13,6 +13,12 @@ The rule ("pack"; docs/dataplane.md "Lending the donor's own pool" has a worked 
   region's data offset) bytes: every chunk and piece boundary is a multiple of u, so a unit never
   straddles anything and one index tensor per (layer, K/V) names every unit of a transfer.
 
+Shards (tensor parallelism): a borrower of `ranks` TP ranks keeps one server page per block, its
+ranks' shards side by side: B = ranks x the rank's page bytes, and rank r's shard of block b is
+stream bytes [b x B + r x B_r, b x B + (r + 1) x B_r), laid out inside as that rank's
+`KVGeometry` says (`shard=(r, ranks)`; B_r = `borrower.page_bytes`). Every rank numbers the
+lease's blocks alike, so one tree, replicated on every rank, names one block for all of them.
+
 Reclaim: donor page at grant position j holds stream bytes [j x D, (j+1) x D), so the borrower
 blocks it overlaps are a range computed in O(1) (`blocks_touching`, vectorized over the pages).
 This module is arithmetic only: it holds no memory and never copies.
@@ -48,14 +54,21 @@ class CopyPlan:
 
 
 class LeasePacking:
-    """The packing of `borrower` pages into `donor_pages` (in grant order) of the pool `donor`."""
+    """The packing of `borrower` pages into `donor_pages` (in grant order) of the pool `donor`;
+    `shard=(rank, ranks)`: `borrower` is one TP rank's page, and this packing places that rank's
+    shard of each block (module docstring)."""
 
-    def __init__(self, borrower: KVGeometry, donor: PoolLayout, donor_pages: Sequence[int]):
+    def __init__(self, borrower: KVGeometry, donor: PoolLayout, donor_pages: Sequence[int],
+                 shard: tuple[int, int] = (0, 1)):
         if not isinstance(borrower, KVGeometry) or not isinstance(donor, PoolLayout):
             raise ValueError("LeasePacking takes the borrower's KVGeometry and the donor's "
                              f"PoolLayout, got {type(borrower).__name__} and "
                              f"{type(donor).__name__}")
+        rank, ranks = shard
+        if not 0 <= rank < ranks:
+            raise ValueError(f"shard {shard}: rank must be in 0 .. ranks - 1")
         self.borrower, self.donor = borrower, donor
+        self.shard = (int(rank), int(ranks))
         self.donor_pages = tuple(int(p) for p in donor_pages)
         self._position = {p: j for j, p in enumerate(self.donor_pages)}
         if len(self._position) != len(self.donor_pages):
@@ -67,11 +80,13 @@ class LeasePacking:
         self.chunk = (donor.chunk_bytes(K), donor.chunk_bytes(V))
         self.piece = (borrower.span(0, K)[1], borrower.span(0, V)[1])
         self.donor_page_bytes = donor.geometry.num_layers * sum(self.chunk)  # D
-        self.block_bytes = borrower.page_bytes  # B
+        self.block_bytes = ranks * borrower.page_bytes  # B: one block holds every rank's shard
+        self.shard_offset = rank * borrower.page_bytes  # where this rank's shard starts in it
         self.stream_bytes = len(self.donor_pages) * self.donor_page_bytes
         self.num_blocks = self.stream_bytes // self.block_bytes
         self.unused_bytes = self.stream_bytes - self.num_blocks * self.block_bytes
-        self.unit = math.gcd(*self.chunk, *self.piece, donor.data_offset)
+        self.unit = math.gcd(*self.chunk, *self.piece, donor.data_offset, self.block_bytes,
+                             self.shard_offset)
         self._pages_on: dict[torch.device, torch.Tensor] = {}
         # blocks_touching's lookup (the lease's pages sorted, and their grant positions), built
         # here on the grant path, not on the reclaim path
@@ -80,15 +95,18 @@ class LeasePacking:
         self._position_of = order.astype(np.int64)
 
     def __repr__(self) -> str:
-        return (f"LeasePacking({self.num_blocks} blocks of {self.block_bytes} B in "
+        shard = "" if self.shard[1] == 1 else f", shard {self.shard[0]} of {self.shard[1]}"
+        return (f"LeasePacking({self.num_blocks} blocks of {self.block_bytes} B{shard} in "
                 f"{len(self.donor_pages)} donor pages of {self.donor_page_bytes} B, "
                 f"{self.unused_bytes} B unused, unit {self.unit} B)")
 
     @staticmethod
-    def pages_for(borrower: KVGeometry, donor: PoolLayout, num_blocks: int) -> int:
-        """Donor pages a lease needs to hold `num_blocks` borrower blocks (what to ask for)."""
+    def pages_for(borrower: KVGeometry, donor: PoolLayout, num_blocks: int,
+                  ranks: int = 1) -> int:
+        """Donor pages a lease needs to hold `num_blocks` borrower blocks (what to ask for);
+        `ranks`: the borrower's TP ranks, `borrower` one rank's page."""
         d = donor.geometry.num_layers * (donor.chunk_bytes(K) + donor.chunk_bytes(V))
-        return -(-num_blocks * borrower.page_bytes // d)
+        return -(-num_blocks * ranks * borrower.page_bytes // d)
 
     # ---- scalar addresses (docs, tests, reclaim) ----------------------------------------------
     def block_span(self, block: int) -> tuple[int, int]:
@@ -164,7 +182,7 @@ class LeasePacking:
         unit = self.unit if aligned else math.gcd(self.unit, *rows)
         local, stream = [], []
         for h in (K, V):
-            piece_start = g.span(0, h)[0]
+            piece_start = self.shard_offset + g.span(0, h)[0]
             if aligned:
                 per = P * rows[h] // unit  # units per page piece
                 lo, base = first // P * per, blocks * self.block_bytes + piece_start

@@ -38,6 +38,35 @@ def _identity(server_args: Any) -> tuple[str, str, bool]:
     return model, agent_id, bool(getattr(server_args, "enable_metrics", False))
 
 
+# The layer stream cache keeps per-rank decisions (which rows are resident, when a layer is
+# fetched, a fetch that failed) that no collective agrees on between the ranks.
+LAYER_STREAM_TP = (
+    "--swiftcache-layer-stream with --tp {tp} (each rank would stream its own shard with its own "
+    "fetch decisions and faults, not agreed between the ranks, so their outputs could differ; "
+    "run the layer stream cache with --tp 1)")
+
+
+def tp_problems(ctx: Any, config: Any) -> list[str]:
+    """What SwiftCache does not do yet with --tp > 1 (each named with the reason). A TP
+    borrower is served (`tp_sync.py`: rank 0's agent, every rank its own shard)."""
+    tp_size = getattr(ctx, "tp_size", 1) or 1
+    if tp_size <= 1:
+        return []
+    problems = []
+    if config.streams_layers:
+        problems.append(LAYER_STREAM_TP.format(tp=tp_size))
+    if config.lends:
+        problems.append(f"lending with --tp {tp_size} (a TP donor's ranks would have to take "
+                        f"the same pages out of every rank's pool and a borrower map every "
+                        f"rank's pool: not built yet; lend from a --tp 1 server, or drop "
+                        f"--swiftcache-lend-fraction)")
+    if config.host_tier and config.uses_donation:
+        problems.append(f"a host tier under a borrower with --tp {tp_size} (its copies and "
+                        f"reclaim rescues are not agreed between the ranks yet; drop "
+                        f"--enable-hierarchical-cache or borrow with --tp 1)")
+    return problems
+
+
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's
     TreeCacheBuildContext."""
@@ -53,12 +82,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                            f"evictions itself: use --swiftcache-eviction-policy)")
     if getattr(params, "enable_kv_cache_events", False):
         unsupported.append("KV cache events (not emitted by SwiftCache's tree yet)")
-    tp_size = getattr(ctx, "tp_size", 1) or 1
-    if tp_size > 1 and config.uses_donation:
-        unsupported.append(f"lending or borrowing with --tp {tp_size} (each rank holds a shard of "
-                           f"the KV heads and SwiftCache runs one agent per server: leases and "
-                           f"reclaims would not reach every rank; use --tp 1, or run the server "
-                           f"without --swiftcache-lend-fraction / --swiftcache-max-borrow-blocks)")
+    unsupported += tp_problems(ctx, config)
     if unsupported:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop "
                          f"those options or run without --enable-swiftcache.")
@@ -89,11 +113,13 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     else:
         model, agent_id, metrics = _identity(ctx.server_args)
         from ..dataplane import UnshareablePool
+        from .tp_sync import tp_group_of
 
         try:
             cache = SwiftRadixCache(params, tree_config, config, model=model,
                                     agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
-                                    storage=storage, enable_metrics=metrics)
+                                    storage=storage, enable_metrics=metrics,
+                                    tp=tp_group_of(ctx))
         except UnshareablePool as exc:
             raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
                              f"{exc}") from None

@@ -122,7 +122,8 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
 
     def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
                  model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False,
-                 tp_worker: Any = None, host_kv: Any = None, storage: Any = None):
+                 tp_worker: Any = None, host_kv: Any = None, storage: Any = None,
+                 tp: Any = None):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
@@ -134,6 +135,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         if storage is not None and host_kv is None:
             raise ValueError("L3 storage sits below the host tier: pass host_kv with storage")
         self.tree_config = tree_config
+        self.tp = tp  # tp_sync.TpGroup of a lending or borrowing server with --tp > 1
         self.host_kv = host_kv
         self._init_storage(storage)
         self.runtime = self.loads = self.demotions = None
@@ -159,7 +161,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         self.runtime = SwiftRuntime(config, model=model, kv_pool=kv_pool,
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
-                                    page_size=self.page_size, agent_id=agent_id)
+                                    page_size=self.page_size, agent_id=agent_id, tp=self.tp)
         self.runtime.stats.update({k: 0 for k in STREAM_STATS})
         if self.host_kv is not None and config.borrows:  # a reclaimed donor page goes to host
             from ..dataplane.reclaim_staging import ReclaimStaging
@@ -220,9 +222,11 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
             self._update_metrics(now)
             self._report(now)
             return
-        if now - self._last_step >= STEP_INTERVAL_S:
+        due = now - self._last_step >= STEP_INTERVAL_S
+        if due:
             self._last_step = now
-            self.runtime.pump()
+        if due or self.tp is not None:  # TP: every loop, rank 0's `due` decides for all
+            self.runtime.pump(due)
         self.runtime.lend(scheduler)  # every loop: a burst's demand leaves in the loop it arrived
         self._update_metrics(now)
         self._report(now)

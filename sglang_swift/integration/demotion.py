@@ -14,7 +14,8 @@ and its victim's slots freed in the same call:
   a reclaim of its pages stops it before the reclaim is acknowledged.
 A store that cannot run or stops (lease gone, donor lost, read deadline passed) aborts its
 ticket: the victim leaves the device without a donor copy (that prefix is recomputed when asked
-again), and no residency ever claims donor blocks that were not written.
+again), and no residency ever claims donor blocks that were not written. With TP every rank
+stores its own shard and a store counts only when it succeeded on every rank.
 
 There are therefore no stores in flight between scheduler steps, nothing to settle later and no
 headroom to keep free ahead of need: the device keeps every prefix it has room for.
@@ -85,6 +86,8 @@ class Demotions:
             slots = [s for t in tickets for s in t.src.indices]
             blocks = [b for t in tickets for b in t.dst.blocks]
             ok, enqueued = store_now(self.runtime, key, slots, blocks)
+            if self.runtime.tp is not None:  # a store counts only where every rank stored
+                ok = self.runtime.tp.all_ok(ok)
             if enqueued is not None:
                 self._enqueued.append(enqueued)
             self.stats["stores_started"] += len(tickets)

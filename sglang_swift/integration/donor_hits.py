@@ -109,8 +109,7 @@ class DonorHitsMixin:
         recompute, not a failed load)."""
         if type(res) is not DonorResidency:
             return True
-        engine = self.runtime.lease_engine(res.donor, res.lease)
-        return engine is not None and engine.liveness() and not engine.fenced(res.blocks)
+        return self.runtime.readable(res.donor, res.lease, res.blocks)
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admit the load of a matched donor part (SGLang calls this for admitted requests):
@@ -165,6 +164,8 @@ class DonorHitsMixin:
         `load_back_is_cache_owned`, and the room for the request's new tokens is made with the
         hit held. None: not applicable here (the caller loads as usual); else what
         `init_load_back` returns."""
+        if getattr(self.runtime, "tp", None) is not None:  # a swap is one rank's: not with TP
+            return None
         m = self.tree.match(found[0], found[1])
         if (m.last_device_node is not req.last_node or m.load_len != hit_len
                 or not admission.should_exchange(self.tree, m, need - self.slots.available())

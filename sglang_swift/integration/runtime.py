@@ -17,6 +17,13 @@ pass; the tree forgets the blocks at the next pump, and until then every copy to
 refused. A lost lease is revoked from the tree at the pump. A copy from a donor that is not
 readable now is refused (the tree's ticket is aborted), so the request recomputes instead of
 reading pages that may already hold the donor's own data.
+
+With `--tp > 1` (`tp`, `tp_sync.py`) every rank has a runtime and only rank 0 an agent (the
+others a `FollowerAgent`): rank 0 shares its agent's events and its view of the leases at each
+pump, every rank applies them at the same step, a reclaim is fenced by every rank at that pump
+and acknowledged by rank 0 only after all of them (no acknowledgement from the agent's thread:
+the other ranks' copies are in other processes), and each rank copies its own shard of the KV
+heads (`LeasePacking(shard=)`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 # the longest a donor's scheduler waits for lent pages its own requests need
 OWN_PAGES_WAIT_S = 0.05
+# With TP, a lease is offered to matches until this long before its read deadline: the view
+# rank 0 shares at a pump must stay true until the loads it admits have started.
+TP_VIEW_MARGIN_S = 1.0
 
 
 def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
@@ -63,8 +73,10 @@ class SwiftRuntime:
     """The live side of SwiftCache in one server; see the module docstring for the contract."""
 
     def __init__(self, config: SwiftConfig, *, model: str, kv_pool: Any, allocator: Any,
-                 tree: Any, page_size: int, agent_id: str | None = None) -> None:
+                 tree: Any, page_size: int, agent_id: str | None = None,
+                 tp: Any = None) -> None:
         self.config = config
+        self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
         self.kv_pool = kv_pool
         self.allocator = allocator
         self.tree = tree
@@ -74,7 +86,16 @@ class SwiftRuntime:
         self.device = kv_pool.k_buffer[0].device
         name = os.path.basename(model.rstrip("/")) or "model"
         self.agent_id = agent_id or f"{name}-{os.getpid()}"
-        self.agent = ControlAgent(control_config_for(config, self.agent_id), model=model)
+        if tp is not None:
+            self._check_shards(tp)
+        if tp is None or tp.leader:
+            self.agent = ControlAgent(control_config_for(config, self.agent_id), model=model)
+        else:  # rank 0's agent speaks for the server
+            from .tp_sync import FollowerAgent
+
+            self.agent = FollowerAgent(self.agent_id)
+        self._acks: list = []  # TP: reclaims to acknowledge once every rank fenced them
+        self._view: dict = {}  # TP: (donor, lease id) -> readable, as rank 0 saw it
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
                       "lost_leases": 0, "own_pages_wait_s": 0.0}
@@ -85,7 +106,7 @@ class SwiftRuntime:
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
-                                       stats=self.stats)
+                                       stats=self.stats, tp=tp)
         elif config.streams_from_donor:  # leases for the streamed pool's store, not the tree
             from ..layer_stream.store_leases import StoreLeases
 
@@ -109,7 +130,7 @@ class SwiftRuntime:
                                          reclaim_watermark=self.config.reclaim_watermark,
                                          agent=self.agent,
                                          relend_cooldown_s=self.config.relend_cooldown_s)
-        if self.borrowing is not None:
+        if self.borrowing is not None and self.tp is None:
             self.agent.on_reclaim(self._fence_reclaim)
         self.agent.start()
         logger.info("SwiftCache runtime %s started: lends up to %d tokens of its pool, borrows "
@@ -124,8 +145,22 @@ class SwiftRuntime:
             self.borrowing.close()
 
     # ---- the scheduler thread's step ------------------------------------------------------
-    def pump(self) -> None:
-        """Handle what the agent queued; ask for leases; publish the capacity."""
+    def _check_shards(self, tp: Any) -> None:
+        """Every rank holds a shard of the same shape (the packing gives each one slice of every
+        block); refused at start-up with every rank's shape otherwise."""
+        shapes = tp.gather(repr(self.geometry))
+        if len(set(shapes)) > 1:
+            raise ValueError("the TP ranks' KV pools hold shards of different shapes ("
+                             + "; ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
+                             + "): SwiftCache stores one slice of each block per rank and "
+                               "needs them alike")
+
+    def pump(self, due: bool = True) -> None:
+        """Handle what the agent queued; ask for leases; publish the capacity. With TP, called
+        every scheduler loop on every rank: rank 0's `due` decides whether this loop pumps."""
+        if self.tp is not None:
+            self._pump_tp(due)
+            return
         for event in self.agent.poll_events():
             self._handle(event)
         self._peers_present = self.agent.peer_count() > 0  # every pump: no full status
@@ -133,6 +168,62 @@ class SwiftRuntime:
             self.borrowing.maybe_request(self._peers_present)
         self.agent.set_capacity(self.allocator.size, self.lent_tokens, self.borrowed_tokens(),
                                 self.usable_tokens(), **self._tiers())
+
+    def _pump_tp(self, due: bool) -> None:
+        """One collective per loop (a size-only broadcast when rank 0 has nothing to say):
+        rank 0's events and lease view, applied by every rank in rank 0's order; then the
+        reclaims fenced by every rank are acknowledged by rank 0."""
+        msg = None
+        if self.tp.leader and due:
+            events = self.agent.poll_events()
+            msg = (events, self._lease_view(events))
+        msg = self.tp.share(msg)
+        if msg is None:
+            return
+        events, (view, deadlines) = msg
+        self._view = view
+        if not self.tp.leader:
+            self.agent.set_view(deadlines)
+        for event in events:
+            self._handle(event)
+        if self._acks:
+            self.tp.barrier()  # every rank fenced and revoked the pages: nothing reads them
+            for ev in self._acks:
+                self.agent.ack_reclaim(ev)  # rank 0's agent; a no-op elsewhere
+            self._acks = []
+        if self.tp.leader:
+            self._peers_present = self.agent.peer_count() > 0
+            if self.borrowing is not None:
+                self.borrowing.maybe_request(self._peers_present)
+            self.agent.set_capacity(self.allocator.size, self.lent_tokens,
+                                    self.borrowed_tokens(), self.usable_tokens(), **self._tiers())
+
+    def _lease_view(self, events: list) -> tuple[dict, dict]:
+        """Rank 0: which held leases matches may offer until the next pump (donor there, read
+        deadline more than TP_VIEW_MARGIN_S away; a lease granted in `events` from the next
+        pump on), and each donor's read deadline (the other ranks' copies stop there)."""
+        if self.borrowing is None:
+            return {}, {}
+        now = time.monotonic()
+        donors = {donor for donor, _ in self.borrowing.leases}
+        donors.update(ev.key.donor for ev in events if isinstance(ev, LeaseGranted))
+        deadlines = {donor: self.agent.read_deadline(donor) for donor in donors}
+        view = {key: held.engine.liveness() and now < deadlines[key[0]] - TP_VIEW_MARGIN_S
+                for key, held in self.borrowing.leases.items()}
+        return view, deadlines
+
+    def readable(self, donor: str, lease_id: int, blocks: Any) -> bool:
+        """Whether a donor residency on `blocks` of lease (donor, lease_id) may be offered and
+        loaded now: lease held and readable, blocks not fenced by a reclaim. With TP, from the
+        view rank 0 shared at the last pump, so every rank's tree decides alike."""
+        if self.borrowing is None:
+            return False
+        if self.tp is not None:
+            held = self.borrowing.leases.get((donor, lease_id))
+            return (held is not None and self._view.get((donor, lease_id), False)
+                    and not held.engine.fenced(blocks))
+        engine = self.lease_engine(donor, lease_id)
+        return engine is not None and engine.liveness() and not engine.fenced(blocks)
 
     def _tiers(self) -> dict:
         """The tree's lower tiers for `ctl status`: cached tokens in each, hits admitted."""
@@ -239,6 +330,9 @@ class SwiftRuntime:
         self.stats["reclaims"] += 1
         logger.info("SwiftCache: %s reclaimed %d pages of lease %d", ev.key.donor,
                     len(ev.blocks), ev.key.lease_id)
+        if self.tp is not None:  # once every rank fenced them (_pump_tp)
+            self._acks.append(ev)
+            return
         # a no-op when _fence_reclaim acknowledged; else only now that nothing uses the pages
         self.agent.ack_reclaim(ev)
 

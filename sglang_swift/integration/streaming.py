@@ -176,10 +176,17 @@ class StreamingLoads:
             if reason is not None:
                 fan.invalidate(reason, part)
         failed = fan.failed_parts()
+        reasons = {id(load): [failed[p] for p in sorted(load.parts) if p in failed]
+                   for load in entry.loads}
+        tp = getattr(self.runtime, "tp", None)
+        if tp is not None:  # a load that failed on any rank fails on every rank
+            elsewhere = tp.all_ok_each([not reasons[id(load)] for load in entry.loads])
+            for load, ok in zip(entry.loads, elsewhere):
+                if not ok and not reasons[id(load)]:
+                    reasons[id(load)] = ["the copy failed on another TP rank"]
         for load in entry.loads:
-            reasons = [failed[p] for p in sorted(load.parts) if p in failed]
-            if reasons:
-                self._fail_request(scheduler, load.req, reasons[0])
+            if reasons[id(load)]:
+                self._fail_request(scheduler, load.req, reasons[id(load)][0])
             else:
                 self.stats["loaded_tokens"] += len(load.slots)
         entry.overhead_s += time.perf_counter() - t0
@@ -189,10 +196,16 @@ class StreamingLoads:
         self.poll()
 
     def poll(self) -> None:
-        """Close the tickets of settled loads whose copies are finished (never blocks)."""
+        """Close the tickets of settled loads whose copies are finished (never blocks). With TP
+        a ticket closes on every rank at once, when its copies finished on every rank (closing
+        it unpins donor nodes, which changes what the tree may evict)."""
+        done = [all(c.finished() for _, c in entry.copies) for entry in self._closing]
+        tp = getattr(self.runtime, "tp", None)
+        if tp is not None and self._closing:
+            done = tp.all_ok_each(done)
         still = []
-        for entry in self._closing:
-            if all(c.finished() for _, c in entry.copies):
+        for entry, finished in zip(self._closing, done):
+            if finished:
                 self._close(entry)
             else:
                 still.append(entry)

@@ -72,6 +72,11 @@ def check_server_args(server_args: Any, config: Any) -> None:
                        "local buffers)")
     if (getattr(server_args, "dcp_size", 1) or 1) > 1:
         refused.append("--dcp-size > 1")
+    tp_size = getattr(server_args, "tp_size", 1) or 1
+    if tp_size > 1:
+        from ..integration.backend import LAYER_STREAM_TP
+
+        refused.append(LAYER_STREAM_TP.format(tp=tp_size).split(" with ", 1)[1])
     for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         backend = getattr(server_args, name, None)
         if backend in DIRECT_READ_BACKENDS:

@@ -66,7 +66,9 @@ class Runtime:
         self.stats = {k: 0 for k in ("stored_tokens", "loaded_tokens", "refused_stores",
                                      "refused_loads", *stats_keys)}
 
-    def pump(self):  # control events: none in these tests
+    tp = None  # one rank
+
+    def pump(self, due=True):  # control events: none in these tests
         pass
 
     def lend(self, scheduler=None):  # a borrower lends nothing
@@ -78,6 +80,10 @@ class Runtime:
 
     def lease_engine(self, donor, lease):
         return None if (donor, lease) in self.dead else self.engines.get((donor, lease))
+
+    def readable(self, donor, lease, blocks):  # SwiftRuntime.readable with one rank
+        engine = self.lease_engine(donor, lease)
+        return engine is not None and engine.liveness() and not engine.fenced(blocks)
 
     def track(self, key, handle, blocks):
         self.tracked[id(handle)] = (key, blocks)
