@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
                          "collections over 50 ms (LONG GARBAGE COLLECTION) in the server logs")
     ap.add_argument("--plot", type=Path, default=None,
                     help="the capacity plot (default: OUT/capacity.png)")
+    from .closed_loop import add_arguments
+
+    add_arguments(ap)
     defaults = NodePlan()
     for name in OVERRIDES:
         kind = type(getattr(defaults, name))
@@ -126,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     busy_model, donor_model = ensure_tiny_model(shape="small"), ensure_tiny_model(shape="tiny")
     facts = {"busy": ModelFacts.from_dir(busy_model), "donor": ModelFacts.from_dir(donor_model)}
+    if args.closed_loop:
+        from . import closed_loop
+
+        out = args.out if args.out != Path("runs/node_bench") else Path("runs/closed_loop")
+        return closed_loop.main(args, plan, out,
+                                plan.lendable_busy_tokens(facts["busy"], facts["donor"]))
     for role, f in facts.items():
         print(f"{role} model  {f.describe()}")
     traffic = build_traffic(plan, donor_model / "tokenizer.json")
