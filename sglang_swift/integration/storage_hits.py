@@ -27,6 +27,8 @@ from radix_ext import HOST
 
 from .storage_tier import Fetch, Write
 
+WRITTEN_NODES_MAX = 1 << 20  # forgotten beyond this (a write of known pages is skipped anyway)
+
 
 def _radix_key(tokens: Any, namespace: Any) -> Any:
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -44,26 +46,34 @@ class StorageHitsMixin:
         self.hicache_storage_pass_prefix_keys = bool(storage and storage.pass_prefix_keys)
         self._fetches: dict = {}  # request handle -> Fetch
         self._fetched: dict = {}  # request handle -> tokens storage supplied, until popped
+        self._written_nodes: set = set()  # ids of tree nodes whose host copy went to storage
 
     # ---- writes -------------------------------------------------------------------------------
 
     def _write_to_storage(self, node: Any) -> None:
-        """Write the host copies on the path to `node` to storage (pages not written yet)."""
+        """Write the host copies on the path to `node` to storage (pages not written yet). The
+        path's keys are hashed only when one of its host copies was not written before."""
         if self.storage is None or node is None or self.tree.is_root(node):
             return
-        ns, tokens = self.tree.prefix_of(node)
-        keys = self.storage.page_keys(_radix_key(tokens, ns))
         path = []
         x = node
         while not self.tree.is_root(x):
             path.append(x)
             x = x.parent
+        written = self._written_nodes
+        if all(x.id in written or HOST not in x.res for x in path):
+            return
+        if len(written) > WRITTEN_NODES_MAX:
+            written.clear()
+        ns, tokens = self.tree.prefix_of(node)
+        keys = self.storage.page_keys(_radix_key(tokens, ns))
         page, pos = self.page_size, 0
         for x in reversed(path):
             res = x.res.get(HOST)
             n = len(x.key) // page
-            if res is not None:
+            if res is not None and x.id not in written:
                 self.storage.write(keys[pos:pos + n], res.indices, self.tree.host)
+                written.add(x.id)
             pos += n
 
     # ---- the scheduler's L3 calls -------------------------------------------------------------
@@ -135,6 +145,7 @@ class StorageHitsMixin:
         self._poll_storage()
         for f in list(self._fetches.values()):  # queries answered after the drain's poll
             self._end_fetch(f, 0)
+        self._written_nodes.clear()  # node ids start again in the new tree
 
     def _poll_storage(self) -> None:
         if self.storage is None:

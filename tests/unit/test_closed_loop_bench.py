@@ -1,0 +1,115 @@
+"""The closed loop of `bench_node.py --closed-loop` (benchmarks/nodebench/closed_loop.py).
+
+Invariants, against a local HTTP server that streams /generate like SGLang: every client sends
+its rounds in order, each round's prompt is the client's history (earlier prompts and the forced
+answers) plus its new tokens; never more than `max_parallel` requests are in flight; TTFT and
+cached tokens are read from the stream; the summary's ratios are SwiftCache over the ideal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from benchmarks.nodebench.closed_loop import ClosedLoop, Turn, drive, summarize
+from benchmarks.nodebench.plan import NodePlan
+
+
+class FakeServer:
+    """An aiohttp server answering /generate with two SSE events (the output ids so far)."""
+
+    def __init__(self):
+        self.prompts: list[list[int]] = []
+        self.in_flight = self.most_in_flight = 0
+
+    async def generate(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        self.prompts.append(body["input_ids"])
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["sampling_params"]["max_new_tokens"]
+        out = [len(body["input_ids"]) % 97 + i for i in range(n)]
+        for k in (1, n):
+            await asyncio.sleep(0.01)
+            ev = {"text": "x", "output_ids": out[:k],
+                  "meta_info": {"completion_tokens": k, "prompt_tokens": len(body["input_ids"]),
+                                "cached_tokens": 3}}
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        self.in_flight -= 1
+        return resp
+
+
+def _serve(fake: FakeServer):
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/generate", fake.generate)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{port}", loop, runner
+
+
+@pytest.fixture
+def server():
+    fake = FakeServer()
+    url, loop, runner = _serve(fake)
+    yield fake, url
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_clients_send_their_rounds_in_order_on_their_forced_histories(server):
+    fake, url = server
+    load = ClosedLoop(clients=3, rounds=3, request_length=5, output_length=4, max_parallel=2,
+                      request_rate=float("inf"))
+    forced = {(c, r): (1000 + 10 * c + r,) * 4 for c in range(3) for r in range(3)}
+    turns = asyncio.run(drive(url, load, vocab=500, forced=forced))
+    assert len(turns) == 9 and fake.most_in_flight <= 2
+    by_client: dict = {}
+    for t in turns:
+        by_client.setdefault(t.client, []).append(t)
+    for ts in by_client.values():
+        assert [t.round for t in ts] == [0, 1, 2]
+        assert all(t.ttft is not None and t.cached == 3 and len(t.output) == 4 for t in ts)
+    prompts = sorted(fake.prompts, key=len)
+    for p in prompts:  # each later prompt extends an earlier one by its forced answer
+        rounds = len(p) // (5 + 4) + (1 if len(p) % 9 else 0)
+        assert len(p) == 5 * rounds + 4 * (rounds - 1)
+        for r in range(rounds - 1):
+            answer = p[(r + 1) * 5 + r * 4:(r + 1) * 9]
+            assert len(set(answer)) == 1 and answer[0] >= 1000
+
+
+def test_bad_load_parameters_are_refused_by_name():
+    with pytest.raises(ValueError, match="--max-parallel"):
+        ClosedLoop(max_parallel=0)
+    with pytest.raises(ValueError, match="--request-rate"):
+        ClosedLoop(request_rate=0)
+
+
+def test_the_summary_compares_swiftcache_and_the_twin_with_the_ideal():
+    def run(ttfts, cached):
+        return {"turns": [Turn(0, i, ttft=t, cached=cached, prompt=10, output=(1,))
+                          for i, t in enumerate(ttfts)], "wall_s": 1.0, "stats": {},
+                "loadavg": [0.0] * 6}
+
+    runs = {"stock": run([0.3, 0.3], 0), "swiftcache": run([0.22, 0.22], 8),
+            "ideal": run([0.2, 0.2], 8), "ideal_twin": run([0.21, 0.21], 8)}
+    s = summarize(runs, NodePlan(), ClosedLoop(), {})
+    assert s["closed_loop_ttft_avg_vs_ideal"] == pytest.approx(1.1)
+    assert s["closed_loop_ttft_p99_noise"] == pytest.approx(1.05)
+    assert s["cached_vs_ideal"] == 1.0 and s["identical"] is True
