@@ -367,6 +367,36 @@ RECORDS["bench_tiers_l3_quick"] = replace(
     keys={**RECORDS["bench_tiers_quick"].keys,
           "hits_by_tier": "(s)'s busy cached tokens by the tier they came from (l3: fetched "
                           "from the store into host, then loaded)"})
+RECORDS["bench_node_closed_loop"] = RecordSpec(
+    "The node benchmark's closed loop: stock, SwiftCache, the ideal and its twin under SGLang "
+    "bench_multiturn's load (clients, rounds, request and output lengths, max parallel)",
+    "closed loop, borrowed vs local memory (CPU)",
+    "python scripts/bench_node.py --closed-loop", "docs/node_bench.md", {
+        "identical": "every SwiftCache answer equals stock SGLang's, request by request",
+        "mismatches": "per run, answers that differ from stock's",
+        "cached_tokens": "per run, the busy model's prompt tokens served from cache",
+        "cached_vs_ideal": "cached tokens, SwiftCache / ideal",
+        "closed_loop_ttft_avg_vs_ideal": "mean TTFT, SwiftCache / ideal",
+        "closed_loop_ttft_p90_vs_ideal": "TTFT P90, SwiftCache / ideal",
+        "closed_loop_ttft_p99_vs_ideal": "TTFT P99, SwiftCache / ideal",
+        "closed_loop_ttft_avg_noise": "mean TTFT, ideal twin / ideal: the noise floor",
+        "closed_loop_ttft_p99_noise": "TTFT P99, ideal twin / ideal",
+        "stock_ttft_avg_vs_ideal": "mean TTFT, stock / ideal",
+        "stock_ttft_p99_vs_ideal": "TTFT P99, stock / ideal",
+        "ttft_ms": "per run, TTFT mean, P50, P90, P99 (ms)",
+        "history_vs_busy_pool": "the clients' histories at the end over the busy pool",
+        "prompt_tokens": "prompt tokens of all requests (stock run)",
+        "swift_stats": "the borrower's SwiftCache counters at the end",
+        "pools": "per run, the busy and donor pools (tokens)",
+        "load": "the closed loop's parameters",
+        "wall_s": "per run, seconds of traffic",
+        "loadavg": "per run, load average before and after (1, 5, 15 min)",
+    }, [Headline("identical", key("identical")),
+        Headline("cached tokens / ideal", key("cached_vs_ideal")),
+        Headline("mean TTFT / ideal", key("closed_loop_ttft_avg_vs_ideal")),
+        Headline("TTFT P99 / ideal", key("closed_loop_ttft_p99_vs_ideal")),
+        Headline("ideal twin / ideal, mean TTFT (noise floor)",
+                 key("closed_loop_ttft_avg_noise"))])
 
 # ---- reading -----------------------------------------------------------------------------------
 def load_records(records_dir: Path) -> dict[str, dict]:
