@@ -14,6 +14,12 @@ borrowed memory against local memory, not reclaims):
 The stock run's answers are every later run's histories (forced), so every run sends the same
 prompts; `identical` compares each run's answers with stock's, request by request.
 
+`--hicache-ratio R` gives every run's busy server HiCache's host tier (R x the base busy pool,
+the same host tokens in the ideal): stock becomes HiCache, SwiftCache HiCache + SwiftCache.
+`--sweep-clients 4,8,16` runs the three systems (no twin) at each client count and reports
+cached tokens and TTFT per system against `history_vs_capacity` (the clients' histories over
+the busy server's device pool plus host tier).
+
 JSON keys (last line): `closed_loop_ttft_avg_vs_ideal`, `closed_loop_ttft_p99_vs_ideal`
 (swiftcache / ideal), `closed_loop_ttft_avg_noise`, `closed_loop_ttft_p99_noise` (twin / ideal),
 `cached_tokens` and `ttft_ms` (avg, p50, p90, p99) per run, `cached_vs_ideal`,
@@ -175,12 +181,23 @@ def _metrics(url: str) -> dict:
         return parse_metrics(r.read().decode(errors="replace"), SWIFT_STATS)
 
 
+def hicache_args(ratio: float, pool: int, host_tokens: int) -> list[str]:
+    """HiCache on a busy server of `pool` tokens with `host_tokens` of host memory (the same
+    host tokens in every run: the ideal's ratio is scaled to its larger pool)."""
+    if not ratio:
+        return []
+    return ["--enable-hierarchical-cache", "--hicache-ratio", f"{host_tokens / pool:.6f}",
+            "--hicache-write-policy", "write_back", "--hicache-mem-layout", "layer_first"]
+
+
 def run_one(spec: RunSpec, plan: NodePlan, load: ClosedLoop, busy_model: Path,
             donor_model: Path, out: Path, forced: dict | None, max_borrow_blocks: int,
-            vocab: int) -> dict:
+            vocab: int, hicache_ratio: float = 0.0) -> dict:
     rendezvous = str((out / f"rendezvous-{spec.name}").resolve())
+    host = hicache_args(hicache_ratio, spec.busy_pool, int(plan.busy_pool * hicache_ratio))
     busy = bench_server(busy_model, spec, "busy", spec.busy_pool,
-                        spec.busy_args(plan, rendezvous, max_borrow_blocks), plan, out, False)
+                        spec.busy_args(plan, rendezvous, max_borrow_blocks) + host, plan, out,
+                        False)
     donor = bench_server(donor_model, spec, "donor", spec.donor_pool,
                          spec.donor_args(plan, rendezvous), plan, out, False)
     before = os.getloadavg()
@@ -245,6 +262,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-parallel", type=int, default=d.max_parallel)
     g.add_argument("--request-rate", type=float, default=d.request_rate)
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--hicache-ratio", type=float, default=0.0,
+                   help="every run's busy server with HiCache, host memory this many times the "
+                        "base busy pool (write_back; the ideal keeps the same host tokens); "
+                        "0: no HiCache (default)")
+    g.add_argument("--sweep-clients", default=None,
+                   help="comma-separated client counts: stock (or HiCache), SwiftCache and the "
+                        "ideal at each (no twin); the JSON gets `sweep`, one entry per count")
 
 
 def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks: int) -> int:
@@ -262,11 +286,14 @@ def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks:
     print(f"busy: {busy.describe()}\nload: {asdict(load)}; histories {load.history_tokens()} "
           f"tokens, busy pool {plan.busy_pool}, ideal {ideal.busy_pool}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    if args.sweep_clients:
+        return _sweep(args, plan, load, specs, busy_model, donor_model, out, max_borrow_blocks,
+                      vocab)
     runs: dict = {}
     forced = None
     for name, spec in specs.items():
         runs[name] = run_one(spec, plan, load, busy_model, donor_model, out, forced,
-                             max_borrow_blocks, vocab)
+                             max_borrow_blocks, vocab, args.hicache_ratio)
         if name == "stock":
             forced = {(t.client, t.round): t.output for t in runs[name]["turns"]}
         tt = [t.ttft for t in runs[name]["turns"] if t.ttft is not None]
@@ -275,8 +302,50 @@ def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks:
               f"{1e3 * sum(tt) / len(tt):.1f} ms", flush=True)
     pools = {name: {"busy": s.busy_pool, "donor": s.donor_pool} for name, s in specs.items()}
     summary = summarize(runs, plan, load, pools)
+    summary["hicache_ratio"] = args.hicache_ratio
     (out / "closed_loop.json").write_text(json.dumps(
         {"summary": summary, "turns": {n: [asdict(t) for t in r["turns"]]
                                        for n, r in runs.items()}}, indent=1))
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0
+
+
+def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path,
+           donor_model: Path, out: Path, max_borrow_blocks: int, vocab: int) -> int:
+    """The three systems at each client count: cached tokens and TTFT per system, and the
+    clients' histories against the busy server's own capacity (device pool plus host tier)."""
+    from dataclasses import replace
+
+    try:
+        counts = [int(x) for x in args.sweep_clients.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"--sweep-clients takes comma-separated integers, got "
+                         f"{args.sweep_clients!r}") from None
+    capacity = plan.busy_pool * (1 + args.hicache_ratio)
+    points = []
+    for n in counts:
+        load = replace(base, clients=n)
+        runs: dict = {}
+        forced = None
+        for name in ("stock", "swiftcache", "ideal"):
+            runs[name] = run_one(specs[name], plan, load, busy_model, donor_model, out, forced,
+                                 max_borrow_blocks, vocab, args.hicache_ratio)
+            if name == "stock":
+                forced = {(t.client, t.round): t.output for t in runs[name]["turns"]}
+        ref = forced
+        point = {"clients": n, "history_vs_capacity": round(load.history_tokens() / capacity, 2),
+                 "cached_tokens": {}, "ttft_avg_ms": {}, "ttft_p99_ms": {}, "mismatches": {}}
+        for name, run in runs.items():
+            ttft = [t.ttft * 1e3 for t in run["turns"] if t.ttft is not None]
+            point["cached_tokens"][name] = sum(t.cached for t in run["turns"])
+            point["ttft_avg_ms"][name] = sum(ttft) / len(ttft)
+            point["ttft_p99_ms"][name] = pct(ttft, 99)
+            point["mismatches"][name] = sum(1 for t in run["turns"]
+                                            if t.output != ref[(t.client, t.round)])
+        points.append(point)
+        print(f"[{n} clients] {json.dumps(point)}", flush=True)
+    summary = {"sweep": points, "hicache_ratio": args.hicache_ratio, "load": asdict(base),
+               "capacity_tokens": capacity,
+               "identical": all(p["mismatches"]["swiftcache"] == 0 for p in points)}
     print(json.dumps(summary, sort_keys=True), flush=True)
     return 0
