@@ -103,11 +103,21 @@ def test_hierarchical_cache_becomes_the_trees_host_tier(loaded_plugins, monkeypa
     assert stock.enable_hierarchical_cache and stock.radix_cache_backend in (None, "")
 
 
+def test_an_l3_backend_stays_set_for_the_scheduler_to_drive_below_the_host_tier(loaded_plugins):
+    """`--hicache-storage-backend` with SwiftCache's host tier: HiCache's own flag is cleared
+    (no second tree), the storage backend and its options stay, so SGLang's scheduler calls the
+    tree's L3 members (integration/storage_hits.py)."""
+    sa = _prepare(["--enable-swiftcache", "--enable-hierarchical-cache", "--hicache-write-policy",
+                   "write_back", "--hicache-storage-backend", "file",
+                   "--hicache-storage-prefetch-policy", "wait_complete"])
+    assert plugin.config_for_server(sa).host_tier and not sa.enable_hierarchical_cache
+    assert sa.hicache_storage_backend == "file"
+    assert sa.hicache_storage_prefetch_policy == "wait_complete"
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--hicache-write-policy", "write_through_selective"],
      "--hicache-write-policy write_through_selective"),
-    (["--hicache-write-policy", "write_back", "--hicache-storage-backend", "file"],
-     "--hicache-storage-backend file"),
     (["--hicache-write-policy", "write_back", "--swiftcache-max-borrow-blocks", "8",
       "--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct"],
      "--hicache-mem-layout page_first_direct"),
