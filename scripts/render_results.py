@@ -397,6 +397,12 @@ RECORDS["bench_node_closed_loop"] = RecordSpec(
         Headline("TTFT P99 / ideal", key("closed_loop_ttft_p99_vs_ideal")),
         Headline("ideal twin / ideal, mean TTFT (noise floor)",
                  key("closed_loop_ttft_avg_noise"))])
+RECORDS["bench_tiers_l3_wt_quick"] = replace(
+    RECORDS["bench_tiers_l3_quick"],
+    title="The cache hierarchy with L3 under HiCache's default write policy: every HiCache run "
+          "of bench_tiers write_through, with SGLang's `file` storage backend below its host tier",
+    short="hierarchy with L3 file, write_through (CPU)",
+    command="python scripts/bench_tiers.py --quick --l3 file --write-policy write_through")
 
 # ---- reading -----------------------------------------------------------------------------------
 def load_records(records_dir: Path) -> dict[str, dict]:
