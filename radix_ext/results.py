@@ -9,6 +9,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from radix_ext.slot_runs import join
+
 EMPTY = array("q")
 
 
@@ -128,12 +130,9 @@ class StoreOutcome:
         return _device_indices(self.released)
 
 
-def _device_indices(steps) -> array:
-    out = array("q")
-    for r in steps:
-        if type(r) is Released and r.tier == "device":
-            out.extend(r.residency.indices)
-    return out
+def _device_indices(steps) -> Any:
+    return join([r.residency.indices for r in steps
+                 if type(r) is Released and r.tier == "device"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +208,7 @@ class RevokeResult:
     in-flight loads and stores that must now fail; `moved`: `Transfer`s donor -> host of the
     copies a rescue kept (the caller copies them from the bytes it read before the revoke);
     `lost_paths`: a `LostPrefix` per path from the root to a leaf of a lost subtree (what a
-    request would have to prefill again)."""
+    request would have to prefill again); `moved_nodes`: the nodes of `moved`, in order."""
 
     lost: tuple = ()
     released: tuple = ()
@@ -217,6 +216,7 @@ class RevokeResult:
     num_tokens_lost: int = 0
     moved: tuple = ()
     lost_paths: tuple = ()
+    moved_nodes: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)

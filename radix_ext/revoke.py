@@ -67,8 +67,9 @@ class RevokeMixin:
                 t.dst = DonorResidency(d.donor, d.lease, d.epoch, keep) if keep else None
         orphans = []
         moved: list = []
+        moved_nodes: list = []
         if rescue and self.host is not None:
-            moved = self._rescue(victims, released)
+            moved, moved_nodes = self._rescue(victims, released)
         for x in victims:
             if x.pins:
                 stale.extend(self._mark_stale(x))
@@ -108,15 +109,16 @@ class RevokeMixin:
                 if lease_id is None or key[1] == lease_id:
                     self.donor.remove_lease(*key)
         return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
-                            tuple(moved), tuple(leaves))
+                            tuple(moved), tuple(leaves), tuple(moved_nodes))
 
-    def _rescue(self, victims: list, released: list) -> list:
-        """Host copies for the victims that have none, shallowest first; returns the transfers.
+    def _rescue(self, victims: list, released: list) -> tuple[list, list]:
+        """Host copies for the victims that have none, shallowest first; returns the transfers
+        and their nodes.
         A victim that finds no room is dropped with its subtree, so nothing below it is moved;
         another victim may still fit. Room is made with every victim held, so making it never
         drops another victim."""
         todo = sorted((x for x in victims if HOST not in x.res), key=self._depth)
-        moved = []
+        moved, nodes = [], []
         failed: set = set()
         with self._held(todo):
             for x in todo:
@@ -129,7 +131,8 @@ class RevokeMixin:
                     continue
                 self._add_res(x, res)
                 moved.append(Transfer(DONOR, x.res[DONOR], HOST, res))
-        return moved
+                nodes.append(x)
+        return moved, nodes
 
     def _below(self, x: Any, nodes: set) -> bool:
         """Whether an ancestor of `x` is in `nodes`."""

@@ -167,6 +167,9 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
             from ..dataplane.reclaim_staging import ReclaimStaging
 
             self.runtime.borrowing.staging = ReclaimStaging(self.host_kv.write_rows)
+            if self.storage is not None:  # what a reclaim moved into host goes on to L3
+                self.runtime.on_rescued = lambda nodes: [self._write_to_storage(x)
+                                                         for x in nodes]
         if config.borrows or self.host_kv is not None:
             self._start_streaming(config, kv_pool, tp_worker)
         if enable_metrics:

@@ -100,6 +100,7 @@ class SwiftRuntime:
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
                       "lost_leases": 0, "own_pages_wait_s": 0.0}
         self.reclaim_loss = ReclaimLoss()  # what reclaims dropped, counted when asked again
+        self.on_rescued = None  # called with the nodes a reclaim moved into host (the tree's)
         self.lender: PoolLender | None = None
         self.borrowing: Borrowing | None = None
         self._peers_present = False  # as of the last pump
@@ -327,6 +328,8 @@ class SwiftRuntime:
             self.forget(result)
             if result is not None:
                 self.reclaim_loss.add(result.lost_paths)
+                if result.moved_nodes and self.on_rescued is not None:
+                    self.on_rescued(result.moved_nodes)  # their host copies go on to L3
         self.stats["reclaims"] += 1
         logger.info("SwiftCache: %s reclaimed %d pages of lease %d", ev.key.donor,
                     len(ev.blocks), ev.key.lease_id)

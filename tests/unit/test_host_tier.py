@@ -224,6 +224,7 @@ def test_a_rescue_keeps_every_revoked_prefix_in_host_and_loses_nothing():
     assert result.num_tokens_lost == 0 and result.lost_paths == ()
     assert sum(len(t.dst.indices) for t in result.moved) == 16
     assert all((t.src_tier, t.dst_tier) == (DONOR, HOST) for t in result.moved)
+    assert [x.res[HOST] for x in result.moved_nodes] == [t.dst for t in result.moved]
     for key in (a, b):
         m = tree.match(key, None)
         assert m.prefix_len == 10 and {s.tier for s in m.loads} == {HOST}
