@@ -15,6 +15,15 @@ then, with the servers stopped, the donor-tier copy bandwidth of `PoolTransferEn
 two models' pool geometries (scripts/bench_transfer.py's pool-lease path).
 Writes one JSON (benchmarks/simulator/cpu_calibration.py reads it). About 2-3 minutes here,
 most of it server start-up.
+
+    .venv/bin/python scripts/calibrate_cpu.py --bench tiers [--out runs/calibration/cpu_tiers.json]
+
+measures the same node as bench_tiers runs it (its servers' environment: no thread limit, the
+busy server timed alone, as bench_tiers' busy server serves while its donor idles), traces
+bench_tiers' conversations on the busy model, and adds the host tier's copies: a store (every
+layer) and a load (layer by layer) of N tokens through SwiftCache's `HostKV` over SGLang's host
+pool, with the busy model's geometry, and that pool's capacity for each run's device pool and
+--hicache-ratio.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ PREFILL_TARGETS = (16, 48, 96, 192, 320, 480)  # prompt tokens: bench_node's ran
 HIT_BASES = (96, 256, 448)  # cached prefix before a 48-token follow-up
 DECODE_PROMPTS = (24, 200, 400)
 DECODE_TOKENS = 32
+DEFAULT_OUT = Path("runs/calibration/cpu.json")
 
 
 def synthetic(tokenizer, tokens: int, seed: int) -> str:
@@ -169,6 +179,76 @@ def copy_bandwidth(busy: ModelFacts, donor: ModelFacts, busy_cfg: dict, donor_cf
             "points": out, "load": fits["load"], "store": fits["store"]}
 
 
+def host_copy(busy: ModelFacts, busy_cfg: dict, pools: dict[str, tuple[int, float]]) -> dict:
+    """Store and load time of the host tier's copies (`HostKV`: SGLang's host pool and its
+    transfer methods, the CPU engine's stand-ins) at three sizes, one torch thread as a server's
+    scheduler copies; fitted as latency + bytes / bandwidth. `pools`: run -> (device pool
+    tokens, --hicache-ratio); the host pool's capacity in tokens for each."""
+    import statistics
+
+    from sglang_swift.cpu_compat import activate_in_process
+
+    activate_in_process()  # SGLang's CPU engine and the host pool's CPU copies, in this process
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_swift.integration.host_tier import HostKV
+
+    hd = busy_cfg.get("head_dim") or busy_cfg["hidden_size"] // busy_cfg["num_attention_heads"]
+    heads = busy_cfg["num_key_value_heads"]
+
+    def host_kv(size: int, ratio: float) -> HostKV:
+        pool = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float32, head_num=heads,
+                                head_dim=hd, layer_num=busy.layers, device="cpu",
+                                enable_memory_saver=False, v_head_dim=hd, start_layer=0,
+                                end_layer=busy.layers - 1)
+        return HostKV(pool, ratio=ratio, size_gb=0, layout="layer_first", io_backend="kernel",
+                      page_size=1)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sizes = (16, 64, 256)
+        host = host_kv(max(sizes) + 1, 1.0)  # slot 0 is the device pool's padding slot
+        out = []
+        for tokens in sizes:
+            dev, slots = torch.arange(1, tokens + 1), torch.arange(tokens)
+            store, load = [], []
+            for _ in range(15):
+                t = time.perf_counter()
+                host.store(dev, slots)
+                store.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                for layer in range(host.num_layers):
+                    host.load_layer(slots, dev, layer)
+                load.append(time.perf_counter() - t)
+            out.append({"tokens": tokens, "bytes": tokens * host.token_bytes,
+                        "store_s": statistics.median(store), "load_s": statistics.median(load)})
+        capacity = {run: host_kv(p, r).capacity for run, (p, r) in pools.items()}
+    finally:
+        torch.set_num_threads(threads)
+    fits = {}
+    for kind in ("load", "store"):
+        f = fit_decode([{"context": p["bytes"], "step_s": p[f"{kind}_s"]} for p in out])
+        fits[kind] = {"latency_s": f["d0_s"],
+                      "bytes_per_s": (1.0 / f["d1_s_per_token"] if f["d1_s_per_token"] > 0
+                                      else float("inf"))}
+    return {"engine": "HostKV over SGLang's MHATokenToKVPoolHost (layer_first, io kernel; the "
+                      "CPU engine's copies), store all layers, load layer by layer, 1 thread",
+            "points": out, "load": fits["load"], "store": fits["store"],
+            "capacity_tokens": capacity}
+
+
+async def drive_tiers(busy: LocalServer, convs, plan, tokenizer, repeats: int) -> dict:
+    """bench_tiers' side: the busy server timed alone, then its conversations traced."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+        busy_timing = await timing(http, busy.base_url, tokenizer, repeats)
+        trace = await conversation_trace(http, busy.base_url, convs, plan.turns, plan.max_tokens)
+    return {"timing": {"busy": busy_timing}, "trace": {"busy": trace}}
+
+
 async def drive(busy: LocalServer, donor: LocalServer, traffic, plan: NodePlan, tokenizer,
                 repeats: int) -> dict:
     import aiohttp
@@ -196,11 +276,17 @@ async def drive(busy: LocalServer, donor: LocalServer, traffic, plan: NodePlan, 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("runs/calibration/cpu.json"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="default %(default)s (--bench tiers: cpu_tiers.json beside it)")
     ap.add_argument("--plan", choices=("quick", "full"), default="quick",
                     help="which bench_node plan's traffic to trace (its --quick or default run)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the prefill prompts")
+    ap.add_argument("--bench", choices=("node", "tiers"), default="node",
+                    help="which benchmark's servers and traffic: bench_node (default) or "
+                         "bench_tiers (adds the host tier's copies)")
     a = ap.parse_args(argv)
+    if a.bench == "tiers":
+        return tiers_main(a, argv)
     started = time.monotonic()
     plan = NodePlan.quick() if a.plan == "quick" else NodePlan()
     paths = {"busy": ensure_tiny_model(shape="small"), "donor": ensure_tiny_model(shape="tiny")}
@@ -257,6 +343,73 @@ def main(argv=None) -> int:
           f"{len(out['trace']['burst'])} burst requests; "
           f"wall {out['wall_s']} s, load {out['loadavg_1min']}")
     print(f"wrote {a.out}")
+    print(json.dumps({k: out[k] for k in ("date", "wall_s", "loadavg_1min")}))
+    return 0
+
+
+def tiers_main(a: argparse.Namespace, argv) -> int:
+    """bench_tiers' node: its busy server's costs, its traffic's tokens, the host tier's copies
+    and the donor-tier copies (both models' geometries, as for bench_node)."""
+    from benchmarks.tiers.plan import FULL, QUICK
+    from benchmarks.workloads.sharegpt import load_conversations
+
+    started = time.monotonic()
+    plan = QUICK if a.plan == "quick" else FULL
+    out_path = a.out if a.out != DEFAULT_OUT else DEFAULT_OUT.with_name("cpu_tiers.json")
+    paths = {"busy": ensure_tiny_model(shape="small"), "donor": ensure_tiny_model(shape="tiny")}
+    facts = {r: ModelFacts.from_dir(p) for r, p in paths.items()}
+    cfgs = {r: json.loads((p / "config.json").read_text()) for r, p in paths.items()}
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(paths["busy"] / "tokenizer.json"))
+    convs = load_conversations(plan.conversations, min_turns=plan.turns,
+                               max_chars_per_message=plan.max_chars)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    busy = LocalServer(paths["busy"], swiftcache=False, max_total_tokens=8192,
+                       extra_args=list(COMMON_ARGS), startup_timeout_s=600,
+                       log_path=out_path.parent / "calibrate-tiers-busy.log")
+    load_before = os.getloadavg()
+    try:
+        start_all([busy])
+        t_ready = time.monotonic()
+        measured = asyncio.run(drive_tiers(busy, convs, plan, tokenizer, a.repeats))
+        measure_s = time.monotonic() - t_ready
+    finally:
+        busy.stop()
+    copy = copy_bandwidth(facts["busy"], facts["donor"], cfgs["busy"], cfgs["donor"])
+    lent = plan.lent_busy_tokens(facts["busy"], facts["donor"])
+    ideal_pool = plan.busy_pool + lent
+    own = (plan.busy_pool, plan.host_ratio)  # (h) and (s); (i) as plan.servers passes it
+    host = host_copy(facts["busy"], cfgs["busy"],
+                     {"h": own, "s": own,
+                      "i": (ideal_pool, float(f"{plan.host_tokens() / ideal_pool:.6f}"))})
+    models = {r: {"name": f.name, "layers": f.layers, "kv_bytes_per_token": f.kv_bytes_per_token}
+              for r, f in facts.items()}
+    models["busy"].update(measured["timing"]["busy"])
+    out = {"schema": SCHEMA, "bench": "tiers",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "scripts/calibrate_cpu.py "
+                      + " ".join(argv if argv is not None else sys.argv[1:]),
+           "plan": plan.__dict__, "plan_name": a.plan, "models": models, "copy": copy,
+           "host_copy": host, "trace": measured["trace"],
+           "server_threads": os.environ.get("OMP_NUM_THREADS", "unset (torch's default)"),
+           "startup_s": {"busy": busy.startup_s}, "measure_s": round(measure_s, 1),
+           "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+           "wall_s": round(time.monotonic() - started, 1), "cpu_count": os.cpu_count()}
+    out_path.write_text(json.dumps(out, indent=1))
+    p, d = models["busy"]["prefill_fit"], models["busy"]["decode_fit"]
+    print(f"busy  {models['busy']['name']:<12} prefill {p['a_s'] * 1e3:.1f} ms "
+          f"+ {p['b_s_per_token'] * 1e3:.3f} ms/token "
+          f"+ {p['c_s_per_token_ctx'] * 1e6:.4f} us/token/ctx; "
+          f"decode {d['d0_s'] * 1e3:.1f} ms + {d['d1_s_per_token'] * 1e6:.2f} us/ctx token")
+    for name, c in (("donor copy", copy), ("host copy", host)):
+        for kind in ("load", "store"):
+            print(f"{name} {kind} {c[kind]['latency_s'] * 1e3:.3f} ms "
+                  f"+ bytes / {c[kind]['bytes_per_s'] / 1e9:.2f} GB/s")
+    print(f"host capacity tokens {host['capacity_tokens']}")
+    print(f"trace {len(out['trace']['busy'])} busy requests; wall {out['wall_s']} s, "
+          f"load {out['loadavg_1min']}")
+    print(f"wrote {out_path}")
     print(json.dumps({k: out[k] for k in ("date", "wall_s", "loadavg_1min")}))
     return 0
 

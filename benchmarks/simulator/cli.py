@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--validate: the pool fraction the live borrower kept free by demoting "
                         "ahead (0 since commit 0be01c3, 0.125 before it): which code the live run "
                         "ran")
+    p.add_argument("--tiers", action="store_true",
+                   help="--validate: bench_tiers' runs instead (stock, HiCache, HiCache + "
+                        "SwiftCache, the ideal) against its records, with the calibration of "
+                        "scripts/calibrate_cpu.py --bench tiers")
+    p.add_argument("--calibration-tiers", type=Path,
+                   default=Path("runs/calibration/cpu_tiers.json"),
+                   help="--validate --tiers: the JSON scripts/calibrate_cpu.py --bench tiers wrote")
+    p.add_argument("--live-tiers", type=Path, default=Path("runs/bench_tiers/records.json"),
+                   help="--validate --tiers: bench_tiers' records (its --out directory's "
+                        "records.json, a run without --l3)")
     p.add_argument("--out", default=None, help="output directory (default runs/sim-<time>)")
     p.add_argument("--long-context-sweep", action="store_true",
                    help="the long-context model swept: lend fraction x host memory x resident "
@@ -238,10 +248,16 @@ def _long_context_sweep(a: argparse.Namespace) -> int:
 
 
 def _validate(a: argparse.Namespace) -> int:
-    from . import validate as val
+    if a.tiers:
+        from . import validate_tiers as val
 
+        args = (a.calibration_tiers, a.live_tiers)
+    else:
+        from . import validate as val
+
+        args = (a.calibration, a.live, a.demote_ahead)
     try:
-        res = val.validate(a.calibration, a.live, a.demote_ahead)
+        res = val.validate(*args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"simulate --validate: {exc}", file=sys.stderr)
         return 2

@@ -102,8 +102,9 @@ class CalibratedCompute:
         return self.decode_time(sum(c for _, c in items)) if items else 0.0
 
 
-def load(path: Path) -> dict:
-    """The calibration JSON, checked for the parts the validation reads."""
+def load(path: Path, roles: tuple = ("busy", "donor")) -> dict:
+    """The calibration JSON, checked for the parts the validation reads; `roles`: the models
+    whose costs it needs (bench_tiers' donor serves nothing simulated: geometry only)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no CPU calibration; run `.venv/bin/python "
@@ -117,7 +118,8 @@ def load(path: Path) -> dict:
             raise ValueError(f"{path}: no {key!r} section; rerun scripts/calibrate_cpu.py")
     for role in ("busy", "donor"):
         m = data["models"].get(role) or {}
-        for part in ("prefill_fit", "decode_fit", "layers", "kv_bytes_per_token"):
+        parts = ("prefill_fit", "decode_fit") if role in roles else ()
+        for part in parts + ("layers", "kv_bytes_per_token"):
             if part not in m:
                 raise ValueError(f"{path}: models.{role} has no {part!r}; "
                                  f"rerun scripts/calibrate_cpu.py")

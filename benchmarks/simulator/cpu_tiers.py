@@ -1,0 +1,177 @@
+"""bench_tiers' node as the simulator sees it (SIMULATED figures, for `simulate.py --validate
+--tiers`): its runs, sizes and traffic (benchmarks/tiers/plan.py, runner.py) with the parameters
+`scripts/calibrate_cpu.py --bench tiers` measured.
+
+The runs (the busy `small` model; the `tiny` donor serves nothing but its burst):
+  r  stock: device pool `busy_pool`, no lower tier
+  h  HiCache: the same device pool and a host tier of the host pool's capacity for it
+     (`--hicache-ratio host_ratio`, as SGLang's host pool sizes it: measured in the calibration)
+  s  HiCache + SwiftCache: device, donor pages while lent, host; the donor lends `lend_fraction`
+     of its pool (`Node.lend`); after turn `burst_after_turn` of every conversation the donor's
+     burst takes back every lent page: the tree revokes them with `rescue` (each donor copy
+     without a host copy moves to host where room can be made, as the live reclaim does), and
+     the donor lends nothing again before the end
+  i  the ideal: HiCache with the lent busy tokens added to the device pool, the host tier as
+     big as in (h)
+Every tier and rule is the live server's: radix_ext's `RadixTree` with
+`TreeConfig(cascade=False, donor_over_host=write_through and donor)` (`TreeCache`), the plan's
+write policy (`write_back` by default: a prefix reaches host when it leaves the device), a
+device eviction demoting to donor pages first, else host. Copies cost what the calibration
+measured: donor pages through `PoolTransferEngine`, host through `HostKV` (SGLang's host pool).
+Host segments load in the batch's layer fan-in like donor ones (on the CPU engine the live
+server copies them before the forward; at the measured cost, well under a millisecond per
+request, the two orders differ by less than the TTFT's noise).
+Traffic: the conversations turn by turn, one request at a time, each sent when the previous
+stream ended; keys are the traced token ids (cpu_node's rules: prompt published when its
+prefill ends, prompt + all but the last answer token when it finishes).
+"""
+
+from __future__ import annotations
+
+from radix_ext import DONOR
+
+from ..loadgen.stats import pct
+from .cache_adapter import TreeCache
+from .cpu_calibration import CalibratedCompute, CpuModel, compute_for
+from .cpu_node import (
+    CHUNKED_PREFILL,
+    MAX_RUNNING,
+    UNLIMITED,
+    _bandwidth,
+    _record,
+    _request,
+    steady_order,
+)
+from .node import Node
+from .server import ModelServer
+
+RUNS = ("r", "h", "s", "i")
+NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "i": "ideal"}
+RECLAIM_ALL = 1 << 40  # own pages asked back: more than any pool, so every lent block returns
+
+
+class RevokeRecordingCache(TreeCache):
+    """`TreeCache` that keeps each reclaim's `RevokeResult` (what moved to host, what was lost)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.revokes: list = []
+
+    def revoke(self, donor: str, lease_id: int, blocks):
+        res = super().revoke(donor, lease_id, blocks)
+        self.revokes.append(res)
+        return res
+
+
+def _idle_compute(model: dict) -> CalibratedCompute:
+    """The donor's cost model: it serves no request in the simulated runs (its burst is the
+    reclaim), so only its geometry matters."""
+    zero_prefill = {"a_s": 0.0, "b_s_per_token": 0.0, "c_s_per_token_ctx": 0.0}
+    return CalibratedCompute(CpuModel(model["name"], model["layers"], model["kv_bytes_per_token"]),
+                             zero_prefill, {"d0_s": 0.0, "d1_s_per_token": 0.0})
+
+
+def tiers_node(cal: dict) -> Node:
+    """Two 'GPUs' (the two server processes). Donor-tier copies as cpu_node's; host copies go
+    over the busy side's h2d (loads) and d2h (stores) links at HostKV's measured cost."""
+    copy, host = cal["copy"], cal["host_copy"]
+    node = Node(UNLIMITED, UNLIMITED, 2,
+                copy_latency_s={("donor", "device"): copy["load"]["latency_s"],
+                                ("device", "donor"): copy["store"]["latency_s"],
+                                ("host", "device"): host["load"]["latency_s"],
+                                ("device", "host"): host["store"]["latency_s"]})
+    node.gpus[0].nvl_in.bandwidth = _bandwidth(copy["load"])
+    node.gpus[1].nvl_in.bandwidth = _bandwidth(copy["store"])
+    node.gpus[0].h2d.bandwidth = _bandwidth(host["load"])
+    node.gpus[0].d2h.bandwidth = _bandwidth(host["store"])
+    return node
+
+
+def run_pools(cal: dict, plan: dict, run: str) -> tuple[int, int, int]:
+    """(busy device pool, busy host tier, donor pool) in tokens, as bench_tiers sizes run `run`."""
+    if run not in RUNS:
+        raise ValueError(f"unknown run {run!r}; the simulated runs are {RUNS}")
+    busy_kv = cal["models"]["busy"]["kv_bytes_per_token"]
+    donor_kv = cal["models"]["donor"]["kv_bytes_per_token"]
+    lent_donor = int(plan["donor_pool"] * plan["lend_fraction"])
+    lent = lent_donor * donor_kv // busy_kv  # TierPlan.lent_busy_tokens
+    host = 0 if run == "r" else cal["host_copy"]["capacity_tokens"]["i" if run == "i" else run]
+    if run == "i":
+        return plan["busy_pool"] + lent, host, plan["donor_pool"] - lent_donor
+    return plan["busy_pool"], host, plan["donor_pool"]
+
+
+def _server(node: Node, g: int, name: str, compute, pool: int, host: int, donor_tier: bool,
+            write_through: bool) -> ModelServer:
+    cache = RevokeRecordingCache(pool, host, donor=donor_tier,
+                                 write_through=write_through and host > 0)
+    lower = donor_tier or host > 0
+    srv = ModelServer(name, node.gpus[g], compute, cache, page_tokens=1, chunk=CHUNKED_PREFILL,
+                      max_running=MAX_RUNNING, load_mode="layerwise" if lower else "none",
+                      node=node, checkpoint_prompt=True, alloc_per_step=True)
+    node.gpus[g].server = srv
+    node.by_name[name] = srv
+    return srv
+
+
+def simulate_run(cal: dict, plan: dict, run: str) -> dict:
+    """One run: records of the busy requests, the reclaim's outcome, the copies by route."""
+    pool, host, donor_pool = run_pools(cal, plan, run)
+    write_through = plan.get("write_policy", "write_back") == "write_through"
+    node = tiers_node(cal)
+    busy = _server(node, 0, "busy", compute_for(cal, "busy"), pool, host, run == "s",
+                   write_through)
+    donor = _server(node, 1, "donor", _idle_compute(cal["models"]["donor"]), donor_pool, 0,
+                    False, False)
+    lent = node.lend(donor, busy, plan["lend_fraction"], 1.0) if run == "s" else 0
+    items = steady_order(cal["trace"]["busy"], plan["turns"])
+    per_turn = len(items) // plan["turns"]
+    burst_at = plan["burst_after_turn"] * per_turn  # the first request after the burst
+    done = []
+
+    def send(k: int) -> None:
+        if k >= len(items):
+            return
+        if k == burst_at and run == "s":  # every lent page back before the turns go on
+            node._reclaim(node.donations["donor"], busy, RECLAIM_ALL)
+        r = _request(k, items[k], node.loop.now)
+        r.on_done = lambda r, k=k: (done.append(r), send(k + 1))
+        busy.submit(r)
+
+    node.loop.at(0.0, lambda: send(0))
+    node.loop.run()
+    busy.cache.check_integrity()
+    if busy.rejected:
+        raise RuntimeError(f"{len(busy.rejected)} busy requests longer than the pool were "
+                           f"rejected")
+    reqs = sorted(done, key=lambda r: r.rid)
+    hits = {"device": 0, "donor": 0, "host": 0}
+    for r in reqs:
+        for tier, n in r.hit_tokens.items():
+            hits[tier] = hits.get(tier, 0) + n
+    revokes = busy.cache.revokes
+    return {"records": [_record(r, "busy") for r in reqs], "hits_by_tier": hits,
+            "lent_blocks": lent, "pools": {"busy": pool, "host": host, "donor": donor_pool},
+            "rescued_tokens": sum(len(t.dst.indices) for res in revokes for t in res.moved),
+            "lost_at_reclaim_tokens": sum(res.num_tokens_lost for res in revokes),
+            "reclaims": len(revokes), "load_failures": busy.load_failures,
+            "donor_tier_tokens_end": busy.cache.tier_pages(DONOR),
+            "copied_tokens": {f"{a}->{b}": round(v / busy.page_bytes)
+                              for (a, b), v in node.bytes_by_route.items()}}
+
+
+def run_table(records, turns: int) -> dict:
+    """bench_tiers' figures of one run's busy requests (cli.summarize's definitions)."""
+    ttft = [r.ttft * 1e3 for r in records if r.ttft is not None]
+    by_turn = [0] * turns
+    for r in records:
+        by_turn[r.turn - 1] += r.cached_tokens or 0
+    return {"cached_tokens": sum(r.cached_tokens or 0 for r in records),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "cached_by_turn": by_turn}
+
+
+def simulate_tiers(cal: dict, plan: dict) -> dict:
+    runs = {run: simulate_run(cal, plan, run) for run in RUNS}
+    for res in runs.values():
+        res["table"] = run_table(res["records"], plan["turns"])
+    return runs

@@ -1,0 +1,211 @@
+"""The simulator against a live bench_tiers run (`simulate.py --validate --tiers`): its runs
+simulated with `scripts/calibrate_cpu.py --bench tiers`'s parameters (cpu_tiers.py), beside
+bench_tiers' saved records (`scripts/bench_tiers.py --out DIR` writes DIR/records.json).
+
+Errors are relative, |simulated - live| / live, per run (stock, hicache, hicache+swiftcache,
+ideal) over the busy model's requests: cached tokens (all tiers) and TTFT P50 and P99. The
+targets concern (h) and (s); `overall` is the mean over those two. Nothing is tuned toward the
+live figures: the simulator reads only the calibration JSON; the live file gives the plan (which
+sizes and traffic) and the numbers to compare with.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from . import cpu_calibration
+from .cpu_tiers import NAMES, RUNS, simulate_tiers
+
+PLAN_KEYS = ("busy_pool", "host_ratio", "donor_pool", "lend_fraction", "conversations", "turns",
+             "max_chars", "max_tokens", "burst_after_turn")
+DEFAULTS = {"write_policy": "write_back", "l3": None}  # plan keys older record files lack
+TARGET_RUNS = ("h", "s")
+TARGET = 0.20
+
+
+def load_live(path: Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no bench_tiers records; run `.venv/bin/python "
+                                f"scripts/bench_tiers.py --quick --out {path.parent}` "
+                                f"(about 6 min)")
+    live = json.loads(path.read_text())
+    for key in ("plan", "summary", "records"):
+        if key not in live:
+            raise ValueError(f"{path}: not a bench_tiers record file (no {key!r})")
+    if "host_ratio" not in live["plan"]:
+        raise ValueError(f"{path}: not a bench_tiers record file (its plan has no host_ratio; "
+                         f"a bench_node file goes to `--validate` without --tiers)")
+    if live["plan"].get("l3"):
+        raise ValueError(f"{path}: a run with L3 storage (--l3 {live['plan']['l3']}); the "
+                         f"simulator has no storage tier: validate a run without --l3")
+    return live
+
+
+def load_calibration(path: Path) -> dict:
+    cal = cpu_calibration.load(path, roles=("busy",))
+    if cal.get("bench") != "tiers" or "host_copy" not in cal:
+        raise ValueError(f"{path}: not a bench_tiers calibration (no host_copy); run "
+                         f"`.venv/bin/python scripts/calibrate_cpu.py --bench tiers --out {path}`")
+    return cal
+
+
+def check_same_plan(cal: dict, live: dict) -> None:
+    keys = PLAN_KEYS + tuple(DEFAULTS)
+    get = [{k: p.get(k, DEFAULTS.get(k)) for k in keys} for p in (cal["plan"], live["plan"])]
+    diff = {k: (get[0][k], get[1][k]) for k in keys if get[0][k] != get[1][k]}
+    if diff:
+        raise ValueError(f"the calibration traced another plan than the live run ({diff}, "
+                         f"calibration vs live); rerun scripts/calibrate_cpu.py --bench tiers "
+                         f"--plan quick|full to match")
+
+
+def trace_matches(cal: dict, live: dict) -> dict:
+    """Is the traced workload the live one? Prompt tokens per (session, turn) of run (r)."""
+    traced = {(t["session"], t["turn"]): len(t["prompt_ids"]) for t in cal["trace"]["busy"]}
+    recs = live["records"]["r"]
+    bad = [(r["session"], r["turn"], r["prompt_tokens"], traced.get((r["session"], r["turn"])))
+           for r in recs if traced.get((r["session"], r["turn"])) != r["prompt_tokens"]]
+    return {"compared": len(recs), "mismatched": bad}
+
+
+def _err(sim, live) -> float | None:
+    if sim is None or not live:
+        return None
+    return round(abs(sim - live) / live, 4)
+
+
+def live_table(records: list[dict], turns: int) -> dict:
+    ttft = [r["ttft"] * 1e3 for r in records if r["ttft"] is not None]
+    by_turn = [0] * turns
+    for r in records:
+        by_turn[r["turn"] - 1] += r["cached_tokens"] or 0
+    from ..loadgen.stats import pct
+
+    return {"cached_tokens": sum(r["cached_tokens"] or 0 for r in records),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "cached_by_turn": by_turn}
+
+
+def per_request(sim_records, live_records: list[dict]) -> list[dict]:
+    sim = {(r.session, r.turn): r for r in sim_records}
+    rows = []
+    for lr in live_records:
+        sr = sim.get((lr["session"], lr["turn"]))
+        rows.append({"session": lr["session"], "turn": lr["turn"], "prompt": lr["prompt_tokens"],
+                     "cached_live": lr["cached_tokens"],
+                     "cached_sim": sr.cached_tokens if sr else None,
+                     "ttft_live_ms": round(lr["ttft"] * 1e3, 1),
+                     "ttft_sim_ms": (round(sr.ttft * 1e3, 1)
+                                     if sr and sr.ttft is not None else None)})
+    return rows
+
+
+def _live_hits(live: dict) -> dict | None:
+    return live["summary"].get("hits_by_tier")
+
+
+def validate(cal_path: Path, live_path: Path) -> dict:
+    cal = load_calibration(cal_path)
+    live = load_live(live_path)
+    check_same_plan(cal, live)
+    plan = {**DEFAULTS, **live["plan"]}
+    sim = simulate_tiers(cal, plan)
+    runs, errors = {}, {}
+    for run in RUNS:
+        if run not in live["records"]:
+            continue
+        lt, st = live_table(live["records"][run], plan["turns"]), sim[run]["table"]
+        name = NAMES[run]
+        errors[name] = {"cached_tokens_error": _err(st["cached_tokens"], lt["cached_tokens"]),
+                        "ttft_p50_error": _err(st["ttft_p50_ms"], lt["ttft_p50_ms"]),
+                        "ttft_p99_error": _err(st["ttft_p99_ms"], lt["ttft_p99_ms"])}
+        runs[name] = {"live": lt, "sim": st, "pools_sim": sim[run]["pools"],
+                      "hits_by_tier_sim": sim[run]["hits_by_tier"],
+                      "copied_tokens_sim": sim[run]["copied_tokens"],
+                      "requests": per_request(sim[run]["records"], live["records"][run])}
+    s = sim["s"]
+    swift = {"hits_by_tier": {"live": _live_hits(live), "sim": s["hits_by_tier"]},
+             "rescued_tokens": {"live": live["summary"].get("rescued_tokens"),
+                                "sim": s["rescued_tokens"]},
+             "lost_at_reclaim_tokens_sim": s["lost_at_reclaim_tokens"],
+             "recomputed_after_reclaim_tokens_live":
+                 live["summary"].get("recomputed_after_reclaim_tokens"),
+             "lent_blocks_sim": s["lent_blocks"]}
+
+    def overall(metric):
+        vals = [errors[NAMES[r]][metric] for r in TARGET_RUNS
+                if NAMES[r] in errors and errors[NAMES[r]][metric] is not None]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    within = {NAMES[r]: all(v is not None and v <= TARGET for k, v in errors[NAMES[r]].items()
+                            if k != "ttft_p99_error")
+              for r in TARGET_RUNS if NAMES[r] in errors}
+    return {"simulated_vs_live": True, "bench": "tiers", "calibration": str(cal_path),
+            "live": str(live_path), "calibration_date": cal["date"],
+            "live_wall_s": live["summary"].get("wall_s"),
+            "loadavg_1min": {"calibration": cal["loadavg_1min"],
+                             "live": {r: v[0] for r, v in live["summary"].get("loadavg",
+                                                                             {}).items()}},
+            "write_policy": plan["write_policy"], "trace": trace_matches(cal, live),
+            "runs": runs, "errors": errors, "swiftcache": swift,
+            "within_20pct": within,
+            "ttft_p50_error": overall("ttft_p50_error"),
+            "ttft_p99_error": overall("ttft_p99_error"),
+            "cached_tokens_error": overall("cached_tokens_error")}
+
+
+def _n(v, fmt="{:.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_tables(res: dict) -> str:
+    pct = "{:.1%}"
+    load = res["loadavg_1min"]
+    lines = [f"Simulated (calibration {res['calibration_date']}, load {load['calibration']}) "
+             f"against live bench_tiers ({res['live']}, load {load['live']}); busy model, every "
+             f"request, {res['write_policy']}",
+             "", "| run | cached tokens live / sim | err | TTFT P50 ms live / sim | err "
+             "| TTFT P99 ms live / sim | err |", "|---|---|---|---|---|---|---|"]
+    for name, r in res["runs"].items():
+        lv, sv, e = r["live"], r["sim"], res["errors"][name]
+        lines.append(f"| {name} | {lv['cached_tokens']} / {sv['cached_tokens']} "
+                     f"| {_n(e['cached_tokens_error'], pct)} "
+                     f"| {_n(lv['ttft_p50_ms'])} / {_n(sv['ttft_p50_ms'])} "
+                     f"| {_n(e['ttft_p50_error'], pct)} "
+                     f"| {_n(lv['ttft_p99_ms'])} / {_n(sv['ttft_p99_ms'])} "
+                     f"| {_n(e['ttft_p99_error'], pct)} |")
+    lines += ["", "Cached tokens by turn, live | simulated:", ""]
+    for name, r in res["runs"].items():
+        lines.append(f"- {name}: {r['live']['cached_by_turn']} | {r['sim']['cached_by_turn']}")
+    sw = res["swiftcache"]
+    lines += ["", f"hicache+swiftcache hits by tier, live {sw['hits_by_tier']['live']} | "
+                  f"simulated {sw['hits_by_tier']['sim']}; rescued into host at the reclaim, "
+                  f"live {sw['rescued_tokens']['live']} | simulated {sw['rescued_tokens']['sim']}"
+                  f"; lost at the reclaim (simulated) {sw['lost_at_reclaim_tokens_sim']}, "
+                  f"recomputed after it (live) {sw['recomputed_after_reclaim_tokens_live']}"]
+    ratios = {name: statistics.median(q["ttft_live_ms"] / q["ttft_sim_ms"]
+                                      for q in r["requests"] if q["ttft_sim_ms"])
+              for name, r in res["runs"].items()}
+    lines.append("Per request, live TTFT / simulated TTFT (median): "
+                 + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()))
+    same = {name: sum(1 for q in r["requests"] if q["cached_live"] == q["cached_sim"])
+            for name, r in res["runs"].items()}
+    lines.append("Requests with the live cached tokens exactly: "
+                 + ", ".join(f"{n} {v}/{len(res['runs'][n]['requests'])}"
+                             for n, v in same.items()))
+    tr = res["trace"]
+    lines.append(f"traced workload = live workload: {tr['compared'] - len(tr['mismatched'])}/"
+                 f"{tr['compared']} busy prompts of equal length")
+    return "\n".join(lines)
+
+
+def summary_line(res: dict) -> dict:
+    return {"simulated_vs_live": True, "bench": "tiers",
+            "cached_tokens_error": res["cached_tokens_error"],
+            "ttft_p50_error": res["ttft_p50_error"], "ttft_p99_error": res["ttft_p99_error"],
+            "per_run": res["errors"], "within_20pct": res["within_20pct"],
+            "hits_by_tier": res["swiftcache"]["hits_by_tier"],
+            "calibration_date": res["calibration_date"],
+            "trace_matches_live": not res["trace"]["mismatched"]}

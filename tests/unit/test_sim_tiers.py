@@ -1,0 +1,148 @@
+"""The simulated bench_tiers node (benchmarks/simulator/cpu_tiers.py, validate_tiers.py) on a
+synthetic calibration: tiny pools, four conversations of three turns.
+
+Invariants: a host tier caches more than the device alone when histories outgrow the device;
+in (s) the donor's burst takes back every lent block once, what the donor tier held either moves
+to host or is lost, and no donor copy is left; the ideal's device pool is (h)'s plus the lent
+tokens with (h)'s host tier; a live file equal to the simulation validates with zero error; a
+file of another plan, with L3, or from bench_node is refused naming why; the calibration's host
+copy figures come from SGLang's host pool (its capacity, positive costs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.simulator import cpu_tiers, validate_tiers
+
+PLAN = {"busy_pool": 48, "host_ratio": 1.0, "donor_pool": 256, "lend_fraction": 0.5,
+        "conversations": 4, "turns": 3, "max_chars": 200, "max_tokens": 4,
+        "burst_after_turn": 2, "burst_requests": 1, "burst_words": 10, "burst_max_tokens": 4,
+        "l3": None, "write_policy": "write_back"}
+FIT = {"latency_s": 1e-4, "bytes_per_s": 1e9}
+
+
+def _trace() -> list[dict]:
+    """Each turn's prompt is the history (earlier prompts and answers) plus 8 new tokens."""
+    out = []
+    for s in range(PLAN["conversations"]):
+        history: list[int] = []
+        for t in range(1, PLAN["turns"] + 1):
+            prompt = history + [1000 * s + 10 * t + k for k in range(8)]
+            answer = [1000 * s + 10 * t + 100 + k for k in range(PLAN["max_tokens"])]
+            out.append({"session": f"c{s}", "turn": t, "prompt_ids": prompt,
+                        "output_ids": answer})
+            history = prompt + answer
+    return out
+
+
+def _cal() -> dict:
+    cap = PLAN["busy_pool"]  # host_ratio 1
+    return {"schema": 1, "bench": "tiers", "date": "2026-01-01T00:00:00+00:00",
+            "plan": dict(PLAN), "loadavg_1min": [0.0, 0.0],
+            "models": {"busy": {"name": "small", "layers": 2, "kv_bytes_per_token": 8192,
+                                "prefill_fit": {"a_s": 0.01, "b_s_per_token": 1e-4,
+                                                "c_s_per_token_ctx": 0.0},
+                                "decode_fit": {"d0_s": 1e-3, "d1_s_per_token": 0.0}},
+                       "donor": {"name": "tiny", "layers": 1, "kv_bytes_per_token": 2048}},
+            "copy": {"load": FIT, "store": FIT},
+            "host_copy": {"load": FIT, "store": FIT,
+                          "capacity_tokens": {"h": cap, "s": cap, "i": cap}},
+            "trace": {"busy": _trace()}}
+
+
+def _live_from(sim: dict) -> dict:
+    recs = {run: [r.to_json() for r in res["records"]] for run, res in sim.items()}
+    s = sim["s"]
+    return {"plan": dict(PLAN), "records": recs,
+            "summary": {"hits_by_tier": dict(s["hits_by_tier"], l3=0),
+                        "rescued_tokens": s["rescued_tokens"],
+                        "recomputed_after_reclaim_tokens": 0}}
+
+
+def test_a_host_tier_keeps_what_the_device_cannot():
+    """Histories past the device pool: (h) caches more than stock (r)."""
+    sim = cpu_tiers.simulate_tiers(_cal(), PLAN)
+    r, h = sim["r"]["table"]["cached_tokens"], sim["h"]["table"]["cached_tokens"]
+    assert h > r
+    assert sim["h"]["hits_by_tier"]["host"] > 0 and sim["h"]["hits_by_tier"]["donor"] == 0
+
+
+def test_the_burst_takes_back_every_lent_block_once_and_leaves_no_donor_copy():
+    """(s): one reclaim after turn `burst_after_turn`; the donor tier's content moved to host or
+    was lost; nothing is left in the donor tier and no load failed."""
+    cal = _cal()
+    res = cpu_tiers.simulate_run(cal, PLAN, "s")
+    assert res["lent_blocks"] == 256 * 0.5 * 2048 // 8192
+    assert res["reclaims"] == 1
+    assert res["rescued_tokens"] + res["lost_at_reclaim_tokens"] > 0
+    assert res["copied_tokens"].get("device->donor", 0) > 0
+    assert res["donor_tier_tokens_end"] == 0
+    assert res["load_failures"] == 0
+
+
+def test_the_ideal_adds_the_lent_tokens_to_the_device_and_keeps_hicaches_host_tier():
+    cal = _cal()
+    h, i = cpu_tiers.run_pools(cal, PLAN, "h"), cpu_tiers.run_pools(cal, PLAN, "i")
+    assert i[0] == h[0] + 32 and i[1] == h[1] and i[2] == PLAN["donor_pool"] - 128
+    assert cpu_tiers.run_pools(cal, PLAN, "r")[1] == 0
+    with pytest.raises(ValueError, match="unknown run"):
+        cpu_tiers.run_pools(cal, PLAN, "t")
+
+
+def test_a_live_file_equal_to_the_simulation_validates_with_zero_error(tmp_path):
+    cal = _cal()
+    sim = cpu_tiers.simulate_tiers(cal, PLAN)
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    (tmp_path / "records.json").write_text(json.dumps(_live_from(sim)))
+    res = validate_tiers.validate(tmp_path / "cal.json", tmp_path / "records.json")
+    assert res["cached_tokens_error"] == 0 and res["ttft_p50_error"] == 0
+    assert res["within_20pct"] == {"hicache": True, "hicache+swiftcache": True}
+    assert not res["trace"]["mismatched"]
+    assert "hicache+swiftcache" in validate_tiers.format_tables(res)
+    assert validate_tiers.summary_line(res)["bench"] == "tiers"
+
+
+def test_files_of_another_plan_with_l3_or_from_bench_node_are_refused(tmp_path):
+    cal = _cal()
+    live = _live_from(cpu_tiers.simulate_tiers(cal, PLAN))
+    other = copy.deepcopy(live)
+    other["plan"]["turns"] = 4
+    with pytest.raises(ValueError, match="another plan"):
+        validate_tiers.check_same_plan(cal, other)
+    for change, why in (({"l3": "file"}, "L3"), ({"host_ratio": None}, "bench_node")):
+        bad = copy.deepcopy(live)
+        bad["plan"].update(change)
+        if change.get("host_ratio", 1) is None:
+            del bad["plan"]["host_ratio"]
+        path = tmp_path / f"bad-{why}.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=why):
+            validate_tiers.load_live(path)
+    nohost = dict(cal, host_copy=None)
+    nohost.pop("host_copy")
+    (tmp_path / "c.json").write_text(json.dumps(nohost))
+    with pytest.raises(ValueError, match="--bench tiers"):
+        validate_tiers.load_calibration(tmp_path / "c.json")
+
+
+def test_the_calibrations_host_copies_go_through_sglangs_host_pool():
+    """calibrate_cpu.host_copy: HostKV's capacity for each pool, positive costs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import calibrate_cpu
+
+    from benchmarks.nodebench.plan import ModelFacts
+
+    facts = ModelFacts("m", 2, 2 * 2 * 2 * 8 * 4, 0.0, 0)
+    cfg = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+           "head_dim": 8}
+    out = calibrate_cpu.host_copy(facts, cfg, {"h": (64, 2.0), "i": (96, 1.0)})
+    assert out["capacity_tokens"]["h"] >= 128 and out["capacity_tokens"]["i"] >= 96
+    for kind in ("load", "store"):
+        assert out[kind]["latency_s"] >= 0 and out[kind]["bytes_per_s"] > 0
+    assert [p["tokens"] for p in out["points"]] == [16, 64, 256]
