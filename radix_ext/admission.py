@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from radix_ext.results import LoadTicket, Match, StoreTicket, Transfer
+from radix_ext.slot_runs import join
 
 
 class DevicePool:
@@ -84,11 +85,11 @@ class Admission:
 def settle(tree: Any, stores: Sequence[StoreTicket], done: Sequence[bool]) -> array:
     """Complete each store whose copy happened (`done`), abort the others; the device slots the
     caller must free now."""
-    out = array("q")
+    out = []
     for ticket, ok in zip(stores, done):
         outcome = tree.complete_store(ticket) if ok else tree.abort_store(ticket)
-        out.extend(outcome.device_indices_to_free())
-    return out
+        out.append(outcome.device_indices_to_free())
+    return join(out)
 
 
 def evict(tree: Any, pool: DevicePool, num_tokens: int) -> int:
@@ -106,8 +107,8 @@ def evict(tree: Any, pool: DevicePool, num_tokens: int) -> int:
             copies.append(step.transfer)
             stores.append(step)
     done = pool.run_copies(copies) if copies else ()
-    to_free = plan.device_indices_to_free()
-    to_free.extend(settle(tree, stores, [done[i] for i in store_at]))
+    to_free = join([plan.device_indices_to_free(),
+                    settle(tree, stores, [done[i] for i in store_at])])
     if len(to_free):
         pool.free(to_free)
     return plan.num_evicted

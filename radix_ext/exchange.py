@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 from radix_ext.residency import DEVICE, DONOR, DeviceResidency, DonorResidency
 from radix_ext.results import ExchangeResult, Match
+from radix_ext.slot_runs import join
 
 Swap = Callable[[array, array], bool]
 
@@ -67,9 +68,7 @@ class ExchangeMixin:
         victims = self._exchange_victims(num_tokens, anchor)
         if victims is None:
             return None
-        slots = array("q")
-        for v in victims:
-            slots.extend(v.res[DEVICE].indices)
+        slots = join([v.res[DEVICE].indices for v in victims])
         for x in (*hit, *victims):
             x.pins += 1  # whatever `swap` does meanwhile, these stay
         try:
@@ -169,8 +168,4 @@ class ExchangeMixin:
                 for y in self._remove_subtree(x, released):
                     if y.pins:  # a load through a node below: it fails, as after a revoke
                         self._mark_stale(y)
-        out = array("q")
-        for r in released:
-            if r.tier == DEVICE:
-                out.extend(r.residency.indices)
-        return out
+        return join([r.residency.indices for r in released if r.tier == DEVICE])

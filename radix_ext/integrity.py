@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from radix_ext.residency import DEVICE
+from radix_ext.slot_runs import values
 
 
 class IntegrityMixin:
@@ -61,7 +62,7 @@ class IntegrityMixin:
                 assert res.tier == tier, f"{x}: {res} filed under {tier}"
                 assert res.num_tokens(page) == n, f"{x}: {res} does not cover {n} tokens"
                 if tier == DEVICE:
-                    dev_indices.extend(res.indices)
+                    dev_indices.extend(values(res.indices))
                 else:
                     assert tier in self.tiers, f"{x}: residency in unconfigured tier {tier}"
                     lower[tier].append(res)

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from radix_ext.residency import DEVICE, DeviceResidency
 from radix_ext.results import LoadOutcome, LoadTicket, Transfer
+from radix_ext.slot_runs import as_run
 
 
 class LoadBackMixin:
@@ -32,7 +33,7 @@ class LoadBackMixin:
         if len(device_indices) != total:
             raise ValueError(f"load-back of {total} tokens got {len(device_indices)} device "
                              f"indices")
-        idx = device_indices if type(device_indices) is array else array("q", device_indices)
+        idx = as_run(device_indices)
         anchor = x
         self.lock(anchor)
         copies = []

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator
 from radix_ext.node import Node
 from radix_ext.residency import DEVICE
 from radix_ext.results import LoadSegment
+from radix_ext.slot_runs import join
 
 
 class StructureMixin:
@@ -114,17 +115,16 @@ class StructureMixin:
                 best = (c, tier, res)
         return LoadSegment(node, best[1], best[2])
 
-    def device_indices(self, node: Node) -> array:
-        """Device slot indices on the path from the root to `node` (which must be on the device)."""
+    def device_indices(self, node: Node) -> Any:
+        """Device slot indices on the path from the root to `node` (which must be on the device),
+        as one run of the kind they were inserted as (`slot_runs.join`)."""
         parts = []
         root = self.root
         while node is not root:
             parts.append(node.res[DEVICE].indices)
             node = node.parent
-        out = array("q")
-        for p in reversed(parts):
-            out.extend(p)
-        return out
+        parts.reverse()
+        return join(parts)
 
     def prefix_of(self, node: Node) -> tuple[Any, array]:
         """(namespace, tokens) of the path from the root to `node`."""

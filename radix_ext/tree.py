@@ -33,6 +33,7 @@ from radix_ext.placement import make_demotion, make_eviction
 from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency
 from radix_ext.results import InsertResult, Match
 from radix_ext.revoke import RevokeMixin
+from radix_ext.slot_runs import as_run
 from radix_ext.store import StoreMixin
 from radix_ext.structure import StructureMixin
 from radix_ext.tiering import TieringMixin
@@ -177,7 +178,7 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         through such a node becomes stale. New tokens become a leaf. Frees nothing.
         """
         key = _as_array(key)
-        idx = _as_array(device_indices)
+        idx = as_run(device_indices)  # SGLang's device tensor stays one (never read here)
         page = self.page_size
         n = len(key) - len(key) % page
         if len(idx) < n:

@@ -167,18 +167,23 @@ class LeasePacking:
         return list(self.donor_pages[first: last + 1])
 
     # ---- index tensors for copies --------------------------------------------------------------
-    def plan(self, slots: torch.Tensor, blocks: torch.Tensor) -> CopyPlan:
+    def plan(self, slots: torch.Tensor, blocks: torch.Tensor,
+             aligned: bool | None = None) -> CopyPlan:
         """The unit rows of a transfer of `len(slots)` tokens: token i is borrower slot
-        `slots[i]` and row i % page_size of lease block `blocks[i // page_size]` (CPU int64
-        tensors, already validated). Whole pages whose slots are one aligned run move in units of
-        `self.unit`; anything else (a partial last page, scattered slots) in units that divide one
-        token row, so every layout works and the common one moves the fewest, widest rows."""
+        `slots[i]` and row i % page_size of lease block `blocks[i // page_size]` (int64
+        tensors, already validated; `blocks` on the CPU, `slots` on the CPU or the pool's
+        device, where its unit rows are computed). Whole pages whose slots are one aligned run
+        move in units of `self.unit`; anything else (a partial last page, scattered slots) in
+        units that divide one token row, so every layout works and the common one moves the
+        fewest, widest rows. `aligned` None: found from the slots' values; else given by the
+        caller (SGLang's allocator hands whole aligned pages), and the slots are not read."""
         g, n = self.borrower, slots.shape[0]
         P = g.page_size
         rows = (g.k_row_elems * g.itemsize, g.v_row_elems * g.itemsize)
         first = slots[::P]
-        aligned = bool(n % P == 0 and n > 0 and (first % P == 0).all()
-                       and (slots.view(-1, P) == first[:, None] + torch.arange(P)).all())
+        if aligned is None:
+            aligned = bool(n % P == 0 and n > 0 and (first % P == 0).all()
+                           and (slots.view(-1, P) == first[:, None] + torch.arange(P)).all())
         unit = self.unit if aligned else math.gcd(self.unit, *rows)
         local, stream = [], []
         for h in (K, V):
@@ -192,7 +197,7 @@ class LeasePacking:
                 lo = slots * per
                 base = blocks[tok // P] * self.block_bytes + piece_start + tok % P * rows[h]
             ar = torch.arange(per)
-            local.append((lo[:, None] + ar).reshape(-1))
+            local.append((lo[:, None] + torch.arange(per, device=lo.device)).reshape(-1))
             stream.append((base[:, None] // unit + ar).reshape(-1))
         return CopyPlan(unit, g.layer_bytes // unit, tuple(local), tuple(stream), aligned)
 

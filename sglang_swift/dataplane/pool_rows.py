@@ -42,11 +42,27 @@ def index_to_device(t: torch.Tensor, device: torch.device, stream) -> torch.Tens
     from pinned memory on that stream without blocking, so the host does not wait for the
     compute stream to reach a pageable copy, and the copy is ordered before the lane's reads
     by the stream itself (torch's pinned allocator keeps the host block until the copy ran,
-    and the device tensor belongs to `stream`, so its memory is not reused before)."""
+    and the device tensor belongs to `stream`, so its memory is not reused before). A tensor
+    already on the device (SGLang's slot indices, and what was computed from them on the
+    compute stream) stays there: `stream` is recorded on it, so its memory is not reused
+    before the lane read it."""
     if device.type != "cuda":
+        return t
+    if t.device.type == "cuda":
+        if stream is not None:
+            t.record_stream(stream)
         return t
     with torch.cuda.stream(stream):
         return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto `device` without the host waiting for the device: on a GPU from
+    pinned memory, asynchronously on the current stream (torch's pinned allocator keeps the
+    host block until the copy ran); on CPU the same call, a no-op."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def unit_rows(flat: torch.Tensor, unit: int, align: int, max_width: int = 16) -> torch.Tensor:

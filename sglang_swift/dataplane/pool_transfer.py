@@ -128,20 +128,26 @@ class PoolTransferEngine:
         return self.copy_fence.touches(blocks)
 
     # ---- the two transfers -------------------------------------------------------------------
-    def begin_store(self, slots, blocks) -> PoolTransferHandle:
+    def begin_store(self, slots, blocks, allocator_slots: bool = False) -> PoolTransferHandle:
         """Copy borrower tokens `slots` (all layers, K and V) into lease blocks `blocks`: token
         i goes to row i % page_size of block `blocks[i // page_size]`. The caller keeps those
-        blocks locked (not evictable, not released) until the handle completes."""
-        return self._begin(slots, blocks, exchange=False)
+        blocks locked (not evictable, not released) until the handle completes.
 
-    def store_here(self, slots, blocks) -> TransferResult:
+        `allocator_slots` (every begin_* / *_here takes it): `slots` is a tensor of SGLang's
+        allocator as the tree holds it, on the pool's device: distinct slots in range, whole
+        aligned pages at page size > 1. Its values are then never read on the host (on a GPU
+        that would make the host wait for the device): not validated, the page runs taken as
+        aligned, the local index rows computed on its device. Otherwise slots are validated."""
+        return self._begin(slots, blocks, exchange=False, pooled=allocator_slots)
+
+    def store_here(self, slots, blocks, allocator_slots: bool = False) -> TransferResult:
         """`begin_store` run to its end on the calling thread, for a CPU engine (a GPU engine
         enqueues on its lane: use `begin_store`). The lane's thread may be running a load of
         this engine meanwhile, so the copy uses the calling thread's own staging buffer; the
         fence applies as to any copy (a reclaim on another thread stops it between layers)."""
-        return self._here(slots, blocks, exchange=False)
+        return self._here(slots, blocks, exchange=False, pooled=allocator_slots)
 
-    def begin_exchange(self, slots, blocks) -> PoolTransferHandle:
+    def begin_exchange(self, slots, blocks, allocator_slots: bool = False) -> PoolTransferHandle:
         """Swap borrower tokens `slots` with lease blocks `blocks` (token i with row
         i % page_size of block `blocks[i // page_size]`), every layer, K and V: afterwards the
         slots hold what the blocks held and the blocks what the slots held. Per layer the
@@ -151,11 +157,11 @@ class PoolTransferEngine:
         partly swapped: layers before the failed one swapped, later ones untouched, and the
         failed layer itself in any state (a copy that raised inside it may have written one
         side only), so the caller trusts neither side afterwards."""
-        return self._begin(slots, blocks, exchange=True)
+        return self._begin(slots, blocks, exchange=True, pooled=allocator_slots)
 
-    def _begin(self, slots, blocks, exchange: bool) -> PoolTransferHandle:
+    def _begin(self, slots, blocks, exchange: bool, pooled: bool = False) -> PoolTransferHandle:
         """A store or an exchange started on the lane (GPU: enqueued from this thread)."""
-        plan = self._plan(slots, blocks, store=not exchange)
+        plan = self._plan(slots, blocks, store=not exchange, pooled=pooled)
         handle = self._arm(PoolTransferHandle(sync=getattr(self.lane, "synchronize", None)),
                            blocks)
         if plan is not None and not self.copy_fence.admit(handle, handle.blocks):
@@ -165,10 +171,10 @@ class PoolTransferEngine:
             plan, lambda: self._layers_job(plan, handle, self._staging, copy_layer))
         return handle
 
-    def exchange_here(self, slots, blocks) -> TransferResult:
+    def exchange_here(self, slots, blocks, allocator_slots: bool = False) -> TransferResult:
         """`begin_exchange` run to its end on the calling thread, for a CPU engine (as
         `store_here`)."""
-        return self._here(slots, blocks, exchange=True)
+        return self._here(slots, blocks, exchange=True, pooled=allocator_slots)
 
     def load_here(self, slots, blocks) -> TransferResult:
         """Lease blocks `blocks` copied into local `slots`, every layer, run to its end on the
@@ -176,11 +182,12 @@ class PoolTransferEngine:
         the slots once this returns ok)."""
         return self._here(slots, blocks, exchange=False, load=True)
 
-    def _here(self, slots, blocks, exchange: bool, load: bool = False) -> TransferResult:
+    def _here(self, slots, blocks, exchange: bool, load: bool = False,
+              pooled: bool = False) -> TransferResult:
         if self.lane.stream is not None:
             raise ValueError("store_here / exchange_here / load_here run a CPU engine's copy on "
                              "the caller's thread; a GPU engine's is enqueued with begin_*")
-        plan = self._plan(slots, blocks, store=not (exchange or load))
+        plan = self._plan(slots, blocks, store=not (exchange or load), pooled=pooled)
         if plan is None:
             return TransferResult(True, (), None)
         handle = self._arm(PoolTransferHandle(), blocks)
@@ -225,13 +232,14 @@ class PoolTransferEngine:
         return TransferResult(False, tuple(range(self.packing.borrower.num_layers)), FENCED)
 
     def begin_load(self, slots, blocks, counter,
-                   before_layer: Callable[[int], None] | None = None) -> PoolTransferHandle:
+                   before_layer: Callable[[int], None] | None = None,
+                   allocator_slots: bool = False) -> PoolTransferHandle:
         """Copy lease blocks `blocks` back into borrower `slots` layer by layer, completing
         `counter`'s layer l once layer l is in place (GPU: enqueued, with an event). Arms the
         counter's next slot; `handle.producer_id` is the batch's consumer index. After a failed
         wait, call `handle.abort(reason)` before the slots are reused. `before_layer(l)` is a
-        test hook run on the lane before layer l."""
-        plan = self._plan(slots, blocks, store=False)
+        test hook run on the lane before layer l. `allocator_slots`: see `begin_store`."""
+        plan = self._plan(slots, blocks, store=False, pooled=allocator_slots)
         pid = counter.update_producer()
         handle = self._arm(PoolTransferHandle(counter, pid, getattr(self.lane, "synchronize",
                                                                     None)), blocks)
@@ -307,10 +315,14 @@ class PoolTransferEngine:
             return "read deadline passed"
         return None
 
-    def _plan(self, slots, blocks, store: bool) -> CopyPlan | None:
-        """Validate a transfer once and build its index tensors (None when it is empty)."""
+    def _plan(self, slots, blocks, store: bool, pooled: bool = False) -> CopyPlan | None:
+        """Validate a transfer once and build its index tensors (None when it is empty).
+        `pooled`: SGLang's slot tensor, whose values are not read here (`begin_store`)."""
         g, p = self.packing.borrower, self.packing
-        slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu().contiguous()
+        if pooled:
+            slots = slots.reshape(-1).to(torch.int64)
+        else:
+            slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu().contiguous()
         blocks = torch.as_tensor(blocks, dtype=torch.int64).reshape(-1).cpu().contiguous()
         n = slots.numel()
         if blocks.numel() != -(-n // g.page_size):
@@ -318,7 +330,9 @@ class PoolTransferEngine:
                              f"{-(-n // g.page_size)} blocks, got {blocks.numel()}")
         if n == 0:
             return None
-        if int(slots.min()) < 0 or int(slots.max()) >= self.rows:
+        if pooled:
+            pass  # SGLang's allocator: distinct slots in range (reading them would sync a GPU)
+        elif int(slots.min()) < 0 or int(slots.max()) >= self.rows:
             raise ValueError(f"slots span [{int(slots.min())}, {int(slots.max())}] but the "
                              f"borrower's pool has {self.rows} rows")
         if int(blocks.min()) < 0 or int(blocks.max()) >= p.num_blocks:
@@ -326,9 +340,9 @@ class PoolTransferEngine:
                              f"lease holds {p.num_blocks} borrower blocks")
         if blocks.unique().numel() != blocks.numel():
             raise ValueError("a block repeats within one transfer; split it into two")
-        if not store and slots.unique().numel() != n:
+        if not (store or pooled) and slots.unique().numel() != n:
             raise ValueError("a load writes one slot twice; every destination slot must differ")
-        plan = p.plan(slots, blocks)
+        plan = p.plan(slots, blocks, aligned=(n % g.page_size == 0) if pooled else None)
         if self._staging is not None and self._staging.numel() < plan.unit:
             self._staging = torch.empty(plan.unit, dtype=torch.uint8)  # a unit above 2 MiB
         lane_stream = getattr(self.lane, "stream", None)

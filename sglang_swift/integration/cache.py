@@ -48,8 +48,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from radix_ext import DEVICE, HOST, DevicePool, RadixTree, TreeConfig
+from radix_ext import DEVICE, HOST, DevicePool, RadixTree, TreeConfig, slot_runs
 
+from ..dataplane.pool_rows import to_device
 from .donor_hits import DonorHitsMixin
 from .storage_hits import StorageHitsMixin
 
@@ -68,17 +69,23 @@ LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_store
 
 
 def tensor_to_indices(t: torch.Tensor) -> array:
-    """int64 slot indices as an array('q') (one copy through host memory)."""
+    """int64 slot indices as an array('q') (one copy through host memory: for host tensors;
+    a device tensor's values read here would make the host wait for the GPU)."""
     out = array("q")
     if t.numel():
         out.frombytes(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
     return out
 
 
-def indices_to_tensor(a: array, device: torch.device) -> torch.Tensor:
+def indices_to_tensor(a: Any, device: torch.device) -> torch.Tensor:
+    """Slot indices as an int64 tensor on `device`: a tensor (SGLang's, as the tree holds it)
+    as it is; host indices (`array('q')`: the debug insert, the tests) through one asynchronous
+    copy (pinned on a GPU)."""
+    if isinstance(a, torch.Tensor):
+        return a
     if not len(a):
         return torch.empty((0,), dtype=torch.int64, device=device)
-    return torch.frombuffer(a, dtype=torch.int64).to(device, copy=True)
+    return to_device(torch.frombuffer(a, dtype=torch.int64).clone(), device)
 
 
 def namespace_of(key: RadixKey) -> Any:
@@ -99,13 +106,13 @@ class KVSlots(DevicePool):
     def available(self) -> int:
         return self.cache.token_to_kv_pool_allocator.available_size()
 
-    def alloc(self, num_tokens: int) -> Optional[array]:
-        slots = self.cache.token_to_kv_pool_allocator.alloc(num_tokens)
-        return None if slots is None else tensor_to_indices(slots)
+    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
+        return self.cache.token_to_kv_pool_allocator.alloc(num_tokens)  # device tensor, kept
 
-    def free(self, indices: array) -> None:
-        self.cache.token_to_kv_pool_allocator.free_segment(
-            indices_to_tensor(indices, self.cache.device), start_pos=0)
+    def free(self, indices: Any) -> None:
+        if len(indices):
+            self.cache.token_to_kv_pool_allocator.free_segment(
+                indices_to_tensor(indices, self.cache.device), start_pos=0)
 
     def make_room(self, tree: Any, num_tokens: int) -> int:
         if self.cache.demotions is None:
@@ -134,6 +141,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
                              "neither")
         if storage is not None and host_kv is None:
             raise ValueError("L3 storage sits below the host tier: pass host_kv with storage")
+        slot_runs.register(torch.Tensor, torch.cat)  # the tree joins SGLang's slot tensors
         self.tree_config = tree_config
         self.tp = tp  # tp_sync.TpGroup of a lending or borrowing server with --tp > 1
         self.host_kv = host_kv
@@ -287,9 +295,9 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         tokens = key.raw_token_ids()
         n = len(tokens) - len(tokens) % self.page_size
         if params.value is None:  # debug/test path, as in SGLang: the tokens stand in for slots
-            slots = array("q", tokens[:n])
-        else:
-            slots = tensor_to_indices(params.value[:n])
+            slots = indices_to_tensor(array("q", tokens[:n]), self.device)
+        else:  # SGLang's device tensor, kept as the tree's handle: its values are never read
+            slots = params.value[:n].to(torch.int64)
         r = self.tree.insert(tokens[:n], slots, namespace_of(key))
         if self.host_kv is not None and self.host_kv.write_through and params.value is not None:
             self._write_through(r.last_node)
@@ -361,15 +369,15 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         return self.tree.device_size()
 
     def all_values_flatten(self) -> torch.Tensor:
-        out = array("q")
+        out = []
         stack = list(self.root_node.children.values())
         while stack:
             x = stack.pop()
             res = x.res.get(DEVICE)
             if res is not None:
-                out.extend(res.indices)
+                out.append(res.indices)
                 stack.extend(x.children.values())
-        return indices_to_tensor(out, self.device)
+        return indices_to_tensor(slot_runs.join(out), self.device)
 
     def pretty_print(self) -> None:
         stack = [(self.root_node, 0)]

@@ -76,6 +76,14 @@ class InFlightCopy:
         self.runtime.untrack(self.key, self.handle)
 
 
+def _slot_tensor(slots: Any) -> tuple[torch.Tensor, bool]:
+    """Slots as the engine takes them, and whether they are SGLang's own tensor (the tree's
+    handle, on the device on a GPU: the engine must not read its values on the host)."""
+    if isinstance(slots, torch.Tensor):
+        return slots.to(torch.int64), True
+    return torch.as_tensor(slots, dtype=torch.int64), False
+
+
 def runs_by_lease(residencies: Sequence[Any]) -> list[tuple[tuple[str, int], list[int]]]:
     """Split donor residencies (in order) into runs on one lease with no block repeated within a
     run (an engine transfer writes each block once); each run is (lease key, item indices)."""
@@ -99,12 +107,12 @@ def start_copy(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks:
     engine = runtime.lease_engine(*key)
     if engine is None:
         return None
-    slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
+    slot_tensor, pooled = _slot_tensor(slots)
     try:
         if counter is None:
-            handle = engine.begin_store(slot_tensor, blocks)
+            handle = engine.begin_store(slot_tensor, blocks, allocator_slots=pooled)
         else:
-            handle = engine.begin_load(slot_tensor, blocks, counter)
+            handle = engine.begin_load(slot_tensor, blocks, counter, allocator_slots=pooled)
     except ValueError:  # a transfer the engine refuses is a bug, but not one to stop serving for
         logger.exception("SwiftCache: the copy engine refused a %s on lease %s",
                          "store" if counter is None else "load", key)
@@ -142,7 +150,7 @@ def _copy_now(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: 
     engine = runtime.lease_engine(*key)
     if engine is None:
         return False, None
-    slot_tensor = torch.as_tensor(slots, dtype=torch.int64)
+    slot_tensor, pooled = _slot_tensor(slots)
     on_gpu = engine.lane.stream is not None
     # CPU: the copy thread's torch thread count (streams.CpuLane): on a busy machine an OpenMP
     # team of two per index op stalls on its barriers (20x slower measured here)
@@ -151,12 +159,12 @@ def _copy_now(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: 
     try:
         if on_gpu:
             begin = engine.begin_exchange if exchange else engine.begin_store
-            handle = begin(slot_tensor, blocks)
+            handle = begin(slot_tensor, blocks, allocator_slots=pooled)
             result = handle.result()  # the GPU job enqueued
         else:
             torch.set_num_threads(getattr(engine.lane, "threads", 1))
             here = engine.exchange_here if exchange else engine.store_here
-            result = here(slot_tensor, blocks)
+            result = here(slot_tensor, blocks, allocator_slots=pooled)
     except Exception:  # noqa: BLE001 - a copy that fails is a lost prefix, not a dead server
         logger.exception("SwiftCache: %s on lease %s failed",
                          "an exchange" if exchange else "a store", key)

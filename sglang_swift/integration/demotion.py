@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from typing import Any
 
-from radix_ext import admission
+from radix_ext import admission, slot_runs
 from radix_ext.residency import HOST
 from radix_ext.results import Released, StoreTicket, Transfer
 
@@ -56,7 +55,7 @@ class Demotions:
         nothing but its own stores' copies (CPU) or enqueues (GPU)."""
         self.poll()
         plan = self.cache.tree.evict_device(num_tokens)
-        to_free = array("q")
+        to_free = []  # runs of device slots (SGLang's tensors: never read on the host)
         stores = []
         for step in plan.steps:
             if type(step) is StoreTicket:
@@ -65,25 +64,26 @@ class Demotions:
                 raise RuntimeError(f"no data path from {step.src_tier} to {step.dst_tier} in "
                                    f"SwiftCache's server: build its tree with cascade=False")
             elif type(step) is Released and step.tier == "device":
-                to_free.extend(step.residency.indices)
+                to_free.append(step.residency.indices)
         hosted = [t for t in stores if t.dst_tier == HOST]
         if hosted:
-            to_free.extend(self._store_host(hosted))
+            to_free.append(self._store_host(hosted))
             stores = [t for t in stores if t.dst_tier != HOST]
         if stores:
-            to_free.extend(self._store(stores))
-        if len(to_free):
-            self.cache.slots.free(to_free)
-        return len(to_free)
+            to_free.append(self._store(stores))
+        freed = slot_runs.join(to_free)
+        if len(freed):
+            self.cache.slots.free(freed)
+        return len(freed)
 
-    def _store(self, stores: list) -> array:
+    def _store(self, stores: list) -> Any:
         """Copy each ticket's victim into its donor blocks, one engine transfer per lease run,
         and settle the tickets; returns the device slots the tree gave back."""
         start = time.perf_counter()
-        to_free = array("q")
+        to_free = []
         for key, idx in runs_by_lease([t.dst for t in stores]):
             tickets = [stores[i] for i in idx]
-            slots = [s for t in tickets for s in t.src.indices]
+            slots = slot_runs.join([t.src.indices for t in tickets])
             blocks = [b for t in tickets for b in t.dst.blocks]
             ok, enqueued = store_now(self.runtime, key, slots, blocks)
             if self.runtime.tp is not None:  # a store counts only where every rank stored
@@ -95,11 +95,11 @@ class Demotions:
                 self.stats["stored_tokens"] += len(slots)
             else:  # the donor is not writable now: the eviction drops them instead
                 self.stats["refused_stores"] += 1
-            to_free.extend(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
+            to_free.append(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
         self._waited(start)
-        return to_free
+        return slot_runs.join(to_free)
 
-    def _store_host(self, stores: list) -> array:
+    def _store_host(self, stores: list) -> Any:
         """Copy each ticket's victim into its host slots through SGLang's host pool (one
         `backup_from_device_all_layer` for all of them) and settle the tickets: on the
         scheduler's stream, so on a GPU the forward that rewrites the freed slots runs after

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from radix_ext import slot_runs
 from radix_ext.residency import DONOR, HOST
 
 from .copies import runs_by_lease, start_copy
@@ -95,7 +96,7 @@ class StreamingLoads:
         if not self._queued:
             self._wait_mark = self._waited()
             self._store_mark = self.stats["evict_wait_s"]
-        slots = indices_to_tensor(ticket.device_indices, device)
+        slots = indices_to_tensor(ticket.device_indices, device)  # SGLang's tensor, as it is
         self._queued.append(QueuedLoad(req, ticket, slots))
         self._private[req.rid] = slots
 
@@ -132,7 +133,7 @@ class StreamingLoads:
             self._load_from_host(fan, hosted)
         copies = []
         for key, idx in runs_by_lease([c.src for _, c in items]):
-            slots = [s for i in idx for s in items[i][1].dst.indices]
+            slots = slot_runs.join([items[i][1].dst.indices for i in idx])
             blocks = [b for i in idx for b in items[i][1].src.blocks]
             copy = start_copy(self.runtime, key, slots, blocks, fan)
             if copy is None:
