@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..layer_stream.hooks import LAYER_STREAM_TP
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,14 +38,6 @@ def _identity(server_args: Any) -> tuple[str, str, bool]:
     model = str(getattr(server_args, "served_model_name", None) or server_args.model_path)
     agent_id = f"{model.rstrip('/').rsplit('/', 1)[-1]}-{server_args.port}"
     return model, agent_id, bool(getattr(server_args, "enable_metrics", False))
-
-
-# The layer stream cache keeps per-rank decisions (which rows are resident, when a layer is
-# fetched, a fetch that failed) that no collective agrees on between the ranks.
-LAYER_STREAM_TP = (
-    "--swiftcache-layer-stream with --tp {tp} (each rank would stream its own shard with its own "
-    "fetch decisions and faults, not agreed between the ranks, so their outputs could differ; "
-    "run the layer stream cache with --tp 1)")
 
 
 def tp_problems(ctx: Any, config: Any) -> list[str]:

@@ -29,6 +29,13 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# The layer stream cache keeps per-rank decisions (which rows are resident, when a layer is
+# fetched, a fetch that failed) that no collective agrees on between the ranks.
+LAYER_STREAM_TP = (
+    "--swiftcache-layer-stream with --tp {tp} (each rank would stream its own shard with its own "
+    "fetch decisions and faults, not agreed between the ranks, so their outputs could differ; "
+    "run the layer stream cache with --tp 1)")
+
 # Attention backends that read k_buffer / v_buffer directly instead of through the getters.
 DIRECT_READ_BACKENDS = ("trtllm_mha", "aiter", "wave", "ascend")
 GIB = 1 << 30
@@ -74,8 +81,6 @@ def check_server_args(server_args: Any, config: Any) -> None:
         refused.append("--dcp-size > 1")
     tp_size = getattr(server_args, "tp_size", 1) or 1
     if tp_size > 1:
-        from ..integration.backend import LAYER_STREAM_TP
-
         refused.append(LAYER_STREAM_TP.format(tp=tp_size).split(" with ", 1)[1])
     for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         backend = getattr(server_args, name, None)

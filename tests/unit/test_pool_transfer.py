@@ -408,7 +408,7 @@ def test_a_borrower_that_cannot_read_a_donor_releases_its_grant_and_never_asks_i
     agent = types.SimpleNamespace(release=lambda key: calls.append(("release", key)),
                                   avoid_donor=lambda d: calls.append(("avoid", d)))
     b = Borrowing.__new__(Borrowing)
-    b.agent, b._pending, b._failures, b._retry_at = agent, True, 0, 0.0
+    b.agent, b._pending, b._failures, b._retry_at, b.tp = agent, True, 0, 0.0, None
     b.kv_pool = types.SimpleNamespace(k_buffer=[torch.zeros(1)])
     b.leases = {}
     key = types.SimpleNamespace(donor="big-gpu1", lease_id=3, epoch=1)
