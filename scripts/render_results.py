@@ -403,6 +403,29 @@ RECORDS["bench_tiers_l3_wt_quick"] = replace(
           "of bench_tiers write_through, with SGLang's `file` storage backend below its host tier",
     short="hierarchy with L3 file, write_through (CPU)",
     command="python scripts/bench_tiers.py --quick --l3 file --write-policy write_through")
+RECORDS["simulate_validate_tiers"] = RecordSpec(
+    "The simulator against a live bench_tiers run: stock, HiCache, HiCache + SwiftCache and the "
+    "ideal simulated with this CPU's measured costs, beside the live records",
+    "simulated vs live, hierarchy (CPU)",
+    "python scripts/calibrate_cpu.py --bench tiers && python scripts/simulate.py --validate "
+    "--tiers --live-tiers runs/bench_tiers/records.json", "docs/simulation.md", {
+        "simulated_vs_live": "the record compares simulated figures with measured ones",
+        "bench": "which benchmark's runs were simulated",
+        "cached_tokens_error": "|simulated - live| / live busy cached tokens, mean of (h) and (s)",
+        "ttft_p50_error": "the same for the busy requests' TTFT P50",
+        "ttft_p99_error": "the same for TTFT P99",
+        "per_run": "the three errors per run",
+        "within_20pct": "per target run, cached tokens and TTFT P50 both within 20%",
+        "figures": "per run, live and simulated cached tokens, TTFT P50 and P99 (ms)",
+        "hits_by_tier": "(s)'s cached tokens by tier, live (metrics) and simulated",
+        "rescued_tokens": "tokens (s)'s reclaim moved from donor pages into host, live and "
+                          "simulated",
+        "live": "the live bench_tiers record file",
+        "calibration": "the calibration JSON",
+        "calibration_date": "when the calibration ran",
+        "trace_matches_live": "every traced busy prompt has the live prompt's length",
+    }, [Headline("cached tokens error, (h) and (s)", key("cached_tokens_error")),
+        Headline("TTFT P50 error, (h) and (s)", key("ttft_p50_error"))])
 
 # ---- reading -----------------------------------------------------------------------------------
 def load_records(records_dir: Path) -> dict[str, dict]:

@@ -206,6 +206,11 @@ def summary_line(res: dict) -> dict:
             "cached_tokens_error": res["cached_tokens_error"],
             "ttft_p50_error": res["ttft_p50_error"], "ttft_p99_error": res["ttft_p99_error"],
             "per_run": res["errors"], "within_20pct": res["within_20pct"],
+            "figures": {name: {k: {"live": r["live"][k], "sim": r["sim"][k]}
+                               for k in ("cached_tokens", "ttft_p50_ms", "ttft_p99_ms")}
+                        for name, r in res["runs"].items()},
             "hits_by_tier": res["swiftcache"]["hits_by_tier"],
+            "rescued_tokens": res["swiftcache"]["rescued_tokens"],
+            "live": res["live"], "calibration": res["calibration"],
             "calibration_date": res["calibration_date"],
             "trace_matches_live": not res["trace"]["mismatched"]}
