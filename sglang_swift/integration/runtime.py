@@ -174,14 +174,16 @@ class SwiftRuntime:
         """One collective per loop (a size-only broadcast when rank 0 has nothing to say):
         rank 0's events and lease view, applied by every rank in rank 0's order; then the
         reclaims fenced by every rank are acknowledged by rank 0."""
+        from .tp_sync import PumpStep
+
         msg = None
         if self.tp.leader and due:
             events = self.agent.poll_events()
-            msg = (events, self._lease_view(events))
-        msg = self.tp.share(msg)
+            msg = PumpStep.of(events, *self._lease_view(events))
+        msg = self.tp.share(msg, PumpStep)
         if msg is None:
             return
-        events, (view, deadlines) = msg
+        events, view, deadlines = msg.unpack()
         self._view = view
         if not self.tp.leader:
             self.agent.set_view(deadlines)

@@ -372,21 +372,14 @@ TP_GROUP = TouchPoint(
     "sglang.srt.distributed.parallel_state.GroupCoordinator.cpu_group", Kind.PRIVATE_READ,
     "the TP group SGLang hands the tree build (`TreeCacheBuildContext.tp_group`): its gloo CPU "
     "group, ranks, rank_in_group and world_size carry SwiftCache's per-step agreement between "
-    "the ranks (`tp_sync.py`)",
+    "the ranks (`tp_sync.py`: msgpack bytes as uint8 tensors, torch.distributed's broadcast "
+    "and all_gather on that group)",
     "a TP borrower cannot agree on leases and copies between its ranks: start-up fails",
     f"{INTEGRATION}.tp_sync",
     (Check(How.SOURCE, "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__",
            ("self.cpu_group", "self.ranks", "self.rank_in_group", "self.world_size")),
      Check(How.SOURCE, "sglang.srt.mem_cache.registry.TreeCacheBuildContext",
            ("tp_group", "tp_size"))))
-TP_BROADCAST = TouchPoint(
-    "sglang.srt.utils.broadcast_pyobj", Kind.SIGNATURE,
-    "rank 0 shares its control events and lease view with the other TP ranks once per loop "
-    "with SGLang's own broadcast, as SGLang shares the requests it received",
-    "the other ranks never learn of leases and reclaims (or the call raises in the loop)",
-    f"{INTEGRATION}.tp_sync",
-    (Check(How.LEADING_PARAMS, names=("data", "rank", "dist_group", "src")),))
-
 HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
     TouchPoint(patch.dotted, Kind(patch.kind), f"CPU stand-in `{patch.name}`: {patch.why}",
                f"breaks if {patch.breaks_if}; HiCache then refuses to start on the CPU engine",
@@ -400,7 +393,7 @@ ALL: tuple[TouchPoint, ...] = (
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     STORAGE_BACKEND, STORAGE_HELPERS, STORAGE_KEYS, SCHEDULER_PREFETCH,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
-    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, TP_GROUP, TP_BROADCAST, *HICACHE_STAND_INS,
+    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, TP_GROUP, *HICACHE_STAND_INS,
 )
 
 

@@ -26,7 +26,8 @@ RANK_SHAPE = dict(layer_num=5, head_num=1, head_dim=16)  # one rank's shard of a
 
 
 class ThreadGroup(TpGroup):
-    """`size` ranks as threads of this process: a collective is a barrier round."""
+    """`size` ranks as threads of this process: a collective is a barrier round over the same
+    msgpack bytes SGLang's gloo group would carry (`TpGroup.share`/`gather` encode)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -40,17 +41,18 @@ class ThreadGroup(TpGroup):
         view._shared = self
         return view
 
-    def gather(self, obj):
+    def _gather_bytes(self, data):
+        assert isinstance(data, bytes)
         root = self._shared
         root._barrier.wait()
-        root._slots[self.rank] = obj
+        root._slots[self.rank] = data
         root._barrier.wait()
         out = list(root._slots)
         root._barrier.wait()
         return out
 
-    def share(self, obj):
-        return self.gather(obj)[0]
+    def _share_bytes(self, data):
+        return self._gather_bytes(data)[0]
 
 
 def _config(tmp_path, **cfg) -> SwiftConfig:
