@@ -427,6 +427,165 @@ RECORDS["simulate_validate_tiers"] = RecordSpec(
     }, [Headline("cached tokens error, (h) and (s)", key("cached_tokens_error")),
         Headline("TTFT P50 error, (h) and (s)", key("ttft_p50_error"))])
 
+# ---- simulated records: the long-context sweep, the closed loop, the regime grid ----------------
+RECORDS["simulate_quick"].keys.update({
+    "capacity_regime": "the cell docs/simulation.md section 9.1 chose before the grid ran as "
+                       "realistic for the paper's node (regime.REALISTIC), one seed, idle donors "
+                       "(simulated)",
+    "capacity_regime.cell": "that cell: workload/think time/minimum turns/host GB/PCIe GB/s",
+    "capacity_regime.goodput_ratio_vs_hicache": "simulated SwiftCache goodput / HiCache's there",
+    "capacity_regime.p99_ttft_reduction_at_80pct": "simulated 1 - SwiftCache's P99 TTFT / "
+                                                   "HiCache's, both at 80% of HiCache's goodput",
+})
+RECORDS["simulate_quick"].headlines.append(
+    Headline("simulated goodput / HiCache, capacity regime (chosen cell)",
+             key("capacity_regime.goodput_ratio_vs_hicache")))
+
+
+def _best_row(only: str | None = None) -> Callable[[dict], Any]:
+    """The sweep row with the longest context (of one backing, or of all)."""
+    def read(result: dict) -> Any:
+        rows = [r for r in result.get("rows", []) if r.get("ratio") is not None
+                and (only is None or r["backing"] == only)]
+        if not rows:
+            return None
+        r = max(rows, key=lambda r: r["ratio"])
+        return (f"{r['ratio']}x ({r['backing']}, lend {r['lend_fraction']}, host "
+                f"{r['host_gb']:g} GB, resident {r['resident_fraction']}); decode step "
+                f"{r['decode_step_ms']} ms vs {r['decode_step_resident_ms']} ms resident")
+    return read
+
+
+def _closed_loop(field_: str, system: str, at: int = -1) -> Callable[[dict], Any]:
+    """A closed-loop point's figure for one system (default: the largest multiple)."""
+    def read(result: dict) -> Any:
+        pts = result.get("points") or []
+        if not pts:
+            return None
+        p = pts[at]
+        return f"{p[field_][system]} at {p['multiple']:g}x ({p['clients']} clients)"
+    return read
+
+
+def _closed_loop_curve(field_: str, system: str) -> Callable[[dict], Any]:
+    """A figure at every multiple of HiCache's capacity, in order."""
+    def read(result: dict) -> Any:
+        pts = result.get("points") or []
+        return ", ".join(f"{p['multiple']:g}x {p[field_][system]}" for p in pts) or None
+    return read
+
+
+def _grid_cell(cell: str | None, stat: str) -> Callable[[dict], Any]:
+    """A grid cell's statistic (median [min, max] over seeds); None: the realistic cell."""
+    def read(result: dict) -> Any:
+        c = (result.get("cells") or {}).get(cell or result.get("realistic_cell") or "")
+        return None if c is None else _stat(c.get(stat))
+    return read
+
+
+def _grid_best(result: dict) -> Any:
+    cells = result.get("cells") or {}
+    scored = [(c["goodput_ratio_vs_hicache"]["median"], k) for k, c in cells.items()
+              if c.get("goodput_ratio_vs_hicache")]
+    if not scored:
+        return None
+    ratio, cell = max(scored)
+    return f"{ratio} ({cell})"
+
+
+def _grid_count(threshold: float) -> Callable[[dict], Any]:
+    def read(result: dict) -> Any:
+        cells = (result.get("cells") or {}).values()
+        got = [c["goodput_ratio_vs_hicache"]["median"] for c in cells
+               if c.get("goodput_ratio_vs_hicache")]
+        return f"{sum(x >= threshold for x in got)}/{len(got)}" if got else None
+    return read
+
+
+def _stat(s: Any) -> Any:
+    if not isinstance(s, dict):
+        return s
+    if s["min"] == s["max"]:
+        return s["median"]
+    return f"{s['median']} [{s['min']}, {s['max']}]"
+
+
+RECORDS["simulate_long_context_sweep"] = RecordSpec(
+    "Simulator, long context swept: lend fraction x host memory x resident rows x backing, idle "
+    "donors (SIMULATED)",
+    "long context, swept (**simulated**)",
+    "python scripts/simulate.py --long-context-sweep", "docs/simulation.md", {
+        "simulated": "every figure of this record is simulated",
+        "mode": "which experiment ran",
+        "model": "the long-context model (the paper's LWM-Text-1M)",
+        "gpu": "its GPU (the paper's H20)",
+        "depth": "staging layers kept local per request (the live stream's prefetch depth)",
+        "stock_max_tokens": "stock SGLang's longest context: the request's KV in the local pool",
+        "window_tokens": "the model's context window (tokens)",
+        "rows": "per configuration: backing (host (live): every row in host memory, the "
+                "leases holding copies, as the live store; donor + host (additive): the leases "
+                "and host add up, not built), lend fraction, lease GB, host GB, resident "
+                "fraction, longest context, its ratio to stock (null: nothing can stream), the "
+                "decode step there streamed and resident (ms) and their ratio",
+        "paper_ratio": "the paper's maximum-context gain (abstract)",
+        "reaches_paper_ratio": "the configurations whose ratio is at least the paper's, with "
+                               "the decode step there",
+    }, [Headline("simulated longest context / stock, best configuration", _best_row()),
+        Headline("the same, the live (host-backed) store", _best_row("host (live)"))],
+    simulated=True)
+RECORDS["simulate_closed_loop"] = RecordSpec(
+    "Simulator, closed loop as SGLang's bench_multiturn.py: HiCache, HiCache + SwiftCache and the "
+    "ideal at multiples of HiCache's capacity (SIMULATED)",
+    "closed loop (**simulated**)",
+    "python scripts/simulate.py --closed-loop", "docs/simulation.md", {
+        "simulated": "every figure of this record is simulated",
+        "mode": "which experiment ran",
+        "capacity_clients": "clients whose final histories together fill HiCache's device pool "
+                            "plus host tier (1x)",
+        "points": "per multiple of that capacity: clients, each system's P99 TTFT (s) and cached "
+                  "tokens (medians over the seeds), P99 TTFT reduction and cached tokens against "
+                  "HiCache, hits by tier (first seed)",
+        "params": "the closed loop's parameters (rounds, request and output length, max "
+                  "parallel, request rate, ready-queue policy, seeds, host GB, PCIe GB/s)",
+    }, [Headline("simulated P99 TTFT reduction vs HiCache by multiple of its capacity",
+                 _closed_loop_curve("p99_ttft_reduction_vs_hicache", "swiftcache")),
+        Headline("simulated P99 TTFT reduction vs HiCache, largest multiple",
+                 _closed_loop("p99_ttft_reduction_vs_hicache", "swiftcache"), readme=False),
+        Headline("simulated cached tokens / HiCache, largest multiple",
+                 _closed_loop("cached_vs_hicache", "swiftcache"))], simulated=True)
+_GRID_KEYS = {
+    "simulated": "every figure of this record is simulated",
+    "mode": "which experiment ran",
+    "seeds": "the traffic seeds run for every cell",
+    "window_s": "seconds of session arrivals per run",
+    "refine_steps": "bisections of each goodput after its bracket",
+    "write_policy": "HiCache's write policy in every system with a host tier",
+    "donors": "the donors' state (idle: the lease whole, never reclaimed)",
+    "realistic_cell": "the cell chosen before the grid ran as realistic (null: not in this run)",
+    "cells": "per cell, medians [min, max] over the seeds: goodput ratios (SwiftCache and the "
+             "ideal against HiCache), HiCache's goodput, P99 TTFT reductions at 50/80/95% of "
+             "HiCache's goodput, hits by tier at 80%, peak live KV against device + host, and "
+             "the memory of each system (the table below)",
+}
+RECORDS["simulate_grid"] = RecordSpec(
+    "Simulator, regime grid, every cell at seed 0 (SIMULATED)",
+    "regime grid, seed 0 (**simulated**)",
+    "python scripts/simulate.py --grid --seeds 0", "docs/simulation.md", dict(_GRID_KEYS),
+    [Headline("simulated goodput / HiCache, best cell", _grid_best),
+     Headline("cells with simulated goodput / HiCache >= 1.1", _grid_count(1.1))],
+    simulated=True)
+RECORDS["simulate_grid_seeds"] = RecordSpec(
+    "Simulator, regime grid, the cells the prediction calls decisive at three seeds (SIMULATED)",
+    "regime grid, decisive cells, 3 seeds (**simulated**)",
+    "python scripts/simulate.py --grid --workloads chat --think-s 60,300 --min-turns 4 "
+    "--host-gb 32.6,65,100 --pcie-gbps 32 --seeds 0,1,2", "docs/simulation.md",
+    dict(_GRID_KEYS),
+    [Headline("simulated goodput / HiCache, realistic cell", _grid_cell(None,
+                                                                      "goodput_ratio_vs_hicache")),
+     Headline("simulated P99 TTFT reduction at 80% of HiCache's goodput, realistic cell",
+              _grid_cell(None, "p99_ttft_reduction_at_80pct"))], simulated=True)
+GRID_RECORDS = ("simulate_grid_seeds", "simulate_grid")  # a cell is shown from the first holding it
+
 # ---- reading -----------------------------------------------------------------------------------
 def load_records(records_dir: Path) -> dict[str, dict]:
     out = {}
@@ -464,6 +623,183 @@ def cite(name: str, rec: dict) -> str:
             f"commit {rec['commit']}{dirty}; `{rec['command']}`; {m.get('cpus')} CPUs; "
             f"load average {rec['load_average_before'][0]} before, "
             f"{rec['load_average_after'][0]} after; {rec['wall_s']} s")
+
+
+# ---- the regime grid's table and the comparison table ------------------------------------------
+def grid_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
+    """Every cell of the grid records, each from the first record in GRID_RECORDS holding it."""
+    rows = ["| cell | seeds | HiCache goodput (sessions/s) | SwiftCache / HiCache goodput | "
+            "ideal / HiCache | SwiftCache's P99 TTFT reduction at 50% / 80% / 95% of HiCache's "
+            "goodput | hits at 80%: HiCache; SwiftCache | peak live KV / device + host | "
+            "record |", "|" + "---|" * 9]
+    seen: set[str] = set()
+    for name in GRID_RECORDS:
+        rec = records.get(name)
+        if rec is None:
+            rows.append(f"| {NOT_RECORDED}: `{name}` |" + " |" * 8)
+            continue
+        for cell, c in rec["result"]["cells"].items():
+            if cell in seen:
+                continue
+            seen.add(cell)
+            red = " / ".join(str(_stat(c[f"p99_ttft_reduction_at_{p}pct"]))
+                             for p in (50, 80, 95))
+            hits = "; ".join(", ".join(f"{t} {v:.2f}" for t, v in
+                                       c["hits_by_tier_at_80pct"].get(s, {}).items())
+                             for s in ("sglang-hicache", "swiftcache"))
+            rows.append(f"| {cell} | {','.join(map(str, c['seeds']))} | "
+                        f"{_stat(c['hicache_goodput'])} | "
+                        f"{_stat(c['goodput_ratio_vs_hicache'])} | "
+                        f"{_stat(c['ideal_goodput_ratio_vs_hicache'])} | {red} | {hits} | "
+                        f"{c['peak_live_over_device_plus_host']} | "
+                        f"[{name}]({link_prefix}{name}.json) |")
+    return rows
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the comparison table: read from a record's result."""
+
+    record: str
+    label: str
+    read: Callable[[dict], Any]
+
+
+# The columns, each with the mechanism it tests.
+COMPARISON_COLUMNS = (
+    ("paper", "4 x H20, Qwen3 models, ShareGPT multi-turn, LWM-Text-1M (arXiv 2606.16135; "
+              "only the abstract is public)"),
+    ("simulated, compute regime", "the busy model's live KV fits device + host: only load "
+                                  "speed (NVLink against PCIe) can differ"),
+    ("simulated, capacity regime", "the live KV outgrows device + host: donor pages as added "
+                                   "capacity; for context, layer streaming"),
+    ("simulated, overloaded", "a closed loop whose histories exceed HiCache's device + host "
+                              "several times over"),
+    ("live CPU", "real SGLang servers on the CPU engine, small models: what is cached and that "
+                 "outputs stay identical, not GPU speed"),
+    ("GPU", "SwiftCache has not run on a GPU"),
+)
+NONE_RAN = "none ran"
+_CR = "comparisons.paper_setup."
+COMPARISON: list[tuple[str, str, dict[str, list]]] = [
+    ("P99 TTFT against HiCache", "down by up to 69%", {
+        "simulated, compute regime": [
+            Figure("simulate_quick", "reduction at HiCache's goodput",
+                   key(_CR + "p99_ttft_reduction_at_stable")),
+            Figure("simulate_grid", "reduction at 95% of HiCache's goodput, "
+                                    "chat/think10/turns1/host32.6/pcie32",
+                   _grid_cell("chat/think10/turns1/host32.6/pcie32",
+                              "p99_ttft_reduction_at_95pct"))],
+        "simulated, capacity regime": [
+            Figure("simulate_quick", "reduction at 80% of HiCache's goodput, chosen cell",
+                   key("capacity_regime.p99_ttft_reduction_at_80pct")),
+            Figure("simulate_grid_seeds", "the same cell at 95%, median [min, max] of 3 seeds",
+                   _grid_cell(None, "p99_ttft_reduction_at_95pct"))],
+        "simulated, overloaded": [
+            Figure("simulate_closed_loop", "reduction by multiple of HiCache's capacity",
+                   _closed_loop_curve("p99_ttft_reduction_vs_hicache", "swiftcache"))],
+        "live CPU": [
+            Figure("bench_tiers_quick", "P99 TTFT, SwiftCache / HiCache",
+                   key("ttft_p99_vs_hicache")),
+            Figure("bench_tiers_quick", "HiCache twin / HiCache (noise floor)",
+                   key("ttft_p99_noise"))]}),
+    ("goodput against HiCache", "not stated", {
+        "simulated, compute regime": [
+            Figure("simulate_quick", "SwiftCache / HiCache",
+                   key(_CR + "goodput_ratio_vs_hicache"))],
+        "simulated, capacity regime": [
+            Figure("simulate_quick", "SwiftCache / HiCache, chosen cell",
+                   key("capacity_regime.goodput_ratio_vs_hicache")),
+            Figure("simulate_grid_seeds", "the same cell, 3 seeds",
+                   _grid_cell(None, "goodput_ratio_vs_hicache")),
+            Figure("simulate_grid", "best cell of the grid", _grid_best)],
+        "simulated, overloaded": ["a closed loop has no arrival rate"],
+        "live CPU": ["not measured (a goodput search needs many runs per point)"]}),
+    ("cached tokens against HiCache or stock", "90.7% prefix hits, ShareGPT multi-turn "
+                                               "(from notes on the body)", {
+        "simulated, capacity regime": [
+            Figure("simulate_quick", "hits by tier at 80% of HiCache's goodput, chosen cell",
+                   key("capacity_regime.hits_by_tier_at_80pct"))],
+        "simulated, overloaded": [
+            Figure("simulate_closed_loop", "SwiftCache / HiCache by multiple",
+                   _closed_loop_curve("cached_vs_hicache", "swiftcache"))],
+        "live CPU": [
+            Figure("bench_tiers_quick", "SwiftCache / HiCache", key("cached_vs_hicache")),
+            Figure("bench_node_quick", "SwiftCache / stock", key("busy_cached_ratio"))]}),
+    ("against the ideal (the lent memory as the busy model's own device memory)", "not stated", {
+        "simulated, capacity regime": [
+            Figure("simulate_grid_seeds", "ideal goodput / HiCache, chosen cell, 3 seeds",
+                   _grid_cell(None, "ideal_goodput_ratio_vs_hicache"))],
+        "simulated, overloaded": [
+            Figure("simulate_closed_loop", "the ideal's P99 TTFT reduction vs HiCache by multiple",
+                   _closed_loop_curve("p99_ttft_reduction_vs_hicache", "ideal"))],
+        "live CPU": [
+            Figure("bench_tiers_quick", "cached tokens, SwiftCache / ideal",
+                   key("cached_vs_ideal")),
+            Figure("bench_node_closed_loop", "closed loop, cached tokens, SwiftCache / ideal",
+                   key("cached_vs_ideal")),
+            Figure("bench_node_closed_loop", "closed loop, TTFT P99, SwiftCache / ideal",
+                   key("closed_loop_ttft_p99_vs_ideal")),
+            Figure("bench_node_closed_loop", "ideal twin / ideal (noise floor)",
+                   key("closed_loop_ttft_p99_noise"))]}),
+    ("longest context", "up to 3.98x", {
+        "simulated, capacity regime": [
+            Figure("simulate_long_context_sweep", "LWM-Text-1M, best configuration",
+                   _best_row()),
+            Figure("simulate_long_context_sweep", "the live (host-backed) store",
+                   _best_row("host (live)")),
+            Figure("simulate_quick", "Qwen3-32B, lease and host at the scenario's settings",
+                   key("max_context_ratio"))],
+        "live CPU": [
+            Figure("bench_context_quick", "at equal local memory",
+                   key("max_context_ratio")),
+            Figure("bench_context_quick", "decode step, streamed / resident",
+                   key("decode_step_ratio"))]}),
+    ("donor interference", "under 10% (from a news summary)", {
+        "simulated, compute regime": [
+            Figure("simulate_quick", "worst donor P99 TTFT or TPOT increase, donors at half "
+                                     "their goodput", key("donor_interference"))],
+        "live CPU": [
+            Figure("bench_node_quick", "donor burst mean TTFT, lending / stock",
+                   key("donor_burst_mean_ratio")),
+            Figure("bench_node_quick", "second stock donor / stock (noise floor)",
+                   key("donor_burst_mean_noise"))]}),
+]
+
+
+def comparison_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
+    """The paper's claims against every column; below it, each cited record's command."""
+    names = [c for c, _ in COMPARISON_COLUMNS]
+    rows = ["| claim | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+            "| *mechanism tested* | " + " | ".join(f"*{m}*" for _, m in COMPARISON_COLUMNS)
+            + " |"]
+    cited: list[str] = []
+    for claim, paper, cols in COMPARISON:
+        cells = [paper]
+        for col in names[1:]:
+            if col == "GPU":
+                cells.append(NONE_RAN)
+                continue
+            parts = []
+            for f in cols.get(col, ["-"]):
+                if isinstance(f, str):
+                    parts.append(f)
+                    continue
+                if f.record not in cited:
+                    cited.append(f.record)
+                rec = records.get(f.record)
+                value = NOT_RECORDED if rec is None else f"`{fmt(f.read(rec['result']))}`"
+                parts.append(f"{f.label}: {value} ([{f.record}]({link_prefix}{f.record}.json))")
+            cells.append("<br>".join(parts))
+        rows.append(f"| {claim} | " + " | ".join(cells) + " |")
+    rows += ["", "Commands of the records cited:", ""]
+    for name in cited:
+        rec = records.get(name)
+        cmd = rec["command"] if rec else RECORDS[name].command
+        when = f", {rec['started_utc']} UTC, commit {rec['commit']}" if rec else \
+            f" ({NOT_RECORDED})"
+        rows.append(f"- [`{name}`]({link_prefix}{name}.json){when}: `{cmd}`")
+    return rows
 
 
 # ---- docs/results.md ---------------------------------------------------------------------------
@@ -523,6 +859,8 @@ def summary_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
 
 def render_results_md(template: str, records: dict[str, dict]) -> str:
     text = template.replace("{{headlines}}", "\n".join(headline_rows(records, "records/")))
+    text = text.replace("{{comparison}}", "\n".join(comparison_rows(records, "records/")))
+    text = text.replace("{{grid}}", "\n".join(grid_rows(records, "records/")))
     for name in RECORDS:
         text = text.replace("{{record " + name + "}}", record_section(name, records))
     unknown = [line for line in text.splitlines() if "{{" in line]
@@ -553,7 +891,9 @@ def replace_between(text: str, name: str, body: list[str]) -> str:
 
 
 def render_readme(readme: str, records: dict[str, dict]) -> str:
-    readme = replace_between(readme, "results", summary_rows(records, "docs/records/"))
+    readme = replace_between(readme, "results",
+                             comparison_rows(records, "docs/records/") + [""]
+                             + summary_rows(records, "docs/records/"))
     return replace_between(readme, "options", options_table())
 
 
