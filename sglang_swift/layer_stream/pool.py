@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from .donor_store import DonorLayerStore
 from .layer_views import LayerViews, aligned_rows, granularity
-from .slots import SlotSet, batch_read_slots
+from .slots import SlotSet, forward_slots
 from .store import CopyLane, HostLayerStore
 
 logger = logging.getLogger(__name__)
@@ -200,13 +200,17 @@ class LayerStreamKVPool(MHATokenToKVPool):
     # ---- one forward --------------------------------------------------------------------------
     def begin_layer_stream(self, forward_batch, req_to_token: torch.Tensor) -> None:
         """A forward pass of `forward_batch` starts: what it reads is loaded layer by layer."""
-        self._read = batch_read_slots(forward_batch, req_to_token,
-                                      self.settings.max_runs).from_slot(self.resident_rows)
+        self.forwards += 1
+        read, written = forward_slots(forward_batch, req_to_token, self.settings.max_runs)
+        self._read = read.from_slot(self.resident_rows)
+        if written is not None:  # what its set_kv_buffer calls write, known already
+            loc = forward_batch.out_cache_loc
+            self._written = (loc.data_ptr(), loc.numel(), self.forwards)
+            self._written_slots = written.from_slot(self.resident_rows)
         self._holds = [None] * self.settings.depth
         self._ready = [None] * self.settings.depth
         self._entered = None  # the layer this forward is in (its first access started it)
         self._saved = set()  # layers whose new rows this forward wrote through
-        self.forwards += 1
 
     def end_layer_stream(self) -> None:
         self._read = None
@@ -270,7 +274,9 @@ class LayerStreamKVPool(MHATokenToKVPool):
         self._saved.add(local)
 
     def _slots_of(self, loc: torch.Tensor) -> SlotSet:
-        """The written slots; every layer of a forward writes the same loc, so once per forward."""
+        """The written slots; every layer of a forward writes the same loc, so once per forward:
+        the batch's `out_cache_loc`, brought to the host with its read slots when the forward
+        began (a loc of other memory is copied here)."""
         key = (loc.data_ptr(), loc.numel(), self.forwards)
         if self._written != key:
             self._written = key

@@ -5,6 +5,13 @@ every slot the batch reads besides the ones it writes: each request's prefix,
 `req_to_token[row, :prefix_len]`. SGLang's allocators hand a long request mostly contiguous
 slots, so the set is kept as sorted runs [start, end) and copied one slice per run; a set that is
 too fragmented for that becomes one index (gather and scatter), whichever costs fewer operations.
+
+Runs are host numbers (the copies are host-issued DMAs of contiguous rows), but the slots live
+in device memory: `req_to_token` and `out_cache_loc`. `forward_slots` gathers what a forward
+reads on the device, with lengths from SGLang's host mirrors (`seq_lens_cpu`,
+`extend_prefix_lens_cpu`), and brings it to the host together with what the forward writes in
+one copy: the layer stream's one host-device synchronisation per forward (docs/integration.md,
+"Host-device synchronisation").
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..dataplane.pool_rows import to_device
 
 # Forward modes whose `extend_prefix_lens` is exactly what each request reads before writing.
 PREFIX_EXTEND_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")
@@ -75,7 +84,8 @@ def prefix_lengths(forward_batch) -> list[int]:
 
     Extend (prefill, chunked prefill, mixed): `extend_prefix_lens`. Decode: all but the last
     position (its new token). Any other mode: the whole sequence, which is always safe (rows it
-    then writes are overwritten after the load), only slower."""
+    then writes are overwritten after the load), only slower. From SGLang's host mirrors; a
+    batch without `seq_lens_cpu` (SGLang sets it for every forward it runs) copies `seq_lens`."""
     mode = forward_batch.forward_mode
     if mode.is_idle():
         return []
@@ -88,13 +98,40 @@ def prefix_lengths(forward_batch) -> list[int]:
     return seq
 
 
+def read_index(forward_batch, req_to_token: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """`req_to_token[row_i, :lengths[i]]` of each request i, concatenated, computed where
+    `req_to_token` is: the positions are built on the host from `lengths`, the rows stay
+    SGLang's device tensor (`req_pool_indices`), so nothing is read back."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens
+    which = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # request of each position
+    pos = torch.arange(int(lens.sum())) - starts[which]
+    device = req_to_token.device
+    rows = forward_batch.req_pool_indices.to(torch.int64)[to_device(which, device)]
+    return req_to_token[rows, to_device(pos, device)]
+
+
+def forward_slots(forward_batch, req_to_token: torch.Tensor,
+                  max_runs: int) -> tuple[SlotSet, SlotSet | None]:
+    """(the slots `forward_batch` reads before writing them (`prefix_lengths`), the slots it
+    writes (`out_cache_loc`; None when the batch has none)), both brought to the host in one
+    copy, the forward's only one."""
+    lengths = prefix_lengths(forward_batch)
+    if not lengths:
+        return SlotSet.empty(), None
+    loc = getattr(forward_batch, "out_cache_loc", None)
+    parts = [read_index(forward_batch, req_to_token, lengths).reshape(-1).to(torch.int64)]
+    if loc is not None:
+        parts.append(loc.reshape(-1).to(torch.int64))
+    both = torch.cat(parts).to("cpu")  # the forward's one synchronisation (see the docstring)
+    read = both[:parts[0].numel()]
+    written = SlotSet.of(both[parts[0].numel():], max_runs) if loc is not None else None
+    return SlotSet.of(read, max_runs), written
+
+
 def batch_read_slots(forward_batch, req_to_token: torch.Tensor, max_runs: int) -> SlotSet:
     """The slots `forward_batch` reads before writing them (see `prefix_lengths`)."""
     lengths = prefix_lengths(forward_batch)
     if not lengths:
         return SlotSet.empty()
-    rows = forward_batch.req_pool_indices.tolist()
-    parts = [req_to_token[r, :n] for r, n in zip(rows, lengths) if n > 0]
-    if not parts:
-        return SlotSet.empty()
-    return SlotSet.of(torch.cat(parts), max_runs)
+    return SlotSet.of(read_index(forward_batch, req_to_token, lengths), max_runs)
