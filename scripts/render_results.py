@@ -260,7 +260,9 @@ RECORDS: dict[str, RecordSpec] = {
                 "the same reduction against HiCache with equal fast memory (simulated)",
             "max_context_ratio": "simulated maximum context of the busy model (Qwen3-32B), "
                                  "layer streaming from donor and host memory / stock SGLang "
-                                 "(stepwise streaming model, scenario lend fraction)",
+                                 "(stepwise streaming model, scenario lend fraction; the "
+                                 "leases and host add up, a design the live store does not "
+                                 "run: see simulate_long_context_sweep)",
             "donor_load_share_of_own_goodput": "the donors' own traffic as a share of their "
                                                "goodput in the headline interference figure",
             "donor_interference": "simulated worst relative increase of a donor's P99 TTFT or "
@@ -567,13 +569,16 @@ _GRID_KEYS = {
              "HiCache's goodput, hits by tier at 80%, peak live KV against device + host, and "
              "the memory of each system (the table below)",
 }
-RECORDS["simulate_grid"] = RecordSpec(
-    "Simulator, regime grid, every cell at seed 0 (SIMULATED)",
-    "regime grid, seed 0 (**simulated**)",
-    "python scripts/simulate.py --grid --seeds 0", "docs/simulation.md", dict(_GRID_KEYS),
-    [Headline("simulated goodput / HiCache, best cell", _grid_best),
-     Headline("cells with simulated goodput / HiCache >= 1.1", _grid_count(1.1))],
-    simulated=True)
+for _pcie in (32, 8, 16):  # one record per PCIe bandwidth: each fits in about half an hour
+    RECORDS[f"simulate_grid_pcie{_pcie}"] = RecordSpec(
+        f"Simulator, regime grid at PCIe {_pcie} GB/s, every other knob's every value, seed 0 "
+        "(SIMULATED)",
+        f"regime grid, PCIe {_pcie} GB/s, seed 0 (**simulated**)",
+        f"python scripts/simulate.py --grid --seeds 0 --pcie-gbps {_pcie}", "docs/simulation.md",
+        dict(_GRID_KEYS),
+        [Headline("simulated goodput / HiCache, best cell", _grid_best),
+         Headline("cells with simulated goodput / HiCache >= 1.1", _grid_count(1.1))],
+        simulated=True)
 RECORDS["simulate_grid_seeds"] = RecordSpec(
     "Simulator, regime grid, the cells the prediction calls decisive at three seeds (SIMULATED)",
     "regime grid, decisive cells, 3 seeds (**simulated**)",
@@ -584,7 +589,9 @@ RECORDS["simulate_grid_seeds"] = RecordSpec(
                                                                       "goodput_ratio_vs_hicache")),
      Headline("simulated P99 TTFT reduction at 80% of HiCache's goodput, realistic cell",
               _grid_cell(None, "p99_ttft_reduction_at_80pct"))], simulated=True)
-GRID_RECORDS = ("simulate_grid_seeds", "simulate_grid")  # a cell is shown from the first holding it
+# a cell is shown from the first of these holding it
+GRID_RECORDS = ("simulate_grid_seeds", "simulate_grid_pcie32", "simulate_grid_pcie8",
+                "simulate_grid_pcie16")
 
 # ---- reading -----------------------------------------------------------------------------------
 def load_records(records_dir: Path) -> dict[str, dict]:
@@ -631,12 +638,12 @@ def grid_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
     rows = ["| cell | seeds | HiCache goodput (sessions/s) | SwiftCache / HiCache goodput | "
             "ideal / HiCache | SwiftCache's P99 TTFT reduction at 50% / 80% / 95% of HiCache's "
             "goodput | hits at 80%: HiCache; SwiftCache | peak live KV / device + host | "
-            "record |", "|" + "---|" * 9]
+            "predicted rate filling device + host (sessions/s) | record |", "|" + "---|" * 10]
     seen: set[str] = set()
     for name in GRID_RECORDS:
         rec = records.get(name)
         if rec is None:
-            rows.append(f"| {NOT_RECORDED}: `{name}` |" + " |" * 8)
+            rows.append(f"| {NOT_RECORDED}: `{name}` |" + " |" * 9)
             continue
         for cell, c in rec["result"]["cells"].items():
             if cell in seen:
@@ -652,6 +659,7 @@ def grid_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
                         f"{_stat(c['goodput_ratio_vs_hicache'])} | "
                         f"{_stat(c['ideal_goodput_ratio_vs_hicache'])} | {red} | {hits} | "
                         f"{c['peak_live_over_device_plus_host']} | "
+                        f"{c['rate_filling_device_plus_host']} | "
                         f"[{name}]({link_prefix}{name}.json) |")
     return rows
 
@@ -686,7 +694,7 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
         "simulated, compute regime": [
             Figure("simulate_quick", "reduction at HiCache's goodput",
                    key(_CR + "p99_ttft_reduction_at_stable")),
-            Figure("simulate_grid", "reduction at 95% of HiCache's goodput, "
+            Figure("simulate_grid_pcie32", "reduction at 95% of HiCache's goodput, "
                                     "chat/think10/turns1/host32.6/pcie32",
                    _grid_cell("chat/think10/turns1/host32.6/pcie32",
                               "p99_ttft_reduction_at_95pct"))],
@@ -712,7 +720,8 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
                    key("capacity_regime.goodput_ratio_vs_hicache")),
             Figure("simulate_grid_seeds", "the same cell, 3 seeds",
                    _grid_cell(None, "goodput_ratio_vs_hicache")),
-            Figure("simulate_grid", "best cell of the grid", _grid_best)],
+            Figure("simulate_grid_pcie32", "best cell at PCIe 32 GB/s", _grid_best),
+            Figure("simulate_grid_pcie8", "best cell at PCIe 8 GB/s", _grid_best)],
         "simulated, overloaded": ["a closed loop has no arrival rate"],
         "live CPU": ["not measured (a goodput search needs many runs per point)"]}),
     ("cached tokens against HiCache or stock", "90.7% prefix hits, ShareGPT multi-turn "
@@ -748,8 +757,8 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
                    _best_row()),
             Figure("simulate_long_context_sweep", "the live (host-backed) store",
                    _best_row("host (live)")),
-            Figure("simulate_quick", "Qwen3-32B, lease and host at the scenario's settings",
-                   key("max_context_ratio"))],
+            Figure("simulate_quick", "Qwen3-32B, donor + host (additive), the scenario's lend "
+                                     "fraction", key("max_context_ratio"))],
         "live CPU": [
             Figure("bench_context_quick", "at equal local memory",
                    key("max_context_ratio")),
