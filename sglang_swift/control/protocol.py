@@ -55,7 +55,8 @@ class PoolLayoutMsg(msgspec.Struct, frozen=True):
 
 class MemoryDescriptor(msgspec.Struct, frozen=True):
     """The donor memory a grant's blocks live in; the data plane exports it as a dict. With
-    `layout`, the memory is the donor's own KV pool and block ids are its page ids."""
+    `layout`, the memory is the donor's own KV pool and block ids are its page ids; with
+    `ranks`, the pools of a TP donor's ranks (docs/integration.md "Tensor parallelism")."""
 
     kind: Annotated[str, msgspec.Meta(pattern="^(shm|cuda_ipc)$")]
     handle: Annotated[bytes, msgspec.Meta(max_length=4096)]
@@ -66,6 +67,9 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
     owner_pid: U64
     owner_uuid: Name
     layout: PoolLayoutMsg | None = None
+    # A TP donor's pool is one region per rank, each lending the same page ids: every rank's
+    # descriptor (with its layout), rank 0's first. Empty: the one region above.
+    ranks: Annotated[list[MemoryDescriptor], msgspec.Meta(max_length=64)] = []
 
     @classmethod
     def coerce(cls, value: MemoryDescriptor | dict) -> MemoryDescriptor:
@@ -82,6 +86,10 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
             del out["layout"]
         else:
             out["layout"] = msgspec.structs.asdict(self.layout)
+        if self.ranks:
+            out["ranks"] = [r.to_dict() for r in self.ranks]
+        else:
+            del out["ranks"]
         return out
 
 

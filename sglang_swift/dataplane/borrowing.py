@@ -21,9 +21,13 @@ passed, process gone) is refused too.
 Tensor parallelism (`tp`, `integration/tp_sync.py`): every rank holds the same leases (rank 0's
 grants, applied by every rank at the same pump) and packs its own shard of each block
 (`LeasePacking(shard=(rank, ranks))`); a grant is used only when every rank could map it.
+A TP donor's grant names every donor rank's pool (`MemoryDescriptor.ranks`, the same page ids
+in each); borrower rank r maps the donor ranks `donor_ranks_of` names (docs/integration.md
+"Tensor parallelism"). When it maps several, each is a sub-lease of the grant: its own packing,
+engine and tree lease (id `sub_lease_id`), all fenced, revoked and lost with the grant.
 
 Threads: everything runs on the scheduler thread except `fence`, which the runtime calls on the
-agent's thread; it reads `leases` (one dict lookup) and the lease's immutable packing, and
+agent's thread; it reads `leases` (a dict lookup per sub-lease) and the immutable packings, and
 touches only the engine's thread-safe fence.
 """
 
@@ -44,6 +48,7 @@ from . import (
     unlink_descriptor,
 )
 from .pool_layout import PoolLayout
+from .rank_map import donor_ranks_of, merged_revokes, shape_of, sub_lease_id
 from .streams import make_lane
 
 logger = logging.getLogger(__name__)
@@ -88,6 +93,8 @@ class Borrowing:
     # into memory of this server's own, and `on_reclaim` moves what the tree rescues into host
     # slots (`reclaim_staging.ReclaimStaging`).
     staging: Any = None
+    shard: tuple[int, int] = (0, 1)  # (this rank, the server's TP ranks)
+    geometry: Any = None  # this rank's KV page (KVGeometry)
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
                  stats: dict, tp: Any = None) -> None:
@@ -101,6 +108,7 @@ class Borrowing:
         self.leases: dict[tuple[str, int], BorrowedLease] = {}
         self._mapped: dict[str, Any] = {}  # donor pool owner_uuid -> MappedPool
         self._layouts: dict[str, Any] = {}  # donor agent id -> its pool layout (from a grant)
+        self._donor_ranks_n: dict[str, int] = {}  # donor agent id -> its TP ranks (a grant's)
         device = kv_pool.k_buffer[0].device
         # CPU: one copy thread for every lease; GPU: each engine makes a lane for its peer device
         self._lane = make_lane(device) if device.type == "cpu" else None
@@ -126,11 +134,24 @@ class Borrowing:
         want = self.max_blocks - self.held_blocks
         if want <= 0:
             return
-        layout = next(iter(self._layouts.values()), None) or self._advertised_layout()
-        pages = (LeasePacking.pages_for(self.geometry, layout, want, ranks=self.shard[1])
-                 if layout else want)
+        donor, layout = next(iter(self._layouts.items()), (None, None))
+        layout = layout or self._advertised_layout()
+        pages = (self._pages_for(layout, self._donor_ranks_n.get(donor, 1), want) if layout
+                 else want)
         self.agent.request(max(1, min(pages, 65536)))
         self._pending = True
+
+    def _pages_for(self, layout: Any, donor_ranks: int, want: int) -> int:
+        """Donor page ids for `want` blocks on each rank, by `donor_ranks_of`'s mapping (a
+        donor whose rank count is not known yet counts as one rank)."""
+        ranks = self.shard[1]
+        if donor_ranks % ranks == 0:
+            k = donor_ranks // ranks
+            return -(-LeasePacking.pages_for(self.geometry, layout, want) // k)
+        if ranks % donor_ranks == 0:
+            return LeasePacking.pages_for(self.geometry, layout, want,
+                                          ranks=ranks // donor_ranks)
+        return LeasePacking.pages_for(self.geometry, layout, want, ranks=ranks)
 
     def _advertised_layout(self) -> Any:
         """The layout the donor a request would go to advertises, as a PoolLayout, or None."""
@@ -154,24 +175,12 @@ class Borrowing:
     def on_granted(self, ev: LeaseGranted, tree: Any) -> None:
         self._pending = False
         try:
-            if ev.memory.kind == "cuda_ipc":  # the same GPU numbering, and peer access
-                from .cuda_ipc import check_reachable
-
-                check_reachable(ev.memory.device, self.kv_pool.k_buffer[0].device)
-            mapped = self._map(ev.memory)
-            packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks),
-                                   shard=self.shard)
-            donor = ev.key.donor
-            engine = PoolTransferEngine(packing, mapped.region, self.kv_pool.k_buffer,
-                                        self.kv_pool.v_buffer, liveness=mapped.alive,
-                                        read_deadline=lambda: self.agent.read_deadline(donor),
-                                        lane=self._lane,
-                                        lease_epoch=self._epoch_reader(ev.key))
+            subs = self._build(ev)
         except (MappingError, ValueError) as exc:  # expected: give the pages back, run without
             if self.tp is not None:
                 self.tp.all_ok(False)  # the other ranks wait for this rank's word
             self.agent.release(ev.key)
-            if getattr(exc, "reason", None) == "unreachable":  # a deployment fault: never again
+            if getattr(exc, "reason", None) in ("unreachable", "geometry"):  # never again
                 self.agent.avoid_donor(ev.key.donor)
                 logger.warning("SwiftCache: cannot read donor %s's memory (%s); this server "
                                "will not borrow from it, and both keep serving", ev.key.donor,
@@ -182,21 +191,78 @@ class Borrowing:
             self.on_failed(ev.key.donor, "unusable grant")
             return
         if self.tp is not None and not self.tp.all_ok(True):  # another rank could not map it
-            engine.close()
+            for held in subs:
+                held.engine.close()
             self.agent.release(ev.key)
             logger.warning("SwiftCache: another TP rank cannot use the lease from %s; "
                            "releasing it", ev.key.donor)
             self.on_failed(ev.key.donor, "unusable grant on another TP rank")
             return
         self._failures = 0
-        self._layouts[ev.key.donor] = mapped.layout
-        held = BorrowedLease(ev.key, list(ev.blocks), packing, engine)
-        self.leases[(ev.key.donor, ev.key.lease_id)] = held
-        tree.donor.add_lease(ev.key.donor, ev.key.lease_id, ev.key.epoch, packing.num_blocks)
+        donor_ranks = len(getattr(ev.memory, "ranks", None) or ()) or 1
+        self._layouts[ev.key.donor] = subs[0].packing.donor
+        self._donor_ranks_n[ev.key.donor] = donor_ranks
+        for held in subs:
+            self.leases[(held.key.donor, held.key.lease_id)] = held
+            tree.donor.add_lease(held.key.donor, held.key.lease_id, held.key.epoch,
+                                 held.packing.num_blocks)
         self.stats["leases"] += 1
-        logger.info("SwiftCache: borrowing %d pages of %s's pool as %d blocks of ours "
+        blocks = sum(h.packing.num_blocks for h in subs)
+        ranks = "" if donor_ranks == 1 else (
+            f" (donor ranks {', '.join(str(d) for d, _ in self._donor_ranks(donor_ranks))} of "
+            f"{donor_ranks})")
+        logger.info("SwiftCache: borrowing %d pages of %s's pool%s as %d blocks of ours "
                     "(lease %d, epoch %d, %d bytes unused)", len(ev.blocks), ev.key.donor,
-                    packing.num_blocks, ev.key.lease_id, ev.key.epoch, packing.unused_bytes)
+                    ranks, blocks, ev.key.lease_id, ev.key.epoch,
+                    sum(h.packing.unused_bytes for h in subs))
+
+    def _donor_ranks(self, donor_ranks: int, layout: Any = None) -> list:
+        return donor_ranks_of(self.shard[0], self.shard[1], donor_ranks, self.geometry, layout)
+
+    def _build(self, ev: LeaseGranted) -> list[BorrowedLease]:
+        """This rank's sub-leases of a grant: each donor rank pool it maps (`donor_ranks_of`),
+        mapped, packed and given an engine. Raises MappingError or ValueError (nothing left
+        open) when a pool cannot be used; "geometry" when the shapes cannot be mapped."""
+        memories = list(getattr(ev.memory, "ranks", None) or ()) or [ev.memory]
+        layouts = [None] if len(memories) == 1 else [
+            PoolLayout.from_dict(m.layout) if m.layout is not None else None for m in memories]
+        if len({repr(x) for x in layouts}) > 1:
+            raise MappingError("geometry", "the donor's rank pools differ in shape (" + "; ".join(
+                f"rank {d}: {shape_of(getattr(x, 'geometry', None))}"
+                for d, x in enumerate(layouts)) + ")")
+        built: list[BorrowedLease] = []
+        donor = ev.key.donor
+
+        def deadline() -> float:
+            return self.agent.read_deadline(donor)
+        try:
+            for j, (d, shard) in enumerate(self._donor_ranks(len(memories), layouts[0])):
+                memory = memories[d]
+                if memory.kind == "cuda_ipc":  # the same GPU numbering, and peer access
+                    from .cuda_ipc import check_reachable
+
+                    check_reachable(memory.device, self.kv_pool.k_buffer[0].device)
+                mapped = self._map(memory)
+                packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks),
+                                       shard=shard)
+                key = LeaseKey(ev.key.donor, ev.key.epoch, sub_lease_id(ev.key.lease_id, j))
+                engine = PoolTransferEngine(packing, mapped.region, self.kv_pool.k_buffer,
+                                            self.kv_pool.v_buffer, liveness=mapped.alive,
+                                            read_deadline=deadline, lane=self._lane,
+                                            lease_epoch=self._epoch_reader(key))
+                built.append(BorrowedLease(key, list(ev.blocks), packing, engine))
+        except BaseException:
+            for held in built:
+                held.engine.close()
+            raise
+        return built
+
+    def _subs(self, key: LeaseKey) -> list[BorrowedLease]:
+        """The sub-leases this rank holds of grant `key` (one unless a TP donor's)."""
+        out = []
+        while (held := self.leases.get((key.donor, sub_lease_id(key.lease_id, len(out))))):
+            out.append(held)
+        return out
 
     def _epoch_reader(self, key: LeaseKey):
         """The epoch the borrower holds lease `key` under now (None once it is lost); read on
@@ -214,23 +280,31 @@ class Borrowing:
         reclaimed pages and stop those in flight; returns once none touches them (CPU: at most
         one layer of each copy; GPU: this lease's enqueued copies). False when the lease is not
         known here yet (its grant still queued for the scheduler): nothing can copy on it, and
-        the scheduler fences and acknowledges at its pump (`on_reclaim`)."""
-        held = self.leases.get((ev.key.donor, ev.key.lease_id))
-        if held is None:
+        the scheduler fences and acknowledges at its pump (`on_reclaim`). A TP donor's grant:
+        the same pages of every sub-lease."""
+        subs = self._subs(ev.key)
+        if not subs:
             return False
-        start = time.perf_counter()
-        blocks = held.packing.blocks_touching(ev.blocks, strict=False)
-        found = time.perf_counter()
-        if self.staging is not None and self.staging.first_fence(ev):
-            # only before the ack, which follows the first fence of a reclaim: a later fence
-            # (the scheduler's, at its pump) may run after the donor took the pages back
-            self.staging.stage(held, [b for b in blocks if b not in held.gone], ev.deadline)
-        mid = time.perf_counter()
-        aborted = held.engine.fence(blocks)
+        found_ms = copies_ms = staged_ms = 0.0
+        n_blocks = aborted = 0
+        for held in subs:
+            t0 = time.perf_counter()
+            blocks = held.packing.blocks_touching(ev.blocks, strict=False)
+            found = time.perf_counter()
+            if self.staging is not None and len(subs) == 1 and self.staging.first_fence(ev):
+                # only before the ack, which follows the first fence of a reclaim: a later
+                # fence (the scheduler's, at its pump) may run after the donor took the pages
+                # back. (A grant of several sub-leases is not staged: it is recomputed.)
+                self.staging.stage(held, [b for b in blocks if b not in held.gone],
+                                   ev.deadline)
+            mid = time.perf_counter()
+            aborted += held.engine.fence(blocks)
+            n_blocks += len(blocks)
+            found_ms += (found - t0) * 1e3
+            staged_ms += (mid - found) * 1e3
+            copies_ms += (time.perf_counter() - mid) * 1e3
         # the steps of this fence, for the runtime's log line (read on the thread that fenced)
-        self.last_fence = FenceSteps(len(blocks), (found - start) * 1e3,
-                                     (time.perf_counter() - mid) * 1e3, aborted,
-                                     (mid - found) * 1e3)
+        self.last_fence = FenceSteps(n_blocks, found_ms, copies_ms, aborted, staged_ms)
         return True
 
     def _map(self, memory: Any) -> Any:
@@ -245,32 +319,38 @@ class Borrowing:
         """Scheduler thread, at the pump after the reclaim arrived: fence the reclaimed pages
         (a no-op when the agent's thread did already) and revoke their blocks from the tree;
         the caller acknowledges after this returns (again, if the fence acknowledged: the agent
-        ignores a second ack). Returns the tree's RevokeResult or None."""
-        held = self.leases.get((ev.key.donor, ev.key.lease_id))
-        if held is None:
+        ignores a second ack). Returns the tree's RevokeResult (of every sub-lease) or None."""
+        subs = self._subs(ev.key)
+        if not subs:
             return None
         self.fence(ev)
-        local = [b for b in held.packing.blocks_touching(ev.blocks, strict=False)
-                 if b not in held.gone]
-        rows = self.staging.take(ev) if self.staging is not None else {}
-        rescue = bool(local) and all(b in rows for b in local)
-        result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id, blocks=local,
-                             rescue=rescue)
-        held.gone.update(local)
-        if result.moved:
-            n = self.staging.write(result.moved, rows, held.packing.borrower.page_size)
-            self.stats["rescued_tokens"] = self.stats.get("rescued_tokens", 0) + n
-        return result
+        results = []
+        for held in subs:
+            local = [b for b in held.packing.blocks_touching(ev.blocks, strict=False)
+                     if b not in held.gone]
+            rows = self.staging.take(ev) if self.staging is not None and len(subs) == 1 else {}
+            rescue = bool(local) and all(b in rows for b in local)
+            result = tree.revoke(ev.key.donor, lease_id=held.key.lease_id, blocks=local,
+                                 rescue=rescue)
+            held.gone.update(local)
+            if result.moved:
+                n = self.staging.write(result.moved, rows, held.packing.borrower.page_size)
+                self.stats["rescued_tokens"] = self.stats.get("rescued_tokens", 0) + n
+            results.append(result)
+        return merged_revokes(results)
 
     def on_lost(self, ev: LeaseLost, tree: Any) -> Any:
-        held = self.leases.pop((ev.key.donor, ev.key.lease_id), None)
-        if held is None:
-            return None
-        self._abort_inflight((ev.key.donor, ev.key.lease_id), "lease lost")
-        result = tree.revoke(ev.key.donor, lease_id=ev.key.lease_id)
-        held.engine.close()
-        self._drop_dead_mappings()
-        return result
+        subs = self._subs(ev.key)
+        results = []
+        for held in subs:
+            key = (held.key.donor, held.key.lease_id)
+            self.leases.pop(key, None)
+            self._abort_inflight(key, "lease lost")
+            results.append(tree.revoke(ev.key.donor, lease_id=held.key.lease_id))
+            held.engine.close()
+        if subs:
+            self._drop_dead_mappings()
+        return merged_revokes(results)
 
     def attach_tree(self, tree: Any) -> None:
         """The cache was reset (a new, empty tree): register the leases still held in it."""

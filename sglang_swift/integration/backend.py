@@ -42,22 +42,18 @@ def _identity(server_args: Any) -> tuple[str, str, bool]:
 
 def tp_problems(ctx: Any, config: Any) -> list[str]:
     """What SwiftCache does not do yet with --tp > 1 (each named with the reason). A TP
-    borrower is served (`tp_sync.py`: rank 0's agent, every rank its own shard)."""
+    borrower is served (`tp_sync.py`: rank 0's agent, every rank its own shard), and so is a
+    TP donor (rank 0 plans, every rank lends the same page ids of its own pool)."""
     tp_size = getattr(ctx, "tp_size", 1) or 1
     if tp_size <= 1:
         return []
     problems = []
     if config.streams_layers:
         problems.append(LAYER_STREAM_TP.format(tp=tp_size))
-    if config.lends:
-        problems.append(f"lending with --tp {tp_size} (a TP donor's ranks would have to take "
-                        f"the same pages out of every rank's pool and a borrower map every "
-                        f"rank's pool: not built yet; lend from a --tp 1 server, or drop "
-                        f"--swiftcache-lend-fraction)")
     if config.host_tier and config.uses_donation:
-        problems.append(f"a host tier under a borrower with --tp {tp_size} (its copies and "
-                        f"reclaim rescues are not agreed between the ranks yet; drop "
-                        f"--enable-hierarchical-cache or borrow with --tp 1)")
+        problems.append(f"a host tier with lending or borrowing and --tp {tp_size} (its copies "
+                        f"and reclaim rescues are not agreed between the ranks yet; drop "
+                        f"--enable-hierarchical-cache or lend and borrow with --tp 1)")
     return problems
 
 

@@ -96,6 +96,7 @@ class PoolLender:
         self.relend_cooldown_s = relend_cooldown_s
         self.lent: set[int] = set()  # pool pages out of the allocator (offered or granted)
         self.demanded = 0  # pages asked back, not returned yet
+        self.off = False  # lends no more (the TP ranks' allocators diverged)
         self._quiet_until = 0.0
         self.stats = {"lent_pages_total": 0, "returned_pages_total": 0, "demands": 0}
         self.reclaim_started: float | None = None
@@ -118,39 +119,59 @@ class PoolLender:
         of the reserve; else lend idle pages beyond that demand. Returns whether its own
         requests need lent pages now (their demand exceeds its free and evictable room while
         pages are out): the caller may then wait briefly for them (`SwiftRuntime.lend`)."""
-        self._keep_lent_out()
+        self.keep_lent_out()
+        self.apply(self.plan(evictable_tokens, borrowers_present, own_demand_tokens))
+        return self.needs_lent(evictable_tokens, own_demand_tokens)
+
+    def plan(self, evictable_tokens: int, borrowers_present: bool,
+             own_demand_tokens: int = 0) -> tuple[int, int]:
+        """(pages to demand back, pages to lend) now, deciding nothing else: with TP, rank 0
+        plans and every rank applies the same plan (`apply`) at the same scheduler step."""
         free = self.allocator.available_size()
         # pages already demanded will come back: count them as room
         short = self.reserve_tokens - (free + evictable_tokens - own_demand_tokens
                                        + self.demanded * self.page_size)
         outstanding = len(self.lent) - self.demanded
         if short > 0 and outstanding > 0:
-            n = outstanding
-            self.agent.demand(n)
-            self.demanded += n
+            return outstanding, 0
+        if self.demanded or self.off or not borrowers_present \
+                or self.clock() < self._quiet_until:
+            return 0, 0
+        room = (free - own_demand_tokens - self.reserve_tokens - self.headroom_tokens) \
+            // self.page_size
+        want = min(room, self.max_pages - len(self.lent))
+        return 0, (want if want >= MIN_OFFER_PAGES else 0)
+
+    def apply(self, plan: tuple[int, int],
+              same_pages: Callable[[list[int]], bool] | None = None) -> None:
+        """Carry out `plan` (`plan()`'s pair). `same_pages(pages)`, with TP: whether every
+        rank took the same page ids out of its allocator (a collective); when not, every rank
+        gives its pages back and lends nothing."""
+        demand, lend = plan
+        if demand > 0:
+            self.agent.demand(demand)
+            self.demanded += demand
             self.stats["demands"] += 1
             if self.reclaim_started is None:
                 self.reclaim_started = self.clock()
             self._quiet_until = self.clock() + self.relend_cooldown_s
-            logger.info("SwiftCache: own traffic needs room: reclaiming %d lent pages", n)
-        if self.demanded:
-            return own_demand_tokens > free + evictable_tokens
-        if not borrowers_present or self.clock() < self._quiet_until:
-            return False
-        room = (free - own_demand_tokens - self.reserve_tokens - self.headroom_tokens) \
-            // self.page_size
-        want = min(room, self.max_pages - len(self.lent))
-        if want >= MIN_OFFER_PAGES:
-            self._lend(want)
-        return False
+            logger.info("SwiftCache: own traffic needs room: reclaiming %d lent pages", demand)
+        if lend > 0:
+            self._lend(lend, same_pages)
 
-    def _keep_lent_out(self) -> None:
+    def needs_lent(self, evictable_tokens: int, own_demand_tokens: int) -> bool:
+        """Whether own requests need pages that are out (demanded, not back yet)."""
+        return bool(self.demanded) and \
+            own_demand_tokens > self.allocator.available_size() + evictable_tokens
+
+    def keep_lent_out(self) -> None:
         """SGLang's /flush_cache (`Scheduler.flush_cache`, on an idle server) resets the tree and
         clears the allocator, lent pages included, in the loop's request intake. `step` runs
-        later in the same loop, before anything is admitted and before SGLang's idle memory
-        check: this takes the lent pages out again through the allocator's own alloc/free, so
-        none is handed to this server's requests while a borrower holds it. O(1) when nothing
-        was cleared (free room plus lent never exceeds the pool otherwise); O(pool) once after."""
+        later in the same loop (on every TP rank, each for its own allocator), before anything
+        is admitted and before SGLang's idle memory check: this takes the lent pages out again
+        through the allocator's own alloc/free, so none is handed to this server's requests
+        while a borrower holds it. O(1) when nothing was cleared (free room plus lent never
+        exceeds the pool otherwise); O(pool) once after."""
         if self.allocator.available_size() + self.lent_tokens <= self.allocator.size:
             return
         slots = self.allocator.alloc(self.allocator.available_size())
@@ -163,14 +184,23 @@ class PoolLender:
         logger.warning("SwiftCache: the KV allocator was cleared (a cache flush) while %d pages "
                        "were lent; they were taken out of it again", len(self.lent))
 
-    def _lend(self, n_pages: int) -> None:
+    def _lend(self, n_pages: int, same_pages: Callable[[list[int]], bool] | None) -> None:
         slots = self.allocator.alloc(n_pages * self.page_size)
-        if slots is None:
-            return
-        pages = sorted(set((slots // self.page_size).tolist()))
-        if len(pages) * self.page_size != len(slots):
+        pages = [] if slots is None else sorted(set((slots // self.page_size).tolist()))
+        if slots is not None and len(pages) * self.page_size != len(slots):
             # page_size 1 allocators hand out arbitrary slots; a page is a slot there
             raise RuntimeError("allocator returned slots that are not whole pages")
+        if same_pages is not None and not same_pages(pages):
+            # the ranks' allocators diverged (they see the same requests, so they should not):
+            # lend nothing rather than pages a rank still uses
+            if slots is not None:
+                self.allocator.free(slots)
+            self.off = True
+            logger.error("SwiftCache: the TP ranks' allocators handed out different pages to "
+                         "lend; this server lends nothing from now on")
+            return
+        if slots is None:
+            return
         self.lent.update(pages)
         self.stats["lent_pages_total"] += len(pages)
         self.agent.offer(pages)

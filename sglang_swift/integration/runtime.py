@@ -23,7 +23,9 @@ others a `FollowerAgent`): rank 0 shares its agent's events and its view of the 
 pump, every rank applies them at the same step, a reclaim is fenced by every rank at that pump
 and acknowledged by rank 0 only after all of them (no acknowledgement from the agent's thread:
 the other ranks' copies are in other processes), and each rank copies its own shard of the KV
-heads (`LeasePacking(shard=)`).
+heads (`LeasePacking(shard=)`). A lending server with `--tp > 1`: rank 0 plans each loop's
+lending and every rank takes the same page ids out of its own pool (`_lend_tp`); the memory it
+announces names every rank's pool (`MemoryDescriptor.ranks`).
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class SwiftRuntime:
     def start(self) -> "SwiftRuntime":
         if self.config.lends:
             shared = shared_region_of(self.kv_pool)
+            if self.tp is not None and not self.tp.all_ok(shared is not None):
+                shared = None  # every rank lends, or none
             if shared is None:
                 logger.warning("SwiftCache: --swiftcache-lend-fraction is set but this server's "
                                "KV pool is not in shared memory (see the log line above); it "
@@ -125,6 +129,8 @@ class SwiftRuntime:
                 region, layout = shared
                 descriptor = region.export()
                 descriptor["layout"] = layout.to_dict()
+                if self.tp is not None:  # every rank's pool, the same page ids in each
+                    descriptor["ranks"] = self.tp.gather(descriptor)
                 self.agent.set_memory(descriptor)
                 self.lender = PoolLender(self.allocator, self.geometry.page_size,
                                          lend_fraction=self.config.lend_fraction,
@@ -250,10 +256,33 @@ class SwiftRuntime:
         borrower does (a dead one is declared so by the agent, later)."""
         if self.lender is None:
             return
+        if self.tp is not None:
+            self._lend_tp(scheduler)
+            return
         needs_lent = self.lender.step(self.tree.evictable_size(), self._peers_present,
                                       own_demand_tokens(scheduler))
         if needs_lent:
             self._await_own_pages(OWN_PAGES_WAIT_S)
+
+    def _lend_tp(self, scheduler: Any) -> None:
+        """A TP donor's step: rank 0 plans, every rank applies the plan at this step and takes
+        the same page ids out of its own pool (checked); no wait for own pages (the events
+        that return them are applied by every rank at a pump, `_pump_tp`)."""
+        from .tp_sync import LendStep
+
+        self.lender.keep_lent_out()  # each rank its own allocator, alike
+        step = None
+        if self.tp.leader:
+            demand, lend = self.lender.plan(self.tree.evictable_size(), self._peers_present,
+                                            own_demand_tokens(scheduler))
+            step = LendStep(demand, lend) if demand or lend else None
+        step = self.tp.share(step, LendStep)
+        if step is not None:
+            self.lender.apply((step.demand, step.lend), self._same_pages)
+
+    def _same_pages(self, pages: list[int]) -> bool:
+        rows = self.tp.gather(pages, list[int])
+        return all(row == rows[0] for row in rows)
 
     def _await_own_pages(self, timeout_s: float) -> None:
         start = time.monotonic()

@@ -3,9 +3,10 @@
 Real SGLang CPU servers with `--tp 2` (SGLang's CPU engine runs one rank per core when
 SGLANG_CPU_OMP_THREADS_BIND names a core per rank; it needs an explicit --max-total-tokens).
 Invariants:
-- lending with --tp > 1 is REFUSED: the server exits during start-up (it does not hang, and
-  does not serve) and its log names --tp, the reason and the fix (`integration/backend.py`);
-  borrowing with --tp > 1 is served (`tests/integration/test_tp_donation_e2e.py`);
+- what is not built with --tp > 1 (here: a host tier with lending) is REFUSED: the server
+  exits during start-up (it does not hang, and does not serve) and its log names --tp, the
+  reason and the fix (`integration/backend.py`); lending and borrowing with --tp > 1 are
+  served (`tests/integration/test_tp_donation_e2e.py`);
 - --tp 2 with --enable-swiftcache but without lending or borrowing is SUPPORTED: both ranks build
   the swiftcache tree without a runtime, and a two-turn chat gives exactly HF transformers'
   greedy output on the same weights (sharding changes no token).
@@ -35,18 +36,21 @@ def _tp2_server(model, log_path, *extra: str) -> LocalServer:
                        extra_args=["--tp", "2", "--dtype", "float32", *extra])
 
 
-def test_tp_with_lending_is_refused_at_startup(tiny_model, tmp_path):
-    """--tp 2 with a lend fraction: start-up fails (the process exits) with the reason and fix."""
+def test_tp_with_a_host_tier_and_lending_is_refused_at_startup(tiny_model, tmp_path):
+    """--tp 2 lending with a host tier: start-up fails (the process exits) with the reason and
+    the fix."""
     server = _tp2_server(tiny_model, tmp_path / "refused.log",
                          "--swiftcache-role", "donor", "--swiftcache-lend-fraction", "0.5",
-                         "--swiftcache-rendezvous-dir", str(tmp_path / "rv"))
+                         "--swiftcache-rendezvous-dir", str(tmp_path / "rv"),
+                         "--enable-hierarchical-cache", "--hicache-ratio", "2")
     with pytest.raises(ServerStartError) as err:
         with server:
             pass
     assert "server exited" in str(err.value), "refused by exiting, not by a start-up timeout"
     log = server.log_text()
-    assert "does not support: lending with --tp 2" in log, server.log_tail()
-    assert "lend from a --tp 1 server" in log and "--swiftcache-lend-fraction" in log  # the fix
+    assert "does not support: a host tier with lending or borrowing and --tp 2" in log, \
+        server.log_tail()
+    assert "drop --enable-hierarchical-cache" in log  # the fix
     assert server.proc.poll() is not None
 
 

@@ -120,3 +120,20 @@ def test_share_and_gather_over_a_real_gloo_group_of_two_processes():
         assert rows == [["x", 0], ["x" * 11, 1]]
         assert ok is False
     assert "TP wire version 2" in results["err0"] and "version 1" in results["err1"]
+
+
+def test_a_grant_of_a_tp_donor_names_every_rank_pool_on_the_control_wire():
+    """Invariant: `MemoryDescriptor.ranks` (every rank's region and layout, rank 0's first)
+    crosses the control channel's signed msgpack frames intact; a one-region descriptor's
+    dict has no `ranks` key (what a --tp 1 donor exports is unchanged)."""
+    from sglang_swift.control import protocol as p
+
+    ranks = [MEMORY.to_dict(), {**MEMORY.to_dict(), "handle": b"/swift-y", "owner_uuid": "u-2"}]
+    memory = MemoryDescriptor.coerce({**MEMORY.to_dict(), "ranks": ranks})
+    codec = p.Codec(b"k" * 32)
+    grant = p.Grant(request_id=1, lease_id=2, epoch=3, blocks=[4, 5], memory=memory)
+    env = codec.decode(codec.encode(p.Envelope("donor", 3, 0, 1, grant)))
+    assert env.body.memory == memory
+    assert [r.owner_uuid for r in env.body.memory.ranks] == ["u-1", "u-2"]
+    assert env.body.memory.ranks[1].layout == MEMORY.layout
+    assert "ranks" not in MEMORY.to_dict() and memory.to_dict()["ranks"][1]["handle"] == b"/swift-y"
