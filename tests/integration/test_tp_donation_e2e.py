@@ -1,0 +1,192 @@
+"""Tensor parallelism across donation in live servers, against stock SGLang at the same TP:
+a `--tp 2` borrower with a `--tp 1` donor, and a `--tp 1` borrower with a `--tp 2` donor.
+
+Real SGLang CPU servers, all on the tiny model (4 layers, 2 KV heads of 32: one head per rank
+of a TP 2 server, so a borrower's page and the donor's page differ in shape). One module, each
+topology started once inside its test (one server set at a time), references from stock
+servers that stop before the next set starts, few requests (the TP recipe: one core per rank,
+`SGLANG_CPU_OMP_THREADS_BIND`). Invariants (docs/integration.md "Tensor parallelism"):
+- only rank 0 of a TP server runs a control agent, and the borrower takes a lease from the
+  donor (`ctl status`), which every rank of a TP borrower applies (each logs the lease); a TP
+  donor's ranks each lend from their own pool, and the TP 1 borrower maps both (its lease
+  names donor ranks 0 and 1);
+- the borrower's greedy outputs equal stock SGLang's at the same TP, turn by turn
+  (`same_greedy`, as in test_donation_e2e), with more cached tokens than stock: every rank
+  stored and loaded its own shard of each prefix it kept in donor memory;
+- a burst of the donor's own traffic reclaims every lent page mid-run: the borrower (every
+  rank of it) fences and revokes it before the acknowledgement, the donor's pool is whole again
+  (on every rank), and the borrower stays token-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from integration.harness import LocalServer, chat, metric, reply_text, same_greedy, wait_for
+from integration.test_donation_e2e import _cached, _donor_burst
+
+from benchmarks.tools.demo import wait_for_lease
+from benchmarks.workloads.sharegpt import load_conversations
+
+pytestmark = pytest.mark.integration
+TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank; without it SGLang refuses
+SMALL_POOL = 450  # tokens: the conversations' histories do not fit, so the tree must evict
+DONOR_POOL = 4096
+STARTUP_S = 420  # two ranks on a loaded 2-core machine took up to 175 s to come up
+MAX_TOKENS = 8
+TOP_LOGPROBS = 5
+MAX_TIES = 1  # stock SGLang's own CPU kernels can flip a near-tie between its runs
+CONVERSATIONS, TURNS, TAIL_TURNS = 4, 3, 4
+
+
+def _tp2(model, log_path, *extra: str, swiftcache: bool = True) -> LocalServer:
+    return LocalServer(model, swiftcache=swiftcache, max_total_tokens=SMALL_POOL,
+                       env={**os.environ, **TP_ENV}, log_path=log_path,
+                       startup_timeout_s=STARTUP_S,
+                       extra_args=["--tp", "2", "--dtype", "float32", "--enable-cache-report",
+                                   *extra])
+
+
+def _swift_args(rendezvous: str, role: str, *extra: str) -> list[str]:
+    return ["--swiftcache-role", role, "--swiftcache-rendezvous-dir", rendezvous,
+            # a loaded 2-core machine can starve the agent thread for a second or more
+            "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3",
+            *extra]
+
+
+def _replay(server, convs, turns, forced=None) -> list[dict]:
+    """Interleave conversations turn by turn (each prefix is evicted before it returns); each
+    history carries `forced`'s answers where given (a near-tie does not change later prompts)."""
+    histories = [[] for _ in convs]
+    responses = []
+    for t in range(turns):
+        for conv, msgs in zip(convs, histories):
+            if t >= len(conv.turns):
+                continue
+            msgs.append({"role": "user", "content": conv.turns[t].user})
+            resp = chat(server, msgs, MAX_TOKENS, top_logprobs=TOP_LOGPROBS)
+            responses.append(resp)
+            msgs.append({"role": "assistant",
+                         "content": reply_text(forced[len(responses) - 1] if forced else resp)})
+    return responses
+
+
+def _check(got, want) -> None:
+    ties = same_greedy(got, want)
+    assert len(ties) <= MAX_TIES, f"near-ties at requests {ties}: more than float noise explains"
+
+
+@pytest.fixture(scope="module")
+def convs():
+    return load_conversations(CONVERSATIONS, min_turns=TAIL_TURNS, max_chars_per_message=200)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model, convs, tmp_path_factory):
+    """Stock SGLang --tp 2 with the small pool: the reference answers (then it stops)."""
+    with _tp2(tiny_model, tmp_path_factory.mktemp("stock") / "stock.log",
+              swiftcache=False) as server:
+        return _replay(server, convs, TURNS), _replay(server, convs[:2], TAIL_TURNS)
+
+
+@pytest.fixture(scope="module")
+def stock_tp1(tiny_model, convs, tmp_path_factory):
+    """Stock SGLang --tp 1 with the small pool: the TP 1 borrower's reference answers."""
+    with LocalServer(tiny_model, swiftcache=False, max_total_tokens=SMALL_POOL,
+                     log_path=tmp_path_factory.mktemp("stock1") / "stock.log",
+                     extra_args=["--dtype", "float32", "--enable-cache-report"]) as server:
+        return _replay(server, convs, TURNS), _replay(server, convs[:2], TAIL_TURNS)
+
+
+def _donor(model, tmp, rendezvous: str, *tp: str) -> LocalServer:
+    """A donor that lends half its pool and keeps half free for itself, lending no more after a
+    reclaim (so the reclaim takes every lent page back)."""
+    return LocalServer(model, max_total_tokens=DONOR_POOL, log_path=tmp / "donor.log",
+                       env={**os.environ, **TP_ENV} if tp else None,
+                       startup_timeout_s=STARTUP_S,
+                       extra_args=[*tp, "--dtype", "float32", *_swift_args(
+                           rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
+                           "--swiftcache-reclaim-watermark", "0.5",
+                           "--swiftcache-relend-cooldown-s", "600", "--enable-metrics")])
+
+
+def _served_with_more_hits(borrower, convs, ref) -> None:
+    started = time.monotonic()
+    got = _replay(borrower, convs, TURNS, forced=ref)
+    _check(got, ref)
+    assert _cached(got) > _cached(ref), (_cached(got), _cached(ref))
+    loaded = wait_for(lambda: metric(borrower, "swiftcache_loaded_tokens_total"), 30,
+                      "swiftcache metrics on the borrower's /metrics")
+    print(f"{len(got)} requests in {time.monotonic() - started:.1f} s, cached "
+          f"{_cached(got)} vs stock {_cached(ref)}, loaded {loaded:.0f} tokens")
+
+
+def _reclaimed_mid_run(donor, borrower, convs, ref_tail, borrower_ranks) -> None:
+    """The donor's burst runs while the borrower serves: the reclaim lands mid-replay."""
+    import threading
+
+    burst = threading.Thread(target=_donor_burst, args=(donor,))
+    burst.start()
+    got = _replay(borrower, convs[:2], TAIL_TURNS, forced=ref_tail)
+    burst.join(300)
+    wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 60,
+             "the donor's lent pages to come back into its own pool")
+    wait_for(lambda: metric(donor, "swiftcache_lent_tokens") == 0, 30,
+             "every lent page back in the donor's pool")
+    log = borrower.log_text().splitlines()
+    for rank in borrower_ranks:
+        assert any("reclaimed" in line and rank in line for line in log), \
+            f"rank {rank} did not apply the reclaim"
+    _check(got, ref_tail)
+    _check(_replay(borrower, convs[:2], TAIL_TURNS, forced=ref_tail), ref_tail)  # after it
+    for server in (donor, borrower):
+        assert server.proc.poll() is None, server.log_tail()
+
+
+def _runtimes_started(log: str) -> list[str]:
+    return [line for line in log.splitlines()
+            if "SwiftCache runtime" in line and "started" in line]
+
+
+def test_tp2_borrower_with_a_tp1_donor_is_token_identical_to_stock_tp2(tiny_model, stock,
+                                                                        convs, tmp_path):
+    ref, ref_tail = stock
+    rendezvous = str(tmp_path / "rv")
+    borrower = _tp2(tiny_model, tmp_path / "borrower.log", "--enable-metrics", *_swift_args(
+        rendezvous, "borrower", "--swiftcache-max-borrow-blocks", "1500"))
+    with _donor(tiny_model, tmp_path, rendezvous) as donor, borrower:
+        wait_for_lease(rendezvous, timeout_s=120)
+        leased = wait_for(lambda: [line for line in borrower.log_text().splitlines()
+                                   if "SwiftCache: borrowing" in line], 30,
+                          "the borrower's scheduler to apply the lease")
+        log = borrower.log_text()
+        assert any("TP0" in line for line in leased) and any("TP1" in line for line in leased), \
+            "both ranks apply the lease"
+        assert len(_runtimes_started(log)) == 2, "a runtime on each rank"
+        _served_with_more_hits(borrower, convs, ref)
+        _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("TP0", "TP1"))
+
+
+def test_tp1_borrower_with_a_tp2_donor_is_token_identical_to_stock_tp1(tiny_model, stock_tp1,
+                                                                        convs, tmp_path):
+    ref, ref_tail = stock_tp1
+    rendezvous = str(tmp_path / "rv")
+    borrower = LocalServer(tiny_model, max_total_tokens=SMALL_POOL,
+                           log_path=tmp_path / "borrower.log",
+                           extra_args=["--dtype", "float32", "--enable-cache-report",
+                                       "--enable-metrics", *_swift_args(
+                                           rendezvous, "borrower",
+                                           "--swiftcache-max-borrow-blocks", "1500")])
+    with _donor(tiny_model, tmp_path, rendezvous, "--tp", "2") as donor, borrower:
+        wait_for_lease(rendezvous, timeout_s=120)
+        started = _runtimes_started(donor.log_text())
+        assert len(started) == 2 and all("lends up to 0 " not in line for line in started), \
+            "each donor rank lends from its own pool"
+        leased = wait_for(lambda: [line for line in borrower.log_text().splitlines()
+                                   if "SwiftCache: borrowing" in line], 30,
+                          "the borrower's scheduler to apply the lease")
+        assert all("(donor ranks 0, 1 of 2)" in line for line in leased), leased
+        _served_with_more_hits(borrower, convs, ref)
+        _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("",))
