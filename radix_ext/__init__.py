@@ -18,6 +18,7 @@ from radix_ext.residency import DEVICE, DONOR, HOST, DeviceResidency, DonorResid
 from radix_ext.results import (
     EvictionPlan,
     ExchangeResult,
+    ExchangeTicket,
     InsertResult,
     LoadOutcome,
     LoadSegment,
@@ -37,8 +38,8 @@ from radix_ext.tree_config import TreeConfig
 __all__ = [
     "Admission", "CostModel", "DEMOTION_POLICIES", "DEVICE", "DONOR", "DeviceResidency",
     "DevicePool", "DonorResidency", "DonorTier", "EVICTION_POLICIES", "EvictionPlan",
-    "ExchangeResult", "HOST", "HostResidency", "HostTier", "InsertResult", "LeasedBlocks",
-    "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match", "RadixTree", "Released",
-    "RevokeResult", "StoreOutcome", "StoreTicket", "Transfer", "TreeConfig", "admit", "evict",
-    "holding", "settle", "should_exchange",
+    "ExchangeResult", "ExchangeTicket", "HOST", "HostResidency", "HostTier", "InsertResult",
+    "LeasedBlocks", "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match",
+    "RadixTree", "Released", "RevokeResult", "StoreOutcome", "StoreTicket", "Transfer",
+    "TreeConfig", "admit", "evict", "holding", "settle", "should_exchange",
 ]

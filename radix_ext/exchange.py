@@ -7,16 +7,21 @@ the same total size loses nothing (H is already in it). An exchange swaps them i
 tokens go to the victims' device slots and the victims' tokens to H's donor blocks, position for
 position, so neither tier gains or loses a token and nothing else is pushed out.
 
-`exchange(m, swap)` picks the victims (unlocked, unpinned device leaves that have no lower copy
-and no device child still leaving, never the hit's device parent, in the eviction policy's
-order; the last one split so that they hold exactly |H| tokens), calls
-`swap(slots, blocks)`, the caller's data path, which must exchange device slot `slots[i]` with
-row `i % page_size` of donor block `blocks[i // page_size]` for every layer before anything
-reads either side, and records the outcome. Nothing else runs on the tree meanwhile: the swap is
-synchronous for it (CPU: copied; GPU: enqueued ahead of every later kernel). When `swap` reports
-failure, both sides may be half exchanged: H's donor copy and the victims' device copy are both
-dropped (with their nodes, which had no other copy) and the caller frees the returned slots; a
-prefix is recomputed, never read wrong.
+Two-phase, like a load-back: `begin_exchange(m)` picks the victims (unlocked, unpinned device
+leaves that have no lower copy and no device child still leaving, never the hit's device parent, in
+the eviction policy's order; the last one split so that they hold exactly |H| tokens) and records
+the swap at once: H is on the device at the victims' slots, the victims are in the donor tier on
+H's blocks, position for position. The caller's data path must then exchange device slot `slots[i]`
+with row `i % page_size` of donor block `blocks[i // page_size]` for every layer, and call
+`complete_exchange` (every layer swapped) or `abort_exchange` (any layer not). Until then both
+sides are pinned (never evicted, demoted or exchanged again, dropped only by a revoke) and every
+match ends before them: the one caller that began the exchange (a request that reads H in the
+forward that runs the copy) is the only reader of either side. When the swap failed, both sides may
+be half exchanged: H and the victims are dropped (with their subtrees, which had no other copy) and
+a prefix is recomputed, never read wrong. The caller settles an exchange before anything inserts
+through either side (in the server, the settle follows the forward and precedes the processing of
+any batch's output, where inserts happen). `exchange(m, swap)` runs both phases around a
+synchronous `swap(slots, blocks)`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from array import array
 from typing import Any, Callable, Optional
 
 from radix_ext.residency import DEVICE, DONOR, DeviceResidency, DonorResidency
-from radix_ext.results import ExchangeResult, Match
+from radix_ext.results import ExchangeResult, ExchangeTicket, Match
 from radix_ext.slot_runs import join
 
 Swap = Callable[[array, array], bool]
@@ -55,11 +60,30 @@ class ExchangeMixin:
         return tuple(nodes), lease, blocks, m.load_len
 
     def exchange(self, m: Match, swap: Swap) -> Optional[ExchangeResult]:
-        """Swap the donor part of match `m` (see `exchangeable`) with device victims; None when
-        it cannot (nothing changed but, perhaps, a victim split in two). Otherwise the result
-        says whether the swap happened (`ok`: the hit is on the device ending at `last_node`,
-        the victims in the donor tier) or failed (both sides dropped; free
-        `device_indices_to_free`)."""
+        """Swap the donor part of match `m` (see `exchangeable`) with device victims, the copy
+        being `swap(slots, blocks)` (True: every layer swapped); None when it cannot (nothing
+        changed but, perhaps, a victim split in two). Otherwise the result says whether the swap
+        happened (`ok`: the hit is on the device ending at `last_node`, the victims in the donor
+        tier) or failed (both sides dropped; free `device_indices_to_free`)."""
+        t = self.begin_exchange(m)
+        if t is None:
+            return None
+        try:
+            ok = bool(swap(t.slots, t.blocks))
+        except BaseException:
+            self.abort_exchange(t)
+            raise
+        if not ok:
+            return ExchangeResult(False, t.anchor, t.num_tokens, self.abort_exchange(t))
+        self.complete_exchange(t)
+        return ExchangeResult(True, t.last_node, t.num_tokens)
+
+    def begin_exchange(self, m: Match) -> Optional[ExchangeTicket]:
+        """Record the swap of the donor part of match `m` (see `exchangeable`) with device
+        victims and return its ticket (see `ExchangeTicket`: copy, then `complete_exchange` or
+        `abort_exchange`); None when it cannot (nothing changed but, perhaps, a victim split in
+        two). The hit may be locked at once (it is on the device); nothing else reaches it or
+        the victims until the ticket settles."""
         found = self.exchangeable(m)
         if found is None:
             return None
@@ -69,16 +93,6 @@ class ExchangeMixin:
         if victims is None:
             return None
         slots = join([v.res[DEVICE].indices for v in victims])
-        for x in (*hit, *victims):
-            x.pins += 1  # whatever `swap` does meanwhile, these stay
-        try:
-            ok = bool(swap(slots, blocks))
-        finally:
-            for x in (*hit, *victims):
-                x.pins -= 1
-        self.clock += 1  # tier contents changed: no cached make-room scan is valid
-        if not ok:
-            return ExchangeResult(False, anchor, num_tokens, self._drop_exchanged(hit, victims))
         page, pos = self.page_size, 0
         for x in hit:
             n = len(x.key)
@@ -92,9 +106,70 @@ class ExchangeMixin:
             self._add_res(v, DonorResidency(donor, lease, epoch,
                                             blocks[pos // page : (pos + n) // page]))
             pos += n
+        t = ExchangeTicket(self._next_ticket, anchor, hit[-1], hit, tuple(victims),
+                           (donor, lease, epoch), slots, blocks, num_tokens)
+        self._next_ticket += 1
+        self._exchanges[t.ticket_id] = t
+        for x in (*hit, *victims):
+            x.pins += 1
+            self._exchanging[x] = t
+        self.clock += 1  # tier contents changed: no cached make-room scan is valid
         for x in (*victims, *(v.parent for v in victims), *hit, anchor):
             self._refresh_leaf(x)
-        return ExchangeResult(True, hit[-1], num_tokens)
+        return t
+
+    def complete_exchange(self, t: ExchangeTicket) -> Any:
+        """Every layer of `t` was swapped: both sides are ordinary nodes again (a victim a
+        revoke took meanwhile stays gone). Returns the hit's last node."""
+        for x in self._close_exchange(t):
+            self._refresh_leaf(x)
+        self._refresh_leaf(t.anchor)
+        return t.last_node
+
+    def abort_exchange(self, t: ExchangeTicket, free_hit_slots: bool = True) -> array:
+        """The swap of `t` failed or never ran: the hit and the victims are dropped with their
+        subtrees (either side may be half swapped) and the device slots to free are returned:
+        the hit's (the victims' former slots) unless `free_hit_slots` is False (a request's row
+        holds them and frees them itself), and any device node below. Nothing may hold a lock on
+        the hit: move such a lock to `t.anchor` first."""
+        if any(x.lock_ref and self._attached(x) for x in t.hit):
+            raise ValueError(f"exchange {t.ticket_id}: the hit is still locked; move the lock to "
+                             f"its anchor before dropping it")
+        nodes = self._close_exchange(t)
+        kept = set() if free_hit_slots else {id(x.res.get(DEVICE)) for x in t.hit if x in nodes}
+        self.clock += 1
+        released: list = []
+        for x in (t.hit[0], *t.victims):
+            if x in nodes and self._attached(x):
+                for y in self._remove_subtree(x, released):
+                    if y.pins:  # a load through a node below: it fails, as after a revoke
+                        self._mark_stale(y)
+        return join([r.residency.indices for r in released
+                     if r.tier == DEVICE and id(r.residency) not in kept])
+
+    def exchanges_in_flight(self) -> int:
+        return len(self._exchanges)
+
+    def _close_exchange(self, t: ExchangeTicket) -> set:
+        """Forget ticket `t` and unpin its nodes; returns those still in the tree."""
+        if self._exchanges.pop(t.ticket_id, None) is None:
+            raise ValueError(f"exchange {t.ticket_id} is not in flight (settled twice?)")
+        here = set()
+        for x in (*t.hit, *t.victims):
+            x.pins -= 1
+            del self._exchanging[x]
+            if self._attached(x):
+                here.add(x)
+        return here
+
+    def _attached(self, x: Any) -> bool:
+        """Whether `x` is still in the tree (a revoke or a drop may have removed it)."""
+        while x is not self.root:
+            parent = x.parent
+            if parent is None or parent.children.get(x.ck) is not x:
+                return False
+            x = parent
+        return True
 
     def _exchange_victims(self, num_tokens: int, anchor: Any) -> Optional[list]:
         """Device leaves with no lower copy holding exactly `num_tokens` tokens, in eviction
@@ -158,14 +233,3 @@ class ExchangeMixin:
             p = x.parent
             if p is not self.root and is_leaf(p, taken):
                 heapq.heappush(heap, (pol.device_priority(p, self), p.id, p))
-
-    def _drop_exchanged(self, hit: tuple, victims: list) -> array:
-        """A failed swap: neither H's donor blocks nor the victims' slots hold what the tree says.
-        Drop both (each had no other copy); returns the device slots to free."""
-        released: list = []
-        for x in (hit[0], *victims):
-            if x.parent is not None and x.parent.children.get(x.ck) is x:
-                for y in self._remove_subtree(x, released):
-                    if y.pins:  # a load through a node below: it fails, as after a revoke
-                        self._mark_stale(y)
-        return join([r.residency.indices for r in released if r.tier == DEVICE])

@@ -12,10 +12,10 @@ class IntegrityMixin:
 
         Checks: structure (parent links, child keys, page-aligned non-empty keys), residency
         lengths, device prefix-closure, no node resident nowhere, lock counts balanced, pins match
-        the in-flight tickets and leaving nodes, stores in flight cover device nodes exactly,
-        leaving nodes are unlocked with only leaving device children, device sizes add up, every
-        index owned once in every tier (stores' reserved blocks included), and the cached leaf
-        and tier-membership sets.
+        the in-flight tickets, exchanges and leaving nodes, stores in flight cover device nodes
+        exactly, leaving nodes are unlocked with only leaving device children, device sizes add
+        up, every index owned once in every tier (stores' reserved blocks included), and the
+        cached leaf and tier-membership sets.
         """
         page = self.page_size
         root = self.root
@@ -40,6 +40,14 @@ class IntegrityMixin:
                 lower[t.dst_tier].append(t.dst)
         for x in self._leaving:
             pins_expected[x] = pins_expected.get(x, 0) + 1
+        sides: dict = {}
+        for t in self._exchanges.values():
+            for x in (*t.hit, *t.victims):
+                sides[x] = t
+                pins_expected[x] = pins_expected.get(x, 0) + 1
+            assert not self._attached(t.hit[-1]) or all(DEVICE in x.res for x in t.hit), (
+                f"exchange {t.ticket_id}: its hit left the device before it settled")
+        assert sides == self._exchanging, "nodes of exchanges in flight drifted"
         dev_indices: list = []
         leaving = 0
         members: dict = {name: set() for name in self.tiers}

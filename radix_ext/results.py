@@ -95,6 +95,28 @@ class ExchangeResult:
 
 
 @dataclass(slots=True, eq=False)
+class ExchangeTicket:
+    """An exchange in flight (two-phase, like `LoadTicket`): `begin_exchange` has recorded the
+    swap (the `hit` nodes on the device at `slots`, the victims' former slots; the `victims`
+    donor-resident on `blocks`, the hit's former blocks of lease `lease` = (donor, lease,
+    epoch)), and the caller copies, then calls `complete_exchange` or `abort_exchange`.
+
+    Until then both sides are pinned and no match reaches them (a match ends before the first
+    of them): neither the hit's device copy nor the victims' donor copy is trusted by anyone
+    but the caller. `anchor` is the hit's device parent, `last_node` its deepest node."""
+
+    ticket_id: int
+    anchor: Any
+    last_node: Any
+    hit: tuple
+    victims: tuple
+    lease: tuple
+    slots: Any
+    blocks: array
+    num_tokens: int
+
+
+@dataclass(slots=True, eq=False)
 class StoreTicket:
     """A demotion in flight (two-phase, like `LoadTicket`): copy the device slots `src` into
     `dst` (tier `dst_tier`), then call `complete_store` or `abort_store`.

@@ -13,9 +13,10 @@ Invariants (checked by `check_integrity`):
 * device residency is prefix-closed: a device-resident node's parent is the root or on the device,
   so a match is "device part, then load part" along the path;
 * `lock_ref` counts the locks held on a node or below it; a locked node is on the device;
-* pinned nodes (in-flight load-backs, stores in flight, leaving nodes) are never evicted, demoted
-  or dropped; revoke and insert may overtake a load, which then fails on `complete_load_back`,
-  and revoke may overtake a store, which then fails on `complete_store`.
+* pinned nodes (in-flight load-backs, stores in flight, leaving nodes, both sides of an exchange
+  in flight) are never evicted, demoted or dropped; revoke and insert may overtake a load, which
+  then fails on `complete_load_back`, and revoke may overtake a store, which then fails on
+  `complete_store`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         self._fresh: dict = {}  # node -> store begun by the running evict_device (else empty)
         self._in_tier: dict[str, set[Node]] = {name: set() for name in self.tiers}
         self._tickets: dict = {}  # load tickets in flight, by id
+        self._exchanges: dict = {}  # exchange tickets in flight, by id (ids shared with loads)
+        self._exchanging: dict = {}  # node -> the exchange in flight it is a side of
         self._stores: dict = {}  # store tickets in flight, by id (ids shared with loads)
         self._reserved: dict = {}  # fetch reservations, by id (ids shared with loads)
         self._store_holds: dict = {}  # store id -> nodes it holds on the device (see store.py)
@@ -127,7 +130,8 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         Contract: the result splits the prefix into the device part (`device_len`, ending at
         `last_device_node`) and `loads`, the nodes to bring back in path order, each from its
         cheapest tier. Splits a node when the match ends inside it; refreshes access time and
-        hit counts along the path. Frees, copies and locks nothing.
+        hit counts along the path. Frees, copies and locks nothing. A match ends before a side
+        of an exchange in flight (`begin_exchange`): nobody but its caller may read it yet.
         """
         key = _as_array(key)
         page = self.page_size
@@ -140,9 +144,10 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         ck = (namespace, key[0] if page == 1 else tuple(key[:page]))
         node, pos, dev_len, last_dev, loads = root, 0, 0, root, None
         children = root.children
+        exchanging = self._exchanging
         while True:
             child = children.get(ck)
-            if child is None:
+            if child is None or (exchanging and child in exchanging):
                 break
             ckey = child.key
             kl = len(ckey)

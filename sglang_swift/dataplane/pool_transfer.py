@@ -3,9 +3,10 @@
 `PoolTransferEngine` serves one lease: the borrower's per-layer K / V buffers, the donor's mapped
 region and the lease's `LeasePacking`. Two-phase (STYLE 3; the handle is in transfer.py):
 `begin_store(slots, blocks)` / `begin_load(slots, blocks, counter)` / `begin_exchange(slots,
-blocks)` (both directions at once, for a donor hit swapped with device victims) validate everything
-and start the copy on the lane; the returned handle's `wait()` completes it, `result()` peeks,
-`abort(reason)` abandons it. `blocks` are lease-local borrower blocks (0 .. num_blocks - 1).
+blocks[, counter])` (both directions at once, for a donor hit swapped with device victims; with a
+counter, released layer by layer as a load is) validate everything and start the copy on the lane;
+the returned handle's `wait()` completes it, `result()` peeks, `abort(reason)` abandons it.
+`blocks` are lease-local borrower blocks (0 .. num_blocks - 1).
 
 Per layer and K/V, one gather (`index_select`) on the source device and one scatter
 (`index_copy_`) on the destination device move every unit of the transfer, through a
@@ -147,17 +148,23 @@ class PoolTransferEngine:
         fence applies as to any copy (a reclaim on another thread stops it between layers)."""
         return self._here(slots, blocks, exchange=False, pooled=allocator_slots)
 
-    def begin_exchange(self, slots, blocks, allocator_slots: bool = False) -> PoolTransferHandle:
+    def begin_exchange(self, slots, blocks, allocator_slots: bool = False, counter=None,
+                       before_layer: Callable[[int], None] | None = None) -> PoolTransferHandle:
         """Swap borrower tokens `slots` with lease blocks `blocks` (token i with row
         i % page_size of block `blocks[i // page_size]`), every layer, K and V: afterwards the
         slots hold what the blocks held and the blocks what the slots held. Per layer the
         slots' rows are set aside, the blocks' rows copied into the slots, then the set-aside
         rows into the blocks (one layer of the transfer held at a time, on the local device).
-        Same handle, lane and fence as `begin_store`. A failed exchange leaves both sides
+        Same handle, lane and fence as `begin_store`; with `counter`, layer by layer as
+        `begin_load` (layer l completed once both sides of layer l are swapped and the bytes
+        read checked; `before_layer` as there). A failed exchange leaves both sides
         partly swapped: layers before the failed one swapped, later ones untouched, and the
         failed layer itself in any state (a copy that raised inside it may have written one
         side only), so the caller trusts neither side afterwards."""
-        return self._begin(slots, blocks, exchange=True, pooled=allocator_slots)
+        if counter is None:
+            return self._begin(slots, blocks, exchange=True, pooled=allocator_slots)
+        plan = self._plan(slots, blocks, store=False, pooled=allocator_slots)
+        return self._begin_counted(plan, blocks, counter, self._exchange_layer, before_layer)
 
     def _begin(self, slots, blocks, exchange: bool, pooled: bool = False) -> PoolTransferHandle:
         """A store or an exchange started on the lane (GPU: enqueued from this thread)."""
@@ -240,6 +247,12 @@ class PoolTransferEngine:
         wait, call `handle.abort(reason)` before the slots are reused. `before_layer(l)` is a
         test hook run on the lane before layer l. `allocator_slots`: see `begin_store`."""
         plan = self._plan(slots, blocks, store=False, pooled=allocator_slots)
+        return self._begin_counted(plan, blocks, counter, self._load_layer, before_layer)
+
+    def _begin_counted(self, plan: CopyPlan | None, blocks, counter, copy_layer,
+                       before_layer: Callable[[int], None] | None) -> PoolTransferHandle:
+        """A load or an exchange started on the lane, completing `counter`'s layer l once
+        `copy_layer` moved layer l and the bytes it read are still valid."""
         pid = counter.update_producer()
         handle = self._arm(PoolTransferHandle(counter, pid, getattr(self.lane, "synchronize",
                                                                     None)), blocks)
@@ -255,8 +268,7 @@ class PoolTransferEngine:
                     with handle.layer_lock:
                         reason = self._stop_reason(handle, counter, pid)
                         if reason is None:
-                            reason = self._copy_layer(plan, layer, store=False,
-                                                      staging=self._staging)
+                            reason = copy_layer(plan, layer, self._staging)
                         if reason is None:  # the layer landed: release it only if still valid
                             reason = self._invalid(handle)
                         if reason is not None:

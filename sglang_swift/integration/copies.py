@@ -1,17 +1,19 @@
 """Copies between this server's KV pool and donor pool pages, started without waiting.
 
 `start_copy` asks the runtime for the lease's engine (None: the lease is gone or its donor is not
-readable now), begins the transfer and registers it with the runtime, so that a reclaim of its
-pages or a lost lease aborts it before the reclaim is acknowledged. `InFlightCopy.finished()`
-says, without blocking, when nothing of the copy reads or writes memory any more (CPU: the lane's
-job returned; GPU: the lane's stream passed a marker recorded after it), and `release()`
-unregisters it. Nothing here waits, except `abort`, which returns once the layer being copied
-is done (one layer's bytes: see docs/streaming.md "What the scheduler thread waits for").
+readable now), begins the transfer (a store; a load, or with `exchange` a donor hit swapped with
+device victims, layer by layer under a counter) and registers it with the runtime, so that a
+reclaim of its pages or a lost lease aborts it before the reclaim is acknowledged.
+`InFlightCopy.finished()` says, without blocking, when nothing of the copy reads or writes memory
+any more (CPU: the lane's job returned; GPU: the lane's stream passed a marker recorded after it),
+and `release()` unregisters it. Nothing here waits, except `abort`, which returns once the layer
+being copied is done (one layer's bytes: see docs/streaming.md "What the scheduler thread waits
+for").
 
 `store_now` is the other kind: a demotion store after which the caller frees the device slots at
-once (`exchange_now` likewise swaps a donor hit with device victims). CPU: it runs on the caller's
-thread (the scheduler thread is the device there), so it is finished when it returns; it takes the
-victim's bytes over memory bandwidth and waits for nothing else (not the copy thread, not a peer).
+once. CPU: it runs on the caller's thread (the scheduler thread is the device there), so it is
+finished when it returns; it takes the victim's bytes over memory bandwidth and waits for nothing
+else (not the copy thread, not a peer).
 GPU: it is enqueued on the lease's side stream and the compute stream is made to wait for it, so
 the host waits for the enqueue only.
 """
@@ -100,22 +102,26 @@ def runs_by_lease(residencies: Sequence[Any]) -> list[tuple[tuple[str, int], lis
 
 
 def start_copy(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: Sequence[int],
-               counter: Any = None) -> InFlightCopy | None:
+               counter: Any = None, exchange: bool = False) -> InFlightCopy | None:
     """Begin storing device `slots` into lease blocks `blocks` (token i into block
-    `blocks[i // page_size]`), or, with `counter`, loading them back layer by layer. None when
+    `blocks[i // page_size]`), or, with `counter`, loading them back layer by layer, or with
+    `counter` and `exchange`, swapping the two layer by layer (`begin_exchange`). None when
     the copy cannot start (the caller aborts the ticket: the prefix is recomputed)."""
     engine = runtime.lease_engine(*key)
     if engine is None:
         return None
     slot_tensor, pooled = _slot_tensor(slots)
+    kind = "store" if counter is None else "exchange" if exchange else "load"
     try:
         if counter is None:
             handle = engine.begin_store(slot_tensor, blocks, allocator_slots=pooled)
+        elif exchange:
+            handle = engine.begin_exchange(slot_tensor, blocks, allocator_slots=pooled,
+                                           counter=counter)
         else:
             handle = engine.begin_load(slot_tensor, blocks, counter, allocator_slots=pooled)
     except ValueError:  # a transfer the engine refuses is a bug, but not one to stop serving for
-        logger.exception("SwiftCache: the copy engine refused a %s on lease %s",
-                         "store" if counter is None else "load", key)
+        logger.exception("SwiftCache: the copy engine refused a %s on lease %s", kind, key)
         return None
     copy = InFlightCopy(key, handle, frozenset(blocks), len(slot_tensor),
                         streams.done_marker(engine.lane), runtime)
@@ -133,20 +139,6 @@ def store_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
     caller then aborts the ticket. `enqueued` is a GPU copy still running on its side stream,
     registered with the runtime so a reclaim stops it before the ack; the caller `release()`s it
     once `finished()`. On CPU it is None: the copy ran here and is done."""
-    return _copy_now(runtime, key, slots, blocks, exchange=False)
-
-
-def exchange_now(runtime: Any, key: tuple[str, int], slots: Sequence[int],
-                 blocks: Sequence[int]) -> tuple[bool, InFlightCopy | None]:
-    """Swap device `slots` with lease blocks `blocks` (`PoolTransferEngine.begin_exchange`)
-    such that both may be read and rewritten when this returns: as `store_now` (CPU: copied on
-    this thread; GPU: enqueued, and the compute stream waits for it). A failed exchange (not
-    `ok`) may have swapped some layers: the caller trusts neither side."""
-    return _copy_now(runtime, key, slots, blocks, exchange=True)
-
-
-def _copy_now(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: Sequence[int],
-              exchange: bool) -> tuple[bool, InFlightCopy | None]:
     engine = runtime.lease_engine(*key)
     if engine is None:
         return False, None
@@ -158,16 +150,13 @@ def _copy_now(runtime: Any, key: tuple[str, int], slots: Sequence[int], blocks: 
     handle = None
     try:
         if on_gpu:
-            begin = engine.begin_exchange if exchange else engine.begin_store
-            handle = begin(slot_tensor, blocks, allocator_slots=pooled)
+            handle = engine.begin_store(slot_tensor, blocks, allocator_slots=pooled)
             result = handle.result()  # the GPU job enqueued
         else:
             torch.set_num_threads(getattr(engine.lane, "threads", 1))
-            here = engine.exchange_here if exchange else engine.store_here
-            result = here(slot_tensor, blocks, allocator_slots=pooled)
+            result = engine.store_here(slot_tensor, blocks, allocator_slots=pooled)
     except Exception:  # noqa: BLE001 - a copy that fails is a lost prefix, not a dead server
-        logger.exception("SwiftCache: %s on lease %s failed",
-                         "an exchange" if exchange else "a store", key)
+        logger.exception("SwiftCache: a store on lease %s failed", key)
         return False, None
     finally:
         if not on_gpu:

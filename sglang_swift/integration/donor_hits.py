@@ -1,6 +1,7 @@
 """The borrower's side of `SwiftRadixCache`: donor hits offered to SGLang's admission and
-streamed under the forward (`streaming.py`) or, when the donor tier is full, swapped in place
-with device victims (the exchange), demotions beside the scheduler (`demotion.py`).
+streamed under the forward (`streaming.py`), or, when the donor tier is full, swapped in place
+with device victims (the exchange, streamed under the forward too), demotions beside the
+scheduler (`demotion.py`).
 
 A mixin of the cache class (it uses the cache's tree, slots, runtime and device); every method
 here is a no-op or the stock behaviour while the server does not borrow (`self.loads` is None).
@@ -17,8 +18,6 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
 from radix_ext import RadixTree, admission
 from radix_ext.residency import DonorResidency
-
-from .copies import exchange_now
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +157,14 @@ class DonorHitsMixin:
 
     def _exchange(self, req: Any, found: tuple, hit_len: int,
                   need: int) -> Optional[tuple[int, Any]]:
-        """Swap the donor hit with device victims (`RadixTree.exchange`) when the room for it
-        would push other prefixes out of a full donor tier (`admission.should_exchange`). The
-        hit is then on the device and the tree's: SGLang is told so through
-        `load_back_is_cache_owned`, and the room for the request's new tokens is made with the
-        hit held. None: not applicable here (the caller loads as usual); else what
-        `init_load_back` returns."""
+        """Swap the donor hit with device victims (`RadixTree.begin_exchange`) when the room for
+        it would push other prefixes out of a full donor tier (`admission.should_exchange`). The
+        tree records the swap now and keeps both sides out of every other match; the copy is
+        queued like a load (`StreamingLoads.queue_exchange`): it runs layer by layer under the
+        request's forward and settles after it. The hit is on the device and the tree's:
+        SGLang is told so through `load_back_is_cache_owned`, and the room for the request's
+        new tokens is made with the hit held. None: not applicable here (the caller loads as
+        usual); else what `init_load_back` returns."""
         if getattr(self.runtime, "tp", None) is not None:  # a swap is one rank's: not with TP
             return None
         m = self.tree.match(found[0], found[1])
@@ -171,32 +172,19 @@ class DonorHitsMixin:
                 or not admission.should_exchange(self.tree, m, need - self.slots.available())
                 or not all(self._readable(seg.source) for seg in m.loads)):
             return None
-        res = m.loads[0].source
-
-        def swap(slots: array, blocks: array) -> bool:
-            ok, enqueued = exchange_now(self.runtime, (res.donor, res.lease), slots, blocks)
-            if enqueued is not None:
-                self.demotions.track(enqueued)
-            return ok
-
-        x = self.tree.exchange(m, swap)
-        if x is None:
+        ticket = self.tree.begin_exchange(m)
+        if ticket is None:
             return None
-        if not x.ok:  # both sides dropped: the hit is recomputed, the victims were evicted
-            self.slots.free(x.device_indices_to_free)
-            self.stats["exchanges_failed"] += 1
-            return self._decline(req, "its exchange with the donor tier failed")
-        self.stats["exchanges"] += 1
-        self.stats["exchanged_tokens"] += x.num_tokens
-        rest = need - x.num_tokens
+        self.loads.queue_exchange(req, ticket, self.device)
+        rest = need - ticket.num_tokens
         if self.slots.available() < rest:
-            self.tree.lock(x.last_node)
+            self.tree.lock(ticket.last_node)
             try:
                 self.demotions.make_room(rest - self.slots.available())
             finally:
-                self.tree.unlock(x.last_node)
+                self.tree.unlock(ticket.last_node)
         self._owned_load = True
-        return x.num_tokens, x.last_node
+        return ticket.num_tokens, ticket.last_node
 
     def _decline(self, req: Any, why: str) -> tuple[int, Any]:
         """Recompute instead of loading (SGLang re-plans the request without the donor part)."""
@@ -207,7 +195,8 @@ class DonorHitsMixin:
     def load_back_is_cache_owned(self) -> bool:
         """Whether the last `init_load_back` (SGLang asks right after it) gave the request a
         prefix the tree owns: True after an exchange, whose hit is device-resident in the tree
-        and locked by the request like any device prefix. Streamed loads are not: their slots
+        (on the victims' slots, swapped under the forward) and locked by the request like any
+        device prefix. Streamed loads are not: their slots
         belong to the request until its forward confirmed them (it then inserts them like
         computed KV); a failed load is freed with the request."""
         return self._owned_load

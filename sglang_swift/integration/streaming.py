@@ -7,9 +7,13 @@ unified_cache_linker.py`), driven through the plugin's scheduler hooks:
    request it admits, after its memory checks) allocates slots and begins the tree's load
    ticket, then `queue`s the copy here. The slots are private to the request (as the linker's
    are): `prefix_device_indices` appends them to its prefix, and the request inserts them into
-   the tree like computed KV once its forward confirmed them;
+   the tree like computed KV once its forward confirmed them. An exchanged hit (`queue_exchange`:
+   the tree has begun swapping it with device victims, `RadixTree.begin_exchange`) is queued the
+   same way, its slots the tree's (the victims' former slots, already on the request's path);
 2. batch start (`start`, after `Scheduler.get_new_batch_prefill`): the queued copies begin, one
-   engine transfer per lease, fanned in to one slot of the pool's layer counter
+   engine transfer per lease (a load) or per exchange (a swap, `begin_exchange` with the counter:
+   layer l of both sides swapped before layer l is released), fanned in to one slot of the pool's
+   layer counter
    (`BatchLayerCounter`), whose index becomes the batch's `hicache_consumer_index`; the tp
    worker hands it to the counter before the forward, and each attention layer waits in the
    pool's buffer getter for that layer only;
@@ -18,7 +22,9 @@ unified_cache_linker.py`), driven through the plugin's scheduler hooks:
    and never inserts its KV; the others keep theirs. "Failed" includes a copy whose bytes were
    checked after they landed and found invalid (donor gone, lease epoch changed, blocks fenced
    since the copy began): on CPU the copy thread checks each layer before releasing it; on a GPU
-   `InFlightCopy.confirm` checks here, once the copy's marker event has passed. Tickets close once
+   `InFlightCopy.confirm` checks here, once the copy's marker event has passed. An exchange's
+   ticket settles here too, once its copy has stopped writing: completed, or dropped on both
+   sides with its request aborted (`_drop_exchange`). Load tickets close once
    the copies are finished (`poll`, every step): until then the donor nodes stay pinned, so their
    pages are neither dropped nor reused by another store.
 
@@ -62,6 +68,17 @@ class QueuedLoad:
 
 
 @dataclass(eq=False)
+class QueuedExchange:
+    """A request's donor hit swapped with device victims: the tree's `ExchangeTicket` (in flight
+    until this settles) and the hit's slots (the victims' former slots) as SGLang's tensor."""
+
+    req: Any
+    ticket: Any
+    slots: torch.Tensor
+    parts: set = field(default_factory=set)
+
+
+@dataclass(eq=False)
 class BatchLoad:
     fan: BatchLayerCounter
     loads: list
@@ -100,6 +117,17 @@ class StreamingLoads:
         self._queued.append(QueuedLoad(req, ticket, slots))
         self._private[req.rid] = slots
 
+    def queue_exchange(self, req: Any, ticket: Any, device: Any) -> None:
+        """Queue the copy of an exchange the tree has begun (`RadixTree.begin_exchange`): it
+        runs under the request's forward like a load (its hit's slots are the tree's, already in
+        the request's prefix) and its ticket settles after that forward."""
+        from .cache import indices_to_tensor
+
+        if not self._queued:
+            self._wait_mark = self._waited()
+            self._store_mark = self.stats["evict_wait_s"]
+        self._queued.append(QueuedExchange(req, ticket, indices_to_tensor(ticket.slots, device)))
+
     def private_slots(self, rid: str) -> torch.Tensor | None:
         """The slots a queued load writes for request `rid` (its prefix after the tree path)."""
         return self._private.get(rid)
@@ -113,44 +141,44 @@ class StreamingLoads:
         loads, self._queued = self._queued, []
         self._private.clear()  # prepare_for_extend has written them into the request rows
         if batch is None:  # cannot happen: an admitted request is in the batch; stay safe
-            for load in loads:
-                self._fail_request(None, load.req, "its batch was not built")
-            self._closing.append(BatchLoad(None, loads, [], self._wait_mark,
-                                             store_mark=self._store_mark))
+            self._fail_unstarted(loads, "its batch was not built")
             return
         try:
             fan = BatchLayerCounter(self.counter)
         except RuntimeError as exc:  # every ring slot still loading: a bug, not a reason to die
             logger.error("SwiftCache: cannot start the batch's loads: %s", exc)
-            for load in loads:
-                self._fail_request(None, load.req, "no free layer counter slot")
-            self._closing.append(BatchLoad(None, loads, [], self._wait_mark,
-                                             store_mark=self._store_mark))
+            self._fail_unstarted(loads, "no free layer counter slot")
             return
-        items = [(load, c) for load in loads for c in load.ticket.copies if c.src_tier == DONOR]
-        hosted = [(load, c) for load in loads for c in load.ticket.copies if c.src_tier == HOST]
+        swaps = [load for load in loads if type(load) is QueuedExchange]
+        plain = [load for load in loads if type(load) is QueuedLoad]
+        items = [(load, c) for load in plain for c in load.ticket.copies if c.src_tier == DONOR]
+        hosted = [(load, c) for load in plain for c in load.ticket.copies if c.src_tier == HOST]
         if hosted:
             self._load_from_host(fan, hosted)
         copies = []
-        for key, idx in runs_by_lease([c.src for _, c in items]):
-            slots = slot_runs.join([items[i][1].dst.indices for i in idx])
-            blocks = [b for i in idx for b in items[i][1].src.blocks]
-            copy = start_copy(self.runtime, key, slots, blocks, fan)
+        runs = [(key, [items[i][0] for i in idx],
+                 slot_runs.join([items[i][1].dst.indices for i in idx]),
+                 [b for i in idx for b in items[i][1].src.blocks], False)
+                for key, idx in runs_by_lease([c.src for _, c in items])]
+        runs += [(x.ticket.lease[:2], [x], x.ticket.slots, x.ticket.blocks, True) for x in swaps]
+        for key, users, slots, blocks, swap in runs:
+            copy = start_copy(self.runtime, key, slots, blocks, fan, exchange=swap)
             if copy is None:
                 part = fan.fail_part(f"lease {key} is not readable now")
             else:
                 part = copy.handle.producer_id
                 copies.append((part, copy))
-            for i in idx:
-                items[i][0].parts.add(part)
+            for load in users:
+                load.parts.add(part)
         fan.seal()
-        tokens = sum(len(load.slots) for load in loads)
+        # an exchange moves the hit's bytes twice (both ways)
+        tokens = sum(len(load.slots) * (1 + (type(load) is QueuedExchange)) for load in loads)
         self.counter.watch(fan.pid, fan.started_at + self.wait_budget(tokens))
         batch.hicache_consumer_index = fan.pid
         entry = BatchLoad(fan, loads, copies, self._wait_mark, time.perf_counter() - t0,
                           self._store_mark)
         self._running[id(batch)] = entry
-        self.stats["loads_started"] += len(loads)
+        self.stats["loads_started"] += len(plain)
 
     # ---- 3. after the forward ----------------------------------------------------------------
     def settle(self, scheduler: Any, batch: Any) -> None:
@@ -185,9 +213,16 @@ class StreamingLoads:
             for load, ok in zip(entry.loads, elsewhere):
                 if not ok and not reasons[id(load)]:
                     reasons[id(load)] = ["the copy failed on another TP rank"]
-        for load in entry.loads:
+        for load in entry.loads:  # every copy has stopped writing: exchanges settle here
+            swap = type(load) is QueuedExchange
             if reasons[id(load)]:
                 self._fail_request(scheduler, load.req, reasons[id(load)][0])
+                if swap:
+                    self._drop_exchange(load)
+            elif swap:
+                self.cache.tree.complete_exchange(load.ticket)
+                self.stats["exchanges"] += 1
+                self.stats["exchanged_tokens"] += load.ticket.num_tokens
             else:
                 self.stats["loaded_tokens"] += len(load.slots)
         entry.overhead_s += time.perf_counter() - t0
@@ -245,9 +280,40 @@ class StreamingLoads:
         """Give the tickets back. Their slots stay with the requests, which own them (a failed
         one frees them when it finishes), so nothing the tree returns is freed here."""
         for load in entry.loads:
-            self.cache.tree.abort_load_back(load.ticket)
+            if type(load) is QueuedLoad:  # an exchange's ticket settled after its forward
+                self.cache.tree.abort_load_back(load.ticket)
         for _, copy in entry.copies:
             copy.release()
+
+    def _fail_unstarted(self, loads: list, reason: str) -> None:
+        """The batch's copies cannot start: its requests are aborted (their exchanges dropped:
+        nothing was swapped, but the tree already says so)."""
+        for load in loads:
+            self._fail_request(None, load.req, reason)
+            if type(load) is QueuedExchange:
+                self._drop_exchange(load)
+        self._closing.append(BatchLoad(None, loads, [], self._wait_mark,
+                                       store_mark=self._store_mark))
+
+    def _drop_exchange(self, x: QueuedExchange) -> None:
+        """An exchange that failed (or never ran): both sides may be half swapped, so the tree
+        drops the hit and the victims (`abort_exchange`). The request, already aborted, keeps
+        the hit's slots in its row as private slots, as a failed load does: its lock moves from
+        the hit to the hit's device parent and the tree-owned part of its row ends there
+        (SGLang's own `checkpoint` moves a request's lock this way), so SGLang frees those slots
+        with the request, after its forward."""
+        t, req = x.ticket, x.req
+        lock = getattr(req, "lock", None)
+        if lock is not None and any(lock.node is n for n in t.hit):
+            self.cache.unlock(lock)
+            req.lock = self.cache.lock(t.anchor)
+        req.last_node = t.anchor
+        kv = getattr(req, "kv", None)
+        if kv is not None:
+            kv.cache_protected_len = min(kv.cache_protected_len,
+                                         len(self.cache.tree.prefix_of(t.anchor)[1]))
+        self.cache.slots.free(self.cache.tree.abort_exchange(t, free_hit_slots=False))
+        self.stats["exchanges_failed"] += 1
 
     def _fail_request(self, scheduler: Any, req: Any, reason: str) -> None:
         """Finish `req` with an abort before its output is used, as SGLang does for a failed

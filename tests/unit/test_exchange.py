@@ -334,6 +334,108 @@ def test_a_failed_swap_with_a_split_victim_keeps_its_head(page):
     assert t.evictable_size() == P and t.match(B).last_device_node in t._dev_leaves
 
 
+# ---- two phases: an exchange in flight ----------------------------------------------------------
+
+
+def _in_flight(page: int):
+    """A (two donor nodes) begun as an exchange with device victims B, C (D is newer and stays);
+    returns (tree, ticket, keys, A's blocks)."""
+    P = page
+    t = _tree(page)
+    A, B, C, D = _key(100, 2 * P), _key(200, P), _key(300, P), _key(400, P)
+    _donor_hit(t, A, _key(0, 2 * P), split_at=P)
+    for k, s in ((B, _key(1000, P)), (C, _key(2000, P)), (D, _key(3000, P))):
+        _insert(t, k, s)
+    m = t.match(A)
+    a_blocks = _hit_blocks(m)
+    x = t.begin_exchange(m)
+    t.check_integrity()
+    assert x is not None and x.num_tokens == 2 * P and x.anchor is t.root
+    assert list(x.slots) == _key(1000, P) + _key(2000, P) and list(x.blocks) == a_blocks
+    return t, x, (A, B, C, D), a_blocks
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_an_exchange_in_flight_is_reached_by_no_match_until_it_completes(page):
+    """Invariant (the two-phase contract): between begin_exchange and its settling, the swap is
+    recorded (the hit on the victims' slots, which its caller may lock and read; the victims on
+    the hit's blocks), both sides are pinned, no match reaches either side (so no other request
+    reads the hit's slots or loads the victims' blocks before the copy is judged) and no
+    eviction takes them; complete_exchange makes both ordinary nodes."""
+    P = page
+    t, x, (A, B, C, D), a_blocks = _in_flight(page)
+    assert [set(n.res) for n in x.hit] == [{DEVICE}, {DEVICE}]
+    assert list(t.device_indices(x.last_node)) == list(x.slots)
+    assert [set(v.res) for v in x.victims] == [{DONOR}, {DONOR}]
+    assert all(n.pins == 1 for n in (*x.hit, *x.victims)) and t.exchanges_in_flight() == 1
+    for k in (A, B, C):
+        assert t.match(k).prefix_len == 0, f"{k[0]}: a side of the exchange was matched"
+    assert t.match(D).device_len == P
+    assert should_exchange(t, t.match(A), P) is False
+    t.lock(x.last_node)  # the request that exchanged holds the hit like any device prefix
+    t.check_integrity()
+    assert t.evictable_size() == P and t.evict_device(2 * P).num_evicted == P, "only D"
+    t.check_integrity()
+    assert t.complete_exchange(x) is x.last_node
+    t.check_integrity()
+    m = t.match(A)
+    assert m.device_len == 2 * P and m.last_device_node is x.last_node
+    assert [list(s.source.blocks) for s in t.match(C).loads] == [a_blocks[1:]]
+    t.unlock(x.last_node)
+    t.check_integrity()
+    with pytest.raises(ValueError, match="not in flight"):
+        t.complete_exchange(x)
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("free_hit_slots", [True, False])
+def test_an_aborted_exchange_drops_both_sides_once_its_hit_is_unlocked(page, free_hit_slots):
+    """Invariant: an exchange that failed under the forward is dropped on both sides (either may
+    be half swapped), the hit's blocks go back to the donor tier, and the hit's slots are
+    returned only when the caller does not hold them in a request's row; dropping a hit some
+    request still locks is refused (the caller moves that lock to the anchor first) and changes
+    nothing."""
+    P = page
+    t, x, (A, B, C, D), a_blocks = _in_flight(page)
+    lease = t.donor.leases[("d", 0)]
+    free = sorted(lease.free_blocks)
+    t.lock(x.last_node)
+    before = _snapshot(t)
+    with pytest.raises(ValueError, match="still locked"):
+        t.abort_exchange(x)
+    assert _snapshot(t) == before and t.exchanges_in_flight() == 1
+    t.unlock(x.last_node)
+    out = t.abort_exchange(x, free_hit_slots=free_hit_slots)
+    t.check_integrity()
+    assert sorted(out) == (sorted(x.slots) if free_hit_slots else [])
+    for k in (A, B, C):
+        assert t.match(k).prefix_len == 0
+    assert t.match(D).device_len == P and t.exchanges_in_flight() == 0
+    assert sorted(lease.free_blocks) == sorted(free + a_blocks)
+    assert t.device_size() == P and t.tier_size(DONOR) == 0
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("swapped", [True, False])
+def test_a_revoke_during_an_exchange_takes_the_victims_and_the_exchange_settles(page, swapped):
+    """Invariant: a donor reclaiming the hit's blocks while the exchange runs drops the victims
+    (their new and only copy), pinned or not; the exchange then settles either way (completed:
+    the hit stays on the device; aborted: it is dropped too) and the tree stays consistent."""
+    P = page
+    t, x, (A, B, C, D), a_blocks = _in_flight(page)
+    r = t.revoke("d", 0, a_blocks)
+    t.check_integrity()
+    assert r.num_tokens_lost == 2 * P and t.match(B).prefix_len == t.match(C).prefix_len == 0
+    if swapped:
+        t.complete_exchange(x)
+        assert t.match(A).device_len == 2 * P
+    else:
+        t.abort_exchange(x)
+        assert t.match(A).prefix_len == 0
+    t.check_integrity()
+    assert t.exchanges_in_flight() == 0 and t.match(D).device_len == P
+
+
 # ---- no exchange --------------------------------------------------------------------------------
 
 
