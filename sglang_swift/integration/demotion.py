@@ -128,10 +128,6 @@ class Demotions:
         self.stats["evict_waits"] += 1
         self.stats["evict_store_max_s"] = max(self.stats["evict_store_max_s"], took)
 
-    def track(self, copy: InFlightCopy) -> None:
-        """A GPU copy enqueued outside an eviction (an exchange) that `poll` releases too."""
-        self._enqueued.append(copy)
-
     def poll(self) -> None:
         """Unregister the GPU stores whose copies finished (never blocks; nothing on CPU)."""
         still = []

@@ -208,6 +208,18 @@ PENDING_CHUNKED_ABORT = TouchPoint(
     f"{INTEGRATION}.streaming",
     (Check(How.SOURCE, f"{SCHEDULER}.process_pending_chunked_abort",
            ("_pending_chunked_abort_req",)),))
+REQ_TREE_LOCK = TouchPoint(
+    "sglang.srt.managers.schedule_batch.Req.lock", Kind.PRIVATE_WRITE,
+    "a request whose exchanged donor hit failed keeps the hit's slots as its own: its tree lock "
+    "(`Req.lock`, `Req.last_node`) moves to the hit's device parent and the tree-owned part of "
+    "its row (`ReqKvInfo.cache_protected_len`) ends there, as SGLang's own checkpoint moves a "
+    "lock, so SGLang frees those slots with the request",
+    "the failed request's slots stay locked in the tree or are freed twice",
+    f"{INTEGRATION}.streaming",
+    (Check(How.SOURCE, "sglang.srt.managers.schedule_batch.Req.__init__",
+           ("self.lock", "self.last_node")),
+     Check(How.SOURCE, "sglang.srt.managers.schedule_batch.ReqKvInfo",
+           ("cache_protected_len",))))
 KV_POOL_BUFFERS = TouchPoint(
     f"{MHA_POOL}._create_buffers_normal", Kind.AROUND,
     "a lending server's KV pool is allocated in shareable memory (servers that lend)",
@@ -389,7 +401,7 @@ HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
 ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
-    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, KV_POOL_BUFFERS,
+    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, REQ_TREE_LOCK, KV_POOL_BUFFERS,
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     STORAGE_BACKEND, STORAGE_HELPERS, STORAGE_KEYS, SCHEDULER_PREFETCH,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
