@@ -33,6 +33,13 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 # CPU compatibility hook for every interpreter of this venv (see sglang_swift/cpu_compat/site_hook.py).
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# A venv whose directory was removed under a running setup answers with the base interpreter's
+# site-packages: never write the hooks there.
+if [[ $(realpath "$SITE") != "$(realpath "$VENV")"/* ]]; then
+    echo "setup: $VENV/bin/python is not a venv interpreter (site-packages $SITE); remove $VENV" \
+         "and run again" >&2
+    exit 1
+fi
 echo "import sglang_swift.cpu_compat.site_hook as _swift_site; _swift_site.activate()" \
     > "$SITE/swiftcache_cpu_compat.pth"
 # Development checkout: the measuring apparatus (benchmarks/) and tests/ import from the repository
