@@ -679,8 +679,8 @@ COMPARISON_COLUMNS = (
               "only the abstract is public)"),
     ("simulated, compute regime", "the busy model's live KV fits device + host: only load "
                                   "speed (NVLink against PCIe) can differ"),
-    ("simulated, capacity regime", "the live KV outgrows device + host: donor pages as added "
-                                   "capacity; for context, layer streaming"),
+    ("simulated, capacity regime", "the live KV nears or outgrows device + host: donor pages as "
+                                   "added capacity; for context, layer streaming"),
     ("simulated, overloaded", "a closed loop whose histories exceed HiCache's device + host "
                               "several times over"),
     ("live CPU", "real SGLang servers on the CPU engine, small models: what is cached and that "
