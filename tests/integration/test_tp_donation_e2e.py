@@ -24,8 +24,8 @@ import os
 import time
 
 import pytest
-from integration.harness import LocalServer, chat, metric, reply_text, same_greedy, wait_for
-from integration.test_donation_e2e import _cached, _donor_burst
+from integration.harness import LocalServer, metric, same_greedy, wait_for
+from integration.test_donation_e2e import _cached, _donor_burst, _replay
 
 from benchmarks.tools.demo import wait_for_lease
 from benchmarks.workloads.sharegpt import load_conversations
@@ -35,8 +35,6 @@ TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank; without it
 SMALL_POOL = 450  # tokens: the conversations' histories do not fit, so the tree must evict
 DONOR_POOL = 4096
 STARTUP_S = 420  # two ranks on a loaded 2-core machine took up to 175 s to come up
-MAX_TOKENS = 8
-TOP_LOGPROBS = 5
 MAX_TIES = 1  # stock SGLang's own CPU kernels can flip a near-tie between its runs
 CONVERSATIONS, TURNS, TAIL_TURNS = 4, 3, 4
 
@@ -54,23 +52,6 @@ def _swift_args(rendezvous: str, role: str, *extra: str) -> list[str]:
             # a loaded 2-core machine can starve the agent thread for a second or more
             "--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s", "0.3",
             *extra]
-
-
-def _replay(server, convs, turns, forced=None) -> list[dict]:
-    """Interleave conversations turn by turn (each prefix is evicted before it returns); each
-    history carries `forced`'s answers where given (a near-tie does not change later prompts)."""
-    histories = [[] for _ in convs]
-    responses = []
-    for t in range(turns):
-        for conv, msgs in zip(convs, histories):
-            if t >= len(conv.turns):
-                continue
-            msgs.append({"role": "user", "content": conv.turns[t].user})
-            resp = chat(server, msgs, MAX_TOKENS, top_logprobs=TOP_LOGPROBS)
-            responses.append(resp)
-            msgs.append({"role": "assistant",
-                         "content": reply_text(forced[len(responses) - 1] if forced else resp)})
-    return responses
 
 
 def _check(got, want) -> None:
