@@ -1,6 +1,6 @@
 """The node benchmark with capacity-equal baselines (scripts/bench_node.py).
 
-    python scripts/bench_node.py [--quick] [--out runs/node_bench] [--plot PNG]
+    python scripts/bench_node.py [--quick] [--busy-tp N] [--out runs/node_bench] [--plot PNG]
 
 Two models on one node, three runs of the same traffic (see plan.py and traffic.py): (a) stock
 SGLang, (b) SwiftCache with the donor lending from its pool, (c) stock SGLang with what (b) lent
@@ -63,6 +63,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
                          "collections over 50 ms (LONG GARBAGE COLLECTION) in the server logs")
     ap.add_argument("--plot", type=Path, default=None,
                     help="the capacity plot (default: OUT/capacity.png)")
+    ap.add_argument("--busy-tp", type=int, default=1, metavar="N",
+                    help="run every busy server (stock, SwiftCache, the ideal) with --tp N, "
+                         "each rank on its own core (the donor stays at TP 1); N must split "
+                         "the busy model's KV heads evenly. Pools stay per rank, as SGLang "
+                         "sizes them with --max-total-tokens (docs/node_bench.md)")
     from .closed_loop import add_arguments
 
     add_arguments(ap)
@@ -73,7 +78,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, NodePlan]:
                         help=f"override the plan's {name} (default {getattr(defaults, name)}, "
                              f"--quick {getattr(NodePlan.quick(), name)})")
     args = ap.parse_args(argv)
+    if args.busy_tp < 1:
+        ap.error(f"--busy-tp must be at least 1, got {args.busy_tp}")
     plan = NodePlan.quick() if args.quick else NodePlan()
+    plan = replace(plan, busy_tp=args.busy_tp)
     try:
         plan = replace(plan, **{k: getattr(args, k) for k in OVERRIDES
                                 if getattr(args, k) is not None})
@@ -129,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     busy_model, donor_model = ensure_tiny_model(shape="small"), ensure_tiny_model(shape="tiny")
     facts = {"busy": ModelFacts.from_dir(busy_model), "donor": ModelFacts.from_dir(donor_model)}
+    try:
+        plan.check_busy_tp(facts["busy"])
+    except ValueError as exc:
+        raise SystemExit(f"bench_node.py: error: {exc}") from None
     if args.closed_loop:
         from . import closed_loop
 
@@ -144,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens; donor: pool "
           f"{plan.donor_pool} tokens, lends {plan.lend_fraction:.0%} (= {max_borrow} busy "
           f"tokens), {plan.donor_requests} light requests, {plan.burst_rounds} bursts of "
-          f"{plan.burst_requests} x {plan.burst_tokens_each} tokens, each in one batched call",
-          flush=True)
+          f"{plan.burst_requests} x {plan.burst_tokens_each} tokens, each in one batched call"
+          + (f"; every busy server --tp {plan.busy_tp} (pools per rank)" if plan.busy_tp > 1
+             else ""), flush=True)
 
     runs, twin = run_node(plan, busy_model, donor_model, traffic, args.out, max_borrow,
                           diagnose=args.diagnose, twin=not args.no_twin,
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     latency = round(b.reclaim_latency_sum_s / b.reclaims, 4) if b.reclaims else None
     summary = summarize(tables, outputs, reclaim, latency)
     summary.update(noise_floor(tables, twin))
+    if plan.busy_tp > 1:
+        summary["busy_tp"] = plan.busy_tp
     summary.update(
         donor_own_pages_wait_ms=b.own_pages_wait_ms,
         reclaims=b.reclaims, donor_full_after_burst_s=reclaim["full_after_s"],

@@ -303,6 +303,8 @@ def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks:
     pools = {name: {"busy": s.busy_pool, "donor": s.donor_pool} for name, s in specs.items()}
     summary = summarize(runs, plan, load, pools)
     summary["hicache_ratio"] = args.hicache_ratio
+    if plan.busy_tp > 1:
+        summary["busy_tp"] = plan.busy_tp
     (out / "closed_loop.json").write_text(json.dumps(
         {"summary": summary, "turns": {n: [asdict(t) for t in r["turns"]]
                                        for n, r in runs.items()}}, indent=1))

@@ -10,6 +10,10 @@ The three runs (same traffic each):
 - `stock`      (a) stock SGLang, both servers with the pools of (b);
 - `swiftcache` (b) SwiftCache: the donor lends from its pool, the busy server borrows;
 - `ideal`      (c) stock SGLang, the capacity lent in (b) moved into the busy server's own pool.
+
+`busy_tp` > 1 runs every busy server with `--tp busy_tp` (the donor stays at TP 1). SGLang reads
+`--max-total-tokens` as each rank's pool in tokens, each rank holding its share of the KV heads,
+so the busy pool's tokens and bytes do not change with it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ COMMON_ARGS = ("--enable-cache-report", "--dtype", "float32", "--enable-metrics"
 # a loaded 2-core machine can starve a control agent's thread for a second or more
 HEARTBEAT_ARGS = ("--swiftcache-heartbeat-timeout-s", "3", "--swiftcache-heartbeat-interval-s",
                   "0.3")
+# SGLang's CPU engine binds each TP rank's threads to the cores listed for it ("0|1": rank 0 on
+# core 0, rank 1 on core 1); without it, it wants one NUMA node per rank and refuses
+TP_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ class ModelFacts:
     kv_bytes_per_token: int
     matmul_flops_per_token: int  # 2 x weights a token multiplies (lm_head in, embedding out)
     attn_flops_per_context_token: int  # QK^T and PV: 4 x layers x q_heads x head_dim
+    kv_heads: int = 1  # num_key_value_heads: a TP server gives each rank an equal share
+    q_heads: int = 1
 
     @property
     def flops_per_kv_byte(self) -> float:
@@ -57,12 +66,20 @@ class ModelFacts:
         return cls(name=name, layers=layers,
                    kv_bytes_per_token=2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype],
                    matmul_flops_per_token=2 * weights,
-                   attn_flops_per_context_token=4 * layers * q_heads * head_dim)
+                   attn_flops_per_context_token=4 * layers * q_heads * head_dim,
+                   kv_heads=kv_heads, q_heads=q_heads)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelFacts":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         return cls.from_config(Path(model_dir).name, cfg)
+
+    def tp_sizes(self) -> list[int]:
+        """The TP sizes that split both head counts evenly: every rank keeps whole KV heads, and
+        every rank's KV shard has the same shape (SwiftCache refuses ranks whose shards differ;
+        SGLang itself would replicate heads where the TP exceeds them)."""
+        return [n for n in range(1, self.kv_heads + 1)
+                if self.kv_heads % n == 0 and self.q_heads % n == 0]
 
     def describe(self) -> str:
         return (f"{self.name}: {self.layers} layers, {self.kv_bytes_per_token} B of KV per "
@@ -104,13 +121,15 @@ class NodePlan:
     # shorter cooldown is a shorter run, not a relend during another donor's burst
     relend_cooldown_s: float = 2.0
     settle_s: float = 6.0  # observed after the traffic: the last reclaim's relend, and after it
+    busy_tp: int = 1  # every busy server's --tp (the donor stays at TP 1)
 
     def __post_init__(self) -> None:
         if self.relend_cooldown_s < 0 or self.settle_s < 0:
             raise ValueError("relend_cooldown_s and settle_s must not be negative")
         for name in ("busy_pool", "donor_pool", "conversations", "turns", "max_tokens",
                      "max_chars", "donor_conversations", "server_threads", "donor_requests",
-                     "donor_max_tokens", "burst_requests", "burst_max_tokens", "burst_rounds"):
+                     "donor_max_tokens", "burst_requests", "burst_max_tokens", "burst_rounds",
+                     "busy_tp"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.lend_fraction < 1 or not 0 < self.reclaim_watermark <= 1:
@@ -121,6 +140,22 @@ class NodePlan:
     @classmethod
     def quick(cls) -> "NodePlan":
         return replace(cls(), turns=4, donor_requests=16, settle_s=5.0)
+
+    def check_busy_tp(self, busy: ModelFacts) -> None:
+        """Raises ValueError, naming --busy-tp and the sizes that work, unless `busy_tp` splits
+        the busy model's heads evenly (`ModelFacts.tp_sizes`)."""
+        if self.busy_tp not in busy.tp_sizes():
+            raise ValueError(
+                f"--busy-tp {self.busy_tp}: the busy model {busy.name} has {busy.kv_heads} KV "
+                f"heads and {busy.q_heads} query heads, which {self.busy_tp} ranks cannot split "
+                f"evenly; use one of {busy.tp_sizes()}")
+
+    def busy_env(self, cpus: int) -> dict[str, str]:
+        """The busy server's extra environment: with `busy_tp` > 1, rank r bound to core
+        r mod `cpus` (TP_BIND_ENV; only SGLang's CPU engine reads it)."""
+        if self.busy_tp == 1:
+            return {}
+        return {TP_BIND_ENV: "|".join(str(r % max(1, cpus)) for r in range(self.busy_tp))}
 
     @property
     def busy_requests(self) -> int:
@@ -166,9 +201,10 @@ class RunSpec:
     swiftcache: bool
 
     def busy_args(self, plan: NodePlan, rendezvous: str, max_borrow_blocks: int) -> list[str]:
+        tp = ["--tp", str(plan.busy_tp)] if plan.busy_tp > 1 else []
         if not self.swiftcache:
-            return list(COMMON_ARGS)
-        return [*COMMON_ARGS, *HEARTBEAT_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
+            return [*COMMON_ARGS, *tp]
+        return [*COMMON_ARGS, *tp, *HEARTBEAT_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
                 "--swiftcache-role", "borrower",
                 "--swiftcache-max-borrow-blocks", str(max_borrow_blocks)]
 

@@ -130,9 +130,13 @@ def forward_trace_path(out_dir: Path, spec: RunSpec, role: str) -> Path:
 def bench_server(model: Path, spec: RunSpec, role: str, pool: int, args: list[str],
                  plan: NodePlan, out_dir: Path, diagnose: bool) -> LocalServer:
     """One benchmark server: `plan.server_threads` torch threads, malloc keeping what its
-    forwards free (MALLOC_KEEPS_MEMORY), its log in OUT/<run>-<role>.log; with `diagnose` also
-    DIAGNOSE_ARGS and a fresh forward trace (`forward_trace_path`)."""
+    forwards free (MALLOC_KEEPS_MEMORY), its log in OUT/<run>-<role>.log; a busy server with
+    `plan.busy_tp` > 1 also its ranks' core binding (`NodePlan.busy_env`; `busy_args` carries
+    the --tp); with `diagnose` also DIAGNOSE_ARGS and a fresh forward trace
+    (`forward_trace_path`)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(plan.server_threads), **MALLOC_KEEPS_MEMORY}
+    if role == "busy":
+        env.update(plan.busy_env(os.cpu_count() or 1))
     extra: list[str] = []
     if diagnose:
         path = forward_trace_path(out_dir, spec, role)
