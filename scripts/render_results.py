@@ -369,6 +369,15 @@ RECORDS["bench_tiers_l3_quick"] = replace(
     keys={**RECORDS["bench_tiers_quick"].keys,
           "hits_by_tier": "(s)'s busy cached tokens by the tier they came from (l3: fetched "
                           "from the store into host, then loaded)"})
+RECORDS["bench_node_quick_tp2"] = replace(
+    RECORDS["bench_node_quick"],
+    title="Node benchmark with a TP 2 busy model: every busy server (a, b, c) runs --tp 2, the "
+          "donor --tp 1",
+    short="node benchmark, busy --tp 2 (CPU)",
+    command="python scripts/bench_node.py --quick --busy-tp 2",
+    keys={**RECORDS["bench_node_quick"].keys,
+          "busy_tp": "the busy servers' --tp (each rank one core; pools are per rank, in "
+                     "tokens, as SGLang sizes them with --max-total-tokens)"})
 RECORDS["bench_node_closed_loop"] = RecordSpec(
     "The node benchmark's closed loop: stock, SwiftCache, the ideal and its twin under SGLang "
     "bench_multiturn's load (clients, rounds, request and output lengths, max parallel)",
