@@ -402,6 +402,8 @@ RECORDS["bench_node_closed_loop"] = RecordSpec(
         "load": "the closed loop's parameters",
         "wall_s": "per run, seconds of traffic",
         "loadavg": "per run, load average before and after (1, 5, 15 min)",
+        "hicache_ratio": "HiCache's host tier in every run's busy server, as a multiple of the "
+                         "base busy pool (0: no HiCache)",
     }, [Headline("identical", key("identical")),
         Headline("cached tokens / ideal", key("cached_vs_ideal")),
         Headline("mean TTFT / ideal", key("closed_loop_ttft_avg_vs_ideal")),
