@@ -26,7 +26,7 @@ control protocol defines it), decoded against the type the caller names.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import msgspec
 
@@ -49,33 +49,13 @@ class _Box(msgspec.Struct, frozen=True, tag_field="t"):
     """A control event (`control/events.py`, a dataclass) tagged with its kind."""
 
 
-class _Granted(_Box, tag="granted"):
-    ev: LeaseGranted
-
-
-class _Failed(_Box, tag="failed"):
-    ev: RequestFailed
-
-
-class _Reclaim(_Box, tag="reclaim"):
-    ev: ReclaimRequested
-
-
-class _Lost(_Box, tag="lost"):
-    ev: LeaseLost
-
-
-class _Returned(_Box, tag="returned"):
-    ev: BlocksReturned
-
-
-class _Peer(_Box, tag="peer"):
-    ev: PeerChanged
-
-
-_BOXES = {box.__annotations__["ev"]: box for box in (_Granted, _Failed, _Reclaim, _Lost,
-                                                     _Returned, _Peer)}
-EventBox = _Granted | _Failed | _Reclaim | _Lost | _Returned | _Peer
+# One box per event kind, with its wire tag: `_Box` subclasses with the one field `ev`.
+_BOXES = {ev.__name__: msgspec.defstruct(f"_{ev.__name__}Box", [("ev", ev)], bases=(_Box,),
+                                         tag=tag, module=__name__)
+          for tag, ev in (("granted", LeaseGranted), ("failed", RequestFailed),
+                          ("reclaim", ReclaimRequested), ("lost", LeaseLost),
+                          ("returned", BlocksReturned), ("peer", PeerChanged))}
+EventBox = Union[tuple(_BOXES.values())]
 
 
 class LeaseReadable(msgspec.Struct, frozen=True, array_like=True):
