@@ -53,6 +53,7 @@ from radix_ext import DEVICE, HOST, DevicePool, RadixTree, TreeConfig, slot_runs
 from ..dataplane.pool_rows import to_device
 from .donor_hits import DonorHitsMixin
 from .storage_hits import StorageHitsMixin
+from .work_clock import WorkClock, timed
 
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
@@ -147,6 +148,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         self.host_kv = host_kv
         self._init_storage(storage)
         self.runtime = self.loads = self.demotions = None
+        self.work = WorkClock()
         super().__init__(params)  # calls self.reset()
         self.slots = KVSlots(self)
         self.metrics = None
@@ -161,6 +163,8 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
                                   tp_worker)
             if enable_metrics:
                 self._start_metrics(agent_id or model or "server", "host")
+        elif enable_metrics:  # the tree alone: its own work and tiers
+            self._start_metrics(agent_id or model or "server", "none")
 
     def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
                        enable_metrics: bool, tp_worker: Any) -> None:
@@ -219,10 +223,12 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         if self.runtime is not None:  # a new, empty tree: hand it the leases still held
             self.runtime.attach_tree(self.tree)
 
+    @timed("loop")
     def swift_step(self, scheduler: Any = None) -> None:
         """Called once per scheduler loop iteration (plugin hook): close finished copies and
         handle control events at most every STEP_INTERVAL_S, so an idle server still takes
         leases and reclaims."""
+        self.work.loops += 1
         if self.loads is not None:
             self.demotions.poll()
             self.loads.poll()
@@ -249,6 +255,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         from .metrics import gauges_of
 
         self._last_metrics = now
+        self.metrics.update_work(self.work.seconds, self.work.loops)
         self.metrics.update(self.stats, gauges_of(self.runtime, self.tree,
                                                   self.token_to_kv_pool_allocator.size))
         if self.runtime is not None and self.runtime.lender is not None:
@@ -266,6 +273,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
 
     # ---- tree operations ----------------------------------------------------------------------
 
+    @timed("match")
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """One match of the tree. The donor part, up to its first lease not readable now, is a
         lower-tier hit: nothing is allocated or copied until `init_load_back`."""
@@ -288,6 +296,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         if not self.disable and len(key):
             self.tree.match(key.raw_token_ids(), namespace_of(key))
 
+    @timed("insert")
     def insert(self, params: InsertParams) -> InsertResult:
         if self.disable:
             return InsertResult(prefix_len=0)
@@ -320,6 +329,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
             return
         self._write_to_storage(node)
 
+    @timed("evict")
     def evict(self, params: EvictParams) -> EvictResult:
         """Evict through the tree. SGLang's allocator needs the room when this returns: a
         borrower's demotions are copied (CPU) or enqueued (GPU) before it does (their time is
@@ -331,6 +341,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         self.update_eviction_metrics(num_evicted, start)
         return EvictResult(num_tokens_evicted=num_evicted)
 
+    @timed("lock")
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable:
             return IncLockRefResult(delta=0)
@@ -338,6 +349,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         self.tree.lock(node)
         return IncLockRefResult(delta=self.tree.evictable_size() - before)
 
+    @timed("lock")
     def dec_lock_ref(self, node: Any,
                      params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
         if self.disable:

@@ -19,6 +19,8 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from radix_ext import RadixTree, admission
 from radix_ext.residency import DonorResidency
 
+from .work_clock import timed
+
 logger = logging.getLogger(__name__)
 
 # A forward waits for its batch's donor loads at most this long after the batch started, plus
@@ -79,11 +81,13 @@ class DonorHitsMixin:
                                     host_kv=self.host_kv)
         self.demotions = Demotions(self, self.runtime, self.stats, host_kv=self.host_kv)
 
+    @timed("batch_start")
     def swift_batch_built(self, batch: Any) -> None:
         """A prefill batch was built (plugin hook): start the loads its requests queued."""
         if self.loads is not None:
             self.loads.start(batch)
 
+    @timed("batch_settle")
     def swift_batch_ran(self, scheduler: Any, batch: Any) -> None:
         """A batch's forward ran (plugin hook): drop the output of requests whose load failed."""
         if self.loads is not None:
@@ -110,6 +114,7 @@ class DonorHitsMixin:
             return True
         return self.runtime.readable(res.donor, res.lease, res.blocks)
 
+    @timed("load_back")
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admit the load of a matched donor part (SGLang calls this for admitted requests):
         allocate its slots (demoting for them: `Demotions.make_room`), begin the tree's ticket

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .work_clock import PHASES
+
 COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "stored_tokens": ("swiftcache_stored_tokens", "tokens copied into donor blocks on demotion"),
     "loaded_tokens": ("swiftcache_loaded_tokens", "tokens loaded back from donor blocks on a hit"),
@@ -98,6 +100,24 @@ class SwiftMetrics:
                                   "donor: from asking lent pages back to the last one back in "
                                   "its own pool", names, buckets=RECLAIM_BUCKETS).labels(**labels)
         self._reclaims_seen = 0
+        self._work = {phase: Counter(f"swiftcache_work_{phase}_seconds",
+                                     f"scheduler-thread time in SwiftCache's code: {help}",
+                                     names).labels(**labels) for phase, help in PHASES.items()}
+        self._loops = Counter("swiftcache_scheduler_loops", "scheduler loop iterations seen",
+                              names).labels(**labels)
+        self._work_last: dict[str, float] = {}
+        self._loops_last = 0
+
+    def update_work(self, seconds: dict[str, float], loops: int) -> None:
+        """Feed a `work_clock.WorkClock`'s totals (they only grow)."""
+        for phase, total in seconds.items():
+            delta = total - self._work_last.get(phase, 0.0)
+            if delta > 0:
+                self._work[phase].inc(delta)
+        self._work_last = dict(seconds)
+        if loops > self._loops_last:
+            self._loops.inc(loops - self._loops_last)
+            self._loops_last = loops
 
     def observe_reclaims(self, latencies: list[float]) -> None:
         """Feed the reclaim latencies recorded since the last call (the list only grows)."""
