@@ -14,7 +14,9 @@ The last line is a JSON object: `overhead_ratio_no_donation`, `overhead_ratio_bo
 hits) and `overhead_ratio_borrower_no_hits` are a run's mean step time over stock's;
 `noise_ratio` is the twin's; `outside_forward_ms` per run is the mean step time minus its
 forwards (the scheduler's own work: SwiftCache's tree, hooks and copies land there); `runs`
-holds each run's steps and step time percentiles.
+holds each run's steps and step time percentiles; `swift_work_per_step` per SwiftCache run is
+where its scheduler thread's own SwiftCache time went, in ms per forward step by phase (the
+server's `swiftcache_work_<phase>_seconds_total` over the trace, `benchmarks/instruments/work.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 from .instruments import instruments_env
+from .instruments.work import breakdown, read_work
 from .loadgen.client import RequestRecord, chat
 from .loadgen.stats import pct
 from .nodebench.plan import COMMON_ARGS, HEARTBEAT_ARGS, ModelFacts
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     busy = ModelFacts.from_dir(busy_dir)
     convs = load_conversations(convs_n, min_turns=turns, max_chars_per_message=200)
     t0 = time.monotonic()
-    steps, texts, loadavg = {}, {}, {}
+    steps, texts, loadavg, work = {}, {}, {}, {}
     for run in RUNS:
         path = work / f"{run}-steps.jsonl"
         path.unlink(missing_ok=True)
@@ -134,15 +137,20 @@ def main(argv: list[str] | None = None) -> int:
             if "donor" in servers:
                 wait_for_lease(rendezvous, timeout_s=180)
             path.unlink(missing_ok=True)  # start-up's own steps are not the trace's
-            records = asyncio.run(_trace(servers["busy"].base_url, convs, turns, 16))
+            url = servers["busy"].base_url
+            work_before = read_work(url, settle=True)
+            records = asyncio.run(_trace(url, convs, turns, 16))
+            work_after = read_work(url, settle=True)
         finally:
             for s in servers.values():
                 s.stop()
         steps[run] = _steps(path)
+        work[run] = breakdown(work_before, work_after, len(steps[run]), "forward step")
         texts[run] = [r.text for r in records]
         loadavg[run] = [round(x, 2) for x in before + os.getloadavg()]
         print(f"[{run}] {len(steps[run])} steps", flush=True)
     out = summarize(steps)
+    out["swift_work_per_step"] = {run: w for run, w in work.items() if w is not None}
     out["identical_to_stock"] = {run: texts[run] == texts["stock"] for run in RUNS}
     out["busy_model"] = busy.describe()
     out["trace"] = {"conversations": convs_n, "turns": turns, "pool_tokens": POOL}
@@ -152,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run:<18} {v['steps']:>5} steps  mean {v['step_ms_mean']:7.2f} ms  p99 "
               f"{v['step_ms_p99']:7.2f} ms  outside the forward {v['outside_forward_ms_mean']:6.2f}"
               " ms")
+    for run, w in out["swift_work_per_step"].items():
+        parts = "  ".join(f"{k} {v:.3f}" for k, v in w["ms"].items() if v)
+        print(f"{run:<18} SwiftCache's own work {w['total_ms']:.3f} ms/step: {parts}")
     print(json.dumps(out, sort_keys=True), flush=True)
     return 0
 

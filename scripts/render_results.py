@@ -305,6 +305,11 @@ RECORDS: dict[str, RecordSpec] = {
                                                "/ stock",
             "noise_ratio": "the same, a second stock run / stock: the noise floor",
             "outside_forward_ms": "per run, mean step time minus its forwards (ms)",
+            "swift_work_per_step": "per SwiftCache run, its scheduler thread's time in "
+                                   "SwiftCache's own code over the trace, ms per forward step "
+                                   "by phase (match, insert, lock, evict, load_back, "
+                                   "batch_start, batch_settle, loop), their total and the "
+                                   "loops seen",
             "runs": "per run: steps timed, step time mean, P50, P99, outside the forward (ms)",
             "identical_to_stock": "per run, whether every output equals stock's",
             "busy_model": "the model, with its prefill FLOPs per KV byte",
@@ -313,7 +318,9 @@ RECORDS: dict[str, RecordSpec] = {
             "wall_s": "seconds the benchmark ran",
         }, [Headline("step time, no donation / stock", key("overhead_ratio_no_donation")),
             Headline("step time, borrower with hits / stock", key("overhead_ratio_borrower")),
-            Headline("stock twin / stock (noise floor)", key("noise_ratio"))]),
+            Headline("stock twin / stock (noise floor)", key("noise_ratio")),
+            Headline("SwiftCache's own work per step, borrower with hits (ms)",
+                     key("swift_work_per_step.borrower_hits.total_ms"), readme=False)]),
     "bench_tiers_quick": RecordSpec(
         "The cache hierarchy: HiCache (h), HiCache with SwiftCache and a lending donor (s), the "
         "ideal (i), stock (r) and a HiCache twin (t)",
@@ -398,6 +405,10 @@ RECORDS["bench_node_closed_loop"] = RecordSpec(
         "history_vs_busy_pool": "the clients' histories at the end over the busy pool",
         "prompt_tokens": "prompt tokens of all requests (stock run)",
         "swift_stats": "the borrower's SwiftCache counters at the end",
+        "swift_work_per_request": "the borrower's scheduler-thread time in SwiftCache's own "
+                                  "code over the traffic, ms per request by phase (match, "
+                                  "insert, lock, evict, load_back, batch_start, batch_settle, "
+                                  "loop), their total and the loops seen",
         "pools": "per run, the busy and donor pools (tokens)",
         "load": "the closed loop's parameters",
         "wall_s": "per run, seconds of traffic",

@@ -24,7 +24,9 @@ JSON keys (last line): `closed_loop_ttft_avg_vs_ideal`, `closed_loop_ttft_p99_vs
 (swiftcache / ideal), `closed_loop_ttft_avg_noise`, `closed_loop_ttft_p99_noise` (twin / ideal),
 `cached_tokens` and `ttft_ms` (avg, p50, p90, p99) per run, `cached_vs_ideal`,
 `history_vs_busy_pool` (the clients' histories at the end over the busy pool), `identical`,
-`swift_stats` (the borrower's SwiftCache counters: donor hits, exchanges, loads), `loadavg`.
+`swift_stats` (the borrower's SwiftCache counters: donor hits, exchanges, loads),
+`swift_work_per_request` (the borrower's scheduler-thread time in SwiftCache's own code over
+the traffic, ms per request by phase: `benchmarks/instruments/work.py`), `loadavg`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..instruments.work import breakdown, read_work
 from ..loadgen.client import _sse_events
 from ..loadgen.stats import pct
 from ..tools.demo import wait_for_lease
@@ -205,14 +208,17 @@ def run_one(spec: RunSpec, plan: NodePlan, load: ClosedLoop, busy_model: Path,
         start_all([busy, donor])
         if spec.swiftcache:
             wait_for_lease(rendezvous, timeout_s=180)
+        work_before = read_work(busy.base_url, settle=True) if spec.swiftcache else None
         t0 = time.monotonic()
         turns = asyncio.run(drive(busy.base_url, load, vocab, forced))
         wall = time.monotonic() - t0
         stats = _metrics(busy.base_url) if spec.swiftcache else {}
+        work = breakdown(work_before, read_work(busy.base_url, settle=True), len(turns),
+                         "request") if spec.swiftcache else None
     finally:
         busy.stop()
         donor.stop()
-    return {"turns": turns, "wall_s": round(wall, 1), "stats": stats,
+    return {"turns": turns, "wall_s": round(wall, 1), "stats": stats, "work": work,
             "loadavg": [round(x, 2) for x in before + os.getloadavg()]}
 
 
@@ -247,6 +253,7 @@ def summarize(runs: dict, plan: NodePlan, load: ClosedLoop, pools: dict) -> dict
     out["history_vs_busy_pool"] = round(load.history_tokens() / plan.busy_pool, 2)
     out["identical"] = out["mismatches"]["swiftcache"] == 0
     out["swift_stats"] = runs["swiftcache"]["stats"]
+    out["swift_work_per_request"] = runs["swiftcache"].get("work")
     return out
 
 

@@ -67,15 +67,13 @@ def test_the_cache_times_what_the_scheduler_calls():
     """SwiftRadixCache without donation: a match, an insert, an eviction and the loop hook each
     land in their phase, and only there."""
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, \
-        MatchPrefixParams
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from radix_ext import TreeConfig
     from sglang_swift.integration.cache import SwiftRadixCache
-
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
     alloc = TokenToKVPoolAllocator(64, torch.int64, "cpu", None, need_sort=False)
     cache = SwiftRadixCache(
@@ -95,3 +93,17 @@ def test_the_cache_times_what_the_scheduler_calls():
     assert cache.work.loops == 1 and cache.work.seconds["loop"] > 0
     assert set(cache.work.seconds) == set(PHASES)
     assert isinstance(slots, torch.Tensor)
+
+
+def test_a_benchmark_reads_the_work_between_two_scrapes_per_unit():
+    from benchmarks.instruments.work import LOOPS, SERIES, breakdown
+
+    before = {SERIES["match"]: 1.0, SERIES["evict"]: 0.5, LOOPS: 10}
+    after = {SERIES["match"]: 1.2, SERIES["evict"]: 0.9, SERIES["batch_start"]: 0.1, LOOPS: 60}
+    got = breakdown(before, after, 100, "forward step")
+    assert got["ms"]["match"] == pytest.approx(2.0) and got["ms"]["evict"] == pytest.approx(4.0)
+    assert got["ms"]["batch_start"] == pytest.approx(1.0) and got["ms"]["insert"] == 0
+    assert got["total_ms"] == pytest.approx(7.0) and got["loops"] == 50
+    assert got["unit"] == "forward step" and got["count"] == 100
+    assert breakdown(None, after, 100, "request") is None  # stock: no series
+    assert breakdown(before, after, 0, "request") is None
