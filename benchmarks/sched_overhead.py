@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     busy = ModelFacts.from_dir(busy_dir)
     convs = load_conversations(convs_n, min_turns=turns, max_chars_per_message=200)
     t0 = time.monotonic()
-    steps, texts, loadavg, work = {}, {}, {}, {}
+    steps, texts, loadavg, swift_work = {}, {}, {}, {}
     for run in RUNS:
         path = work / f"{run}-steps.jsonl"
         path.unlink(missing_ok=True)
@@ -145,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             for s in servers.values():
                 s.stop()
         steps[run] = _steps(path)
-        work[run] = breakdown(work_before, work_after, len(steps[run]), "forward step")
+        swift_work[run] = breakdown(work_before, work_after, len(steps[run]), "forward step")
         texts[run] = [r.text for r in records]
         loadavg[run] = [round(x, 2) for x in before + os.getloadavg()]
         print(f"[{run}] {len(steps[run])} steps", flush=True)
     out = summarize(steps)
-    out["swift_work_per_step"] = {run: w for run, w in work.items() if w is not None}
+    out["swift_work_per_step"] = {run: w for run, w in swift_work.items() if w is not None}
     out["identical_to_stock"] = {run: texts[run] == texts["stock"] for run in RUNS}
     out["busy_model"] = busy.describe()
     out["trace"] = {"conversations": convs_n, "turns": turns, "pool_tokens": POOL}
