@@ -69,6 +69,15 @@ def of(num: str, den: str) -> Callable[[dict], Any]:
     return read
 
 
+def _sweep_curve(field_: str) -> Callable[[dict], Any]:
+    """A live closed-loop sweep's figure at each multiple of HiCache's capacity, in order."""
+    def read(result: dict) -> Any:
+        pts = result.get("sweep") or []
+        return ", ".join(f"{p['history_vs_capacity']:g}x {rounded(p[field_])}" for p in pts
+                         if p.get(field_) is not None) or None
+    return read
+
+
 NODE = "python scripts/bench_node.py --quick"
 RECORDS: dict[str, RecordSpec] = {
     "demo": RecordSpec(
@@ -421,6 +430,36 @@ RECORDS["bench_node_closed_loop"] = RecordSpec(
         Headline("TTFT P99 / ideal", key("closed_loop_ttft_p99_vs_ideal")),
         Headline("ideal twin / ideal, mean TTFT (noise floor)",
                  key("closed_loop_ttft_avg_noise"))])
+RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
+    "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the ideal and a "
+    "HiCache twin at each, the clients' histories from half to four times HiCache's device "
+    "pool plus host tier",
+    "closed loop by multiple of HiCache's capacity (CPU)",
+    "python scripts/bench_node.py --closed-loop --busy-pool 512 --hicache-ratio 2 "
+    "--sweep-clients 3,6,12,24", "docs/node_bench.md", {
+        "sweep": "one entry per client count (the keys below)",
+        "sweep.clients": "closed-loop clients",
+        "sweep.history_vs_capacity": "the clients' histories at the end over the busy server's "
+                                     "device pool plus host tier (HiCache's capacity)",
+        "sweep.cached_tokens": "per system, the busy model's prompt tokens served from cache",
+        "sweep.cached_vs_stock": "cached tokens, SwiftCache / HiCache",
+        "sweep.ttft_avg_ms": "per system, mean TTFT (ms)",
+        "sweep.ttft_p99_ms": "per system, TTFT P99 (ms)",
+        "sweep.ttft_p99_reduction_vs_stock": "1 - SwiftCache's TTFT P99 / HiCache's",
+        "sweep.ttft_p99_twin_vs_stock": "TTFT P99, HiCache twin / HiCache: the noise floor",
+        "sweep.ttft_avg_twin_vs_stock": "mean TTFT, HiCache twin / HiCache",
+        "sweep.mismatches": "per system, answers that differ from HiCache's",
+        "sweep.loadavg": "per system, load average before and after",
+        "identical": "every SwiftCache answer equals HiCache's at every point",
+        "hicache_ratio": "HiCache's host tier, a multiple of the busy pool",
+        "capacity_tokens": "the busy server's device pool plus host tier (tokens)",
+        "load": "the closed loop's parameters (clients: the base, swept)",
+    }, [Headline("identical", key("identical")),
+        Headline("TTFT P99 reduction vs HiCache by multiple",
+                 _sweep_curve("ttft_p99_reduction_vs_stock")),
+        Headline("HiCache twin / HiCache, TTFT P99, by multiple (noise floor)",
+                 _sweep_curve("ttft_p99_twin_vs_stock")),
+        Headline("cached tokens / HiCache by multiple", _sweep_curve("cached_vs_stock"))])
 RECORDS["bench_tiers_l3_wt_quick"] = replace(
     RECORDS["bench_tiers_l3_quick"],
     title="The cache hierarchy with L3 under HiCache's default write policy: every HiCache run "
@@ -732,7 +771,11 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
             Figure("bench_tiers_quick", "P99 TTFT, SwiftCache / HiCache",
                    key("ttft_p99_vs_hicache")),
             Figure("bench_tiers_quick", "HiCache twin / HiCache (noise floor)",
-                   key("ttft_p99_noise"))]}),
+                   key("ttft_p99_noise")),
+            Figure("bench_node_closed_loop_sweep", "closed loop, reduction by multiple of "
+                   "HiCache's capacity", _sweep_curve("ttft_p99_reduction_vs_stock")),
+            Figure("bench_node_closed_loop_sweep", "HiCache twin / HiCache by multiple (noise "
+                   "floor)", _sweep_curve("ttft_p99_twin_vs_stock"))]}),
     ("goodput against HiCache", "not stated", {
         "simulated, compute regime": [
             Figure("simulate_quick", "SwiftCache / HiCache",
@@ -756,7 +799,9 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
                    _closed_loop_curve("cached_vs_hicache", "swiftcache"))],
         "live CPU": [
             Figure("bench_tiers_quick", "SwiftCache / HiCache", key("cached_vs_hicache")),
-            Figure("bench_node_quick", "SwiftCache / stock", key("busy_cached_ratio"))]}),
+            Figure("bench_node_quick", "SwiftCache / stock", key("busy_cached_ratio")),
+            Figure("bench_node_closed_loop_sweep", "closed loop, SwiftCache / HiCache by "
+                   "multiple", _sweep_curve("cached_vs_stock"))]}),
     ("against the ideal (the lent memory as the busy model's own device memory)", "not stated", {
         "simulated, capacity regime": [
             Figure("simulate_grid_seeds", "ideal goodput / HiCache, chosen cell, 3 seeds",

@@ -16,9 +16,11 @@ prompts; `identical` compares each run's answers with stock's, request by reques
 
 `--hicache-ratio R` gives every run's busy server HiCache's host tier (R x the base busy pool,
 the same host tokens in the ideal): stock becomes HiCache, SwiftCache HiCache + SwiftCache.
-`--sweep-clients 4,8,16` runs the three systems (no twin) at each client count and reports
-cached tokens and TTFT per system against `history_vs_capacity` (the clients' histories over
-the busy server's device pool plus host tier).
+`--sweep-clients 4,8,16` runs stock (HiCache with `--hicache-ratio`), SwiftCache, the ideal and
+a twin of stock at each client count and reports cached tokens and TTFT per system against
+`history_vs_capacity` (the clients' histories over the busy server's device pool plus host
+tier), with `ttft_p99_reduction_vs_stock` (1 - SwiftCache / stock) beside the twin's
+`ttft_p99_twin_vs_stock`, the noise floor of that ratio.
 
 JSON keys (last line): `closed_loop_ttft_avg_vs_ideal`, `closed_loop_ttft_p99_vs_ideal`
 (swiftcache / ideal), `closed_loop_ttft_avg_noise`, `closed_loop_ttft_p99_noise` (twin / ideal),
@@ -274,8 +276,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "base busy pool (write_back; the ideal keeps the same host tokens); "
                         "0: no HiCache (default)")
     g.add_argument("--sweep-clients", default=None,
-                   help="comma-separated client counts: stock (or HiCache), SwiftCache and the "
-                        "ideal at each (no twin); the JSON gets `sweep`, one entry per count")
+                   help="comma-separated client counts: stock (or HiCache), SwiftCache, the "
+                        "ideal and a twin of stock at each; the JSON gets `sweep`, one entry per "
+                        "count")
 
 
 def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks: int) -> int:
@@ -321,8 +324,9 @@ def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks:
 
 def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path,
            donor_model: Path, out: Path, max_borrow_blocks: int, vocab: int) -> int:
-    """The three systems at each client count: cached tokens and TTFT per system, and the
-    clients' histories against the busy server's own capacity (device pool plus host tier)."""
+    """The three systems and stock's twin at each client count: cached tokens and TTFT per
+    system, and the clients' histories against the busy server's own capacity (device pool plus
+    host tier)."""
     from dataclasses import replace
 
     try:
@@ -336,8 +340,9 @@ def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path
         load = replace(base, clients=n)
         runs: dict = {}
         forced = None
-        for name in ("stock", "swiftcache", "ideal"):
-            runs[name] = run_one(specs[name], plan, load, busy_model, donor_model, out, forced,
+        for name in ("stock", "swiftcache", "ideal", "stock_twin"):
+            spec = specs["stock" if name == "stock_twin" else name]
+            runs[name] = run_one(spec, plan, load, busy_model, donor_model, out, forced,
                                  max_borrow_blocks, vocab, args.hicache_ratio)
             if name == "stock":
                 forced = {(t.client, t.round): t.output for t in runs[name]["turns"]}
@@ -351,6 +356,13 @@ def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path
             point["ttft_p99_ms"][name] = pct(ttft, 99)
             point["mismatches"][name] = sum(1 for t in run["turns"]
                                             if t.output != ref[(t.client, t.round)])
+        p99, avg = point["ttft_p99_ms"], point["ttft_avg_ms"]
+        point["ttft_p99_reduction_vs_stock"] = 1 - p99["swiftcache"] / p99["stock"]
+        point["ttft_p99_twin_vs_stock"] = p99["stock_twin"] / p99["stock"]
+        point["ttft_avg_twin_vs_stock"] = avg["stock_twin"] / avg["stock"]
+        point["cached_vs_stock"] = (point["cached_tokens"]["swiftcache"]
+                                    / max(1, point["cached_tokens"]["stock"]))
+        point["loadavg"] = {name: run["loadavg"] for name, run in runs.items()}
         points.append(point)
         print(f"[{n} clients] {json.dumps(point)}", flush=True)
     summary = {"sweep": points, "hicache_ratio": args.hicache_ratio, "load": asdict(base),
