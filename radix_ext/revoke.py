@@ -78,10 +78,45 @@ class RevokeMixin:
             released.append(Released(DONOR, res))
             if not x.res:
                 orphans.append(x)
-        # Shallowest first, so a lost subtree is reported (and removed) once, at its top.
+        lost, leaves, num_lost = self._drop_orphans(orphans, released, stale)
+        if gone_blocks is not None:
+            self.donor.remove_blocks(donor, lease_id, gone_blocks)
+        else:
+            for key in [k for k in self.donor.leases if k[0] == donor]:
+                if lease_id is None or key[1] == lease_id:
+                    self.donor.remove_lease(*key)
+        return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
+                            tuple(moved), tuple(leaves), tuple(moved_nodes))
+
+    def forget_rescue(self, moved: Iterable[Transfer]) -> RevokeResult:
+        """Take back the host copies a `revoke(rescue=True)` gave (its `moved`) whose rows could
+        not be written: each host residency is freed, and a node left with no copy loses its
+        subtree, as in a revoke (`lost`, `lost_paths`, `num_tokens_lost` say what). Call it
+        before anything reads those host slots."""
+        holders = {id(x.res[HOST]): x for x in self._in_tier[HOST]}
+        released: list = []
+        stale: list = []
+        orphans = []
+        for tr in moved:
+            x = holders.get(id(tr.dst))
+            if x is None:
+                continue  # not in the host tier any more
+            if x.pins:
+                stale.extend(self._mark_stale(x))
+            self.tiers[HOST].free(self._pop_res(x, HOST))
+            released.append(Released(HOST, tr.dst))
+            if not x.res:
+                orphans.append(x)
+        lost, leaves, num_lost = self._drop_orphans(orphans, released, stale)
+        return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
+                            (), tuple(leaves), ())
+
+    def _drop_orphans(self, orphans: list, released: list, stale: list) -> tuple:
+        """Remove the subtrees of `orphans` (nodes left with no copy), shallowest first so a lost
+        subtree is reported (and removed) once, at its top; returns (lost, leaves, tokens)."""
         orphans.sort(key=self._depth)
         removed: set = set()
-        lost = []
+        lost: list = []
         num_lost = 0
         leaves: list = []
         for x in orphans:
@@ -102,14 +137,7 @@ class RevokeMixin:
                 num_lost += len(y.key)
                 if y.pins:
                     stale.extend(self._mark_stale(y))
-        if gone_blocks is not None:
-            self.donor.remove_blocks(donor, lease_id, gone_blocks)
-        else:
-            for key in [k for k in self.donor.leases if k[0] == donor]:
-                if lease_id is None or key[1] == lease_id:
-                    self.donor.remove_lease(*key)
-        return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
-                            tuple(moved), tuple(leaves), tuple(moved_nodes))
+        return lost, leaves, num_lost
 
     def _rescue(self, victims: list, released: list) -> tuple[list, list]:
         """Host copies for the victims that have none, shallowest first; returns the transfers

@@ -328,13 +328,15 @@ class Borrowing:
         for held in subs:
             local = [b for b in held.packing.blocks_touching(ev.blocks, strict=False)
                      if b not in held.gone]
-            rows = self.staging.take(ev) if self.staging is not None and len(subs) == 1 else {}
+            rows = (self.staging.take(ev, self.tp) if self.staging is not None
+                    and len(subs) == 1 else {})  # with TP: rows only if every rank staged
             rescue = bool(local) and all(b in rows for b in local)
             result = tree.revoke(ev.key.donor, lease_id=held.key.lease_id, blocks=local,
                                  rescue=rescue)
             held.gone.update(local)
             if result.moved:
-                n = self.staging.write(result.moved, rows, held.packing.borrower.page_size)
+                n = self.staging.write(result.moved, rows, held.packing.borrower.page_size,
+                                       tree, self.tp)
                 self.stats["rescued_tokens"] = self.stats.get("rescued_tokens", 0) + n
             results.append(result)
         return merged_revokes(results)

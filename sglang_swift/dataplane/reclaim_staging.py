@@ -9,6 +9,13 @@ a later one may come after it. The read checks the lease's read deadline and the
 donor may take the pages back without an ack after it), the donor's liveness and the lease epoch,
 as any copy: bytes read past any of them could be the donor's own again, so such a read fails
 and its prefixes are recomputed, never loaded.
+
+With TP (`tp`, a `tp_sync.TpGroup`) every rank fences, reads its own shard of the blocks and
+writes it into its own host pool, at the same pump (rank 0 acknowledges after all of them). What
+a rank's read or write decides is agreed before it reaches the tree: `take` hands out the staged
+blocks only when every rank staged the same ones (else none, on every rank: no rank rescues),
+and a write that failed on any rank takes the rescued host copies back on every rank
+(`RadixTree.forget_rescue`). No rank ever keeps rows another rank lacks.
 """
 
 from __future__ import annotations
@@ -81,16 +88,43 @@ class ReclaimStaging:
             self._staged.setdefault((held.key.donor, held.key.lease_id), []).append(
                 Staged(list(blocks), ks, vs))
 
-    def take(self, ev: Any) -> dict:
-        """The staged blocks of `ev`'s lease, block -> (part, position), forgotten here."""
+    def take(self, ev: Any, tp: Any = None) -> dict:
+        """The staged blocks of `ev`'s lease, block -> (part, position), forgotten here. With
+        `tp` a collective: the blocks when every rank staged the same ones, else none on any
+        rank (a rank whose read failed makes every rank drop those prefixes)."""
         with self._lock:
             staged = self._staged.pop((ev.key.donor, ev.key.lease_id), [])
             self._fenced.discard((ev.key, ev.reclaim_id))
-        return {b: (part, i) for part in staged for i, b in enumerate(part.blocks)}
+        rows = {b: (part, i) for part in staged for i, b in enumerate(part.blocks)}
+        if tp is not None:
+            every = tp.gather(sorted(rows), list[int])
+            if any(blocks != every[0] for blocks in every):
+                logger.warning("SwiftCache: another TP rank could not read the reclaimed blocks "
+                               "of lease %s before letting them go; their prefixes will be "
+                               "recomputed on every rank", ev.key)
+                return {}
+        return rows
 
-    def write(self, moved: tuple, rows: dict, page: int) -> int:
+    def write(self, moved: tuple, rows: dict, page: int, tree: Any, tp: Any = None) -> int:
         """Write the staged rows of each rescued copy (`Transfer` donor -> host) into the host
-        slots the tree gave it; returns the tokens written."""
+        slots `tree` gave it; returns the tokens written. A write that failed (with `tp`: on
+        any rank; a collective) is taken back from the tree (`forget_rescue`, on every rank):
+        those prefixes are recomputed, never read from rows that were not written."""
+        error = None
+        try:
+            n = self._write(moved, rows, page)
+        except Exception as exc:  # noqa: BLE001 - agreed below, then dropped
+            error, n = exc, 0
+        ok = error is None if tp is None else tp.all_ok(error is None)
+        if ok:
+            return n
+        logger.warning("SwiftCache: the rescued rows of %d prefixes could not be written into "
+                       "the host tier (%s); they will be recomputed", len(moved),
+                       repr(error) if error is not None else "failed on another TP rank")
+        tree.forget_rescue(moved)
+        return 0
+
+    def _write(self, moved: tuple, rows: dict, page: int) -> int:
         host: list[int] = []
         picks: dict[int, list] = {}  # id(part) -> (position in the write, row in the part)
         parts: dict[int, Staged] = {}

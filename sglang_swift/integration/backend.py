@@ -43,17 +43,15 @@ def _identity(server_args: Any) -> tuple[str, str, bool]:
 def tp_problems(ctx: Any, config: Any) -> list[str]:
     """What SwiftCache does not do yet with --tp > 1 (each named with the reason). A TP
     borrower is served (`tp_sync.py`: rank 0's agent, every rank its own shard), and so is a
-    TP donor (rank 0 plans, every rank lends the same page ids of its own pool)."""
+    TP donor (rank 0 plans, every rank lends the same page ids of its own pool), each with a
+    host tier too (every rank its own host pool, copies and reclaim rescues agreed). L3 with
+    TP is refused by the launcher (`host_tier.host_tier_problems`)."""
     tp_size = getattr(ctx, "tp_size", 1) or 1
     if tp_size <= 1:
         return []
     problems = []
     if config.streams_layers:
         problems.append(LAYER_STREAM_TP.format(tp=tp_size))
-    if config.host_tier and config.uses_donation:
-        problems.append(f"a host tier with lending or borrowing and --tp {tp_size} (its copies "
-                        f"and reclaim rescues are not agreed between the ranks yet; drop "
-                        f"--enable-hierarchical-cache or lend and borrow with --tp 1)")
     return problems
 
 
@@ -77,13 +75,15 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop "
                          f"those options or run without --enable-swiftcache.")
     from .cache import SwiftRadixCache
+    from .tp_sync import tp_group_of
 
+    tp = tp_group_of(ctx)  # None with one rank
     host_kv = None
-    if config.host_tier:
+    if config.host_tier:  # with TP: this rank's host pool, its copies agreed between the ranks
         from .host_tier import HostKV
 
         host_kv = HostKV.from_server_args(params.token_to_kv_pool_allocator.get_kvcache(),
-                                          ctx.server_args, params.page_size)
+                                          ctx.server_args, params.page_size, tp=tp)
     storage = None
     if host_kv is not None and getattr(ctx.server_args, "hicache_storage_backend", None):
         from .storage_tier import StorageTier
@@ -103,13 +103,11 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     else:
         model, agent_id, metrics = _identity(ctx.server_args)
         from ..dataplane import UnshareablePool
-        from .tp_sync import tp_group_of
 
         try:
             cache = SwiftRadixCache(params, tree_config, config, model=model,
                                     agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
-                                    storage=storage, enable_metrics=metrics,
-                                    tp=tp_group_of(ctx))
+                                    storage=storage, enable_metrics=metrics, tp=tp)
         except UnshareablePool as exc:
             raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
                              f"{exc}") from None

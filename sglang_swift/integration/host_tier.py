@@ -9,6 +9,12 @@ by `--hicache-mem-layout`, and every byte moves through its own transfer methods
 SGLang's kernels, in the CPU venv the stand-ins of `cpu_compat/hicache.py`. The tree's `HostTier`
 books the pool's token slots 0 .. capacity-1; the pool's own allocator stays unused.
 
+With `--tp > 1` every rank builds its own host pool over its own device pool (its shard of the
+KV heads) and books the same slots in its tree: the trees are identical, so every store, load and
+room made is decided alike on every rank. What a rank's own copy decides is agreed (`tp`,
+`tp_sync.TpGroup`): a store or load that raised on any rank raises on every rank (`HostCopyFailed`),
+so each caller drops the same prefixes everywhere.
+
 `host_tier_problems` lists the HiCache options SwiftCache's host tier does not honour yet, each
 with the option named and what to pass instead; the launcher refuses them before any model loads.
 """
@@ -54,7 +60,19 @@ def host_tier_problems(server_args: Any, config: Any) -> list[str]:
     if getattr(config, "streams_layers", False):
         problems.append("--swiftcache-layer-stream with --enable-hierarchical-cache (the layer "
                         "stream cache keeps its own host store: drop one of the two)")
+    tp_size = getattr(server_args, "tp_size", 1) or 1
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend and tp_size > 1:
+        problems.append(f"--hicache-storage-backend {backend} with --tp {tp_size} (L3's hit "
+                        f"queries, fetches and the host slots its writes hold are each rank's "
+                        f"own and not agreed between the ranks yet: drop "
+                        f"--hicache-storage-backend or serve with --tp 1)")
     return problems
+
+
+class HostCopyFailed(RuntimeError):
+    """A host tier copy failed on this rank or, with TP, on another: the caller drops what it
+    would have copied (every rank alike)."""
 
 
 def _gather(records: Any, dev_side: str, host_side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +101,12 @@ class HostKV:
     `load_layer(host_slots, device_slots, layer)` copies one layer back. Both issue their copies
     on the caller's stream (GPU: ordered with the forward that follows, no host wait; CPU: done
     when they return). Index tensors: int64, host slots on the CPU, device slots on the pool's
-    device."""
+    device. With `tp` (a `tp_sync.TpGroup`, --tp > 1) `store_copies` and `load_copies` are
+    collectives: every rank calls them at the same point (the trees decide alike), and each
+    raises `HostCopyFailed` on every rank when the copy failed on any."""
 
     def __init__(self, kv_pool: Any, *, ratio: float, size_gb: int, layout: str,
-                 io_backend: str, page_size: int, write_through: bool = False):
+                 io_backend: str, page_size: int, write_through: bool = False, tp: Any = None):
         from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
         from ..cpu_compat import hicache as cpu_hicache
@@ -107,6 +127,7 @@ class HostKV:
                         write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
         self.capacity = self.pool.size
         self.write_through = write_through  # --hicache-write-policy write_through
+        self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
         self.token_bytes = self.pool.size_per_token
         self.device = torch.device(kv_pool.device) if isinstance(kv_pool.device, str) \
             else kv_pool.device
@@ -115,13 +136,32 @@ class HostKV:
                     layout, io_backend)
 
     @classmethod
-    def from_server_args(cls, kv_pool: Any, server_args: Any, page_size: int) -> "HostKV":
-        """Sized and laid out by the server's HiCache options, as SGLang resolved them."""
+    def from_server_args(cls, kv_pool: Any, server_args: Any, page_size: int,
+                         tp: Any = None) -> "HostKV":
+        """Sized and laid out by the server's HiCache options, as SGLang resolved them (with
+        TP, per rank: `kv_pool` is this rank's shard, and so is the host pool built over it)."""
         ratio = getattr(server_args, "hicache_ratio", None) or 2.0
         return cls(kv_pool, ratio=float(ratio), size_gb=int(server_args.hicache_size or 0),
                    layout=server_args.hicache_mem_layout,
                    io_backend=server_args.hicache_io_backend, page_size=page_size,
-                   write_through=server_args.hicache_write_policy == "write_through")
+                   write_through=server_args.hicache_write_policy == "write_through", tp=tp)
+
+    def _agreed(self, copy: Any, what: str) -> Any:
+        """`copy()`'s result when it succeeded here and, with TP, on every rank; else
+        `HostCopyFailed` (on every rank: the outcome is gathered before anyone raises)."""
+        error = None
+        try:
+            out = copy()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, raised below
+            error, out = exc, None
+        ok = error is None
+        if self.tp is not None:
+            ok = self.tp.all_ok(ok)
+        if ok:
+            return out
+        if error is None:
+            raise HostCopyFailed(f"a host tier {what} failed on another TP rank")
+        raise HostCopyFailed(f"a host tier {what} failed: {error!r}") from error
 
     def _indices(self, host_slots: torch.Tensor,
                  device_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +180,14 @@ class HostKV:
 
     def store_copies(self, copies: Any) -> int:
         """`store` for tree records with `.src` device and `.dst` host residencies (store
-        tickets, write-through transfers), in one call; returns the tokens copied."""
-        dev, host = _gather(copies, "src", "dst")
-        if len(dev):
-            self.store(dev, host)
-        return len(dev)
+        tickets, write-through transfers), in one call; returns the tokens copied. Raises
+        `HostCopyFailed` (with TP: on every rank) when the copy failed."""
+        def copy() -> int:
+            dev, host = _gather(copies, "src", "dst")
+            if len(dev):
+                self.store(dev, host)
+            return len(dev)
+        return self._agreed(copy, "store")
 
     def load_layer(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
                    layer: int) -> None:
@@ -154,13 +197,16 @@ class HostKV:
     def load_copies(self, copies: Any, on_layer: Any) -> int:
         """Every layer of tree load records (`.src` host, `.dst` device residencies) in one
         transfer, the indices placed once; `on_layer(layer)` after each layer's copy is issued.
-        Returns the tokens loaded."""
-        dev, host = _gather(copies, "dst", "src")
-        h, d = self._indices(host, dev.to(self.device, non_blocking=True))
-        for layer in range(self.num_layers):
-            self.pool.load_to_device_per_layer(self.kv_pool, h, d, layer, self.io_backend)
-            on_layer(layer)
-        return len(dev)
+        Returns the tokens loaded. Raises `HostCopyFailed` (with TP: on every rank, after this
+        rank's layers) when the copy failed: its requests must not use what it loaded."""
+        def copy() -> int:
+            dev, host = _gather(copies, "dst", "src")
+            h, d = self._indices(host, dev.to(self.device, non_blocking=True))
+            for layer in range(self.num_layers):
+                self.pool.load_to_device_per_layer(self.kv_pool, h, d, layer, self.io_backend)
+                on_layer(layer)
+            return len(dev)
+        return self._agreed(copy, "load")
 
     def write_rows(self, host_slots: torch.Tensor, k_rows: list, v_rows: list) -> None:
         """Write token rows (per layer, `[n, heads, dim]` on any device) into `host_slots`,
