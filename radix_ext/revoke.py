@@ -53,7 +53,10 @@ class RevokeMixin:
             if not gone_blocks <= owned:
                 raise ValueError(f"blocks {sorted(gone_blocks - owned)[:8]} are not in lease "
                                  f"{donor}/{lease_id}; nothing was revoked")
-        victims = [x for x in self._in_tier[DONOR] if hit(x.res[DONOR])]
+        # in node order, not the set's (its order is the objects' addresses): the blocks freed
+        # and the host slots given go in the same order in every tree that made the same moves
+        # (the TP ranks' trees, each in its own process)
+        victims = sorted(x for x in self._in_tier[DONOR] if hit(x.res[DONOR]))
         released: list = []
         stale: list = []
         for t in self._stores.values():
@@ -93,7 +96,7 @@ class RevokeMixin:
         not be written: each host residency is freed, and a node left with no copy loses its
         subtree, as in a revoke (`lost`, `lost_paths`, `num_tokens_lost` say what). Call it
         before anything reads those host slots."""
-        holders = {id(x.res[HOST]): x for x in self._in_tier[HOST]}
+        holders = {id(x.res[HOST]): x for x in self._in_tier[HOST]}  # used in `moved` order
         released: list = []
         stale: list = []
         orphans = []
@@ -114,7 +117,7 @@ class RevokeMixin:
     def _drop_orphans(self, orphans: list, released: list, stale: list) -> tuple:
         """Remove the subtrees of `orphans` (nodes left with no copy), shallowest first so a lost
         subtree is reported (and removed) once, at its top; returns (lost, leaves, tokens)."""
-        orphans.sort(key=self._depth)
+        orphans.sort(key=lambda x: (self._depth(x), x.id))
         removed: set = set()
         lost: list = []
         num_lost = 0
@@ -145,7 +148,8 @@ class RevokeMixin:
         A victim that finds no room is dropped with its subtree, so nothing below it is moved;
         another victim may still fit. Room is made with every victim held, so making it never
         drops another victim."""
-        todo = sorted((x for x in victims if HOST not in x.res), key=self._depth)
+        todo = sorted((x for x in victims if HOST not in x.res),
+                      key=lambda x: (self._depth(x), x.id))
         moved, nodes = [], []
         failed: set = set()
         with self._held(todo):

@@ -117,6 +117,8 @@ class ReclaimStaging:
             error, n = exc, 0
         ok = error is None if tp is None else tp.all_ok(error is None)
         if ok:
+            logger.info("SwiftCache: moved %d tokens of reclaimed donor pages into the host tier",
+                        n)
             return n
         logger.warning("SwiftCache: the rescued rows of %d prefixes could not be written into "
                        "the host tier (%s); they will be recomputed", len(moved),

@@ -199,6 +199,38 @@ def test_forget_rescue_takes_the_host_copies_back_and_drops_what_had_no_other():
     tree.check_integrity()
 
 
+class _Ordered(set):
+    """A tier's member set iterated in a given node order: as two processes' sets of the same
+    nodes may be (a set's order follows the objects' addresses)."""
+
+    reverse = False
+
+    def __iter__(self):
+        return iter(sorted(set.__iter__(self), reverse=self.reverse))
+
+
+@pytest.mark.parametrize("room", [10, 64])
+def test_a_rescue_decides_by_the_tree_alone_not_by_a_sets_order(room):
+    """Invariant: two identical trees (the TP ranks') whose tier sets iterate in opposite orders
+    rescue the same nodes into the same host slots and free the same blocks in the same order,
+    also when host room is short (room for the shared root and one of two branches)."""
+    from unit.test_host_tier import _tree_with_donor_prefixes
+
+    outcomes = []
+    for reverse in (False, True):
+        tree, a, b = _tree_with_donor_prefixes(host_capacity=room)
+        members = _Ordered(tree._in_tier[DONOR])
+        members.reverse = reverse
+        tree._in_tier[DONOR] = members
+        result = tree.revoke("d", rescue=True)
+        outcomes.append(([(x.id, list(x.res[HOST].indices)) for x in result.moved_nodes],
+                         result.num_tokens_lost, [list(p.tokens) for p in result.lost_paths]))
+        tree.check_integrity()
+    assert outcomes[0] == outcomes[1]
+    if room == 10:
+        assert outcomes[0][1] == 6  # one branch found no room
+
+
 def test_l3_with_tp_is_refused_by_name_and_a_tp_host_tier_with_donation_is_not():
     from sglang_swift.config import SwiftConfig
     from sglang_swift.integration.backend import tp_problems
