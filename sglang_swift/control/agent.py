@@ -16,7 +16,9 @@ on the network. The owner (the scheduler) talks to it through commands and drain
   ``next_event(timeout)``. An owner whose own loop may not drain events for a while (a
   scheduler in a long forward) registers ``on_reclaim(handler)``: each ReclaimRequested is
   then handed to ``handler`` on the I/O thread at once, and an ``ack_reclaim`` it makes leaves
-  in the same I/O step (the event is still queued for the owner afterwards).
+  in the same I/O step (the event is still queued for the owner afterwards). An owner whose
+  loop may sleep until its own input comes registers ``on_queued(handler)``: each event is handed
+  to ``handler`` on the I/O thread right after it is queued (to wake that loop).
 
 With tensor parallelism only one rank (rank 0) creates the agent; it speaks for the server,
 and the data plane forwards grants and reclaims to the other ranks. ``agent_id`` must be
@@ -79,6 +81,7 @@ class ControlAgent(AgentIO):
         self._changed = threading.Condition(self._lock)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._reclaim_handler: Callable[[ReclaimRequested], None] | None = None
+        self._queued_handler: Callable[[Event], None] | None = None
         self._reclaims: collections.deque = collections.deque()  # for the handler (I/O thread)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: collections.deque = collections.deque()  # defer(): after the acks
@@ -199,6 +202,14 @@ class ControlAgent(AgentIO):
         copies, not wait for a scheduler). An exception in it is logged and counted
         (``reclaim_handler_errors``); the owner still gets the event. None unregisters."""
         self._reclaim_handler = handler
+
+    def on_queued(self, handler: Callable[[Event], None] | None) -> None:
+        """Hand each event to ``handler`` on the I/O thread right after it is queued for
+        ``poll_events`` (a reclaim after its ``on_reclaim`` handler ran), so an owner whose loop
+        sleeps until input comes can wake it: whatever the woken loop polls then holds the event.
+        The handler must be short and never block (it may run under the agent's lock); an
+        exception in it is logged and counted (``queued_handler_errors``). None unregisters."""
+        self._queued_handler = handler
 
     def release(self, key: LeaseKey, blocks=None) -> None:
         self._command(self.borrower.release, key, None if blocks is None else list(blocks))

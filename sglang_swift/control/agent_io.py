@@ -44,7 +44,19 @@ class AgentIO:
         if type(event) is ReclaimRequested and self._reclaim_handler is not None:
             self._reclaims.append(event)  # to the handler first, outside the lock (_step)
         else:
-            self._events.put(event)
+            self._queue(event)
+
+    def _queue(self, event: Event) -> None:
+        """Queue ``event`` for the owner, then tell the owner's ``on_queued`` handler."""
+        self._events.put(event)
+        handler = self._queued_handler
+        if handler is not None:
+            try:
+                handler(event)
+            except Exception:  # the owner's bug: the event is queued all the same
+                log.exception("on_queued handler failed on %s", type(event).__name__)
+                with self._lock:
+                    self.count("queued_handler_errors")
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -143,7 +155,7 @@ class AgentIO:
                         with self._lock:
                             self.count("reclaim_handler_errors")
                     self._drain_commands()  # its ack leaves before the next reclaim's handler
-            self._events.put(event)
+            self._queue(event)
 
     def _run_deferred(self) -> None:
         while self._deferred:

@@ -154,6 +154,7 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         self.metrics = None
         self._own_stats: dict = {}
         self._last_step = self._last_report = self._last_metrics = 0.0
+        self._watch_loop = True  # runtime.watch_loop at the first step given the scheduler
         self._reported: dict = {}
         if config is not None and config.uses_donation:
             self._start_runtime(config, model, agent_id, enable_metrics, tp_worker)
@@ -227,7 +228,8 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
     def swift_step(self, scheduler: Any = None) -> None:
         """Called once per scheduler loop iteration (plugin hook): close finished copies and
         handle control events at most every STEP_INTERVAL_S, so an idle server still takes
-        leases and reclaims."""
+        leases and reclaims; with TP also at once when rank 0's agent woke the loop for them
+        (`loop_wake.py`: an idle scheduler asleep in SGLang's poll runs this step at once)."""
         self.work.loops += 1
         if self.loads is not None:
             self.demotions.poll()
@@ -239,7 +241,13 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
             self._update_metrics(now)
             self._report(now)
             return
-        due = now - self._last_step >= STEP_INTERVAL_S
+        if self._watch_loop and scheduler is not None:  # the first step with the scheduler
+            self._watch_loop = False
+            self.runtime.watch_loop(scheduler)
+        # woken first (drained every step): TP rank 0's agent woke the loop for an event that
+        # waits for the pump (a reclaim), so this step pumps whenever the last one was
+        due = self.runtime.woken()
+        due = due or now - self._last_step >= STEP_INTERVAL_S
         if due:
             self._last_step = now
         if due or self.tp is not None:  # TP: every loop, rank 0's `due` decides for all

@@ -23,7 +23,10 @@ others a `FollowerAgent`): rank 0 shares its agent's events and its view of the 
 pump, every rank applies them at the same step, a reclaim is fenced by every rank at that pump
 and acknowledged by rank 0 only after all of them (no acknowledgement from the agent's thread:
 the other ranks' copies are in other processes), and each rank copies its own shard of the KV
-heads (`LeasePacking(shard=)`). A lending server with `--tp > 1`: rank 0 plans each loop's
+heads (`LeasePacking(shard=)`). Rank 0's agent wakes rank 0's scheduler loop when it queued an
+event that waits for the pump (`WAKE_EVENTS`, `loop_wake.py`): an idle scheduler asleep in SGLang's
+`--sleep-on-idle` poll runs its loop at once and the pump it runs is due, so an idle TP borrower
+acknowledges a reclaim within a loop. A lending server with `--tp > 1`: rank 0 plans each loop's
 lending and every rank takes the same page ids out of its own pool (`_lend_tp`); the memory it
 announces names every rank's pool (`MemoryDescriptor.ranks`).
 """
@@ -61,6 +64,9 @@ OWN_PAGES_WAIT_S = 0.05
 # With TP, a lease is offered to matches until this long before its read deadline: the view
 # rank 0 shares at a pump must stay true until the loads it admits have started.
 TP_VIEW_MARGIN_S = 1.0
+# With TP, the events that wake rank 0's scheduler loop (`loop_wake.py`): a donor waits for the
+# acknowledgement of a reclaim; a TP donor's own requests wait for the pages that came back.
+WAKE_EVENTS = (ReclaimRequested, BlocksReturned)
 
 
 def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
@@ -97,6 +103,11 @@ class SwiftRuntime:
 
             self.agent = FollowerAgent(self.agent_id)
         self._acks: list = []  # TP: reclaims to acknowledge once every rank fenced them
+        self.wake = None  # TP rank 0: loop_wake.LoopWake, written by the agent's I/O thread
+        if tp is not None and tp.leader:
+            from .loop_wake import LoopWake
+
+            self.wake = LoopWake()
         self._view: dict = {}  # TP: (donor, lease id) -> readable, as rank 0 saw it
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
@@ -139,6 +150,8 @@ class SwiftRuntime:
                                          relend_cooldown_s=self.config.relend_cooldown_s)
         if self.borrowing is not None and self.tp is None:
             self.agent.on_reclaim(self._fence_reclaim)
+        if self.wake is not None:
+            self.agent.on_queued(self._wake_for)
         self.agent.start()
         logger.info("SwiftCache runtime %s started: lends up to %d tokens of its pool, borrows "
                     "up to %d blocks", self.agent_id,
@@ -148,8 +161,33 @@ class SwiftRuntime:
 
     def stop(self) -> None:
         self.agent.stop()
+        if self.wake is not None:
+            self.wake.close()
         if self.borrowing is not None:
             self.borrowing.close()
+
+    # ---- waking the scheduler loop (TP rank 0) -----------------------------------------------
+    def _wake_for(self, event: Any) -> None:
+        """Agent's I/O thread, right after it queued `event`: wake the scheduler loop when the
+        event waits for the pump."""
+        if isinstance(event, WAKE_EVENTS):
+            self.wake.wake()
+
+    def watch_loop(self, scheduler: Any) -> None:
+        """At the first scheduler step: let the agent's wakes reach `scheduler`'s idle sleeper
+        (touchpoints.IDLE_POLLER). A no-op without a wake (TP 1, or a rank other than 0)."""
+        if self.wake is None:
+            return
+        try:
+            done = self.wake.watch(scheduler)
+        except Exception as exc:  # the loop still pumps each time it runs
+            done = f"registering failed ({exc!r}): an idle loop handles a reclaim when it wakes"
+        logger.info("SwiftCache: the agent's wake of the scheduler loop: %s", done)
+
+    def woken(self) -> bool:
+        """Scheduler thread, each step: whether the agent woke the loop since the last step (the
+        wake is drained, so an idle poll sleeps again); the pump is then due."""
+        return self.wake is not None and self.wake.drain()
 
     # ---- the scheduler thread's step ------------------------------------------------------
     def _check_shards(self, tp: Any) -> None:

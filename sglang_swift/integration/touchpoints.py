@@ -392,6 +392,20 @@ TP_GROUP = TouchPoint(
            ("self.cpu_group", "self.ranks", "self.rank_in_group", "self.world_size")),
      Check(How.SOURCE, "sglang.srt.mem_cache.registry.TreeCacheBuildContext",
            ("tp_group", "tp_size"))))
+IDLE_SLEEPER = "sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper"
+IDLE_POLLER = TouchPoint(
+    f"{IDLE_SLEEPER}.poller", Kind.PRIVATE_WRITE,
+    "rank 0's scheduler with --sleep-on-idle sleeps in its idle sleeper's zmq poll (up to a "
+    "second, `Scheduler.idle_sleeper`): SwiftCache registers a pipe of its own (bytes only) on "
+    "that poller at the first scheduler step, and the agent's I/O thread writes a byte to it "
+    "when a reclaim (or a TP donor's returned pages) waits for the pump, so the loop runs at "
+    "once; the step drains it (`loop_wake.py`)",
+    "an idle TP server acknowledges a reclaim only when its loop wakes on its own (up to a "
+    "second): the donor's own requests wait that long for their pages",
+    f"{INTEGRATION}.loop_wake",
+    (Check(How.SOURCE, f"{SCHEDULER}.init_idle_sleeper", ("self.idle_sleeper", "IdleSleeper(")),
+     Check(How.SOURCE, f"{IDLE_SLEEPER}.__init__", ("self.poller", "zmq.Poller()")),
+     Check(How.SOURCE, f"{IDLE_SLEEPER}.maybe_sleep", ("self.poller.poll",))))
 HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
     TouchPoint(patch.dotted, Kind(patch.kind), f"CPU stand-in `{patch.name}`: {patch.why}",
                f"breaks if {patch.breaks_if}; HiCache then refuses to start on the CPU engine",
@@ -405,7 +419,7 @@ ALL: tuple[TouchPoint, ...] = (
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     STORAGE_BACKEND, STORAGE_HELPERS, STORAGE_KEYS, SCHEDULER_PREFETCH,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
-    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, TP_GROUP, *HICACHE_STAND_INS,
+    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, TP_GROUP, IDLE_POLLER, *HICACHE_STAND_INS,
 )
 
 

@@ -12,7 +12,10 @@ servers that stop before the next set starts, few requests (the TP recipe: one c
   names donor ranks 0 and 1);
 - the borrower's greedy outputs equal stock SGLang's at the same TP, turn by turn
   (`same_greedy`, as in test_donation_e2e), with more cached tokens than stock: every rank
-  stored and loaded its own shard of each prefix it kept in donor memory;
+  stored and loaded its own shard of each prefix it kept in donor memory; rank 0 of a TP
+  borrower put its agent's wake into SGLang's idle sleeper (`--sleep-on-idle`, LocalServer's CPU
+  args), so an idle borrower acknowledges a reclaim within a loop (timed in
+  `tests/unit/test_tp_wake.py`);
 - a burst of the donor's own traffic reclaims every lent page mid-run: the borrower (every
   rank of it) fences and revokes it before the acknowledgement, the donor's pool is whole again
   (on every rank), and the borrower stays token-identical afterwards.
@@ -146,6 +149,9 @@ def test_tp2_borrower_with_a_tp1_donor_is_token_identical_to_stock_tp2(tiny_mode
         assert any("TP0" in line for line in leased) and any("TP1" in line for line in leased), \
             "both ranks apply the lease"
         assert len(_runtimes_started(log)) == 2, "a runtime on each rank"
+        woke = [line for line in log.splitlines() if "wake of the scheduler loop" in line]
+        assert len(woke) == 1 and "TP0" in woke[0] and "registered on the idle sleeper's " \
+            "poller" in woke[0], woke  # rank 0's agent wakes its idle loop for a reclaim
         _served_with_more_hits(borrower, convs, ref)
         _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("TP0", "TP1"))
 

@@ -74,6 +74,12 @@ class Runtime:
     def lend(self, scheduler=None):  # a borrower lends nothing
         pass
 
+    def watch_loop(self, scheduler):  # one rank: no agent's wake of the scheduler loop
+        pass
+
+    def woken(self):
+        return False
+
     @property
     def agent(self):  # the control agent's books: none here
         return SimpleNamespace(check_integrity=lambda: None)
