@@ -18,7 +18,10 @@ servers that stop before the next set starts, few requests (the TP recipe: one c
   `tests/unit/test_tp_wake.py`);
 - a burst of the donor's own traffic reclaims every lent page mid-run: the borrower (every
   rank of it) fences and revokes it before the acknowledgement, the donor's pool is whole again
-  (on every rank), and the borrower stays token-identical afterwards.
+  (on every rank), and the borrower stays token-identical afterwards;
+- the TP 2 borrower has a host tier too (HiCache's options, write_back): before the
+  acknowledgement every rank reads its shard of the reclaimed blocks and moves it into its own
+  host pool, and the reclaimed prefixes are then served from host (docs/hierarchy.md).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ DONOR_POOL = 4096
 STARTUP_S = 420  # two ranks on a loaded 2-core machine took up to 175 s to come up
 MAX_TIES = 1  # stock SGLang's own CPU kernels can flip a near-tie between its runs
 CONVERSATIONS, TURNS, TAIL_TURNS = 4, 3, 4
+HOST_TIER = ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back",
+             "--hicache-ratio", "2", "--hicache-mem-layout", "layer_first"]
 
 
 def _tp2(model, log_path, *extra: str, swiftcache: bool = True) -> LocalServer:
@@ -107,8 +112,11 @@ def _served_with_more_hits(borrower, convs, ref) -> None:
           f"{_cached(got)} vs stock {_cached(ref)}, loaded {loaded:.0f} tokens")
 
 
-def _reclaimed_mid_run(donor, borrower, convs, ref_tail, borrower_ranks) -> None:
-    """The donor's burst runs while the borrower serves: the reclaim lands mid-replay."""
+def _reclaimed_mid_run(donor, borrower, convs, ref_tail, borrower_ranks,
+                       rescued: bool = False) -> None:
+    """The donor's burst runs while the borrower serves: the reclaim lands mid-replay. With
+    `rescued` (a host tier) every rank moves the reclaimed prefixes into its host pool, and
+    they are hit in host afterwards."""
     import threading
 
     burst = threading.Thread(target=_donor_burst, args=(donor,))
@@ -124,7 +132,16 @@ def _reclaimed_mid_run(donor, borrower, convs, ref_tail, borrower_ranks) -> None
         assert any("reclaimed" in line and rank in line for line in log), \
             f"rank {rank} did not apply the reclaim"
     _check(got, ref_tail)
+    if rescued:
+        for rank in borrower_ranks:
+            assert any("reclaimed donor pages into the host tier" in line and rank in line
+                       for line in log), f"rank {rank} did not move its shard into host"
+        host_hits = metric(borrower, "swiftcache_host_hit_tokens_total") or 0
+        assert metric(borrower, "swiftcache_rescued_tokens_total") > 0
     _check(_replay(borrower, convs[:2], TAIL_TURNS, forced=ref_tail), ref_tail)  # after it
+    if rescued:
+        wait_for(lambda: (metric(borrower, "swiftcache_host_hit_tokens_total") or 0) > host_hits,
+                 30, "host hits after the reclaim")
     for server in (donor, borrower):
         assert server.proc.poll() is None, server.log_tail()
 
@@ -139,7 +156,7 @@ def test_tp2_borrower_with_a_tp1_donor_is_token_identical_to_stock_tp2(tiny_mode
     ref, ref_tail = stock
     rendezvous = str(tmp_path / "rv")
     borrower = _tp2(tiny_model, tmp_path / "borrower.log", "--enable-metrics", *_swift_args(
-        rendezvous, "borrower", "--swiftcache-max-borrow-blocks", "1500"))
+        rendezvous, "borrower", "--swiftcache-max-borrow-blocks", "1500"), *HOST_TIER)
     with _donor(tiny_model, tmp_path, rendezvous) as donor, borrower:
         wait_for_lease(rendezvous, timeout_s=120)
         leased = wait_for(lambda: [line for line in borrower.log_text().splitlines()
@@ -153,7 +170,7 @@ def test_tp2_borrower_with_a_tp1_donor_is_token_identical_to_stock_tp2(tiny_mode
         assert len(woke) == 1 and "TP0" in woke[0] and "registered on the idle sleeper's " \
             "poller" in woke[0], woke  # rank 0's agent wakes its idle loop for a reclaim
         _served_with_more_hits(borrower, convs, ref)
-        _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("TP0", "TP1"))
+        _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("TP0", "TP1"), rescued=True)
 
 
 def test_tp1_borrower_with_a_tp2_donor_is_token_identical_to_stock_tp1(tiny_model, stock_tp1,

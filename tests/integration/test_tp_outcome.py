@@ -3,10 +3,10 @@
 Real SGLang CPU servers with `--tp 2` (SGLang's CPU engine runs one rank per core when
 SGLANG_CPU_OMP_THREADS_BIND names a core per rank; it needs an explicit --max-total-tokens).
 Invariants:
-- what is not built with --tp > 1 (here: a host tier with lending) is REFUSED: the server
-  exits during start-up (it does not hang, and does not serve) and its log names --tp, the
-  reason and the fix (`integration/backend.py`); lending and borrowing with --tp > 1 are
-  served (`tests/integration/test_tp_donation_e2e.py`);
+- what is not built with --tp > 1 (here: L3 storage below the host tier) is REFUSED: the
+  server exits during start-up (it does not hang, and does not serve) and its log names --tp,
+  the reason and the fix (`integration/host_tier.py`); lending and borrowing with --tp > 1,
+  with a host tier too, are served (`tests/integration/test_tp_donation_e2e.py`);
 - --tp 2 with --enable-swiftcache but without lending or borrowing is SUPPORTED: both ranks build
   the swiftcache tree without a runtime, and a two-turn chat gives exactly HF transformers'
   greedy output on the same weights (sharding changes no token).
@@ -36,21 +36,20 @@ def _tp2_server(model, log_path, *extra: str) -> LocalServer:
                        extra_args=["--tp", "2", "--dtype", "float32", *extra])
 
 
-def test_tp_with_a_host_tier_and_lending_is_refused_at_startup(tiny_model, tmp_path):
-    """--tp 2 lending with a host tier: start-up fails (the process exits) with the reason and
-    the fix."""
+def test_tp_with_l3_storage_is_refused_at_startup(tiny_model, tmp_path):
+    """--tp 2 with a host tier and --hicache-storage-backend file: start-up fails (the process
+    exits, before any model loads) with the reason and the fix."""
     server = _tp2_server(tiny_model, tmp_path / "refused.log",
-                         "--swiftcache-role", "donor", "--swiftcache-lend-fraction", "0.5",
-                         "--swiftcache-rendezvous-dir", str(tmp_path / "rv"),
-                         "--enable-hierarchical-cache", "--hicache-ratio", "2")
+                         "--enable-hierarchical-cache", "--hicache-ratio", "2",
+                         "--hicache-storage-backend", "file")
     with pytest.raises(ServerStartError) as err:
         with server:
             pass
     assert "server exited" in str(err.value), "refused by exiting, not by a start-up timeout"
     log = server.log_text()
-    assert "does not support: a host tier with lending or borrowing and --tp 2" in log, \
+    assert "does not support: --hicache-storage-backend file with --tp 2" in log, \
         server.log_tail()
-    assert "drop --enable-hierarchical-cache" in log  # the fix
+    assert "drop --hicache-storage-backend or serve with --tp 1" in log  # the fix
     assert server.proc.poll() is not None
 
 
