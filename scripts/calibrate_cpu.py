@@ -20,10 +20,14 @@ most of it server start-up.
 
 measures the same node as bench_tiers runs it (its servers' environment: no thread limit, the
 busy server timed alone, as bench_tiers' busy server serves while its donor idles), traces
-bench_tiers' conversations on the busy model, and adds the host tier's copies: a store (every
+bench_tiers' prompts on the busy model, and adds the host tier's copies: a store (every
 layer) and a load (layer by layer) of N tokens through SwiftCache's `HostKV` over SGLang's host
 pool, with the busy model's geometry, and that pool's capacity for each run's device pool and
---hicache-ratio.
+--hicache-ratio. The trace is bench_tiers' own workload, not a replay of the model's own
+histories: every bench_tiers run sends histories carrying run (r)'s answers, and run (r)'s
+server (the plan's 384-token pool) cuts an answer or refuses a prompt that outgrows it, so run
+(r) is replayed through bench_tiers' turn loop on a second server with run (r)'s arguments, and
+each prompt it sent is tokenized (with its greedy answer) by the unlimited server.
 """
 
 from __future__ import annotations
@@ -239,14 +243,57 @@ def host_copy(busy: ModelFacts, busy_cfg: dict, pools: dict[str, tuple[int, floa
             "capacity_tokens": capacity}
 
 
-async def drive_tiers(busy: LocalServer, convs, plan, tokenizer, repeats: int) -> dict:
-    """bench_tiers' side: the busy server timed alone, then its conversations traced."""
+async def tiers_trace(http, replay_url: str, ids_url: str, convs, plan) -> dict:
+    """bench_tiers' busy prompts as its runs send them. Every run's histories carry run (r)'s
+    answers (stock SGLang, the plan's device pool: an answer may be cut, a prompt refused), so
+    run (r) is replayed here through bench_tiers' own turn loop (`runner._turns`, streamed chat,
+    no forced answers) on a server with run (r)'s busy arguments (`replay_url`); then every
+    prompt, the history it sent, goes to the unlimited server (`ids_url`) for its token ids and
+    the greedy answer's (`return_token_ids`; a prompt (r) refused is still sent by the larger
+    ideal run). One record per (session, turn), turn by turn as bench_tiers sends them, with
+    what the replay's server did (`replay`: served, prompt and answer tokens) and whether the
+    unlimited server's answer agrees with the replay's (`answer_agrees`: the same text, or its
+    start where the replay's was cut; None where refused)."""
+    from benchmarks.tiers import runner
+
+    records, histories = [], [[] for _ in convs]
+    await runner._turns(http, replay_url, convs, histories, 0, plan.turns, plan, None, records,
+                        time.perf_counter())
+    by = {(r.session, r.turn): r for r in records}
+    out = []
+    for t in range(plan.turns):
+        for conv, msgs in zip(convs, histories):
+            if t >= len(conv.turns):
+                continue
+            prompt, answer, text = await _ids(http, ids_url, msgs[:2 * t + 1], plan.max_tokens)
+            rec = by[(conv.id, t + 1)]
+            served = rec.ttft is not None
+            cut = served and (rec.completion_tokens or 0) < plan.max_tokens
+            agrees = (None if not served
+                      else text.startswith(rec.text) if cut else text == rec.text)
+            out.append({"session": conv.id, "turn": t + 1, "prompt_ids": prompt,
+                        "output_ids": answer, "answer_agrees": agrees,
+                        "replay": {"served": served, "prompt_tokens": rec.prompt_tokens,
+                                   "completion_tokens": rec.completion_tokens,
+                                   "cached_tokens": rec.cached_tokens}})
+    checked = [r["answer_agrees"] for r in out if r["answer_agrees"] is not None]
+    return {"busy": out,
+            "source": "bench_tiers run (r) replayed through benchmarks/tiers/runner._turns on "
+                      "its busy server's arguments; token ids of each prompt it sent and of the "
+                      "greedy answer from an unlimited server",
+            "answers_agree": f"{sum(checked)}/{len(checked)}"}
+
+
+async def drive_tiers(busy: LocalServer, replay: LocalServer, convs, plan, tokenizer,
+                      repeats: int) -> dict:
+    """bench_tiers' side: the busy server timed alone (the replay server idles, as bench_tiers'
+    donor does), then bench_tiers' prompts traced (`tiers_trace`)."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         busy_timing = await timing(http, busy.base_url, tokenizer, repeats)
-        trace = await conversation_trace(http, busy.base_url, convs, plan.turns, plan.max_tokens)
-    return {"timing": {"busy": busy_timing}, "trace": {"busy": trace}}
+        trace = await tiers_trace(http, replay.base_url, busy.base_url, convs, plan)
+    return {"timing": {"busy": busy_timing}, "trace": trace}
 
 
 async def drive(busy: LocalServer, donor: LocalServer, traffic, plan: NodePlan, tokenizer,
@@ -350,7 +397,7 @@ def main(argv=None) -> int:
 def tiers_main(a: argparse.Namespace, argv) -> int:
     """bench_tiers' node: its busy server's costs, its traffic's tokens, the host tier's copies
     and the donor-tier copies (both models' geometries, as for bench_node)."""
-    from benchmarks.tiers.plan import FULL, QUICK
+    from benchmarks.tiers.plan import FULL, QUICK, servers
     from benchmarks.workloads.sharegpt import load_conversations
 
     started = time.monotonic()
@@ -368,14 +415,21 @@ def tiers_main(a: argparse.Namespace, argv) -> int:
     busy = LocalServer(paths["busy"], swiftcache=False, max_total_tokens=8192,
                        extra_args=list(COMMON_ARGS), startup_timeout_s=600,
                        log_path=out_path.parent / "calibrate-tiers-busy.log")
+    r_spec = servers("r", plan, paths["busy"], paths["donor"], "", facts["busy"],
+                     facts["donor"])["busy"]  # run (r)'s busy server, as bench_tiers starts it
+    replay = LocalServer(r_spec.model, swiftcache=r_spec.swiftcache,
+                         max_total_tokens=r_spec.pool, extra_args=list(r_spec.args),
+                         startup_timeout_s=600,
+                         log_path=out_path.parent / "calibrate-tiers-replay.log")
     load_before = os.getloadavg()
     try:
-        start_all([busy])
+        start_all([busy, replay])
         t_ready = time.monotonic()
-        measured = asyncio.run(drive_tiers(busy, convs, plan, tokenizer, a.repeats))
+        measured = asyncio.run(drive_tiers(busy, replay, convs, plan, tokenizer, a.repeats))
         measure_s = time.monotonic() - t_ready
     finally:
         busy.stop()
+        replay.stop()
     copy = copy_bandwidth(facts["busy"], facts["donor"], cfgs["busy"], cfgs["donor"])
     lent = plan.lent_busy_tokens(facts["busy"], facts["donor"])
     ideal_pool = plan.busy_pool + lent
@@ -383,7 +437,8 @@ def tiers_main(a: argparse.Namespace, argv) -> int:
     host = host_copy(facts["busy"], cfgs["busy"],
                      {"h": own, "s": own,
                       "i": (ideal_pool, float(f"{plan.host_tokens() / ideal_pool:.6f}"))})
-    models = {r: {"name": f.name, "layers": f.layers, "kv_bytes_per_token": f.kv_bytes_per_token}
+    models = {r: {"name": f.name, "layers": f.layers, "kv_bytes_per_token": f.kv_bytes_per_token,
+                  "context_len": cfgs[r].get("max_position_embeddings")}
               for r, f in facts.items()}
     models["busy"].update(measured["timing"]["busy"])
     out = {"schema": SCHEMA, "bench": "tiers",
@@ -393,7 +448,8 @@ def tiers_main(a: argparse.Namespace, argv) -> int:
            "plan": plan.__dict__, "plan_name": a.plan, "models": models, "copy": copy,
            "host_copy": host, "trace": measured["trace"],
            "server_threads": os.environ.get("OMP_NUM_THREADS", "unset (torch's default)"),
-           "startup_s": {"busy": busy.startup_s}, "measure_s": round(measure_s, 1),
+           "startup_s": {"busy": busy.startup_s, "replay": replay.startup_s},
+           "measure_s": round(measure_s, 1),
            "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
            "wall_s": round(time.monotonic() - started, 1), "cpu_count": os.cpu_count()}
     out_path.write_text(json.dumps(out, indent=1))
@@ -407,7 +463,9 @@ def tiers_main(a: argparse.Namespace, argv) -> int:
             print(f"{name} {kind} {c[kind]['latency_s'] * 1e3:.3f} ms "
                   f"+ bytes / {c[kind]['bytes_per_s'] / 1e9:.2f} GB/s")
     print(f"host capacity tokens {host['capacity_tokens']}")
-    print(f"trace {len(out['trace']['busy'])} busy requests; wall {out['wall_s']} s, "
+    refused = sum(1 for t in out["trace"]["busy"] if not t["replay"]["served"])
+    print(f"trace {len(out['trace']['busy'])} busy requests (run (r) replayed: {refused} "
+          f"refused, answers agree {out['trace']['answers_agree']}); wall {out['wall_s']} s, "
           f"load {out['loadavg_1min']}")
     print(f"wrote {out_path}")
     print(json.dumps({k: out[k] for k in ("date", "wall_s", "loadavg_1min")}))

@@ -468,16 +468,17 @@ RECORDS["bench_tiers_l3_wt_quick"] = replace(
     command="python scripts/bench_tiers.py --quick --l3 file --write-policy write_through")
 RECORDS["simulate_validate_tiers"] = RecordSpec(
     "The simulator against a live bench_tiers run: stock, HiCache, HiCache + SwiftCache and the "
-    "ideal simulated with this CPU's measured costs, beside the live records",
+    "ideal simulated with this CPU's measured costs and bench_tiers' own prompts, beside the "
+    "live records",
     "simulated vs live, hierarchy (CPU)",
-    "python scripts/calibrate_cpu.py --bench tiers && python scripts/simulate.py --validate "
-    "--tiers --live-tiers runs/bench_tiers/records.json", "docs/simulation.md", {
+    'bash -c "python scripts/bench_tiers.py --quick && python scripts/calibrate_cpu.py --bench '
+    'tiers && python scripts/simulate.py --validate --tiers"', "docs/simulation.md", {
         "simulated_vs_live": "the record compares simulated figures with measured ones",
         "bench": "which benchmark's runs were simulated",
         "cached_tokens_error": "|simulated - live| / live busy cached tokens, mean of (h) and (s)",
         "ttft_p50_error": "the same for the busy requests' TTFT P50",
         "ttft_p99_error": "the same for TTFT P99",
-        "per_run": "the three errors per run",
+        "per_run": "the three errors per run (stock, hicache, hicache+swiftcache, ideal)",
         "within_20pct": "per target run, cached tokens and TTFT P50 both within 20%",
         "figures": "per run, live and simulated cached tokens, TTFT P50 and P99 (ms)",
         "hits_by_tier": "(s)'s cached tokens by tier, live (metrics) and simulated",
@@ -486,7 +487,11 @@ RECORDS["simulate_validate_tiers"] = RecordSpec(
         "live": "the live bench_tiers record file",
         "calibration": "the calibration JSON",
         "calibration_date": "when the calibration ran",
-        "trace_matches_live": "every traced busy prompt has the live prompt's length",
+        "trace_matches_live": "every busy request of every run is alike live and simulated: "
+                              "served or refused as live, and if served, with the live prompt "
+                              "and answer tokens",
+        "refused_requests": "per run, busy prompts the server refused as longer than its pool "
+                            "allows, live and simulated",
     }, [Headline("cached tokens error, (h) and (s)", key("cached_tokens_error")),
         Headline("TTFT P50 error, (h) and (s)", key("ttft_p50_error"))])
 

@@ -23,10 +23,18 @@ server copies them before the forward; at the measured cost, well under a millis
 request, the two orders differ by less than the TTFT's noise).
 Traffic: the conversations turn by turn, one request at a time, each sent when the previous
 stream ended; keys are the traced token ids (cpu_node's rules: prompt published when its
-prefill ends, prompt + all but the last answer token when it finishes).
+prefill ends, prompt + all but the last answer token when it finishes). The trace holds
+bench_tiers' own prompts: every run's histories carry run (r)'s answers, as its server (the
+plan's device pool) gave them, so a prompt is the same in every run (scripts/calibrate_cpu.py
+--bench tiers replays run (r) through bench_tiers' turn loop). Each run's server applies SGLang's
+length rules for its own device pool (`served_tokens`): a prompt too long for the pool is
+refused (no first token, nothing cached) and the next request follows, and an answer is cut to
+what the pool leaves, so (r), (h) and (s) refuse and cut where the ideal's larger pool may not.
 """
 
 from __future__ import annotations
+
+from array import array
 
 from radix_ext import DONOR
 
@@ -39,13 +47,13 @@ from .cpu_node import (
     UNLIMITED,
     _bandwidth,
     _record,
-    _request,
     steady_order,
 )
 from .node import Node
-from .server import ModelServer
+from .server import ModelServer, SimRequest
 
 RUNS = ("r", "h", "s", "i")
+NO_CONTEXT_LIMIT = 1 << 30  # a calibration without the model's context length
 NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "i": "ideal"}
 RECLAIM_ALL = 1 << 40  # own pages asked back: more than any pool, so every lent block returns
 
@@ -101,6 +109,37 @@ def run_pools(cal: dict, plan: dict, run: str) -> tuple[int, int, int]:
     return plan["busy_pool"], host, plan["donor_pool"]
 
 
+def served_tokens(prompt: int, max_tokens: int, pool: int,
+                  context_len: int = NO_CONTEXT_LIMIT) -> int | None:
+    """SGLang 0.5.23's length rules on a server whose KV pool holds `pool` tokens (page size 1):
+    None when it refuses the prompt, else the tokens it generates. The worker's
+    `max_req_len = min(context_len - 1, pool - 1)` and `max_req_input_len = max_req_len - 5`
+    (tp_worker.get_worker_info); a prompt of at least `max_req_input_len` tokens is refused
+    (managers/utils.validate_input_length, no --allow-auto-truncate); `max_new_tokens` is cut
+    to `max_req_len - prompt - 1` and to the empty pool's budget `pool - prompt - 2`
+    (scheduler, allocator `max_new_tokens_for_memory`)."""
+    max_req_len = min(context_len - 1, pool - 1)
+    if prompt >= max_req_len - 5:
+        return None
+    return max(0, min(max_tokens, max_req_len - prompt - 1, pool - prompt - 2))
+
+
+def _traced_request(rid: int, item: dict, now: float, out_tokens: int) -> SimRequest:
+    """`cpu_node._request` with the answer cut to `out_tokens` (the server's length rule)."""
+    prompt, out = item["prompt_ids"], item["output_ids"][:out_tokens]
+    return SimRequest(rid, item["session"], item["turn"], now, len(prompt), len(out),
+                      key_prompt=array("q", prompt[:-1]),
+                      key_full=array("q", list(prompt) + list(out[:-1])))
+
+
+def _refused(rid: int, item: dict, now: float) -> SimRequest:
+    """A request the server refused: no first token, nothing cached, nothing generated."""
+    r = SimRequest(rid, item["session"], item["turn"], now, len(item["prompt_ids"]), 0,
+                   key_prompt=array("q"), key_full=array("q"))
+    r.rejected = True
+    return r
+
+
 def _server(node: Node, g: int, name: str, compute, pool: int, host: int, donor_tier: bool,
             write_through: bool) -> ModelServer:
     cache = RevokeRecordingCache(pool, host, donor=donor_tier,
@@ -127,14 +166,24 @@ def simulate_run(cal: dict, plan: dict, run: str) -> dict:
     items = steady_order(cal["trace"]["busy"], plan["turns"])
     per_turn = len(items) // plan["turns"]
     burst_at = plan["burst_after_turn"] * per_turn  # the first request after the burst
-    done = []
+    context_len = cal["models"]["busy"].get("context_len", NO_CONTEXT_LIMIT)
+    done, refused = [], []
 
     def send(k: int) -> None:
         if k >= len(items):
             return
         if k == burst_at and run == "s":  # every lent page back before the turns go on
             node._reclaim(node.donations["donor"], busy, RECLAIM_ALL)
-        r = _request(k, items[k], node.loop.now)
+        item = items[k]
+        out = served_tokens(len(item["prompt_ids"]),
+                            min(plan["max_tokens"], len(item["output_ids"])), pool, context_len)
+        if out is None:  # refused at once (an error response): the next request follows
+            r = _refused(k, item, node.loop.now)
+            done.append(r)
+            refused.append(r)
+            node.loop.after(0.0, lambda: send(k + 1))
+            return
+        r = _traced_request(k, item, node.loop.now, out)
         r.on_done = lambda r, k=k: (done.append(r), send(k + 1))
         busy.submit(r)
 
@@ -143,7 +192,8 @@ def simulate_run(cal: dict, plan: dict, run: str) -> dict:
     busy.cache.check_integrity()
     if busy.rejected:
         raise RuntimeError(f"{len(busy.rejected)} busy requests longer than the pool were "
-                           f"rejected")
+                           f"rejected by the simulated server after SGLang's length rules "
+                           f"admitted them")
     reqs = sorted(done, key=lambda r: r.rid)
     hits = {"device": 0, "donor": 0, "host": 0}
     for r in reqs:
@@ -155,6 +205,7 @@ def simulate_run(cal: dict, plan: dict, run: str) -> dict:
             "rescued_tokens": sum(len(t.dst.indices) for res in revokes for t in res.moved),
             "lost_at_reclaim_tokens": sum(res.num_tokens_lost for res in revokes),
             "reclaims": len(revokes), "load_failures": busy.load_failures,
+            "refused": [(r.session, r.turn) for r in refused],
             "donor_tier_tokens_end": busy.cache.tier_pages(DONOR),
             "copied_tokens": {f"{a}->{b}": round(v / busy.page_bytes)
                               for (a, b), v in node.bytes_by_route.items()}}

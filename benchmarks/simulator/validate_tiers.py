@@ -7,6 +7,12 @@ ideal) over the busy model's requests: cached tokens (all tiers) and TTFT P50 an
 targets concern (h) and (s); `overall` is the mean over those two. Nothing is tuned toward the
 live figures: the simulator reads only the calibration JSON; the live file gives the plan (which
 sizes and traffic) and the numbers to compare with.
+
+The workload check (`trace`): the calibration traces bench_tiers' own prompts (run (r) replayed
+through bench_tiers' turn loop), and each simulated run applies SGLang's length rules to its
+pool, so every busy request of every run should be alike live and simulated: refused in both
+(a prompt longer than the pool allows) or served in both with the same prompt and answer
+tokens. `trace_matches_live` says so; `refused_requests` counts the refusals per run.
 """
 
 from __future__ import annotations
@@ -62,13 +68,38 @@ def check_same_plan(cal: dict, live: dict) -> None:
                          f"--plan quick|full to match")
 
 
-def trace_matches(cal: dict, live: dict) -> dict:
-    """Is the traced workload the live one? Prompt tokens per (session, turn) of run (r)."""
-    traced = {(t["session"], t["turn"]): len(t["prompt_ids"]) for t in cal["trace"]["busy"]}
-    recs = live["records"]["r"]
-    bad = [(r["session"], r["turn"], r["prompt_tokens"], traced.get((r["session"], r["turn"])))
-           for r in recs if traced.get((r["session"], r["turn"])) != r["prompt_tokens"]]
-    return {"compared": len(recs), "mismatched": bad}
+def trace_matches(live: dict, sim: dict) -> dict:
+    """Is the simulated workload the live one, request by request in every run? For each live
+    busy request: whether it was served (a live refusal has no first token), and if both
+    served, its prompt tokens and the tokens generated. The live file is read for this check
+    only; the simulation never sees it."""
+    bad, compared = [], 0
+    refused = {}
+    for run in RUNS:
+        if run not in live["records"] or run not in sim:
+            continue
+        by = {(r.session, r.turn): r for r in sim[run]["records"]}
+        refused[NAMES[run]] = {"live": sum(1 for r in live["records"][run] if r["ttft"] is None),
+                               "sim": len(sim[run]["refused"])}
+        for lr in live["records"][run]:
+            compared += 1
+            sr = by.get((lr["session"], lr["turn"]))
+            where = (run, lr["session"], lr["turn"])
+            if sr is None:
+                bad.append([*where, "missing", None, None])
+                continue
+            served = (lr["ttft"] is not None, sr.ttft is not None)
+            if served[0] != served[1]:
+                bad.append([*where, "served", *served])
+                continue
+            if not served[0]:
+                continue
+            for what, a, b in (("prompt_tokens", lr["prompt_tokens"], sr.prompt_tokens),
+                               ("completion_tokens", lr["completion_tokens"],
+                                sr.completion_tokens)):
+                if a != b:
+                    bad.append([*where, what, a, b])
+    return {"compared": compared, "mismatched": bad, "refused": refused}
 
 
 def _err(sim, live) -> float | None:
@@ -96,7 +127,8 @@ def per_request(sim_records, live_records: list[dict]) -> list[dict]:
         rows.append({"session": lr["session"], "turn": lr["turn"], "prompt": lr["prompt_tokens"],
                      "cached_live": lr["cached_tokens"],
                      "cached_sim": sr.cached_tokens if sr else None,
-                     "ttft_live_ms": round(lr["ttft"] * 1e3, 1),
+                     "ttft_live_ms": (round(lr["ttft"] * 1e3, 1)
+                                      if lr["ttft"] is not None else None),
                      "ttft_sim_ms": (round(sr.ttft * 1e3, 1)
                                      if sr and sr.ttft is not None else None)})
     return rows
@@ -148,7 +180,9 @@ def validate(cal_path: Path, live_path: Path) -> dict:
             "loadavg_1min": {"calibration": cal["loadavg_1min"],
                              "live": {r: v[0] for r, v in live["summary"].get("loadavg",
                                                                              {}).items()}},
-            "write_policy": plan["write_policy"], "trace": trace_matches(cal, live),
+            "write_policy": plan["write_policy"], "trace": trace_matches(live, sim),
+            "trace_source": cal["trace"].get("source"),
+            "trace_answers_agree": cal["trace"].get("answers_agree"),
             "runs": runs, "errors": errors, "swiftcache": swift,
             "within_20pct": within,
             "ttft_p50_error": overall("ttft_p50_error"),
@@ -186,7 +220,8 @@ def format_tables(res: dict) -> str:
                   f"; lost at the reclaim (simulated) {sw['lost_at_reclaim_tokens_sim']}, "
                   f"recomputed after it (live) {sw['recomputed_after_reclaim_tokens_live']}"]
     ratios = {name: statistics.median(q["ttft_live_ms"] / q["ttft_sim_ms"]
-                                      for q in r["requests"] if q["ttft_sim_ms"])
+                                      for q in r["requests"]
+                                      if q["ttft_sim_ms"] and q["ttft_live_ms"])
               for name, r in res["runs"].items()}
     lines.append("Per request, live TTFT / simulated TTFT (median): "
                  + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()))
@@ -196,8 +231,13 @@ def format_tables(res: dict) -> str:
                  + ", ".join(f"{n} {v}/{len(res['runs'][n]['requests'])}"
                              for n, v in same.items()))
     tr = res["trace"]
-    lines.append(f"traced workload = live workload: {tr['compared'] - len(tr['mismatched'])}/"
-                 f"{tr['compared']} busy prompts of equal length")
+    lines.append(f"simulated workload = live workload: {tr['compared'] - len(tr['mismatched'])}/"
+                 f"{tr['compared']} busy requests alike (served or refused as live; served: "
+                 f"prompt and answer tokens as live); refused live | simulated: "
+                 + ", ".join(f"{n} {v['live']} | {v['sim']}" for n, v in tr["refused"].items()))
+    for m in tr["mismatched"][:10]:
+        lines.append(f"  differs: run {m[0]} {m[1]} turn {m[2]}: {m[3]} live {m[4]}, "
+                     f"simulated {m[5]}")
     return "\n".join(lines)
 
 
@@ -213,4 +253,5 @@ def summary_line(res: dict) -> dict:
             "rescued_tokens": res["swiftcache"]["rescued_tokens"],
             "live": res["live"], "calibration": res["calibration"],
             "calibration_date": res["calibration_date"],
-            "trace_matches_live": not res["trace"]["mismatched"]}
+            "trace_matches_live": not res["trace"]["mismatched"],
+            "refused_requests": res["trace"]["refused"]}

@@ -1,0 +1,274 @@
+"""The tiers validation's workload is bench_tiers' own, checked without servers.
+
+- `calibrate_cpu.tiers_trace` replays run (r) through bench_tiers' turn loop
+  (benchmarks/tiers/runner._turns) on a fake server with a small pool that cuts answers and
+  refuses long prompts, as SGLang does; every traced prompt's token ids are then those of the
+  history bench_tiers' forced runs send (here run (i), a larger pool), not those of a replay of
+  the model's own uncut answers;
+- the simulated server applies SGLang 0.5.23's length rules (`cpu_tiers.served_tokens`, checked
+  against SGLang's own code): a prompt too long for a run's pool is refused and the next request
+  follows, an answer is cut to what the pool leaves; the ideal's larger pool serves both;
+- `validate_tiers.trace_matches` compares every run's requests with the live ones (served or
+  refused, prompt and answer tokens) and names each difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks.simulator import cpu_tiers, validate_tiers
+from benchmarks.tiers import runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import calibrate_cpu  # noqa: E402
+
+# -- a fake SGLang: one token per word, a marker token per message, greedy answers -----------------
+VOCAB: dict[str, int] = {}
+
+
+def _tok(word: str) -> int:
+    return VOCAB.setdefault(word, len(VOCAB) + 1)
+
+
+def tokenize(messages: list[dict]) -> list[int]:
+    ids = []
+    for m in messages:
+        ids.append(_tok(f"<{m['role']}>"))
+        ids.extend(_tok(w) for w in m["content"].split())
+    return ids + [_tok("<assistant>")]
+
+
+def greedy(messages: list[dict], n: int) -> list[str]:
+    """The model's answer: words fixed by the prompt (its length and last word)."""
+    seed = len(tokenize(messages))
+    last = messages[-1]["content"].split()[-1]
+    return [f"{last}{seed + k}" for k in range(n)]
+
+
+def fake_server(pool: int, sent: dict | None = None):
+    """`runner.chat` of a stock server with a `pool`-token KV pool (SGLang's length rules)."""
+    async def chat(http, url, messages, max_tokens, rec, t0):
+        ids = tokenize(messages)
+        if sent is not None:
+            sent[(rec.session, rec.turn)] = [dict(m) for m in messages]
+        n = cpu_tiers.served_tokens(len(ids), max_tokens, pool)
+        if n is None:  # refused: an abort streamed back, no content
+            rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = 1, 1, 0
+            return rec
+        rec.ttft, rec.prompt_tokens, rec.completion_tokens = 0.01, len(ids), n
+        rec.cached_tokens, rec.text = 0, " ".join(greedy(messages, n))
+        return rec
+    return chat
+
+
+async def fake_ids(http, url, messages, max_tokens):
+    """`calibrate_cpu._ids` of the unlimited server: prompt ids, greedy answer ids and text."""
+    words = greedy(messages, max_tokens)
+    return tokenize(messages), [_tok(w) for w in words], " ".join(words)
+
+
+PLAN = SimpleNamespace(turns=4, max_tokens=12)
+POOL_R, POOL_I = 90, 256  # (r) cuts c2's second answer to 9 tokens, refuses three prompts
+
+
+def _convs():
+    user = ["alpha " * 12, "beta " * 9, "gamma " * 7, "delta " * 14]
+    return [SimpleNamespace(id=f"c{c}", turns=[SimpleNamespace(user=(u * (c + 1)).strip())
+                                               for u in user]) for c in range(3)]
+
+
+def test_the_trace_carries_the_prompts_bench_tiers_sends(monkeypatch):
+    """Run (r) on its small pool cuts answers and refuses a prompt; the trace's prompt ids are
+    exactly those of the histories bench_tiers' forced runs send (here the ideal's larger pool,
+    which serves them all), and differ from a replay of the model's own uncut answers."""
+    monkeypatch.setattr(calibrate_cpu, "_ids", fake_ids)
+    convs = _convs()
+    monkeypatch.setattr(runner, "chat", fake_server(POOL_R))
+    trace = asyncio.run(calibrate_cpu.tiers_trace(None, "replay", "ids", convs, PLAN))
+    busy = trace["busy"]
+    assert [(t["session"], t["turn"]) for t in busy] == [
+        (c.id, k) for k in range(1, PLAN.turns + 1) for c in convs]  # bench_tiers' order
+    replayed = {(t["session"], t["turn"]): t["replay"] for t in busy}
+    assert any(not r["served"] for r in replayed.values()), "the scenario must refuse a prompt"
+    assert any(r["served"] and r["completion_tokens"] < PLAN.max_tokens
+               for r in replayed.values()), "the scenario must cut an answer"
+    assert all(t["answer_agrees"] is not False for t in busy)
+    assert trace["answers_agree"] == f"{sum(r['served'] for r in replayed.values())}/" \
+                                     f"{sum(r['served'] for r in replayed.values())}"
+
+    # bench_tiers itself: run (r), then a forced run (the ideal's pool) that records its prompts
+    async def bench(pool, forced, sent):
+        monkeypatch.setattr(runner, "chat", fake_server(pool, sent))
+        out, hist = [], [[] for _ in convs]
+        await runner._turns(None, "busy", convs, hist, 0, 2, PLAN, forced, out, 0.0)
+        await runner._turns(None, "busy", convs, hist, 2, PLAN.turns, PLAN, forced, out, 0.0)
+        return out
+
+    r = asyncio.run(bench(POOL_R, None, {}))
+    forced = {(x.session, x.turn): x.text for x in r}
+    sent_i: dict = {}
+    i = asyncio.run(bench(POOL_I, forced, sent_i))
+    assert all(x.ttft is not None for x in i)
+    for t in busy:
+        assert t["prompt_ids"] == tokenize(sent_i[(t["session"], t["turn"])])
+        if not t["replay"]["served"]:  # the history goes on with the refusal's empty answer
+            assert forced[(t["session"], t["turn"])] == ""
+    # the replay of the model's own uncut answers (what the calibration traced before) differs
+    own = {}
+    for c in convs:
+        msgs = []
+        for k, turn in enumerate(c.turns[:PLAN.turns]):
+            msgs.append({"role": "user", "content": turn.user})
+            own[(c.id, k + 1)] = tokenize(msgs)
+            msgs.append({"role": "assistant", "content": " ".join(greedy(msgs, PLAN.max_tokens))})
+    assert any(own[(t["session"], t["turn"])] != t["prompt_ids"] for t in busy)
+
+
+def test_sglangs_length_rules():
+    """The quick plan's case: 374 prompt tokens on a 384-token pool generate 8; 424 are refused
+    there and served whole by the ideal's pool; the limit is max_req_len - 5 = 378."""
+    assert cpu_tiers.served_tokens(374, 16, 384, 8192) == 8
+    assert cpu_tiers.served_tokens(377, 16, 384, 8192) == 5
+    assert cpu_tiers.served_tokens(378, 16, 384, 8192) is None
+    assert cpu_tiers.served_tokens(424, 16, 384, 8192) is None
+    assert cpu_tiers.served_tokens(424, 16, 896, 8192) == 16
+    assert cpu_tiers.served_tokens(100, 16, 384, 104) is None  # the context length bounds too
+
+
+def test_the_length_rules_are_sglangs_own():
+    """The constants of `served_tokens` read off the installed SGLang's code."""
+    from sglang_swift.cpu_compat import activate_in_process
+
+    activate_in_process()
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.managers.utils import validate_input_length
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+    src = inspect.getsource(TpModelWorker.get_worker_info)
+    assert "kv_capacity - 1" in src and "max_req_input_len = max_req_len - 5" in src
+    max_req_len = 383  # a 384-token pool, context 8192
+    req = SimpleNamespace(origin_input_ids=[0] * 378)
+    assert validate_input_length(req, max_req_len - 5, False) is not None
+    req.origin_input_ids = [0] * 377
+    assert validate_input_length(req, max_req_len - 5, False) is None
+    alloc = SimpleNamespace(page_size=1)
+    for prompt in (300, 374, 377):
+        budget = BaseTokenToKVPoolAllocator.max_new_tokens_for_memory(
+            alloc, prompt, min(16, max_req_len - prompt - 1), token_capacity=384,
+            sliding_window_size=None, chunk_size=4096)
+        assert budget == cpu_tiers.served_tokens(prompt, 16, 384, 8192)
+
+
+# -- the simulated runs on a synthetic calibration -------------------------------------------------
+SIM_PLAN = {"busy_pool": 48, "host_ratio": 1.0, "donor_pool": 256, "lend_fraction": 0.5,
+            "conversations": 3, "turns": 3, "max_chars": 200, "max_tokens": 4,
+            "burst_after_turn": 2, "burst_requests": 1, "burst_words": 10,
+            "burst_max_tokens": 4, "l3": None, "write_policy": "write_back"}
+FIT = {"latency_s": 1e-4, "bytes_per_s": 1e9}
+NEW = {0: (8, 8, 8), 1: (8, 8, 24), 2: (8, 8, 8)}  # new prompt tokens by conversation, turn
+
+
+def _trace(max_tokens: int = SIM_PLAN["max_tokens"]) -> list[dict]:
+    """c1's turn 3 grows to 8 + 4 + 8 + 4 + 24 = 48 tokens: refused by a 48-token pool; every
+    prompt carries the full answer before it."""
+    out = []
+    for s in range(SIM_PLAN["conversations"]):
+        history: list[int] = []
+        for t in range(1, SIM_PLAN["turns"] + 1):
+            prompt = history + [1000 * s + 100 * t + k for k in range(NEW[s][t - 1])]
+            answer = [1000 * s + 100 * t + 50 + k for k in range(max_tokens)]
+            out.append({"session": f"c{s}", "turn": t, "prompt_ids": prompt,
+                        "output_ids": answer})
+            history = prompt + answer
+    return sorted(out, key=lambda x: x["turn"])
+
+
+def _cal() -> dict:
+    cap = SIM_PLAN["busy_pool"]
+    return {"schema": 1, "bench": "tiers", "date": "2026-01-01T00:00:00+00:00",
+            "plan": dict(SIM_PLAN), "loadavg_1min": [0.0, 0.0],
+            "models": {"busy": {"name": "small", "layers": 2, "kv_bytes_per_token": 8192,
+                                "context_len": 8192,
+                                "prefill_fit": {"a_s": 0.01, "b_s_per_token": 1e-4,
+                                                "c_s_per_token_ctx": 0.0},
+                                "decode_fit": {"d0_s": 1e-3, "d1_s_per_token": 0.0}},
+                       "donor": {"name": "tiny", "layers": 1, "kv_bytes_per_token": 2048}},
+            "copy": {"load": FIT, "store": FIT},
+            "host_copy": {"load": FIT, "store": FIT,
+                          "capacity_tokens": {"h": cap, "s": cap, "i": cap}},
+            "trace": {"busy": _trace()}}
+
+
+def _live_from(sim: dict) -> dict:
+    """The simulation as bench_tiers would record it (a refusal: prompt 1, answer 1, no TTFT)."""
+    recs = {}
+    for run, res in sim.items():
+        recs[run] = []
+        for r in res["records"]:
+            j = r.to_json()
+            if j["ttft"] is None:
+                j.update(prompt_tokens=1, completion_tokens=1, cached_tokens=0)
+            recs[run].append(j)
+    s = sim["s"]
+    return {"plan": dict(SIM_PLAN), "records": recs,
+            "summary": {"hits_by_tier": dict(s["hits_by_tier"], l3=0),
+                        "rescued_tokens": s["rescued_tokens"],
+                        "recomputed_after_reclaim_tokens": 0}}
+
+
+def test_a_prompt_the_pool_refuses_is_skipped_and_the_ideal_serves_it():
+    cal = _cal()
+    sim = cpu_tiers.simulate_tiers(cal, SIM_PLAN)
+    for run in ("r", "h", "s"):
+        assert sim[run]["refused"] == [("c1", 3)]
+        recs = {(r.session, r.turn): r for r in sim[run]["records"]}
+        assert len(recs) == 9 and recs[("c1", 3)].ttft is None
+        assert recs[("c1", 3)].cached_tokens == 0
+        assert all(r.ttft is not None for k, r in recs.items() if k != ("c1", 3))
+    assert sim["i"]["refused"] == []
+    assert all(r.ttft is not None and r.completion_tokens == 4 for r in sim["i"]["records"])
+
+
+def test_an_answer_is_cut_to_what_the_pool_leaves():
+    """Answers of 8 tokens; c0's turn 3 (8 + 8 + 8 + 8 + 8 = 40 prompt tokens) on a 47-token
+    pool: max_req_len 46, so 46 - 40 - 1 = 5 tokens are generated (and 40 < 46 - 5 is served);
+    its turn 2 (24 tokens) keeps all 8."""
+    cal = _cal()
+    plan = dict(SIM_PLAN, busy_pool=47, max_tokens=8)
+    cal["plan"], cal["trace"]["busy"] = plan, _trace(8)
+    cal["host_copy"]["capacity_tokens"] = {"h": 47, "s": 47, "i": 47}
+    res = cpu_tiers.simulate_run(cal, plan, "r")
+    recs = {(r.session, r.turn): r for r in res["records"]}
+    assert recs[("c0", 3)].prompt_tokens == 40 and recs[("c0", 3)].completion_tokens == 5
+    assert recs[("c0", 2)].completion_tokens == 8
+    assert res["refused"] == [("c1", 3)]
+
+
+def test_the_trace_check_compares_every_run_request_by_request(tmp_path):
+    cal = _cal()
+    sim = cpu_tiers.simulate_tiers(cal, SIM_PLAN)
+    live = _live_from(sim)
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    (tmp_path / "records.json").write_text(json.dumps(live))
+    res = validate_tiers.validate(tmp_path / "cal.json", tmp_path / "records.json")
+    assert res["trace"]["mismatched"] == [] and res["trace"]["compared"] == 4 * 9
+    assert res["trace"]["refused"]["hicache"] == {"live": 1, "sim": 1}
+    assert res["cached_tokens_error"] == 0 and res["ttft_p50_error"] == 0
+    line = validate_tiers.summary_line(res)
+    assert line["trace_matches_live"] and line["refused_requests"]["ideal"]["sim"] == 0
+    assert "refused live | simulated" in validate_tiers.format_tables(res)
+
+    other = copy.deepcopy(live)
+    other["records"]["h"][0]["prompt_tokens"] += 1
+    other["records"]["s"][-1]["ttft"] = None
+    served_i = next(r for r in other["records"]["i"] if r["session"] == "c1" and r["turn"] == 3)
+    served_i["completion_tokens"] = 3
+    got = validate_tiers.trace_matches(other, sim)["mismatched"]
+    assert [m[0] for m in got] == ["h", "s", "i"]
+    assert [m[3] for m in got] == ["prompt_tokens", "served", "completion_tokens"]
