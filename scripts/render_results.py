@@ -475,10 +475,15 @@ RECORDS["simulate_validate_tiers"] = RecordSpec(
     'tiers && python scripts/simulate.py --validate --tiers"', "docs/simulation.md", {
         "simulated_vs_live": "the record compares simulated figures with measured ones",
         "bench": "which benchmark's runs were simulated",
-        "cached_tokens_error": "|simulated - live| / live busy cached tokens, mean of (h) and (s)",
+        "cached_tokens_error": "abs(simulated - live) / live busy cached tokens, mean of (h) "
+                               "and (s)",
         "ttft_p50_error": "the same for the busy requests' TTFT P50",
         "ttft_p99_error": "the same for TTFT P99",
         "per_run": "the three errors per run (stock, hicache, hicache+swiftcache, ideal)",
+        "per_run.stock": "(r)'s errors: cached tokens, TTFT P50, TTFT P99",
+        "per_run.hicache": "(h)'s errors",
+        "per_run.hicache+swiftcache": "(s)'s errors",
+        "per_run.ideal": "(i)'s errors",
         "within_20pct": "per target run, cached tokens and TTFT P50 both within 20%",
         "figures": "per run, live and simulated cached tokens, TTFT P50 and P99 (ms)",
         "hits_by_tier": "(s)'s cached tokens by tier, live (metrics) and simulated",
