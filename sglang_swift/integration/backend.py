@@ -93,9 +93,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     tree_config = config.tree_config(params.page_size,
                                      host_kv.capacity if host_kv is not None else 0,
                                      write_through=host_kv is not None and host_kv.write_through)
-    if not config.uses_donation and host_kv is None:
-        cache = SwiftRadixCache(params, tree_config)
-    elif not config.uses_donation:
+    if not config.uses_donation:  # the tree alone, or with a host tier: no control channel
         model, agent_id, metrics = _identity(ctx.server_args)
         cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,
                                 host_kv=host_kv, storage=storage, model=model,
