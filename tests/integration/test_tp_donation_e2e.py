@@ -1,5 +1,7 @@
 """Tensor parallelism across donation in live servers, against stock SGLang at the same TP:
-a `--tp 2` borrower with a `--tp 1` donor, and a `--tp 1` borrower with a `--tp 2` donor.
+a `--tp 2` borrower with a `--tp 1` donor, and a `--tp 1` borrower with a `--tp 2` donor; with
+SWIFTCACHE_LONG_TESTS=1 also a `--tp 2` borrower with a `--tp 2` donor and a borrower rank that
+dies (SGLang takes the borrower down; the donor's ledger takes back every block it held).
 
 Real SGLang CPU servers, all on the tiny model (4 layers, 2 KV heads of 32: one head per rank
 of a TP 2 server, so a borrower's page and the donor's page differ in shape). One module, each
@@ -194,3 +196,77 @@ def test_tp1_borrower_with_a_tp2_donor_is_token_identical_to_stock_tp1(tiny_mode
         assert all("(donor ranks 0, 1 of 2)" in line for line in leased), leased
         _served_with_more_hits(borrower, convs, ref)
         _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("",))
+
+
+LONG_TESTS = os.environ.get("SWIFTCACHE_LONG_TESTS") == "1"
+
+
+def _rank_process(server: LocalServer, rank: int):
+    """The scheduler process of `rank` among the server's descendants (SGLang names it
+    `sglang::scheduler_TP<rank>`)."""
+    import psutil
+
+    name = f"sglang::scheduler_TP{rank}"
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if name in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no {name} process under the server (pid {server.proc.pid})")
+
+
+@pytest.mark.skipif(not LONG_TESTS, reason="four TP ranks on a two-core machine: about three "
+                    "minutes more for CI; SWIFTCACHE_LONG_TESTS=1 runs it")
+def test_tp2_borrower_with_a_tp2_donor_and_a_dead_borrower_rank(tiny_model, stock, convs,
+                                                                  tmp_path):
+    """TP 2 with TP 2: each borrower rank maps the donor rank of its own index; outputs equal
+    stock TP 2's through a reclaim mid-run. Then, lent again, the borrower's rank 1 dies:
+    SGLang takes the whole borrower down, and the donor reclaims every page it held (on both
+    of its ranks) and keeps serving."""
+    ref, ref_tail = stock
+    rendezvous = str(tmp_path / "rv")
+    borrower = _tp2(tiny_model, tmp_path / "borrower.log", "--enable-metrics", *_swift_args(
+        rendezvous, "borrower", "--swiftcache-max-borrow-blocks", "1500"))
+    donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
+                        env={**os.environ, **TP_ENV}, startup_timeout_s=STARTUP_S,
+                        extra_args=["--tp", "2", "--dtype", "float32", *_swift_args(
+                            rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
+                            "--swiftcache-reclaim-watermark", "0.5",
+                            "--swiftcache-relend-cooldown-s", "20", "--enable-metrics")])
+    with donor, borrower:
+        wait_for_lease(rendezvous, timeout_s=180)
+        leased = wait_for(lambda: [line for line in borrower.log_text().splitlines()
+                                   if "SwiftCache: borrowing" in line], 60,
+                          "the borrower's scheduler to apply the lease")
+        assert any("TP0" in line for line in leased) and any("TP1" in line for line in leased), \
+            leased
+        _served_with_more_hits(borrower, convs, ref)
+        _reclaimed_mid_run(donor, borrower, convs, ref_tail, ("TP0", "TP1"))
+        # after the cooldown the idle donor offers pages again and the borrower takes a lease
+        wait_for_lease(rendezvous, timeout_s=180)
+        _rank_process(borrower, 1).kill()
+        borrower.proc.wait(120)  # SGLang's launcher takes the whole server down
+        # the donor's ledger takes back every block the dead borrower held (they are its
+        # offered pages again: its own traffic gets them without asking anybody)
+        wait_for(lambda: _grants(rendezvous) == [], 60,
+                 "the donor to take back what the dead borrower held")
+        assert "lost" in donor.log_text()
+        _donor_burst(donor)  # the donor serves its own traffic
+        assert donor.proc.poll() is None, donor.log_tail()
+
+
+def _grants(rendezvous: str):
+    """The leases and granted blocks `ctl status` reports for the agents still up (None
+    while ctl cannot answer)."""
+    import json
+
+    from benchmarks.tools.demo import ctl
+
+    try:
+        agents = json.loads(ctl(rendezvous, json_out=True))
+    except ValueError:
+        return None
+    return [(a["agent_id"], a.get("lent"), a.get("leases")) for a in agents
+            if isinstance(a, dict) and a.get("state", "up") == "up"
+            and (a.get("leases") or a.get("lent"))]
