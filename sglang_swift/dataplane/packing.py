@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ class CopyPlan:
     local: tuple[torch.Tensor, torch.Tensor]
     stream: tuple[torch.Tensor, torch.Tensor]
     page_aligned: bool  # whole borrower pages, each one aligned run of slots (coarse units)
+    # donor unit rows of every layer, `[layers, units]` per half: filled by the first layer the
+    # copy moves (`PoolTransferEngine`, on the copy's own thread and stream), read by the rest
+    donor_rows: list = field(default_factory=list, compare=False, repr=False)
 
 
 class LeasePacking:

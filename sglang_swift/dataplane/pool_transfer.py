@@ -106,6 +106,7 @@ class PoolTransferEngine:
             self.local_device.type == "cpu" else 8
         self._ptr_align = math.gcd(*ptrs, self._max_width)
         self.copy_fence = CopyFence()
+        self._views: dict = {}  # unit -> (donor rows, K rows, V rows): `_row_views`
 
     def close(self) -> None:
         if self._own_lane:
@@ -367,15 +368,31 @@ class PoolTransferEngine:
         """`flat` as unit rows as wide as every pointer of this engine allows (`unit_rows`)."""
         return unit_rows(flat, unit, self._ptr_align, self._max_width)
 
+    def _row_views(self, unit: int) -> tuple[torch.Tensor, list, list]:
+        """The donor region and every local K / V layer buffer as `unit` rows: views of buffers
+        that live as long as the engine, made once per unit (a transfer has one of two)."""
+        views = self._views.get(unit)
+        if views is None:
+            views = self._views[unit] = (
+                self._rows(self.region, unit),
+                [self._rows(b.view(torch.uint8).view(-1), unit) for b in self.k],
+                [self._rows(b.view(torch.uint8).view(-1), unit) for b in self.v])
+        return views
+
     def _layer_halves(self, plan: CopyPlan, layer: int):
         """For K then V of layer `layer`: (local rows, the transfer's slots among them, donor
-        rows, the transfer's units among them), all as `_rows` views."""
-        donor = self._rows(self.region, plan.unit)
-        for half, buffers in ((K, self.k), (V, self.v)):
-            local = self._rows(buffers[layer].view(torch.uint8).view(-1), plan.unit)
-            where = self.packing.donor_units(plan.stream[half] + layer * plan.layer_step,
-                                             plan.unit)
-            yield local, plan.local[half], donor, where
+        rows, the transfer's units among them), all as `_rows` views. The donor units of every
+        layer are computed once, at the transfer's first layer, in one `donor_units` call per
+        half (one per layer and half cost more than the copy itself for small transfers)."""
+        donor, k_rows, v_rows = self._row_views(plan.unit)
+        if not plan.donor_rows:
+            num_layers = self.packing.borrower.num_layers
+            for stream in plan.stream:  # offsets from the stream itself: no other tensor
+                every = torch.cat([stream + n * plan.layer_step for n in range(num_layers)])
+                units = self.packing.donor_units(every, plan.unit)
+                plan.donor_rows.append(units.view(num_layers, -1))
+        for half, local in ((K, k_rows[layer]), (V, v_rows[layer])):
+            yield local, plan.local[half], donor, plan.donor_rows[half][layer]
 
     def _copy_layer(self, plan: CopyPlan, layer: int, store: bool,
                     staging: torch.Tensor | None) -> str | None:

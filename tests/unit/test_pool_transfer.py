@@ -141,6 +141,35 @@ def test_store_then_layerwise_load_is_bit_identical(name, aligned):
     loader.close()
 
 
+def test_a_transfer_maps_its_donor_units_once_for_every_layer(monkeypatch):
+    """A store and a load each map their stream units to donor rows in one call per K / V
+    half, whatever the layer count (a call per layer and half cost more than a small copy
+    moves), and the bytes still land where the stream rule puts them and come back."""
+    lease = Lease(sorted(PAIRS)[0])
+    g, P = lease.g, lease.g.page_size
+    calls = []
+    real = lease.packing.donor_units
+    monkeypatch.setattr(lease.packing, "donor_units",
+                        lambda units, unit: calls.append(unit) or real(units, unit))
+    blocks = torch.arange(lease.packing.num_blocks).flip(0)
+    n = len(blocks) * P
+    slots = lease.slots(n, True, seed=5)
+    engine = lease.engine()
+    assert engine.store_here(slots, blocks).ok
+    assert len(calls) == 2 and g.num_layers > 1
+    lease.check_stream(slots, blocks)
+    k2, v2 = poisoned_like(lease.k), poisoned_like(lease.v)
+    loader = lease.engine(k2, v2)
+    dst = lease.slots(n, True, seed=6)
+    assert loader.load_here(dst, blocks).ok
+    assert len(calls) == 4
+    for layer in range(g.num_layers):
+        assert same(k2[layer][dst], lease.k[layer][slots])
+        assert same(v2[layer][dst], lease.v[layer][slots])
+    engine.close()
+    loader.close()
+
+
 @pytest.mark.parametrize("backend", ["reference", "staged", "triton"])
 def test_every_row_copy_backend_moves_the_same_bytes(backend):
     """Invariant: the engine's result does not depend on the row-copy backend: the staged CPU
