@@ -265,11 +265,11 @@ def server_hooks(config: SwiftConfig | None,
                  observers: debug_seam.Observers) -> list[tuple[TouchPoint, Callable]]:
     """The hooks beyond the flag's two that a process needs: only those its server's
     configuration uses (none without SwiftCache), then the debug seam's forward hook if a
-    forward observer is installed (registered last: the outermost wrapper)."""
+    forward observer is installed (registered last: the outermost wrapper). Every SwiftCache
+    server steps its tree once a loop: a plain tree only to push its counters to /metrics."""
     hooks: list[tuple[TouchPoint, Callable]] = []
     if config is not None:
-        if config.uses_donation or config.host_tier:
-            hooks.append((tp.SCHEDULER_STEP, _before_scheduler_step))
+        hooks.append((tp.SCHEDULER_STEP, _before_scheduler_step))
         if config.borrows or config.host_tier:
             hooks += [(tp.BATCH_BUILT, _after_batch_built), (tp.BATCH_RAN, _after_batch_ran)]
         if config.lends:

@@ -170,7 +170,8 @@ RADIX_CACHE = TouchPoint(
 SCHEDULER_STEP = TouchPoint(
     f"{SCHEDULER}.get_next_batch_to_run", Kind.BEFORE,
     "once per loop: control events (leases, reclaims, lost donors) and the donor's lending "
-    "step run on the scheduler thread (servers that lend or borrow)",
+    "step run on the scheduler thread (servers that lend or borrow); every SwiftCache "
+    "tree pushes its counters to /metrics there",
     "leases and reclaims are never handled: a donor never gets its pages back",
     f"{INTEGRATION}.plugin")
 OWN_DEMAND = TouchPoint(

@@ -4,7 +4,7 @@ Each SGLang process prints one line naming what the plugin registered in it (`pl
 Invariants: a server started WITHOUT --enable-swiftcache registers no SwiftCache hook and no
 backend in its scheduler process (the flag's two hooks live in the launcher only); the same server
 WITH the flag registers the `swiftcache` backend there, and a plain SwiftCache server (no lending,
-borrowing, layer stream or instruments) no hook.
+borrowing, layer stream or instruments) only the loop's step (its tree's metrics).
 """
 
 from __future__ import annotations
@@ -38,5 +38,6 @@ def test_a_scheduler_registers_only_what_its_server_uses(tiny_model, tmp_path, m
     monkeypatch.delenv("SWIFTCACHE_INSTRUMENTS", raising=False)
     with LocalServer(tiny_model, swiftcache=swiftcache, log_path=tmp_path / "server.log") as s:
         registered = scheduler_registrations(s)
-    backend = [f"radix cache backend '{plugin.BACKEND_NAME}'"]
-    assert registered == (backend if swiftcache else [plugin.NOTHING])
+    plain = [plugin._short(plugin.tp.SCHEDULER_STEP),
+             f"radix cache backend '{plugin.BACKEND_NAME}'"]
+    assert registered == (plain if swiftcache else [plugin.NOTHING])

@@ -69,6 +69,13 @@ def test_lends_and_borrows_are_derived_once_from_the_config():
     assert not SwiftConfig().tree_config(16).donor
 
 
+def test_a_plain_tree_steps_once_a_loop_for_its_metrics():
+    """Without lending, borrowing or a host tier the tree still gets the loop's step (its work
+    counters reach /metrics there), and nothing else."""
+    hooks = plugin.server_hooks(SwiftConfig(enabled=True), plugin.debug_seam.Observers())
+    assert [p.attr for p, _ in hooks] == [plugin.tp.SCHEDULER_STEP.attr]
+
+
 def test_unknown_config_keys_are_refused():
     with pytest.raises(ValueError, match="unknown SwiftCache config keys"):
         SwiftConfig.from_json('{"enabled": true, "bogus": 1}')
@@ -200,7 +207,8 @@ def registrations_in_spawned_child(out_path: str, environ: dict) -> None:
 def test_a_spawned_process_registers_no_flag_hook(tmp_path, monkeypatch, enabled):
     """A process SGLang spawns (scheduler, detokenizer) never parses the command line: it
     registers no SwiftCache hook at all when the server runs without the flag, and only the
-    backend (and its configuration's hooks) with it, never the flag's two."""
+    backend and its configuration's hooks with it (a plain tree: the loop's step, for its
+    metrics), never the flag's two."""
     import json
     import multiprocessing
 
@@ -215,13 +223,15 @@ def test_a_spawned_process_registers_no_flag_hook(tmp_path, monkeypatch, enabled
     child.join(timeout=300)
     assert child.exitcode == 0
     found = json.loads(out.read_text())
-    assert found == {"hooks": [], "backend": enabled}
+    want = [plugin.tp.SCHEDULER_STEP.target] if enabled else []
+    assert found == {"hooks": want, "backend": enabled}
 
 
 def test_each_process_registers_only_what_its_server_uses():
     """Without SwiftCache in a process (no CONFIG_ENV), SwiftCache registers the flag's two
     hooks and no backend; a plain SwiftCache server (no lending, borrowing, layer stream or
-    instruments) adds only the backend, no scheduler, pool or forward wrapper; each feature adds
+    instruments) adds the backend and the loop's step (its metrics), no pool or forward wrapper;
+    each feature adds
     exactly its own hooks; an instrument's forward observer adds the seam's forward hook, last."""
     from sglang_swift.integration import touchpoints as tp
 
@@ -238,14 +248,15 @@ def test_each_process_registers_only_what_its_server_uses():
     flag = [(tp.ADD_CLI_ARGS.target, "AFTER", f"{plugin.__name__}._after_add_cli_args"),
             (tp.FROM_CLI_ARGS.target, "AFTER", f"{plugin.__name__}._after_from_cli_args")]
     assert stock == {"hooks": flag, "backend": False}
-    assert plain == {"hooks": flag, "backend": True}
+    step = (tp.SCHEDULER_STEP.target, "BEFORE", f"{plugin.__name__}._before_scheduler_step")
+    assert plain == {"hooks": sorted(flag + [step]), "backend": True}
 
     def added(found: dict) -> set[str]:
         return {target for target, _, _ in found["hooks"]} - {t for t, _, _ in flag}
 
     assert added(streamed) == {p.target for p in (
-        tp.CONFIG_FROM_BUDGET, tp.BUILD_MHA_POOL, tp.BUILD_ALLOCATOR, tp.MODEL_FORWARD,
-        tp.VALIDATE_INPUT)}
+        tp.SCHEDULER_STEP, tp.CONFIG_FROM_BUDGET, tp.BUILD_MHA_POOL, tp.BUILD_ALLOCATOR,
+        tp.MODEL_FORWARD, tp.VALIDATE_INPUT)}
     assert added(lending) == {tp.SCHEDULER_STEP.target, tp.KV_POOL_BUFFERS.target}
     assert added(borrowing) == {tp.SCHEDULER_STEP.target, tp.BATCH_BUILT.target,
                                 tp.BATCH_RAN.target}
