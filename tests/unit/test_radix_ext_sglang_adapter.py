@@ -94,8 +94,10 @@ def _ctx(**overrides):
     params = CacheInitParams(disable=False, req_to_token_pool=None,
                              token_to_kv_pool_allocator=RecordingAllocator(), page_size=1,
                              **overrides.pop("params", {}))
+    server_args = SimpleNamespace(model_path="/models/tiny", served_model_name=None, port=30000,
+                                  enable_metrics=False)  # what the backend reads of SGLang's
     fields = dict(params=params, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
-                  enable_hierarchical_cache=False)
+                  enable_hierarchical_cache=False, server_args=server_args, tp_worker=None)
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
