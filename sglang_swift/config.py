@@ -80,7 +80,8 @@ class SwiftConfig:
     lend_fraction: float = field(default=0.0, metadata=_opt(
         _number("lend-fraction", float, 0.0, 0.95),
         "donor: the most of its own KV pool it may lend to other servers, as a fraction (0: lend "
-        "nothing); only free pages above the reserve are lent"))
+        "nothing); free pages above the reserve are lent, and idle cached ones "
+        "(--swiftcache-lend-cached-after-s)"))
     reclaim_watermark: float = field(default=0.8, metadata=_opt(
         _number("reclaim-watermark", float, 0.0, 1.0, lo_open=True),
         "donor: keeps (1 - watermark) of its pool free for its own traffic; lends only above that "
@@ -89,6 +90,11 @@ class SwiftConfig:
         _number("relend-cooldown-s", float, 0.0, 3600.0),
         "donor: after a reclaim, nothing is lent again for this long (no lend/reclaim "
         "oscillation while its own traffic is high)"))
+    lend_cached_after_s: float = field(default=5.0, metadata=_opt(
+        _number("lend-cached-after-s", float, 0.0, 86400.0),
+        "donor: once it has had no requests of its own for this long, its own cached prefixes "
+        "count as idle memory too: it evicts them (least recently used first) to lend up to "
+        "its lend fraction again after a burst; 0: lend free pages only"))
     max_borrow_blocks: int = field(default=0, metadata=_opt(_number("max-borrow-blocks", int, 0),
         "borrower: most blocks (pages of this server's own model) it keeps in donor memory "
         "(0: no donor tier)"))

@@ -27,7 +27,13 @@ Policy, in tokens of the donor's pool of size S:
   loop its requests arrive in, not after its first requests were admitted into the reserve;
 - at most `lend_fraction x S` is lent;
 - after a reclaim, nothing is lent again for `relend_cooldown_s` (no oscillation while the
-  donor's own burst lasts).
+  donor's own burst lasts);
+- once the donor has had no requests of its own for `lend_cached_after_s` (0: never), its own
+  cached prefixes count as idle room too: lending evicts them, least recently used first,
+  through the server's tree (`make_room`), so a donor whose burst filled its pool with
+  prefixes nobody asks for lends again, still keeping the reserve and headroom free and at
+  most `lend_fraction x S` out. Without this, a burst's cached prefixes would keep the donor
+  from lending until its own traffic happened to evict them.
 """
 
 from __future__ import annotations
@@ -80,7 +86,9 @@ class PoolLender:
     def __init__(self, allocator: Any, page_size: int, *, lend_fraction: float,
                  reclaim_watermark: float, agent: Any,
                  clock: Callable[[], float] = time.monotonic,
-                 relend_cooldown_s: float = RELEND_COOLDOWN_S) -> None:
+                 relend_cooldown_s: float = RELEND_COOLDOWN_S,
+                 lend_cached_after_s: float = 0.0,
+                 make_room: Callable[[int], int] | None = None) -> None:
         if allocator.size % page_size:
             raise ValueError(f"pool size {allocator.size} is not a whole number of "
                              f"{page_size}-token pages")
@@ -94,11 +102,15 @@ class PoolLender:
         self.headroom_tokens = max(page_size, allocator.size // 16)
         self.clock = clock
         self.relend_cooldown_s = relend_cooldown_s
+        self.lend_cached_after_s = lend_cached_after_s
+        self.make_room = make_room  # evicts this many tokens of the donor's own cache
+        self._last_own = float("-inf")  # when the donor last had requests of its own
         self.lent: set[int] = set()  # pool pages out of the allocator (offered or granted)
         self.demanded = 0  # pages asked back, not returned yet
         self.off = False  # lends no more (the TP ranks' allocators diverged)
         self._quiet_until = 0.0
-        self.stats = {"lent_pages_total": 0, "returned_pages_total": 0, "demands": 0}
+        self.stats = {"lent_pages_total": 0, "returned_pages_total": 0, "demands": 0,
+                      "cache_evicted_to_lend_tokens": 0}
         self.reclaim_started: float | None = None
         self.reclaim_latencies: list[float] = []  # seconds from a demand to its last page back
 
@@ -128,17 +140,19 @@ class PoolLender:
         """(pages to demand back, pages to lend) now, deciding nothing else: with TP, rank 0
         plans and every rank applies the same plan (`apply`) at the same scheduler step."""
         free = self.allocator.available_size()
+        now = self.clock()
+        if own_demand_tokens > 0:
+            self._last_own = now
         # pages already demanded will come back: count them as room
         short = self.reserve_tokens - (free + evictable_tokens - own_demand_tokens
                                        + self.demanded * self.page_size)
         outstanding = len(self.lent) - self.demanded
         if short > 0 and outstanding > 0:
             return outstanding, 0
-        if self.demanded or self.off or not borrowers_present \
-                or self.clock() < self._quiet_until:
+        if self.demanded or self.off or not borrowers_present or now < self._quiet_until:
             return 0, 0
-        room = (free - own_demand_tokens - self.reserve_tokens - self.headroom_tokens) \
-            // self.page_size
+        room = (free + self._idle_cache(evictable_tokens, now) - own_demand_tokens
+                - self.reserve_tokens - self.headroom_tokens) // self.page_size
         want = min(room, self.max_pages - len(self.lent))
         return 0, (want if want >= MIN_OFFER_PAGES else 0)
 
@@ -158,6 +172,13 @@ class PoolLender:
             logger.info("SwiftCache: own traffic needs room: reclaiming %d lent pages", demand)
         if lend > 0:
             self._lend(lend, same_pages)
+
+    def _idle_cache(self, evictable_tokens: int, now: float) -> int:
+        """The donor's own cached tokens that count as lendable room now: all its evictable ones
+        once it has been without requests of its own for `lend_cached_after_s`, else none."""
+        if self.make_room is None or self.lend_cached_after_s <= 0:
+            return 0
+        return evictable_tokens if now - self._last_own >= self.lend_cached_after_s else 0
 
     def needs_lent(self, evictable_tokens: int, own_demand_tokens: int) -> bool:
         """Whether own requests need pages that are out (demanded, not back yet)."""
@@ -185,6 +206,15 @@ class PoolLender:
                        "were lent; they were taken out of it again", len(self.lent))
 
     def _lend(self, n_pages: int, same_pages: Callable[[list[int]], bool] | None) -> None:
+        # the plan counted idle cached prefixes as room: evict enough of them that the reserve
+        # and headroom stay free after lending (0 when the room was free pages)
+        keep = self.reserve_tokens + self.headroom_tokens
+        short = n_pages * self.page_size + keep - self.allocator.available_size()
+        if short > 0 and self.make_room is not None:
+            self.stats["cache_evicted_to_lend_tokens"] += self.make_room(short)
+            n_pages = min(n_pages, (self.allocator.available_size() - keep) // self.page_size)
+            if n_pages < MIN_OFFER_PAGES:
+                return
         slots = self.allocator.alloc(n_pages * self.page_size)
         pages = [] if slots is None else sorted(set((slots // self.page_size).tolist()))
         if slots is not None and len(pages) * self.page_size != len(slots):

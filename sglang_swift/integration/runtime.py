@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..config import SwiftConfig
 from ..control import (
@@ -113,6 +113,8 @@ class SwiftRuntime:
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
                       "lost_leases": 0, "own_pages_wait_s": 0.0}
         self.reclaim_loss = ReclaimLoss()  # what reclaims dropped, counted when asked again
+        # a donor's own cache evicted to lend (tokens asked -> evicted); the cache sets it
+        self.make_room: Callable[[int], int] | None = None
         self.on_rescued = None  # called with the nodes a reclaim moved into host (the tree's)
         self.lender: PoolLender | None = None
         self.borrowing: Borrowing | None = None
@@ -147,7 +149,9 @@ class SwiftRuntime:
                                          lend_fraction=self.config.lend_fraction,
                                          reclaim_watermark=self.config.reclaim_watermark,
                                          agent=self.agent,
-                                         relend_cooldown_s=self.config.relend_cooldown_s)
+                                         relend_cooldown_s=self.config.relend_cooldown_s,
+                                         lend_cached_after_s=self.config.lend_cached_after_s,
+                                         make_room=self.make_room)
         if self.borrowing is not None and self.tp is None:
             self.agent.on_reclaim(self._fence_reclaim)
         if self.wake is not None:

@@ -109,6 +109,60 @@ def test_no_relend_during_cooldown_and_unknown_returns_are_ignored():
     assert alloc.available_size() == before
 
 
+class OwnCache:
+    """The donor's own cached prefixes: slots held until `make_room` evicts them (LRU order)."""
+
+    def __init__(self, alloc, n: int):
+        self.alloc = alloc
+        self.slots = alloc.alloc(n)
+        self.asked: list[int] = []
+
+    @property
+    def evictable(self) -> int:
+        return len(self.slots)
+
+    def make_room(self, n: int) -> int:
+        self.asked.append(n)
+        n = min(n, len(self.slots))
+        self.alloc.free(self.slots[:n])
+        self.slots = self.slots[n:]
+        return n
+
+
+def test_an_idle_donor_lends_its_cached_prefixes_after_a_burst_filled_its_pool():
+    """A burst leaves the donor's pool full of its own cached prefixes: free pages alone would
+    never reach the lend target again. Once it has had no own requests for
+    `lend_cached_after_s`, it evicts cached prefixes to lend up to its fraction, keeping the
+    reserve and headroom free; not while own requests are queued, and never with 0."""
+    alloc, agent, clock = _allocator(1), FakeAgent(), Clock()
+    cache = OwnCache(alloc, 48)  # free 16 = reserve 16: nothing to lend from free pages
+    lender = PoolLender(alloc, 1, lend_fraction=0.5, reclaim_watermark=0.75, agent=agent,
+                        clock=clock, lend_cached_after_s=5, make_room=cache.make_room)
+    lender.step(cache.evictable, True, own_demand_tokens=3)  # own request in flight
+    assert lender.lent_tokens == 0 and cache.asked == []
+    clock.t = 4
+    lender.step(cache.evictable, True)
+    assert lender.lent_tokens == 0  # idle for 4 s only
+    clock.t = 5
+    lender.step(cache.evictable, True)
+    # room = free 16 + cached 48 - reserve 16 - headroom 4 = 44, capped at 32 lent
+    # evicts 36 so that reserve 16 + headroom 4 stay free after lending 32
+    assert lender.lent_tokens == 32 and cache.asked == [36]
+    assert alloc.available_size() == 20 and cache.evictable == 12
+    assert lender.stats["cache_evicted_to_lend_tokens"] == 36
+    assert alloc.available_size() + cache.evictable + lender.lent_tokens == alloc.size
+    lender.step(cache.evictable, True)
+    assert agent.demands == []  # free + cached stays above the reserve: no reclaim
+
+    alloc2, agent2 = _allocator(1), FakeAgent()
+    cache2 = OwnCache(alloc2, 48)
+    off = PoolLender(alloc2, 1, lend_fraction=0.5, reclaim_watermark=0.75, agent=agent2,
+                     clock=clock, lend_cached_after_s=0, make_room=cache2.make_room)
+    clock.t = 100
+    off.step(cache2.evictable, True)
+    assert off.lent_tokens == 0 and cache2.asked == []
+
+
 def test_refusals_name_the_model_type():
     """A pool the data plane cannot share is refused at start-up naming the model type."""
     from types import SimpleNamespace as NS
