@@ -30,6 +30,7 @@ from radix_ext.results import (
     StoreOutcome,
     StoreTicket,
     Transfer,
+    Unrescued,
 )
 from radix_ext.tiers import DonorTier, HostTier, LeasedBlocks
 from radix_ext.tree import RadixTree
@@ -41,5 +42,5 @@ __all__ = [
     "ExchangeResult", "ExchangeTicket", "HOST", "HostResidency", "HostTier", "InsertResult",
     "LeasedBlocks", "LoadOutcome", "LoadSegment", "LoadTicket", "LostPrefix", "Match",
     "RadixTree", "Released", "RevokeResult", "StoreOutcome", "StoreTicket", "Transfer",
-    "TreeConfig", "admit", "evict", "holding", "settle", "should_exchange",
+    "TreeConfig", "Unrescued", "admit", "evict", "holding", "settle", "should_exchange",
 ]

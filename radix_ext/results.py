@@ -224,13 +224,27 @@ class LostPrefix:
 
 
 @dataclass(frozen=True, slots=True)
+class Unrescued:
+    """A donor copy a rescue found no host room for (dropped by the revoke): its node's tokens
+    are `tokens[start:]`, below the path `tokens[:start]`, and were in `src` (a
+    `DonorResidency`) until the revoke; the caller may still write them elsewhere (L3) from the
+    bytes it read before the revoke."""
+
+    namespace: Any
+    tokens: array
+    start: int
+    src: Any
+
+
+@dataclass(frozen=True, slots=True)
 class RevokeResult:
     """`lost`: a `LostPrefix` per subtree that lost its last copy; `released`: residencies
     dropped (donor ones as revoked, others freed in their tier); `stale_tickets`: ids of
     in-flight loads and stores that must now fail; `moved`: `Transfer`s donor -> host of the
     copies a rescue kept (the caller copies them from the bytes it read before the revoke);
     `lost_paths`: a `LostPrefix` per path from the root to a leaf of a lost subtree (what a
-    request would have to prefill again); `moved_nodes`: the nodes of `moved`, in order."""
+    request would have to prefill again); `moved_nodes`: the nodes of `moved`, in order;
+    `unrescued`: an `Unrescued` per donor copy a rescue found no host room for."""
 
     lost: tuple = ()
     released: tuple = ()
@@ -239,6 +253,7 @@ class RevokeResult:
     moved: tuple = ()
     lost_paths: tuple = ()
     moved_nodes: tuple = ()
+    unrescued: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from array import array
 from typing import Any, Iterable, Optional
 
 from radix_ext.residency import DONOR, HOST, DonorResidency
-from radix_ext.results import LostPrefix, Released, RevokeResult, Transfer
+from radix_ext.results import LostPrefix, Released, RevokeResult, Transfer, Unrescued
 
 
 class RevokeMixin:
@@ -29,7 +29,9 @@ class RevokeMixin:
         made there as for a demotion (the least valuable host copies dropped; nothing pinned or
         on the revoked path): `moved` lists one `Transfer(donor -> host)` per rescued copy, for
         the caller to copy from those bytes before anything reads the host slots. A copy that
-        finds no host room is dropped as without `rescue`.
+        finds no host room is dropped as without `rescue`; `unrescued` names each such copy
+        (its path's tokens and its donor residency), for a caller that can keep those bytes in
+        a tier below the tree (L3).
         """
         if self.donor is None:
             return RevokeResult()
@@ -71,8 +73,9 @@ class RevokeMixin:
         orphans = []
         moved: list = []
         moved_nodes: list = []
+        unrescued: list = []
         if rescue and self.host is not None:
-            moved, moved_nodes = self._rescue(victims, released)
+            moved, moved_nodes, unrescued = self._rescue(victims, released)
         for x in victims:
             if x.pins:
                 stale.extend(self._mark_stale(x))
@@ -89,7 +92,7 @@ class RevokeMixin:
                 if lease_id is None or key[1] == lease_id:
                     self.donor.remove_lease(*key)
         return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
-                            tuple(moved), tuple(leaves), tuple(moved_nodes))
+                            tuple(moved), tuple(leaves), tuple(moved_nodes), tuple(unrescued))
 
     def forget_rescue(self, moved: Iterable[Transfer]) -> RevokeResult:
         """Take back the host copies a `revoke(rescue=True)` gave (its `moved`) whose rows could
@@ -142,9 +145,9 @@ class RevokeMixin:
                     stale.extend(self._mark_stale(y))
         return lost, leaves, num_lost
 
-    def _rescue(self, victims: list, released: list) -> tuple[list, list]:
-        """Host copies for the victims that have none, shallowest first; returns the transfers
-        and their nodes.
+    def _rescue(self, victims: list, released: list) -> tuple[list, list, list]:
+        """Host copies for the victims that have none, shallowest first; returns the transfers,
+        their nodes, and an `Unrescued` per victim left without a copy (read before the drop).
         A victim that finds no room is dropped with its subtree, so nothing below it is moved;
         another victim may still fit. Room is made with every victim held, so making it never
         drops another victim."""
@@ -164,7 +167,12 @@ class RevokeMixin:
                 self._add_res(x, res)
                 moved.append(Transfer(DONOR, x.res[DONOR], HOST, res))
                 nodes.append(x)
-        return moved, nodes
+        unrescued = []
+        for x in todo:
+            if x in failed:
+                ns, tokens = self.prefix_of(x)
+                unrescued.append(Unrescued(ns, tokens, len(tokens) - len(x.key), x.res[DONOR]))
+        return moved, nodes, unrescued
 
     def _below(self, x: Any, nodes: set) -> bool:
         """Whether an ancestor of `x` is in `nodes`."""

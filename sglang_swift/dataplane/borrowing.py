@@ -93,6 +93,9 @@ class Borrowing:
     # into memory of this server's own, and `on_reclaim` moves what the tree rescues into host
     # slots (`reclaim_staging.ReclaimStaging`).
     staging: Any = None
+    # With L3 below the host tier: `spill(unrescued, rows, page) -> tokens` writes the staged
+    # rows of the copies the rescue found no host room for into storage (`cache.py`)
+    spill: Any = None
     shard: tuple[int, int] = (0, 1)  # (this rank, the server's TP ranks)
     geometry: Any = None  # this rank's KV page (KVGeometry)
 
@@ -338,6 +341,9 @@ class Borrowing:
                 n = self.staging.write(result.moved, rows, held.packing.borrower.page_size,
                                        tree, self.tp)
                 self.stats["rescued_tokens"] = self.stats.get("rescued_tokens", 0) + n
+            if result.unrescued and self.spill is not None:
+                n = self.spill(result.unrescued, rows, held.packing.borrower.page_size)
+                self.stats["spilled_tokens"] = self.stats.get("spilled_tokens", 0) + n
             results.append(result)
         return merged_revokes(results)
 

@@ -128,24 +128,34 @@ class ReclaimStaging:
 
     def _write(self, moved: tuple, rows: dict, page: int) -> int:
         host: list[int] = []
-        picks: dict[int, list] = {}  # id(part) -> (position in the write, row in the part)
-        parts: dict[int, Staged] = {}
         for t in moved:
-            for i, slot in enumerate(t.dst.indices):
-                part, pos = rows[t.src.blocks[i // page]]
-                parts[id(part)] = part
-                picks.setdefault(id(part), []).append((len(host), pos * page + i % page))
-                host.append(slot)
-        n = len(host)
-        first = next(iter(parts.values()))
-        ks = [torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=k.device) for k in first.k]
-        vs = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in first.v]
-        for pid, pairs in picks.items():
-            part = parts[pid]
-            at = torch.tensor([a for a, _ in pairs])
-            src = torch.tensor([b for _, b in pairs])
-            for layer in range(len(ks)):
-                ks[layer][at] = part.k[layer][src]
-                vs[layer][at] = part.v[layer][src]
+            host.extend(t.dst.indices)
+        ks, vs = gather_rows([(t.src, len(t.dst.indices)) for t in moved], rows, page)
         self.write_host(torch.tensor(host, dtype=torch.int64), ks, vs)
-        return n
+        return len(host)
+
+
+def gather_rows(copies: list, rows: dict, page: int) -> tuple[list, list]:
+    """The staged rows of `copies` (`(DonorResidency, tokens)` pairs, in order), one `[n, ...]`
+    tensor per layer for K and for V; `rows` maps a block to its (`Staged`, position), as
+    `ReclaimStaging.take` returns it."""
+    n = 0
+    picks: dict[int, list] = {}  # id(part) -> (position in the result, row in the part)
+    parts: dict[int, Staged] = {}
+    for src, tokens in copies:
+        for i in range(tokens):
+            part, pos = rows[src.blocks[i // page]]
+            parts[id(part)] = part
+            picks.setdefault(id(part), []).append((n, pos * page + i % page))
+            n += 1
+    first = next(iter(parts.values()))
+    ks = [torch.empty((n, *k.shape[1:]), dtype=k.dtype, device=k.device) for k in first.k]
+    vs = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in first.v]
+    for pid, pairs in picks.items():
+        part = parts[pid]
+        at = torch.tensor([a for a, _ in pairs])
+        src = torch.tensor([b for _, b in pairs])
+        for layer in range(len(ks)):
+            ks[layer][at] = part.k[layer][src]
+            vs[layer][at] = part.v[layer][src]
+    return ks, vs

@@ -63,7 +63,8 @@ STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "l
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
                 "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
                 "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens",
-                "rescued_tokens", "recomputed_after_reclaim_tokens", "l3_written_pages",
+                "rescued_tokens", "spilled_tokens", "recomputed_after_reclaim_tokens",
+                "l3_written_pages",
                 "l3_fetched_tokens", "l3_failures")
 # a tree without a runtime (no lending or borrowing) but with a host tier counts these itself
 LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
@@ -176,6 +177,8 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
                                     allocator=self.token_to_kv_pool_allocator, tree=self.tree,
                                     page_size=self.page_size, agent_id=agent_id, tp=self.tp)
         self.runtime.stats.update({k: 0 for k in STREAM_STATS})
+        self.runtime.make_room = \
+            lambda n: self.evict(EvictParams(num_tokens=n)).num_tokens_evicted
         if self.host_kv is not None and config.borrows:  # a reclaimed donor page goes to host
             from ..dataplane.reclaim_staging import ReclaimStaging
 
@@ -183,6 +186,8 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
             if self.storage is not None:  # what a reclaim moved into host goes on to L3
                 self.runtime.on_rescued = lambda nodes: [self._write_to_storage(x)
                                                          for x in nodes]
+                if self.host_kv.spill_slots is not None:  # and what found no room there too
+                    self.runtime.borrowing.spill = self._spill_to_storage
         if config.borrows or self.host_kv is not None:
             self._start_streaming(config, kv_pool, tp_worker)
         if enable_metrics:
@@ -291,9 +296,6 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         tokens = key.raw_token_ids()
         m = self.tree.match(tokens, namespace_of(key))
         length, node = m.device_len, m.last_device_node
-        if self.runtime is not None and self.runtime.reclaim_loss:
-            self.stats["recomputed_after_reclaim_tokens"] += \
-                self.runtime.reclaim_loss.recomputed(tokens, namespace_of(key), m.prefix_len)
         hit, best = self._lower_hit(m) if self.loads is not None else (0, node)
         if length == 0 and hit == 0:
             return self._empty_match_result
@@ -316,6 +318,11 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         else:  # SGLang's device tensor, kept as the tree's handle: its values are never read
             slots = params.value[:n].to(torch.int64)
         r = self.tree.insert(tokens[:n], slots, namespace_of(key))
+        if self.runtime is not None and self.runtime.reclaim_loss:
+            # tokens new to the tree were prefilled (what a request loaded from host or L3 was
+            # in the tree before its prefill): those of a prefix a reclaim dropped are recomputed
+            self.stats["recomputed_after_reclaim_tokens"] += \
+                self.runtime.reclaim_loss.recomputed(tokens[:n], namespace_of(key), r.prefix_len)
         if self.host_kv is not None and self.host_kv.write_through and params.value is not None:
             self._write_through(r.last_node)
         # SGLang's caller frees its slots in [cache_protected_len, prefix_len): the duplicates.

@@ -126,6 +126,7 @@ class HostKV:
                         end_layer=kv_pool.end_layer,
                         write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
         self.capacity = self.pool.size
+        self.spill_slots: torch.Tensor | None = None  # reserve_spill's slots, outside the tier
         self.write_through = write_through  # --hicache-write-policy write_through
         self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
         self.token_bytes = self.pool.size_per_token
@@ -207,6 +208,19 @@ class HostKV:
                 on_layer(layer)
             return len(dev)
         return self._agreed(copy, "load")
+
+    def reserve_spill(self, tokens: int) -> torch.Tensor:
+        """Take the pool's last `tokens` slots out of the tree's host tier (`capacity` shrinks
+        by them) and return them: the rows a reclaim writes on to L3 when the tier has no room
+        for them pass through these slots (`SwiftRadixCache._spill_to_storage`). Call before
+        the tree is built."""
+        if not 0 < tokens < self.capacity:
+            raise ValueError(f"a spill area of {tokens} tokens does not fit a host tier of "
+                             f"{self.capacity}")
+        self.capacity -= tokens
+        self.spill_slots = torch.arange(self.capacity, self.capacity + tokens,
+                                        dtype=torch.int64)
+        return self.spill_slots
 
     def write_rows(self, host_slots: torch.Tensor, k_rows: list, v_rows: list) -> None:
         """Write token rows (per layer, `[n, heads, dim]` on any device) into `host_slots`,

@@ -58,6 +58,8 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
                            "tier"),
     "rescued_tokens": ("swiftcache_rescued_tokens", "tokens a reclaim moved from donor memory "
                        "into the host tier instead of dropping them"),
+    "spilled_tokens": ("swiftcache_spilled_tokens", "tokens a reclaim wrote from donor memory "
+                       "straight to L3 storage when the host tier had no room for them"),
     "recomputed_after_reclaim_tokens": ("swiftcache_recomputed_after_reclaim_tokens",
                                         "tokens that were in the donor tier when a reclaim "
                                         "came and that a later request prefilled again"),

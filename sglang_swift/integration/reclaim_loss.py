@@ -2,11 +2,13 @@
 that a later request had to prefill again because they were no longer cached anywhere.
 
 A reclaim's `RevokeResult.lost` names each subtree that lost its last copy (with a host tier, only
-what the rescue found no host room for). `ReclaimLoss` keeps those prefixes and, on each match,
-counts the tokens of a lost prefix the request asks for beyond what the match found cached; once
-counted, those tokens are cached again by that request's prefill, so they are not counted twice.
+what the rescue found no host room for). `ReclaimLoss` keeps those prefixes and, on each insert
+into the tree (after a request's prefill), counts the tokens of a lost prefix that are new to the
+tree: they were prefilled, where a prefix loaded from host or fetched from L3 was in the tree
+before the prefill (a count at the request's match would also take what L3 supplies after it).
+Once counted, those tokens are cached again, so they are not counted twice.
 Bounded: at most MAX_PREFIXES prefixes are watched (the oldest go first), and a prefix is dropped
-once every token of it was asked for again. Runs on the scheduler thread, on every match while
+once every token of it was asked for again. Runs on the scheduler thread, on every insert while
 something is watched: only the prefixes that begin with the request's first token are compared.
 """
 
@@ -40,8 +42,8 @@ class ReclaimLoss:
             self._drop(*self._order.popleft())
 
     def recomputed(self, tokens: Sequence[int], namespace: Any, cached_len: int) -> int:
-        """Tokens of lost prefixes a request for `tokens` must prefill again: those of each
-        lost prefix it covers past `cached_len` (what its match found in any tier)."""
+        """Tokens of lost prefixes prefilled again for `tokens`: those of each lost prefix it
+        covers past `cached_len` (what the tree held of it, in any tier, before the insert)."""
         if not len(tokens):
             return 0
         head = (namespace, tokens[0])

@@ -76,6 +76,33 @@ class StorageHitsMixin:
                 written.add(x.id)
             pos += n
 
+    def _spill_to_storage(self, unrescued: Any, rows: dict, page: int) -> int:
+        """A reclaim's donor copies the host tier found no room for (`Unrescued`, dropped from
+        the tree): their staged rows go to storage through the host pool's spill slots
+        (`HostKV.reserve_spill`), a spill area's worth of pages per write, each write waited for
+        on this (the scheduler) thread, so a later request fetches them from L3 instead of
+        prefilling them again. Returns the tokens written; a failed write loses those pages
+        only (they are recomputed)."""
+        from ..dataplane.reclaim_staging import gather_rows
+
+        slots = self.host_kv.spill_slots
+        per = len(slots) // page  # pages per write
+        written = 0
+        for u in unrescued:
+            keys = self.storage.page_keys(_radix_key(u.tokens, u.namespace))
+            first, n_pages = u.start // page, (len(u.tokens) - u.start) // page
+            if n_pages == 0:
+                continue
+            ks, vs = gather_rows([(u.src, n_pages * page)], rows, page)
+            for p0 in range(0, n_pages, per):
+                m = min(per, n_pages - p0)
+                at = slice(p0 * page, (p0 + m) * page)
+                self.host_kv.write_rows(slots[:m * page], [k[at] for k in ks],
+                                        [v[at] for v in vs])
+                written += page * self.storage.write_now(keys[first + p0:first + p0 + m],
+                                                         slots[:m * page])
+        return written
+
     # ---- the scheduler's L3 calls -------------------------------------------------------------
 
     def is_backuped(self, node: Any) -> bool:

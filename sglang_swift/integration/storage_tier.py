@@ -188,6 +188,26 @@ class StorageTier:
                                torch.frombuffer(held, dtype=torch.int64).clone(), held))
         return len(todo)
 
+    def write_now(self, keys: list, host_slots: torch.Tensor) -> int:
+        """Write the pages `keys[i]` held at host slots `host_slots[i*page : (i+1)*page]` on
+        the calling thread, skipping pages already written, and wait for the backend: for rows
+        held outside the tree's host tier only while this runs (a reclaim's spill). Returns the
+        pages written (0 when the backend failed; logged once)."""
+        page = self.page_size
+        todo = [i for i, k in enumerate(keys) if k not in self._known]
+        if not todo:
+            return 0
+        slots = torch.cat([host_slots[i * page:(i + 1) * page] for i in todo]).to(torch.int64)
+        try:
+            ok = self._set(self._view, [keys[i] for i in todo], slots)
+        except Exception as e:  # noqa: BLE001 - a failed write loses only the L3 copy
+            self._warn("write", e)
+            return 0
+        if not ok:
+            return 0
+        self._remember(keys[i] for i in todo)
+        return len(todo)
+
     def _write(self, w: Write) -> None:
         try:
             if self._set(self._view, w.keys, w.host):

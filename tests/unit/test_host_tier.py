@@ -247,6 +247,48 @@ def test_without_host_room_a_reclaim_loses_the_prefixes_and_their_reuse_is_count
     assert loss.recomputed(list(b), "other namespace", 0) == 0
 
 
+def test_a_rescue_names_each_donor_copy_it_found_no_host_room_for():
+    """Host room for the shared 4-token root only: the two branches are dropped, and
+    `unrescued` names each (its path's tokens, where its own tokens start, its donor blocks),
+    read before the drop, for a caller that writes them to L3 from the staged rows."""
+    from radix_ext import HOST
+
+    tree, a, b = _tree_with_donor_prefixes(host_capacity=4)
+    result = tree.revoke("d", rescue=True)
+    assert [len(t.dst.indices) for t in result.moved] == [4]
+    assert sorted((list(u.tokens), u.start) for u in result.unrescued) == \
+        sorted([(list(a), 4), (list(b), 4)])
+    assert all(len(u.src.blocks) == 6 for u in result.unrescued)
+    assert result.num_tokens_lost == 12
+    m = tree.match(a, None)
+    assert m.prefix_len == 4 and {s.tier for s in m.loads} == {HOST}
+    tree.check_integrity()
+
+
+def test_tokens_of_a_lost_prefix_count_as_recomputed_only_when_the_tree_gets_them_new():
+    """The cache counts a reclaim's loss at insert: a lost prefix whose first part is in the
+    tree before the prefill (as an L3 fetch attaches host copies before the admission match)
+    counts only the rest, the part the prefill made new; matching
+    alone counts nothing, and a second insert of the same tokens nothing more."""
+    from types import SimpleNamespace as NS
+
+    from radix_ext.results import LostPrefix
+    from sglang_swift.integration.reclaim_loss import ReclaimLoss
+
+    rig = Rig()
+    lost = list(range(500, 512))
+    rig.insert(lost[:5])  # back in the tree before this request's prefill (not watched yet)
+    rig.cache.runtime = NS(reclaim_loss=ReclaimLoss(), stats=rig.cache.stats)
+    rig.cache.runtime.reclaim_loss.add([LostPrefix(None, lost, 0)])
+    rig.match(lost + [1])
+    assert rig.cache.stats["recomputed_after_reclaim_tokens"] == 0
+    rig.insert(lost + [1])
+    assert rig.cache.stats["recomputed_after_reclaim_tokens"] == 12 - 5
+    rig.insert(lost + [1, 2])
+    assert rig.cache.stats["recomputed_after_reclaim_tokens"] == 7
+    rig.cache.runtime = None
+
+
 def test_write_through_backs_up_the_path_and_an_eviction_then_copies_nothing():
     """write_through: every prefix the tree takes gets its host copy at once (root first), the
     bytes equal the device rows; evicting it later frees the device slots without a store, and

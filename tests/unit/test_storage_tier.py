@@ -41,7 +41,7 @@ def _server_args(path, backend="file", policy="wait_complete"):
 class L3Rig:
     """A SwiftRadixCache with a host tier and L3 storage, no control channel."""
 
-    def __init__(self, path, policy="wait_complete", backend="file"):
+    def __init__(self, path, policy="wait_complete", backend="file", spill=0):
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         from sglang_swift.config import SwiftConfig
@@ -54,6 +54,8 @@ class L3Rig:
                            io_backend="kernel", page_size=PAGE)
         self.storage = StorageTier.build(self.host, _server_args(path, backend, policy),
                                          page_size=PAGE, model_name="tiny")
+        if spill:
+            self.host.reserve_spill(spill)
         config = SwiftConfig(enabled=True, host_tier=True)
         tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=lambda c: None)
         self.cache = SwiftRadixCache(
@@ -162,6 +164,44 @@ def test_a_prefix_in_host_is_written_under_stock_keys_and_a_fresh_tree_fetches_i
     assert b.cache.stats["l3_fetched_tokens"] == len(tokens)
     b.cache.swift_step(None)
     b.cache.check_integrity()
+
+
+def test_a_reclaims_rows_without_host_room_go_to_l3_and_a_fresh_tree_loads_them(tmp_path):
+    """A reclaim's donor copy the host tier had no room for (`Unrescued`): its staged rows go
+    to storage through the spill slots, two pages per write here, under the keys of its whole
+    path; a second server fetches the path (its first two pages written from host as usual)
+    and loads it bit for bit. The spill slots are outside the tier's capacity."""
+    from array import array
+
+    from radix_ext import Unrescued
+    from radix_ext.residency import DonorResidency
+    from sglang_swift.dataplane.reclaim_staging import Staged
+
+    tokens = list(range(300, 324))
+    a = L3Rig(tmp_path, spill=2 * PAGE)
+    assert a.host.capacity + 2 * PAGE == a.host.pool.size
+    assert a.cache.tree.host.capacity_tokens() == a.host.capacity
+    a.insert(tokens[:8])
+    a.evict_all()
+    a.settle()
+    own = tokens[8:]  # four pages in blocks 5, 6, 7, 8 of a lease, staged as one part
+    shape = a.pool.k_buffer[0].shape[1:]
+    t = torch.tensor(own, dtype=torch.float32).reshape(-1, *([1] * len(shape)))
+    part = Staged([5, 6, 7, 8], [(t * 10 + layer).expand(-1, *shape).clone()
+                                 for layer in range(LAYERS)],
+                  [(-(t * 10 + layer)).expand(-1, *shape).clone() for layer in range(LAYERS)])
+    rows = {b: (part, i) for i, b in enumerate(part.blocks)}
+    u = Unrescued(None, array("q", tokens), 8, DonorResidency("d", 0, 1, array("q", [5, 6, 7, 8])))
+    assert a.cache._spill_to_storage([u], rows, PAGE) == len(own)
+    assert all(a.storage.backend.exists(k) for k in _stock_keys(tokens))
+    assert a.cache._spill_to_storage([u], rows, PAGE) == 0  # written once
+
+    b = L3Rig(tmp_path)
+    assert b.fetch(tokens + [7]) == len(tokens)
+    for buf in b.pool.k_buffer + b.pool.v_buffer:
+        buf.fill_(7777.0)
+    m, slots = b.load(tokens)
+    assert m.host_hit_length == len(tokens) and b.kv_is(slots, tokens)
 
 
 def test_a_fetch_continues_the_prefix_the_tree_holds(tmp_path):
