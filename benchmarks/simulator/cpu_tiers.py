@@ -9,8 +9,9 @@ The runs (the busy `small` model; the `tiny` donor serves nothing but its burst)
   s  HiCache + SwiftCache: device, donor pages while lent, host; the donor lends `lend_fraction`
      of its pool (`Node.lend`); after turn `burst_after_turn` of every conversation the donor's
      burst takes back every lent page: the tree revokes them with `rescue` (each donor copy
-     without a host copy moves to host where room can be made, as the live reclaim does), and
-     the donor lends nothing again before the end
+     without a host copy moves to host where room can be made, as the live reclaim does); the
+     donor lends the same blocks again before the next turn when the live run's donor did
+     (`relent_after_burst`, in bench_tiers' pause after the burst), else nothing before the end
   i  the ideal: HiCache with the lent busy tokens added to the device pool, the host tier as
      big as in (h)
 Every tier and rule is the live server's: radix_ext's `RadixTree` with
@@ -174,6 +175,8 @@ def simulate_run(cal: dict, plan: dict, run: str) -> dict:
             return
         if k == burst_at and run == "s":  # every lent page back before the turns go on
             node._reclaim(node.donations["donor"], busy, RECLAIM_ALL)
+            if plan.get("relent_after_burst"):  # the live donor lent again in the pause
+                node.relend(donor, busy)
         item = items[k]
         out = served_tokens(len(item["prompt_ids"]),
                             min(plan["max_tokens"], len(item["output_ids"])), pool, context_len)

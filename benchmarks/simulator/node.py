@@ -144,6 +144,26 @@ class Node:
         self.donations[donor.name] = d
         return granted
 
+    def relend(self, donor, borrower) -> int:
+        """After a reclaim took every lent block back, the donor offers them again and the
+        borrower takes one new lease of them (the live donor lends again once its cooldown is
+        over and it has no requests of its own; its ledger numbers the new lease). Returns the
+        blocks granted."""
+        d = self.donations[donor.name]
+        if d.ledger.leases or d.ledger.offered:
+            raise ValueError("relend: the donor's blocks are not all back yet")
+        n = len(d.tree_block)
+        d.ledger.offer(range(n))
+        lease = d.ledger.grant(borrower.name, epoch=1, want=n, priority=0)
+        if lease is None:
+            return 0
+        d.lease_id = lease.lease_id
+        d.tree_block = {b: i for i, b in enumerate(sorted(lease.active))}
+        borrower.cache.add_lease(donor.name, lease.lease_id, 1, len(lease.active))
+        donor.lent_pages = donor.cache.alloc(int(len(lease.active) * d.own_pages_per_block
+                                                 + 0.999999))
+        return len(lease.active)
+
     def _reclaim(self, d: Donation, borrower, own_pages: int) -> None:
         """The donor needs `own_pages` of its pages back: ledger reclaims, borrower revokes, ack."""
         blocks = min(int(own_pages / d.own_pages_per_block) + 1, len(d.ledger.offered))

@@ -143,6 +143,10 @@ def validate(cal_path: Path, live_path: Path) -> dict:
     live = load_live(live_path)
     check_same_plan(cal, live)
     plan = {**DEFAULTS, **live["plan"]}
+    # when the live donor lent again after its burst is the donor's timing (its cooldown, then
+    # its idle time), which the simulator does not model: taken from the live run, like the
+    # trace's prompts
+    plan["relent_after_burst"] = bool(live["summary"].get("relent_after_burst"))
     sim = simulate_tiers(cal, plan)
     runs, errors = {}, {}
     for run in RUNS:

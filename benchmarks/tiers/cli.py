@@ -13,10 +13,13 @@ Summary keys:
 - `hits_by_tier`: (s)'s cached tokens by where they came from (device, donor, host, L3: the
   tokens fetched from storage, `--l3` only);
 - `cached_by_turn`: per run, the busy server's cached tokens turn by turn (the burst comes after
-  turn `burst_after_turn`); `relent_after_burst`: whether (s)'s donor lent again before the end;
+  turn `burst_after_turn`, and every run pauses `pause_after_burst_s` before the next turn);
+  `relent_after_burst`: whether (s)'s donor lent again before the turns resumed after that pause,
+  `borrowed_at_end`: whether (s) held donor memory at the end;
 - `recomputed_after_reclaim_tokens`: tokens in (s)'s donor tier when the donor's burst reclaimed
   every lent page that a later request prefilled again; `rescued_tokens`: those the reclaim moved
-  into host instead; `history_tokens`: the busy model's histories at the end, against
+  into host instead; `spilled_tokens`: those it wrote straight to L3 when host had no room
+  (`--l3` only); `history_tokens`: the busy model's histories at the end, against
   `device_plus_host_tokens`.
 """
 
@@ -74,10 +77,12 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
         l3 = int(m.get("swiftcache_l3_fetched_tokens_total", 0))
         out["hits_by_tier"] = {"device": cached["s"] - donor - host, "donor": donor,
                                "host": host - l3, "l3": l3}
-        out["relent_after_burst"] = m.get("swiftcache_borrowed_tokens", 0) > 0
+        out["relent_after_burst"] = s.relent_before_resume
+        out["borrowed_at_end"] = m.get("swiftcache_borrowed_tokens", 0) > 0
         out["recomputed_after_reclaim_tokens"] = int(
             m.get("swiftcache_recomputed_after_reclaim_tokens_total", 0))
         out["rescued_tokens"] = int(m.get("swiftcache_rescued_tokens_total", 0))
+        out["spilled_tokens"] = int(m.get("swiftcache_spilled_tokens_total", 0))
         out["revoked_tokens"] = int(m.get("swiftcache_revoked_tokens_total", 0))
         out["reclaims"] = int(m.get("swiftcache_reclaims_total", 0))
         out["loads_failed"] = int(m.get("swiftcache_loads_failed_total", 0))
@@ -118,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-policy", choices=("write_back", "write_through"),
                     default="write_back", help="every HiCache run's --hicache-write-policy "
                                                "(default %(default)s)")
+    ap.add_argument("--pause-after-burst-s", type=float, default=None,
+                    help="every run's pause after the donor's burst before the next turn, a "
+                         "user's think time (default: the plan's, 15 s; 0: go on at once)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench_tiers"),
                     help="directory for the server logs and the records (default %(default)s)")
     args = ap.parse_args(argv)
@@ -129,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.l3:
         plan = replace(plan, l3=args.l3)
     plan = replace(plan, write_policy=args.write_policy)
+    if args.pause_after_burst_s is not None:
+        if args.pause_after_burst_s < 0:
+            ap.error(f"--pause-after-burst-s must not be negative; got {args.pause_after_burst_s}")
+        plan = replace(plan, pause_after_burst_s=args.pause_after_burst_s)
     if plan.burst_after_turn >= plan.turns:
         ap.error(f"the burst comes after turn {plan.burst_after_turn}: give more turns")
     args.out.mkdir(parents=True, exist_ok=True)

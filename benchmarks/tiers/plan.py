@@ -12,6 +12,8 @@ The runs (same traffic each, one request at a time, the histories carrying run (
 - `i` the ideal: HiCache with what (s)'s donor lends added to the busy server's device pool (and
   taken from the donor's), the host tier as big in tokens as in (h);
 - `t` HiCache again, a twin of (h): the noise floor of a TTFT ratio against (h).
+After the burst every run pauses `pause_after_burst_s` (15 s) before its next turn, as a
+user's think time; (s)'s donor lends again inside that pause (`relent_after_burst`).
 Every HiCache run uses the same `--hicache-write-policy`, `write_back` unless `--write-policy`
 says otherwise (SwiftCache's host tier receives a prefix when it leaves the device; (h) and (i)
 do the same, so the runs differ only in the tiers). With `--l3 file` every HiCache run also has
@@ -49,6 +51,11 @@ class TierPlan:
     burst_requests: int = 4
     burst_words: int = 350
     burst_max_tokens: int = 32
+    # every run's busy traffic pauses this long after the burst, as a user's think time
+    # between turns: (s)'s donor lends again inside it (its 5 s relend cooldown, then 5 s without
+    # requests of its own before it lends its cached burst prefixes: --swiftcache-lend-cached-
+    # after-s); 0: the turns go on at once, mostly without donor memory
+    pause_after_burst_s: float = 15.0
     l3: str | None = None  # an L3 storage backend below every HiCache run's host tier
     write_policy: str = "write_back"  # every HiCache run's --hicache-write-policy
 

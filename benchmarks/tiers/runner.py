@@ -19,7 +19,8 @@ from ..tools.local_server import LocalServer, start_all
 from .plan import Server
 
 TIER_METRICS = ("swiftcache_donor_hit_tokens_total", "swiftcache_host_hit_tokens_total",
-                "swiftcache_rescued_tokens_total", "swiftcache_revoked_tokens_total",
+                "swiftcache_rescued_tokens_total", "swiftcache_spilled_tokens_total",
+                "swiftcache_revoked_tokens_total",
                 "swiftcache_recomputed_after_reclaim_tokens_total",
                 "swiftcache_reclaims_total", "swiftcache_loads_failed_total",
                 "swiftcache_host_stored_tokens_total", "swiftcache_stored_tokens_total",
@@ -38,6 +39,7 @@ class RunResult:
     wall_s: float
     loadavg: tuple
     pools: dict[str, int] = field(default_factory=dict)
+    relent_before_resume: bool | None = None  # (s): donor memory back when the turns resumed
 
 
 def _metrics(server: LocalServer) -> dict[str, float]:
@@ -103,6 +105,8 @@ def run_one(run: str, spec: dict[str, Server], plan, convs, forced, out_dir: Pat
             wait_for_lease(rendezvous, timeout_s=180)
             _wait_metric(busy, "swiftcache_borrowed_tokens", 1, 60)
 
+        relent = [None]  # (s): whether its donor lent again before the turns went on
+
         async def traffic():
             records: list[RequestRecord] = []
             histories = [[] for _ in convs]
@@ -113,6 +117,9 @@ def run_one(run: str, spec: dict[str, Server], plan, convs, forced, out_dir: Pat
                 burst = await _burst(http, donor.base_url, plan, t0)
                 if spec["busy"].swiftcache:  # every lent page back before the turns go on
                     _wait_metric(busy, "swiftcache_reclaims_total", 1, RECLAIM_WAIT_S)
+                await asyncio.sleep(plan.pause_after_burst_s)  # the think time, every run
+                if spec["busy"].swiftcache:
+                    relent[0] = _metrics(busy).get("swiftcache_borrowed_tokens", 0) > 0
                 await _turns(http, busy.base_url, convs, histories, plan.burst_after_turn,
                              plan.turns, plan, forced, records, t0)
             return records, burst
@@ -124,4 +131,5 @@ def run_one(run: str, spec: dict[str, Server], plan, convs, forced, out_dir: Pat
         for server in servers.values():
             server.stop()
     return RunResult(run, records, burst, metrics, startup, time.monotonic() - t_start,
-                     (before, os.getloadavg()), {role: s.pool for role, s in spec.items()})
+                     (before, os.getloadavg()), {role: s.pool for role, s in spec.items()},
+                     relent[0])

@@ -86,6 +86,19 @@ def test_the_burst_takes_back_every_lent_block_once_and_leaves_no_donor_copy():
     assert res["load_failures"] == 0
 
 
+def test_a_donor_that_lent_again_after_its_burst_holds_the_last_turns_again():
+    """With `relent_after_burst` (the live donor lent again in the pause after its burst) the
+    borrower takes one new lease of the same blocks: the last turn's evictions go to the donor
+    tier again and it holds content at the end; the reclaim itself is the same."""
+    cal = _cal()
+    once = cpu_tiers.simulate_run(cal, PLAN, "s")
+    again = cpu_tiers.simulate_run(cal, dict(PLAN, relent_after_burst=True), "s")
+    assert again["reclaims"] == once["reclaims"] == 1
+    assert again["rescued_tokens"] == once["rescued_tokens"]
+    assert again["donor_tier_tokens_end"] > 0
+    assert again["copied_tokens"]["device->donor"] > once["copied_tokens"]["device->donor"]
+
+
 def test_the_ideal_adds_the_lent_tokens_to_the_device_and_keeps_hicaches_host_tier():
     cal = _cal()
     h, i = cpu_tiers.run_pools(cal, PLAN, "h"), cpu_tiers.run_pools(cal, PLAN, "i")
