@@ -80,8 +80,11 @@ async def _streamed(http, url, messages, max_tokens) -> RequestRecord:
     return rec
 
 
-async def timing(http, url: str, tokenizer, repeats: int) -> dict:
-    """Prefill points (cold and after a prefix) and decode points of one server."""
+async def timing(http, url: str, tokenizer, repeats: int, first_of: int = 1) -> dict:
+    """Prefill points (cold and after a prefix) and decode points of one server. A prefill
+    point's request asks for `first_of` tokens: its TTFT is then what a benchmark request
+    asking for as many sees (SGLang's overlapped scheduler streams the first token after the
+    next forward when more follow, one decode step later than for a 1-token request)."""
     prefill, decode = [], []
 
     def point(rec):
@@ -91,14 +94,15 @@ async def timing(http, url: str, tokenizer, repeats: int) -> dict:
     for rep in range(repeats):
         for i, n in enumerate(PREFILL_TARGETS):
             point(await _streamed(http, url, [{"role": "user", "content":
-                                               synthetic(tokenizer, n, 1000 * rep + i)}], 1))
+                                               synthetic(tokenizer, n, 1000 * rep + i)}],
+                                  first_of))
         for i, n in enumerate(HIT_BASES):
             first = [{"role": "user", "content": synthetic(tokenizer, n, 5000 + 1000 * rep + i)}]
-            point(await _streamed(http, url, first, 1))
+            point(await _streamed(http, url, first, first_of))
             follow = first + [{"role": "assistant", "content": "ok"},
                               {"role": "user", "content":
                                synthetic(tokenizer, 48, 9000 + 1000 * rep + i)}]
-            point(await _streamed(http, url, follow, 1))
+            point(await _streamed(http, url, follow, first_of))
     for i, n in enumerate(DECODE_PROMPTS):
         rec = await _streamed(http, url, [{"role": "user", "content":
                                            synthetic(tokenizer, n, 20000 + i)}], DECODE_TOKENS)
@@ -106,7 +110,8 @@ async def timing(http, url: str, tokenizer, repeats: int) -> dict:
         steps = (rec.completion_tokens or DECODE_TOKENS) - 1
         decode.append({"context": rec.prompt_tokens + steps // 2,
                        "step_s": (rec.e2e - rec.ttft) / steps, "steps": steps})
-    return {"prefill_points": prefill, "decode_points": decode,
+    return {"prefill_points": prefill, "prefill_tokens_asked": first_of,
+            "decode_points": decode,
             "prefill_fit": fit_prefill(prefill), "decode_fit": fit_decode(decode)}
 
 
@@ -291,7 +296,9 @@ async def drive_tiers(busy: LocalServer, replay: LocalServer, convs, plan, token
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
-        busy_timing = await timing(http, busy.base_url, tokenizer, repeats)
+        # timed as bench_tiers asks: its requests want plan.max_tokens tokens each
+        busy_timing = await timing(http, busy.base_url, tokenizer, repeats,
+                                   first_of=plan.max_tokens)
         trace = await tiers_trace(http, replay.base_url, busy.base_url, convs, plan)
     return {"timing": {"busy": busy_timing}, "trace": trace}
 
