@@ -353,6 +353,8 @@ RECORDS: dict[str, RecordSpec] = {
                                                "reclaimed every lent page that a later request "
                                                "prefilled again",
             "rescued_tokens": "tokens the reclaim moved from donor pages into (s)'s host tier",
+            "spilled_tokens": "tokens the reclaim wrote from donor pages straight to L3 when "
+                              "(s)'s host tier had no room for them (with L3 only)",
             "revoked_tokens": "cached tokens (s) lost to the reclaim",
             "reclaims": "reclaims (s)'s busy server acknowledged",
             "loads_failed": "(s)'s loads that failed (their requests would have been aborted)",
@@ -375,7 +377,9 @@ RECORDS: dict[str, RecordSpec] = {
 RECORDS["bench_tiers_quick"].keys.update({
     "cached_by_turn": "per run, the busy model's cached tokens turn by turn (the burst comes "
                       "after turn 3)",
-    "relent_after_burst": "whether (s)'s donor lent again before the run ended"})
+    "relent_after_burst": "whether (s)'s donor lent again before the turns resumed after the "
+                          "pause that follows the burst",
+    "borrowed_at_end": "whether (s) held donor memory when the run ended"})
 RECORDS["bench_tiers_l3_quick"] = replace(
     RECORDS["bench_tiers_quick"],
     title="The cache hierarchy with L3: every HiCache run of bench_tiers with SGLang's `file` "
@@ -642,10 +646,11 @@ _GRID_KEYS = {
 }
 for _pcie in (32, 8, 16):  # one record per PCIe bandwidth: each fits in about half an hour
     RECORDS[f"simulate_grid_pcie{_pcie}"] = RecordSpec(
-        f"Simulator, regime grid at PCIe {_pcie} GB/s, every other knob's every value, seed 0 "
-        "(SIMULATED)",
-        f"regime grid, PCIe {_pcie} GB/s, seed 0 (**simulated**)",
-        f"python scripts/simulate.py --grid --seeds 0 --pcie-gbps {_pcie}", "docs/simulation.md",
+        f"Simulator, regime grid at PCIe {_pcie} GB/s, every other knob's every value, seeds "
+        "0, 1, 2 (SIMULATED)",
+        f"regime grid, PCIe {_pcie} GB/s, 3 seeds (**simulated**)",
+        f"python scripts/simulate.py --grid --seeds 0,1,2 --pcie-gbps {_pcie}",
+        "docs/simulation.md",
         dict(_GRID_KEYS),
         [Headline("simulated goodput / HiCache, best cell", _grid_best),
          Headline("cells with simulated goodput / HiCache >= 1.1", _grid_count(1.1))],
