@@ -132,13 +132,10 @@ class Node:
                 continue
             if d is None:
                 d = Donation(donor, ledger, lease.lease_id, {}, own_per_block)
-            for i, b in enumerate(sorted(lease.active)):
-                d.tree_block[b] = i  # block index within its own lease (the tree numbers per lease)
-            borrower.cache.add_lease(donor.name, lease.lease_id, 1, len(lease.active))
-            granted += len(lease.active)
+            granted += self._hold_lease(d, borrower, lease)
         if d is None:
             return 0
-        donor.lent_pages = donor.cache.alloc(int(granted * own_per_block + 0.999999))
+        self._take_pages(d, granted)
         donor.watermark = watermark
         donor.on_pressure = lambda pages, d=d, b=borrower: self._reclaim(d, b, pages)
         self.donations[donor.name] = d
@@ -158,11 +155,23 @@ class Node:
         if lease is None:
             return 0
         d.lease_id = lease.lease_id
-        d.tree_block = {b: i for i, b in enumerate(sorted(lease.active))}
-        borrower.cache.add_lease(donor.name, lease.lease_id, 1, len(lease.active))
-        donor.lent_pages = donor.cache.alloc(int(len(lease.active) * d.own_pages_per_block
-                                                 + 0.999999))
+        d.tree_block = {}
+        granted = self._hold_lease(d, borrower, lease)
+        self._take_pages(d, granted)
+        return granted
+
+    @staticmethod
+    def _hold_lease(d: Donation, borrower, lease) -> int:
+        """The borrower's tree gets `lease`; returns its blocks."""
+        for i, b in enumerate(sorted(lease.active)):
+            d.tree_block[b] = i  # block index within its own lease (the tree numbers per lease)
+        borrower.cache.add_lease(d.donor.name, lease.lease_id, 1, len(lease.active))
         return len(lease.active)
+
+    @staticmethod
+    def _take_pages(d: Donation, granted: int) -> None:
+        """The donor's own pages behind `granted` lent blocks leave its pool."""
+        d.donor.lent_pages = d.donor.cache.alloc(int(granted * d.own_pages_per_block + 0.999999))
 
     def _reclaim(self, d: Donation, borrower, own_pages: int) -> None:
         """The donor needs `own_pages` of its pages back: ledger reclaims, borrower revokes, ack."""

@@ -105,8 +105,6 @@ def run_one(run: str, spec: dict[str, Server], plan, convs, forced, out_dir: Pat
             wait_for_lease(rendezvous, timeout_s=180)
             _wait_metric(busy, "swiftcache_borrowed_tokens", 1, 60)
 
-        relent = [None]  # (s): whether its donor lent again before the turns went on
-
         async def traffic():
             records: list[RequestRecord] = []
             histories = [[] for _ in convs]
@@ -118,13 +116,13 @@ def run_one(run: str, spec: dict[str, Server], plan, convs, forced, out_dir: Pat
                 if spec["busy"].swiftcache:  # every lent page back before the turns go on
                     _wait_metric(busy, "swiftcache_reclaims_total", 1, RECLAIM_WAIT_S)
                 await asyncio.sleep(plan.pause_after_burst_s)  # the think time, every run
-                if spec["busy"].swiftcache:
-                    relent[0] = _metrics(busy).get("swiftcache_borrowed_tokens", 0) > 0
+                relent = (_metrics(busy).get("swiftcache_borrowed_tokens", 0) > 0
+                          if spec["busy"].swiftcache else None)  # donor memory back in time?
                 await _turns(http, busy.base_url, convs, histories, plan.burst_after_turn,
                              plan.turns, plan, forced, records, t0)
-            return records, burst
+            return records, burst, relent
 
-        records, burst = asyncio.run(traffic())
+        records, burst, relent = asyncio.run(traffic())
         metrics = _metrics(busy) if spec["busy"].swiftcache else {}
         startup = {role: s.startup_s for role, s in servers.items()}
     finally:
@@ -132,4 +130,4 @@ def run_one(run: str, spec: dict[str, Server], plan, convs, forced, out_dir: Pat
             server.stop()
     return RunResult(run, records, burst, metrics, startup, time.monotonic() - t_start,
                      (before, os.getloadavg()), {role: s.pool for role, s in spec.items()},
-                     relent[0])
+                     relent)

@@ -24,14 +24,6 @@ HICACHE_DIRECT = (
     "--enable-swiftcache instead: it gives SwiftCache's tree a host tier on SGLang's host pool)")
 
 
-SPILL_FRACTION = 64  # of the host pool, kept out of the tier for a reclaim's writes to L3
-
-
-def spill_tokens(host_capacity: int, page_size: int) -> int:
-    """The spill area: 1/SPILL_FRACTION of the host pool in whole pages, at least one page."""
-    return max(page_size, host_capacity // SPILL_FRACTION // page_size * page_size)
-
-
 def model_kind(ctx: Any) -> str:
     """'model type X (architectures)' of the server's model, for start-up refusals."""
     hf = getattr(getattr(ctx, "model_config", None), "hf_config", None)
@@ -100,7 +92,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                                     model_name=_identity(ctx.server_args)[0])
         if storage is not None and config.borrows:
             # a reclaim's rows the host tier has no room for go on to L3 through these slots
-            host_kv.reserve_spill(spill_tokens(host_kv.capacity, params.page_size))
+            host_kv.reserve_spill()
     tree_config = config.tree_config(params.page_size,
                                      host_kv.capacity if host_kv is not None else 0,
                                      write_through=host_kv is not None and host_kv.write_through)

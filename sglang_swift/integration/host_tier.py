@@ -38,6 +38,7 @@ WRITE_POLICIES = ("write_back", "write_through")
 # Host layouts with a per-layer row view of the pool's buffer (`HostKV.write_rows`), which a
 # borrower needs to keep what a reclaimed donor page held.
 ROW_LAYOUTS = ("layer_first", "page_first")
+SPILL_FRACTION = 64  # of the host pool, kept out of the tier for a reclaim's writes to L3
 
 
 def host_tier_problems(server_args: Any, config: Any) -> list[str]:
@@ -126,6 +127,7 @@ class HostKV:
                         end_layer=kv_pool.end_layer,
                         write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
         self.capacity = self.pool.size
+        self.page_size = page_size
         self.spill_slots: torch.Tensor | None = None  # reserve_spill's slots, outside the tier
         self.write_through = write_through  # --hicache-write-policy write_through
         self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
@@ -209,11 +211,15 @@ class HostKV:
             return len(dev)
         return self._agreed(copy, "load")
 
-    def reserve_spill(self, tokens: int) -> torch.Tensor:
-        """Take the pool's last `tokens` slots out of the tree's host tier (`capacity` shrinks
-        by them) and return them: the rows a reclaim writes on to L3 when the tier has no room
+    def reserve_spill(self, tokens: int | None = None) -> torch.Tensor:
+        """Take the pool's last `tokens` slots (default: 1/SPILL_FRACTION of the pool in whole
+        pages, at least one page) out of the tree's host tier (`capacity` shrinks by them) and
+        keep them as `spill_slots`: the rows a reclaim writes on to L3 when the tier has no room
         for them pass through these slots (`SwiftRadixCache._spill_to_storage`). Call before
         the tree is built."""
+        if tokens is None:
+            page = self.page_size
+            tokens = max(page, self.capacity // SPILL_FRACTION // page * page)
         if not 0 < tokens < self.capacity:
             raise ValueError(f"a spill area of {tokens} tokens does not fit a host tier of "
                              f"{self.capacity}")

@@ -159,6 +159,10 @@ class StorageTier:
         return get_storage_hash_str(key[:n] if n < len(key) else key, None,
                                     page_size=self.page_size)
 
+    def _unwritten(self, keys: list) -> list[int]:
+        """Positions in `keys` of the pages not written or found yet."""
+        return [i for i, k in enumerate(keys) if k not in self._known]
+
     def _remember(self, keys: Any) -> None:
         known = self._known
         for k in keys:
@@ -174,7 +178,7 @@ class StorageTier:
         skipping pages already written; the slots stay held in `host_tier` until done. Returns
         the pages queued."""
         page = self.page_size
-        todo = [i for i, k in enumerate(keys) if k not in self._known]
+        todo = self._unwritten(keys)
         if not todo:
             return 0
         from array import array
@@ -194,7 +198,7 @@ class StorageTier:
         held outside the tree's host tier only while this runs (a reclaim's spill). Returns the
         pages written (0 when the backend failed; logged once)."""
         page = self.page_size
-        todo = [i for i, k in enumerate(keys) if k not in self._known]
+        todo = self._unwritten(keys)
         if not todo:
             return 0
         slots = torch.cat([host_slots[i * page:(i + 1) * page] for i in todo]).to(torch.int64)

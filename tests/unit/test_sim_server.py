@@ -108,7 +108,7 @@ def test_donation_goes_through_the_ledger_and_tree_and_reclaim_revokes():
     assert len(donor.lent_pages) >= blocks * master.page_bytes / donor.page_bytes
     master.submit(_req(0, 0, 129, 1))
     node.loop.run()
-    master.submit(_req(1, 1, 200, 1))  # evicts the first session's pages to the donor over NVLink
+    master.submit(_req(1, 1, 200, 1))  # evicts conversation 0's pages to the donor over NVLink
     node.loop.run()
     assert master.cache.tier_pages("donor") == 2
     assert node.bytes_by_route[("device", "donor")] == 2 * master.page_bytes
