@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Iterable, Optional
 
-from radix_ext.residency import DONOR, HOST, DonorResidency
+from radix_ext.residency import DEVICE, DONOR, HOST, DonorResidency
 from radix_ext.results import LostPrefix, Released, RevokeResult, Transfer, Unrescued
 
 
@@ -25,7 +25,8 @@ class RevokeMixin:
         error: the caller falls back to host or recompute.
 
         With `rescue` (the caller still has the revoked blocks' bytes, read before it let them
-        go) and a host tier, a dropped donor copy with no host copy moves to host first, room
+        go) and a host tier, a dropped donor copy with no other copy (none on the device, none
+        in host: a device copy reaches host when it is evicted) moves to host first, room
         made there as for a demotion (the least valuable host copies dropped; nothing pinned or
         on the revoked path): `moved` lists one `Transfer(donor -> host)` per rescued copy, for
         the caller to copy from those bytes before anything reads the host slots. A copy that
@@ -146,12 +147,14 @@ class RevokeMixin:
         return lost, leaves, num_lost
 
     def _rescue(self, victims: list, released: list) -> tuple[list, list, list]:
-        """Host copies for the victims that have none, shallowest first; returns the transfers,
+        """Host copies for the victims that have no other copy, shallowest first (a victim on the
+        device needs none: its eviction stores it again, and host room is kept for what would
+        be lost); returns the transfers,
         their nodes, and an `Unrescued` per victim left without a copy (read before the drop).
         A victim that finds no room is dropped with its subtree, so nothing below it is moved;
         another victim may still fit. Room is made with every victim held, so making it never
         drops another victim."""
-        todo = sorted((x for x in victims if HOST not in x.res),
+        todo = sorted((x for x in victims if HOST not in x.res and DEVICE not in x.res),
                       key=lambda x: (self._depth(x), x.id))
         moved, nodes = [], []
         failed: set = set()

@@ -231,6 +231,30 @@ def test_a_rescue_keeps_every_revoked_prefix_in_host_and_loses_nothing():
     tree.check_integrity()
 
 
+def test_a_rescue_leaves_a_prefix_back_on_the_device_where_it_is_and_keeps_host_room():
+    """b was loaded back onto the device (its donor copy kept, as a lower copy): a reclaim
+    moves only a's own 6 tokens into host (b and the shared root stay on the device, whose
+    eviction stores them again), so 10 host slots keep everything; rescuing b too would need
+    16 and lose a prefix."""
+    from array import array
+
+    from radix_ext import DEVICE, HOST
+
+    tree, a, b = _tree_with_donor_prefixes(host_capacity=10)
+    m = tree.match(b, None)
+    ticket = tree.begin_load_back(m.last_node, array("q", range(100, 110)))
+    assert tree.complete_load_back(ticket).ok
+    tree.unlock(m.last_node)
+    result = tree.revoke("d", rescue=True)
+    assert result.num_tokens_lost == 0 and result.unrescued == ()
+    assert [len(t.dst.indices) for t in result.moved] == [6]
+    assert tree.match(b, None).device_len == 10
+    m = tree.match(a, None)
+    assert m.prefix_len == 10 and m.device_len == 4 and [s.tier for s in m.loads] == [HOST]
+    assert DEVICE in tree.match(b, None).last_device_node.res
+    tree.check_integrity()
+
+
 def test_without_host_room_a_reclaim_loses_the_prefixes_and_their_reuse_is_counted_once():
     from sglang_swift.integration.reclaim_loss import ReclaimLoss
 
