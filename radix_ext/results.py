@@ -64,12 +64,14 @@ class InsertResult:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """Copy the KV of `src` (tier `src_tier`) into `dst` (tier `dst_tier`), same token order."""
+    """Copy the KV of `src` (tier `src_tier`) into `dst` (tier `dst_tier`), same token order.
+    `node`: the tree node whose copy moves, where the mover says (a cascade), else None."""
 
     src_tier: str
     src: Any
     dst_tier: str
     dst: Any
+    node: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +166,17 @@ class EvictionPlan:
     (a copy between two lower tiers: run it before any later step reuses its source), and
     `StoreTicket` (a demotion: copy, then `complete_store` or `abort_store`; its device slots
     come back in the `StoreOutcome`). `num_evicted` counts device tokens given up once every
-    store has settled; `demoted`/`dropped` split them as planned."""
+    store has settled; `demoted`/`dropped` split them as planned. `dropped_donor`: with
+    `TreeConfig.name_donor_drops`, an `Unrescued` per donor copy this eviction pushed out of a
+    full lease and dropped (its path's tokens and donor blocks, whose bytes stay as they are
+    until a later step of the plan reuses the blocks), for a caller that keeps them below the
+    tree (L3)."""
 
     num_evicted: int = 0
     demoted: int = 0
     dropped: int = 0
     steps: tuple = ()
+    dropped_donor: tuple = ()
 
     @property
     def copies(self) -> tuple:
@@ -225,10 +232,11 @@ class LostPrefix:
 
 @dataclass(frozen=True, slots=True)
 class Unrescued:
-    """A donor copy a rescue found no host room for (dropped by the revoke): its node's tokens
-    are `tokens[start:]`, below the path `tokens[:start]`, and were in `src` (a
-    `DonorResidency`) until the revoke; the caller may still write them elsewhere (L3) from the
-    bytes it read before the revoke."""
+    """A donor copy the tree dropped (a rescue found no host room for it, or an eviction pushed
+    it out of a full lease and no tier below took it): its node's tokens are `tokens[start:]`,
+    below the path `tokens[:start]`, and were in `src` (a `DonorResidency`) until then; the
+    caller may still write them elsewhere (L3) from the bytes it read or can read before the
+    blocks are reused."""
 
     namespace: Any
     tokens: array

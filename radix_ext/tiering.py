@@ -6,8 +6,17 @@ import heapq
 from typing import Any
 
 from radix_ext.residency import DEVICE, DONOR, HOST
-from radix_ext.results import EvictionPlan, MakeRoomResult, Released, StoreTicket, Transfer
+from radix_ext.results import (
+    EvictionPlan,
+    MakeRoomResult,
+    Released,
+    StoreTicket,
+    Transfer,
+    Unrescued,
+)
 from radix_ext.store import UNDECIDED
+
+_DEPTH = {DEVICE: 0, DONOR: 1, HOST: 2}  # the tier order, fastest first
 
 
 class TieringMixin:
@@ -26,6 +35,7 @@ class TieringMixin:
         """
         pol = self.eviction
         self._fresh = {}
+        self._drops = [] if self.config.name_donor_drops else None
         heap = [(pol.device_priority(x, self), x.id, x) for x in self._dev_leaves]
         heapq.heapify(heap)
         steps: list = []
@@ -60,9 +70,10 @@ class TieringMixin:
                 heapq.heappush(heap, (pol.device_priority(parent, self), parent.id, parent))
         self._room_hint = 0
         self._fresh = {}
+        drops, self._drops = tuple(self._drops or ()), None
         # stores cancelled to make room in this pass never reach the caller
         steps = [s for s in steps if type(s) is not StoreTicket or s.ticket_id in self._stores]
-        return EvictionPlan(evicted, demoted, dropped, tuple(steps))
+        return EvictionPlan(evicted, demoted, dropped, tuple(steps), drops)
 
     def _demote(self, x: Any, dev: Any, steps: list) -> bool:
         """Start copying `x` (leaving the device, from `dev`) into a lower tier; False if none
@@ -110,12 +121,13 @@ class TieringMixin:
 
     def _alloc_or_make_room(self, tier: str, n: int, released: list) -> Any:
         """An `n`-token residency in `tier`, from free room or else from room made by dropping
-        its least valuable droppable copies (appended to `released`); None when none is left.
-        Pinned nodes keep their copies."""
+        its least valuable droppable copies (appended to `released`: nothing is moved, its
+        callers copy nothing between lower tiers); None when none is left. Pinned nodes keep
+        their copies."""
         t = self.tiers[tier]
         res = t.alloc(n)
         if res is None:
-            released.extend(s for s in self._make_room(tier, n, chunk=False).steps
+            released.extend(s for s in self._make_room(tier, n, chunk=False, move=False).steps
                             if type(s) is Released)
             res = t.alloc(n)
         return res
@@ -145,9 +157,11 @@ class TieringMixin:
         return self._make_room(tier, num_tokens, chunk=False)
 
     def _make_room(self, tier: str, need: int, chunk: bool = True, within=(),
-                   bar: float = float("inf"), exclude: Any = None) -> MakeRoomResult:
+                   bar: float = float("inf"), exclude: Any = None,
+                   move: bool = True) -> MakeRoomResult:
         """`within`: donor leases to make room in (all when empty); `bar`: drop only copies whose
-        policy priority is below it; `exclude`: a node whose copies stay."""
+        policy priority is below it; `exclude`: a node whose copies stay; `move`: a copy pushed
+        out may cascade to another tier (`_cascade`), else it is dropped."""
         t = self.tiers[tier]
         page = self.page_size
         if within:
@@ -199,7 +213,7 @@ class TieringMixin:
         steps: list = []
         freed = 0
         while freed < goal and heap:
-            _, _, x = heapq.heappop(heap)
+            prio, _, x = heapq.heappop(heap)
             parent = x.parent
             dst = self._fresh_candidate(x, tier, keys, exclude)
             if dst is not None:
@@ -210,8 +224,8 @@ class TieringMixin:
                     continue
                 res = self._pop_res(x, tier)
                 freed += res.num_tokens(page)
-                if not x.res:
-                    self._cascade(x, tier, res, steps)
+                if not x.res and move:
+                    self._cascade(x, tier, res, steps, prio)
                 t.free(res)
                 steps.append(Released(tier, res))
                 gone = not x.res
@@ -244,21 +258,43 @@ class TieringMixin:
             return None
         return dst
 
-    def _cascade(self, x: Any, tier: str, res: Any, steps: list) -> None:
-        """A copy pushed out of `tier` moves down to the first other tier, in demotion order,
-        with free room (never sideways to another lease of the same tier: a copy that hops to
-        a flakier donor takes its whole subtree down with it when that donor reclaims), else
-        it is dropped. Never with `TreeConfig.cascade` off."""
-        if not self.config.cascade:
+    def _cascade(self, x: Any, tier: str, res: Any, steps: list, value: float) -> None:
+        """A copy pushed out of `tier` (its node's only copy; `value` its policy priority there)
+        moves on, per `TreeConfig.cascade`:
+        - "any": to the first other tier, in demotion order, with free room (never sideways to
+          another lease of the same tier: a copy that hops to a flakier donor takes its whole
+          subtree down with it when that donor reclaims);
+        - "down": to the first tier below `tier` (donor -> host) with free room, else with room
+          made there by dropping copies valued below `value` (as a demotion into a full host);
+        - "off": nowhere.
+        Else it is dropped (a donor copy dropped by `evict_device` is named in its plan's
+        `dropped_donor` with `TreeConfig.name_donor_drops`). A move is a `Transfer` step naming
+        the node."""
+        if self.config.cascade != "off" and self._move_on(x, tier, res, steps, value):
             return
+        if tier == DONOR and self._drops is not None:
+            ns, tokens = self.prefix_of(x)
+            self._drops.append(Unrescued(ns, tokens, len(tokens) - len(x.key), res))
+
+    def _move_on(self, x: Any, tier: str, res: Any, steps: list, value: float) -> bool:
+        """`_cascade`'s move, per its mode; whether `x` found a place."""
+        mode = self.config.cascade
+        n = len(x.key)
         for target, pref in self.demotion.targets(x, self):
             if target == tier or target not in self.tiers:
                 continue
-            moved = self.tiers[target].alloc(len(x.key), pref)
+            if mode == "down" and _DEPTH[target] <= _DEPTH[tier]:
+                continue
+            moved = self.tiers[target].alloc(n, pref)
+            if moved is None and mode == "down":
+                steps.extend(self._make_room(target, n, chunk=False, bar=value,
+                                             exclude=x).steps)
+                moved = self.tiers[target].alloc(n, pref)
             if moved is not None:
                 self._add_res(x, moved)
-                steps.append(Transfer(tier, res, target, moved))
-                return
+                steps.append(Transfer(tier, res, target, moved, x))
+                return True
+        return False
 
     def _remove_subtree(self, x: Any, released: list) -> list:
         """Detach `x` and everything below it, releasing every residency; returns the nodes."""

@@ -121,6 +121,7 @@ class RadixTree(StructureMixin, TieringMixin, StoreMixin, LoadBackMixin, RevokeM
         self._next_ticket = 1
         self._room_floor: dict = {}  # make-room scan cache, see TieringMixin._make_room
         self._room_hint = 0  # tokens the running evict_device may still demote
+        self._drops: list | None = None  # donor copies the running eviction dropped, named
 
     # ---- public operations --------------------------------------------------------------------
 

@@ -201,18 +201,25 @@ class SwiftConfig:
         return self.lends or self.borrows or self.streams_from_donor
 
     def tree_config(self, page_size: int, host_capacity: int = 0,
-                    write_through: bool = False) -> Any:
+                    write_through: bool = False, donor_to_host: bool = False,
+                    l3_below: bool = False) -> Any:
         """The radix_ext `TreeConfig` of this server's tree. The donor tier exists when the
         server borrows, the host tier (`host_capacity` tokens) with --enable-hierarchical-cache;
         with `write_through` (host copies of what the device caches) a device victim also goes
-        to donor pages when a lease has room. Copies pushed out of one lower tier are dropped,
-        not moved to the other (`cascade`): the server has no donor<->host data path yet."""
+        to donor pages when a lease has room. With `donor_to_host` (the server can copy donor
+        rows into host memory: CPU engines) a copy pushed out of a full lease moves down into
+        the host tier (`cascade` "down": room made there as for a demotion); else it is
+        dropped, as is a copy pushed out of host (nothing below it in the tree). With both and
+        `l3_below` (an L3 storage backend under the host tier) the eviction names each donor
+        copy it still drops (`name_donor_drops`), which the server writes to L3."""
         from radix_ext import TreeConfig
 
         demotion = "cost_aware" if self.eviction_policy == "cost_aware" else "tiered"
+        cascade = "down" if donor_to_host and host_capacity > 0 and self.borrows else "off"
         return TreeConfig(page_size=page_size, eviction=self.eviction_policy, donor=self.borrows,
-                          demotion=demotion, host_capacity=host_capacity, cascade=False,
-                          donor_over_host=write_through and self.borrows)
+                          demotion=demotion, host_capacity=host_capacity, cascade=cascade,
+                          donor_over_host=write_through and self.borrows,
+                          name_donor_drops=cascade == "down" and l3_below)
 
     def resolved_rendezvous_dir(self) -> str:
         """The rendezvous directory; by default the control channel's (what `ctl` reads)."""

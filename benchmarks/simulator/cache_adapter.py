@@ -49,9 +49,11 @@ class TreeCache:
 
     def __init__(self, device_pages: int, host_pages: int = 0, donor: bool = False,
                  eviction: str = "lru", demotion: str = "tiered",
-                 write_through: bool = False) -> None:
-        """The live server's tree (`SwiftConfig.tree_config`): cascade off (a copy pushed out of
-        one lower tier is dropped, not moved to the other); with `write_through` (HiCache's
+                 write_through: bool = False, donor_to_host: bool = False) -> None:
+        """The live server's tree (`SwiftConfig.tree_config`): with `donor_to_host` (the live
+        CPU server; its GPU server has no donor -> host copy yet) and both lower tiers, a copy
+        pushed out of a full lease moves down into host (cascade "down"), else it is dropped
+        (cascade "off"); with `write_through` (HiCache's
         --hicache-write-policy write_through, needs a host tier) every prefix the tree takes gets
         its host copy at once (`RadixTree.back_up`, copied through `copier`) and a borrower's
         victim also goes to donor pages while a lease has room (`donor_over_host`)."""
@@ -61,7 +63,8 @@ class TreeCache:
             raise ValueError("write_through needs a host tier (host_pages > 0)")
         self.tree = CountingTree(TreeConfig(page_size=1, host_capacity=host_pages, donor=donor,
                                             eviction=eviction, demotion=demotion,
-                                            cascade=False,
+                                            cascade="down" if donor_to_host and donor
+                                            and host_pages > 0 else "off",
                                             donor_over_host=write_through and donor))
         self.write_through = write_through
         # copier(transfers): starts the copies of write-through and rescue transfers (the

@@ -9,16 +9,20 @@ The runs (the busy `small` model; the `tiny` donor serves nothing but its burst)
   s  HiCache + SwiftCache: device, donor pages while lent, host; the donor lends `lend_fraction`
      of its pool (`Node.lend`); after turn `burst_after_turn` of every conversation the donor's
      burst takes back every lent page: the tree revokes them with `rescue` (each donor copy
-     without a host copy moves to host where room can be made, as the live reclaim does); the
+     with no other copy moves to host where room can be made, as the live reclaim does); the
      donor lends the same blocks again before the next turn when the live run's donor did
      (`relent_after_burst`, in bench_tiers' pause after the burst), else nothing before the end
   i  the ideal: HiCache with the lent busy tokens added to the device pool, the host tier as
      big as in (h)
 Every tier and rule is the live server's: radix_ext's `RadixTree` with
-`TreeConfig(cascade=False, donor_over_host=write_through and donor)` (`TreeCache`), the plan's
-write policy (`write_back` by default: a prefix reaches host when it leaves the device), a
-device eviction demoting to donor pages first, else host. Copies cost what the calibration
-measured: donor pages through `PoolTransferEngine`, host through `HostKV` (SGLang's host pool).
+`TreeConfig(cascade="down", donor_over_host=write_through and donor)` (`TreeCache` with
+`donor_to_host`, as the live CPU server builds it), the plan's write policy (`write_back` by
+default: a prefix reaches host when it leaves the device), a device eviction demoting to donor
+pages first, else host, and a copy pushed out of the full lease moving down into host. Copies
+cost what the calibration measured: donor pages through `PoolTransferEngine`, host through
+`HostKV` (SGLang's host pool); a donor -> host move (the live server reads the lease's rows, then
+writes host rows, on the scheduler thread) at the measured donor load's cost (an assumption: the
+read is that load, the host write of the same bytes is not timed apart).
 Host segments load in the batch's layer fan-in like donor ones (on the CPU engine the live
 server copies them before the forward; at the measured cost, well under a millisecond per
 request, the two orders differ by less than the TTFT's noise).
@@ -88,11 +92,13 @@ def tiers_node(cal: dict) -> Node:
                 copy_latency_s={("donor", "device"): copy["load"]["latency_s"],
                                 ("device", "donor"): copy["store"]["latency_s"],
                                 ("host", "device"): host["load"]["latency_s"],
-                                ("device", "host"): host["store"]["latency_s"]})
+                                ("device", "host"): host["store"]["latency_s"],
+                                ("donor", "host"): copy["load"]["latency_s"]})
     node.gpus[0].nvl_in.bandwidth = _bandwidth(copy["load"])
     node.gpus[1].nvl_in.bandwidth = _bandwidth(copy["store"])
     node.gpus[0].h2d.bandwidth = _bandwidth(host["load"])
     node.gpus[0].d2h.bandwidth = _bandwidth(host["store"])
+    node.gpus[1].d2h.bandwidth = _bandwidth(copy["load"])  # donor -> host: a donor read
     return node
 
 
@@ -144,7 +150,7 @@ def _refused(rid: int, item: dict, now: float) -> SimRequest:
 def _server(node: Node, g: int, name: str, compute, pool: int, host: int, donor_tier: bool,
             write_through: bool) -> ModelServer:
     cache = RevokeRecordingCache(pool, host, donor=donor_tier,
-                                 write_through=write_through and host > 0)
+                                 write_through=write_through and host > 0, donor_to_host=True)
     lower = donor_tier or host > 0
     srv = ModelServer(name, node.gpus[g], compute, cache, page_tokens=1, chunk=CHUNKED_PREFILL,
                       max_running=MAX_RUNNING, load_mode="layerwise" if lower else "none",

@@ -21,6 +21,7 @@ and a write that failed on any rank takes the rescued host copies back on every 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -67,26 +68,14 @@ class ReclaimStaging:
         those copies."""
         if not blocks or held.engine.lane.stream is not None:
             return
-        g = held.packing.borrower
-        rows = len(blocks) * g.page_size
-        dev = held.engine.local_device
-        ks = [torch.empty(rows, g.num_kv_heads, g.head_dim, dtype=g.dtype, device=dev)
-              for _ in range(g.num_layers)]
-        vs = [torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
-              for _ in range(g.num_layers)]
-        e = held.engine
-        reader = PoolTransferEngine(held.packing, e.region, ks, vs, lane=e.lane,
-                                    liveness=e.liveness, lease_epoch=e.lease_epoch,
-                                    read_deadline=lambda: min(e.read_deadline(), deadline))
-        result = reader.load_here(torch.arange(rows), blocks)
-        if not result.ok:
+        staged, reason = read_blocks(held.engine, blocks, deadline)
+        if staged is None:
             logger.warning("SwiftCache: could not read the reclaimed blocks of lease %s before "
                            "letting them go (%s); their prefixes will be recomputed",
-                           held.key, result.reason)
+                           held.key, reason)
             return
         with self._lock:
-            self._staged.setdefault((held.key.donor, held.key.lease_id), []).append(
-                Staged(list(blocks), ks, vs))
+            self._staged.setdefault((held.key.donor, held.key.lease_id), []).append(staged)
 
     def take(self, ev: Any, tp: Any = None) -> dict:
         """The staged blocks of `ev`'s lease, block -> (part, position), forgotten here. With
@@ -133,6 +122,28 @@ class ReclaimStaging:
         ks, vs = gather_rows([(t.src, len(t.dst.indices)) for t in moved], rows, page)
         self.write_host(torch.tensor(host, dtype=torch.int64), ks, vs)
         return len(host)
+
+
+def read_blocks(engine: Any, blocks: list[int],
+                deadline: float = math.inf) -> tuple[Staged | None, str | None]:
+    """Lease blocks `blocks` read through lease engine `engine` (a CPU one) into fresh local
+    tensors, on the calling thread, under the engine's checks (donor alive, lease epoch, read
+    deadline, and `deadline`): (the `Staged` rows, None), or (None, why) when the read
+    failed. Nothing of the borrower's pool is touched."""
+    g = engine.packing.borrower
+    rows = len(blocks) * g.page_size
+    dev = engine.local_device
+    ks = [torch.empty(rows, g.num_kv_heads, g.head_dim, dtype=g.dtype, device=dev)
+          for _ in range(g.num_layers)]
+    vs = [torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
+          for _ in range(g.num_layers)]
+    reader = PoolTransferEngine(engine.packing, engine.region, ks, vs, lane=engine.lane,
+                                liveness=engine.liveness, lease_epoch=engine.lease_epoch,
+                                read_deadline=lambda: min(engine.read_deadline(), deadline))
+    result = reader.load_here(torch.arange(rows), blocks)
+    if not result.ok:
+        return None, result.reason
+    return Staged(list(blocks), ks, vs), None
 
 
 def gather_rows(copies: list, rows: dict, page: int) -> tuple[list, list]:

@@ -93,9 +93,12 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         if storage is not None and config.borrows:
             # a reclaim's rows the host tier has no room for go on to L3 through these slots
             host_kv.reserve_spill()
-    tree_config = config.tree_config(params.page_size,
-                                     host_kv.capacity if host_kv is not None else 0,
-                                     write_through=host_kv is not None and host_kv.write_through)
+    hosted = host_kv is not None
+    tree_config = config.tree_config(params.page_size, host_kv.capacity if hosted else 0,
+                                     write_through=hosted and host_kv.write_through,
+                                     # donor rows reach host memory by CPU copies
+                                     donor_to_host=hosted and host_kv.device.type == "cpu",
+                                     l3_below=hosted and host_kv.spill_slots is not None)
     if not config.uses_donation:  # the tree alone, or with a host tier: no control channel
         model, agent_id, metrics = _identity(ctx.server_args)
         cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,

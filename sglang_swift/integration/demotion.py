@@ -29,10 +29,13 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from radix_ext import admission, slot_runs
-from radix_ext.residency import HOST
+from radix_ext.residency import DONOR, HOST
 from radix_ext.results import Released, StoreTicket, Transfer
 
+from ..dataplane.reclaim_staging import gather_rows, read_blocks
 from .copies import InFlightCopy, runs_by_lease, store_now
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ class Demotions:
         self.host_kv = host_kv  # host_tier.HostKV, or None: no host tier
         self.stats = stats
         self.stats.setdefault("evict_store_max_s", 0.0)
+        self.stats.setdefault("donor_to_host_tokens", 0)
+        self.stats.setdefault("donor_to_host_failed_tokens", 0)
         self._enqueued: list[InFlightCopy] = []  # GPU stores still on their side streams
 
     def make_room(self, num_tokens: int) -> int:
@@ -57,14 +62,21 @@ class Demotions:
         plan = self.cache.tree.evict_device(num_tokens)
         to_free = []  # runs of device slots (SGLang's tensors: never read on the host)
         stores = []
+        moves = []
         for step in plan.steps:
             if type(step) is StoreTicket:
                 stores.append(step)
-            elif type(step) is Transfer:  # the tree's config has cascade off for this reason
-                raise RuntimeError(f"no data path from {step.src_tier} to {step.dst_tier} in "
-                                   f"SwiftCache's server: build its tree with cascade=False")
+            elif type(step) is Transfer:
+                if (step.src_tier, step.dst_tier) != (DONOR, HOST) or self.host_kv is None:
+                    raise RuntimeError(f"no data path from {step.src_tier} to {step.dst_tier} "
+                                       f"in SwiftCache's server (its tree cascades donor -> "
+                                       f"host only, with a host tier)")
+                moves.append(step)
             elif type(step) is Released and step.tier == "device":
                 to_free.append(step.residency.indices)
+        drops = plan.dropped_donor if self.cache.storage is not None else ()
+        if moves or drops:  # before any store below rewrites the donor blocks they leave
+            self._keep_below(moves, drops)
         hosted = [t for t in stores if t.dst_tier == HOST]
         if hosted:
             to_free.append(self._store_host(hosted))
@@ -120,6 +132,75 @@ class Demotions:
                 self.cache._write_to_storage(t.node)
         self._waited(start)
         return to_free
+
+    def _keep_below(self, moves: list, drops: tuple) -> None:
+        """Keep what the eviction pushed out of a full lease: each `Transfer` donor -> host
+        (`TreeConfig.cascade` "down") is copied into its host slots, and each dropped donor copy
+        (`EvictionPlan.dropped_donor`, with L3 below the host tier) is written to storage
+        through the host pool's spill slots, as a reclaim's overflow is. The donor blocks are
+        read through each lease's engine into local memory first (CPU engines, on this thread;
+        the engine's checks apply: donor alive, lease epoch, read deadline). A move whose read or
+        write failed (with TP: on any rank) is taken back from the tree, every move of this
+        eviction alike: those prefixes are recomputed, never loaded from rows not written."""
+        start = time.perf_counter()
+        page = self.cache.tree.page_size
+        # a move whose host copy a later step of the plan dropped again: nothing to write
+        moves = [m for m in moves if m.node.res.get(HOST) is m.dst]
+        threads = torch.get_num_threads()
+        error = None
+        rows: dict = {}  # lease key -> {block: (Staged, position)}
+        try:
+            for src in [m.src for m in moves] + [d.src for d in drops]:
+                key = (src.donor, src.lease)
+                if key in rows:
+                    continue
+                engine = self.runtime.lease_engine(*key)
+                if engine is None or engine.lane.stream is not None:
+                    error = f"lease {key} is not readable here now"
+                    break
+                torch.set_num_threads(getattr(engine.lane, "threads", 1))
+                blocks = [b for r in [m.src for m in moves] + [d.src for d in drops]
+                          if (r.donor, r.lease) == key for b in r.blocks]
+                staged, reason = read_blocks(engine, blocks)
+                if staged is None:
+                    error = f"lease {key}: {reason}"
+                    break
+                rows[key] = {b: (staged, i) for i, b in enumerate(staged.blocks)}
+            for key, idx in runs_by_lease([m.src for m in moves]) if error is None else ():
+                run = [moves[i] for i in idx]
+                ks, vs = gather_rows([(m.src, len(m.dst.indices)) for m in run], rows[key], page)
+                host = [i for m in run for i in m.dst.indices]
+                self.host_kv.write_rows(torch.tensor(host, dtype=torch.int64), ks, vs)
+        except Exception as exc:  # noqa: BLE001 - a failed move drops its prefixes, never wrong KV
+            error = repr(exc)
+        finally:
+            torch.set_num_threads(threads)
+        ok = error is None
+        if self.runtime.tp is not None:
+            ok = self.runtime.tp.all_ok(ok)
+        tokens = sum(len(m.dst.indices) for m in moves)
+        if ok:
+            self.stats["donor_to_host_tokens"] += tokens
+            if self.cache.storage is not None:  # L3 takes a copy of what reached host
+                for m in moves:
+                    self.cache._write_to_storage(m.node)
+        elif moves:
+            logger.warning("SwiftCache: %d tokens pushed out of donor memory could not be moved "
+                           "into the host tier (%s); they are dropped and recomputed when asked "
+                           "again", tokens, error or "failed on another TP rank")
+            self.stats["donor_to_host_failed_tokens"] += tokens
+            self.cache.tree.forget_rescue(moves)
+        if drops and error is not None:
+            logger.warning("SwiftCache: donor copies dropped from a full lease could not be read "
+                           "for L3 (%s); they are recomputed when asked again", error)
+        elif drops:
+            by_lease: dict = {}
+            for d in drops:
+                by_lease.setdefault((d.src.donor, d.src.lease), []).append(d)
+            for key, part in by_lease.items():
+                self.stats["spilled_tokens"] = self.stats.get("spilled_tokens", 0) + \
+                    self.cache._spill_to_storage(part, rows[key], page)
+        self._waited(start)
 
     def _waited(self, start: float) -> None:
         """Account the scheduler-thread time since `start` one eviction spent storing."""

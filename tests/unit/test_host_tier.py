@@ -204,7 +204,7 @@ def _tree_with_donor_prefixes(host_capacity: int):
     from radix_ext import RadixTree, TreeConfig, admission
 
     tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=host_capacity,
-                                cascade=False))
+                                cascade="off"))
     tree.donor.add_lease("d", 0, 1, 32)
     a = array("q", [1, 2, 3, 4, 10, 11, 12, 13, 14, 15])
     b = array("q", [1, 2, 3, 4, 20, 21, 22, 23, 24, 25])
@@ -351,7 +351,7 @@ def test_write_through_with_a_donor_tier_keeps_a_donor_copy_and_a_reclaim_loses_
 
     from radix_ext import DONOR, HOST, RadixTree, TreeConfig, admission
 
-    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=64, cascade=False,
+    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=64, cascade="off",
                                 donor_over_host=True))
     tree.donor.add_lease("d", 0, 1, 32)
     key = array("q", range(50, 62))
@@ -376,7 +376,7 @@ def test_a_rescue_that_cannot_place_one_prefix_still_places_the_others():
 
     from radix_ext import DONOR, HOST, RadixTree, TreeConfig, admission
 
-    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=8, cascade=False))
+    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=8, cascade="off"))
     tree.donor.add_lease("d", 0, 1, 64)
     big, small = array("q", range(100, 120)), array("q", range(200, 204))
     tree.insert(big, array("q", range(20)), None)
@@ -390,3 +390,35 @@ def test_a_rescue_that_cannot_place_one_prefix_still_places_the_others():
     assert [len(t.dst.indices) for t in result.moved] == [4]
     assert [s.tier for s in tree.match(small, None).loads] == [HOST]
     tree.check_integrity()
+
+
+def test_cascade_down_drops_a_donor_copy_older_than_every_host_copy_and_names_it():
+    """Lease and host full (a in donor, b newer in host): c's demotion pushes a out of the lease;
+    host keeps b (dropping it for an older copy would lose the newer one), so a is dropped and
+    the plan names it (its tokens and donor blocks) for a tier below the tree; nothing moves."""
+    from array import array
+
+    from radix_ext import DONOR, HOST, RadixTree, TreeConfig, admission
+
+    tree = RadixTree(TreeConfig(page_size=1, donor=True, host_capacity=8, cascade="down",
+                                name_donor_drops=True))
+    tree.donor.add_lease("d", 0, 1, 8)
+    keys = [array("q", range(base, base + 8)) for base in (100, 200, 300)]
+    for i, key in enumerate(keys):
+        tree.insert(key, array("q", range(8 * i, 8 * i + 8)), None)
+        plan = tree.evict_device(8)
+        admission.settle(tree, plan.stores, [True] * len(plan.stores))
+    assert not any(type(s).__name__ == "Transfer" for s in plan.steps)
+    (drop,) = plan.dropped_donor
+    assert list(drop.tokens) == list(keys[0]) and drop.start == 0 and len(drop.src.blocks) == 8
+    assert tree.match(keys[0], None).prefix_len == 0
+    assert [s.tier for s in tree.match(keys[1], None).loads] == [HOST]
+    assert [s.tier for s in tree.match(keys[2], None).loads] == [DONOR]
+    tree.check_integrity()
+
+
+def test_a_cascade_the_tree_does_not_know_is_refused_by_name():
+    from radix_ext import TreeConfig
+
+    with pytest.raises(ValueError, match="cascade='sideways' is unknown"):
+        TreeConfig(cascade="sideways")

@@ -440,3 +440,159 @@ def test_a_reclaim_moves_the_donor_tier_into_host_memory_instead_of_dropping_it(
     finally:
         borrower.stop()
         donor.stop()
+
+
+class _Slots:
+    """The device slots `Demotions` frees (the allocator's own free list)."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+
+    def free(self, indices) -> None:
+        self.allocator.free(torch.as_tensor(list(indices), dtype=torch.int64))
+
+
+def _cascading_borrower(tmp_path, monkeypatch, host_tokens: int, storage=None):
+    """A donor and a borrower whose tree has both lower tiers with cascade "down" (the live CPU
+    server's), its host tier `host_tokens` of a real host pool, and the borrower's `Demotions`;
+    with `storage` (a stand-in of the cache's L3 calls) the tree names the donor copies it
+    drops, as with L3 below the host tier."""
+    from collections import defaultdict
+    from types import SimpleNamespace as NS
+
+    from sglang_swift.integration.demotion import Demotions
+    from sglang_swift.integration.host_tier import HostKV
+
+    donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
+                     lend_fraction=0.5)
+    borrower = _runtime(tmp_path, monkeypatch, "borrower", BORROWER_SHAPE, role="borrower",
+                        max_borrow_blocks=16)
+    host = HostKV(borrower.kv_pool, ratio=1.0, size_gb=0, layout="layer_first",
+                  io_backend="kernel", page_size=1)
+    borrower.tree = RadixTree(borrower.config.tree_config(1, host_tokens, donor_to_host=True,
+                                                          l3_below=storage is not None))
+    assert borrower.tree.config.cascade == "down"
+    cache = NS(tree=borrower.tree, slots=_Slots(borrower.allocator), storage=storage)
+    if storage is not None:
+        cache._spill_to_storage = storage.spill
+        cache._write_to_storage = storage.write
+    stats = defaultdict(int)  # the cache's counters (SwiftRadixCache adds its own to the runtime's)
+    return donor, borrower, host, Demotions(cache, borrower, stats, host_kv=host)
+
+
+def _fill_both_tiers(borrower, demotions, pair, reload_c: bool = True):
+    """Prefixes a and b fill the 16-block lease, c the 8-token host tier and then (`reload_c`)
+    comes back onto the device (its host copy kept: dropping it loses nothing), locked; d is
+    inserted, to be evicted. Returns (a's KV rows as they were, the keys, c's node)."""
+    tree, pool, alloc = borrower.tree, borrower.kv_pool, borrower.allocator
+    _pump_until(pair, lambda: tree.donor.capacity_tokens() == 16)
+    keys = {name: list(range(base, base + 8)) for name, base in
+            (("a", 100), ("b", 200), ("c", 300), ("d", 400))}
+    rows_a = None
+    for name in "abc":
+        slots = alloc.alloc(8)
+        if name == "a":
+            rows_a = [(k[slots].clone(), v[slots].clone())
+                      for k, v in zip(pool.k_buffer, pool.v_buffer)]
+        tree.insert(keys[name], array("q", slots.tolist()))
+        assert demotions.make_room(8) == 8
+    assert tree.tier_size(DONOR) == 16 and tree.tier_size(HOST) == 8
+    for buf in pool.k_buffer + pool.v_buffer:  # the device rows are reused meanwhile
+        buf.zero_()
+    m = tree.match(keys["c"])
+    if reload_c:
+        ticket = tree.begin_load_back(m.last_node, array("q", alloc.alloc(8).tolist()))
+        assert tree.complete_load_back(ticket).ok  # (its bytes do not matter here)
+    tree.insert(keys["d"], array("q", alloc.alloc(8).tolist()))
+    return rows_a, keys, m.last_node
+
+
+def test_a_copy_pushed_out_of_a_full_lease_moves_into_host_with_its_bytes(tmp_path, monkeypatch):
+    """d's demotion makes room in the lease by pushing out a, the oldest; host is full, but its
+    copy of c (back on the device) loses nothing when dropped: a moves into those host slots,
+    read from the donor pages before d's store rewrites them, and loads back bit for bit."""
+    donor, borrower, host, demotions = _cascading_borrower(tmp_path, monkeypatch, 8)
+    donor.start()
+    borrower.start()
+    try:
+        pair = (donor, borrower)
+        rows_a, keys, c_node = _fill_both_tiers(borrower, demotions, pair)
+        tree, pool = borrower.tree, borrower.kv_pool
+        assert demotions.make_room(8) == 8  # d leaves
+        assert demotions.stats["donor_to_host_tokens"] == 8
+        m = tree.match(keys["a"])
+        assert m.load_len == 8 and [s.tier for s in m.loads] == [HOST]
+        assert [s.tier for s in tree.match(keys["d"]).loads] == [DONOR]
+        assert HOST not in c_node.res  # its duplicate host copy made the room
+        rows = torch.as_tensor(m.loads[0].source.indices)
+        dst = torch.arange(50, 58)
+        for layer in range(BORROWER_SHAPE["layer_num"]):
+            host.load_layer(rows, dst, layer)
+            assert torch.equal(pool.k_buffer[layer][50:58], rows_a[layer][0])
+            assert torch.equal(pool.v_buffer[layer][50:58], rows_a[layer][1])
+        tree.check_integrity()
+    finally:
+        borrower.stop()
+        donor.stop()
+
+
+def test_a_move_whose_donor_read_fails_drops_the_prefix_instead(tmp_path, monkeypatch):
+    """The lease is not readable when the eviction runs (its read deadline passed): the move is
+    taken back from the tree, so a is recomputed, never loaded from host rows not written."""
+    donor, borrower, host, demotions = _cascading_borrower(tmp_path, monkeypatch, 8)
+    donor.start()
+    borrower.start()
+    try:
+        pair = (donor, borrower)
+        _, keys, _ = _fill_both_tiers(borrower, demotions, pair)
+        monkeypatch.setattr(borrower, "lease_engine", lambda *key: None)
+        demotions.make_room(8)
+        assert demotions.stats["donor_to_host_tokens"] == 0
+        assert demotions.stats["donor_to_host_failed_tokens"] == 8
+        assert borrower.tree.match(keys["a"]).prefix_len == 0
+        borrower.tree.check_integrity()
+    finally:
+        borrower.stop()
+        donor.stop()
+
+
+class _L3Calls:
+    """What `Demotions` hands the cache's L3 side: the dropped copies and their rows."""
+
+    def __init__(self):
+        self.spilled = []
+
+    def spill(self, dropped, rows, page) -> int:
+        from sglang_swift.dataplane.reclaim_staging import gather_rows
+
+        for u in dropped:
+            self.spilled.append((list(u.tokens), gather_rows([(u.src, 8)], rows, page)))
+        return 8 * len(dropped)
+
+    def write(self, node) -> None:
+        pass
+
+
+def test_with_l3_a_copy_dropped_from_a_full_lease_goes_to_l3_with_its_bytes(tmp_path,
+                                                                          monkeypatch):
+    """Host holds only c, newer than a: d's demotion pushes a out of the lease and no tier below
+    takes it, so the eviction names it and its rows, read from the donor pages before d's store
+    rewrites them, are handed to L3 (`_spill_to_storage`)."""
+    storage = _L3Calls()
+    donor, borrower, host, demotions = _cascading_borrower(tmp_path, monkeypatch, 8, storage)
+    donor.start()
+    borrower.start()
+    try:
+        pair = (donor, borrower)
+        rows_a, keys, _ = _fill_both_tiers(borrower, demotions, pair, reload_c=False)
+        assert demotions.make_room(8) == 8
+        assert borrower.tree.match(keys["a"]).prefix_len == 0  # dropped from the tree
+        assert [s.tier for s in borrower.tree.match(keys["c"]).loads] == [HOST]
+        ((tokens, (ks, vs)),) = storage.spilled
+        assert tokens == keys["a"] and demotions.stats["spilled_tokens"] == 8
+        for layer in range(BORROWER_SHAPE["layer_num"]):
+            assert torch.equal(ks[layer], rows_a[layer][0])
+            assert torch.equal(vs[layer], rows_a[layer][1])
+    finally:
+        borrower.stop()
+        donor.stop()
