@@ -355,6 +355,11 @@ RECORDS: dict[str, RecordSpec] = {
             "rescued_tokens": "tokens the reclaim moved from donor pages into (s)'s host tier",
             "spilled_tokens": "tokens the reclaim wrote from donor pages straight to L3 when "
                               "(s)'s host tier had no room for them (with L3 only)",
+            "donor_to_host_tokens": "tokens (s)'s evictions pushed out of the full lease "
+                                    "and moved from donor pages into host",
+            "donor_to_l3_tokens": "tokens (s)'s evictions pushed out of the full lease that no "
+                                  "tier below took, written from donor pages to L3 (with L3 "
+                                  "only)",
             "revoked_tokens": "cached tokens (s) lost to the reclaim",
             "reclaims": "reclaims (s)'s busy server acknowledged",
             "loads_failed": "(s)'s loads that failed (their requests would have been aborted)",

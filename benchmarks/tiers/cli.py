@@ -20,7 +20,9 @@ Summary keys:
   every lent page that a later request prefilled again; `rescued_tokens`: those the reclaim moved
   into host instead; `spilled_tokens`: those it wrote straight to L3 when host had no room
   (`--l3` only); `history_tokens`: the busy model's histories at the end, against
-  `device_plus_host_tokens`.
+  `device_plus_host_tokens`;
+- `donor_to_host_tokens`: tokens (s)'s evictions pushed out of the full lease and moved into
+  host; `donor_to_l3_tokens`: those no tier below took, written to L3 instead (`--l3` only).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
             m.get("swiftcache_recomputed_after_reclaim_tokens_total", 0))
         out["rescued_tokens"] = int(m.get("swiftcache_rescued_tokens_total", 0))
         out["spilled_tokens"] = int(m.get("swiftcache_spilled_tokens_total", 0))
+        out["donor_to_host_tokens"] = int(m.get("swiftcache_donor_to_host_tokens_total", 0))
+        out["donor_to_l3_tokens"] = int(m.get("swiftcache_donor_to_l3_tokens_total", 0))
         out["revoked_tokens"] = int(m.get("swiftcache_revoked_tokens_total", 0))
         out["reclaims"] = int(m.get("swiftcache_reclaims_total", 0))
         out["loads_failed"] = int(m.get("swiftcache_loads_failed_total", 0))

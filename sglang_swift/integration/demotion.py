@@ -52,6 +52,7 @@ class Demotions:
         self.stats.setdefault("evict_store_max_s", 0.0)
         self.stats.setdefault("donor_to_host_tokens", 0)
         self.stats.setdefault("donor_to_host_failed_tokens", 0)
+        self.stats.setdefault("donor_to_l3_tokens", 0)
         self._enqueued: list[InFlightCopy] = []  # GPU stores still on their side streams
 
     def make_room(self, num_tokens: int) -> int:
@@ -198,8 +199,8 @@ class Demotions:
             for d in drops:
                 by_lease.setdefault((d.src.donor, d.src.lease), []).append(d)
             for key, part in by_lease.items():
-                self.stats["spilled_tokens"] = self.stats.get("spilled_tokens", 0) + \
-                    self.cache._spill_to_storage(part, rows[key], page)
+                self.stats["donor_to_l3_tokens"] += self.cache._spill_to_storage(
+                    part, rows[key], page)
         self._waited(start)
 
     def _waited(self, start: float) -> None:

@@ -60,6 +60,11 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
                        "into the host tier instead of dropping them"),
     "spilled_tokens": ("swiftcache_spilled_tokens", "tokens a reclaim wrote from donor memory "
                        "straight to L3 storage when the host tier had no room for them"),
+    "donor_to_host_tokens": ("swiftcache_donor_to_host_tokens", "tokens an eviction pushed out "
+                             "of a full lease and moved from donor memory into the host tier"),
+    "donor_to_l3_tokens": ("swiftcache_donor_to_l3_tokens", "tokens an eviction pushed out of a "
+                           "full lease that no tier below took, written from donor memory to "
+                           "L3 storage"),
     "recomputed_after_reclaim_tokens": ("swiftcache_recomputed_after_reclaim_tokens",
                                         "tokens that were in the donor tier when a reclaim "
                                         "came and that a later request prefilled again"),

@@ -589,7 +589,7 @@ def test_with_l3_a_copy_dropped_from_a_full_lease_goes_to_l3_with_its_bytes(tmp_
         assert borrower.tree.match(keys["a"]).prefix_len == 0  # dropped from the tree
         assert [s.tier for s in borrower.tree.match(keys["c"]).loads] == [HOST]
         ((tokens, (ks, vs)),) = storage.spilled
-        assert tokens == keys["a"] and demotions.stats["spilled_tokens"] == 8
+        assert tokens == keys["a"] and demotions.stats["donor_to_l3_tokens"] == 8
         for layer in range(BORROWER_SHAPE["layer_num"]):
             assert torch.equal(ks[layer], rows_a[layer][0])
             assert torch.equal(vs[layer], rows_a[layer][1])
