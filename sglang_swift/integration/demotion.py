@@ -150,19 +150,17 @@ class Demotions:
         threads = torch.get_num_threads()
         error = None
         rows: dict = {}  # lease key -> {block: (Staged, position)}
+        blocks: dict = {}  # lease key -> its blocks to read, in order
+        for src in [m.src for m in moves] + [d.src for d in drops]:
+            blocks.setdefault((src.donor, src.lease), []).extend(src.blocks)
         try:
-            for src in [m.src for m in moves] + [d.src for d in drops]:
-                key = (src.donor, src.lease)
-                if key in rows:
-                    continue
+            for key, wanted in blocks.items():
                 engine = self.runtime.lease_engine(*key)
                 if engine is None or engine.lane.stream is not None:
                     error = f"lease {key} is not readable here now"
                     break
                 torch.set_num_threads(getattr(engine.lane, "threads", 1))
-                blocks = [b for r in [m.src for m in moves] + [d.src for d in drops]
-                          if (r.donor, r.lease) == key for b in r.blocks]
-                staged, reason = read_blocks(engine, blocks)
+                staged, reason = read_blocks(engine, wanted)
                 if staged is None:
                     error = f"lease {key}: {reason}"
                     break

@@ -430,16 +430,22 @@ def test_a_reclaim_moves_the_donor_tier_into_host_memory_instead_of_dropping_it(
         assert borrower.stats["revoked_tokens"] == 0 and borrower.stats["rescued_tokens"] == 8
         m = tree.match(list(range(100, 108)))
         assert m.load_len == 8 and [s.tier for s in m.loads] == [HOST]
-        rows = torch.as_tensor(m.loads[0].source.indices)
-        dst_slots = torch.arange(30, 38)
-        for layer in range(BORROWER_SHAPE["layer_num"]):
-            host.load_layer(rows, dst_slots, layer)
-            assert torch.equal(pool.k_buffer[layer][30:38], expect[layer][0])
-            assert torch.equal(pool.v_buffer[layer][30:38], expect[layer][1])
+        _assert_host_rows(host, pool, m.loads[0].source, 30, expect)
         tree.check_integrity()
     finally:
         borrower.stop()
         donor.stop()
+
+
+def _assert_host_rows(host, pool, source, at: int, expect) -> None:
+    """Host residency `source` (8 tokens) loaded into device slots `at..at+7` equals `expect`
+    (per layer, K and V rows)."""
+    rows = torch.as_tensor(source.indices)
+    dst = torch.arange(at, at + 8)
+    for layer in range(BORROWER_SHAPE["layer_num"]):
+        host.load_layer(rows, dst, layer)
+        assert torch.equal(pool.k_buffer[layer][at:at + 8], expect[layer][0])
+        assert torch.equal(pool.v_buffer[layer][at:at + 8], expect[layer][1])
 
 
 class _Slots:
@@ -524,12 +530,7 @@ def test_a_copy_pushed_out_of_a_full_lease_moves_into_host_with_its_bytes(tmp_pa
         assert m.load_len == 8 and [s.tier for s in m.loads] == [HOST]
         assert [s.tier for s in tree.match(keys["d"]).loads] == [DONOR]
         assert HOST not in c_node.res  # its duplicate host copy made the room
-        rows = torch.as_tensor(m.loads[0].source.indices)
-        dst = torch.arange(50, 58)
-        for layer in range(BORROWER_SHAPE["layer_num"]):
-            host.load_layer(rows, dst, layer)
-            assert torch.equal(pool.k_buffer[layer][50:58], rows_a[layer][0])
-            assert torch.equal(pool.v_buffer[layer][50:58], rows_a[layer][1])
+        _assert_host_rows(host, pool, m.loads[0].source, 50, rows_a)
         tree.check_integrity()
     finally:
         borrower.stop()
