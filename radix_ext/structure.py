@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
 from radix_ext.node import Node
-from radix_ext.residency import DEVICE
+from radix_ext.residency import DEVICE, DONOR, HOST
 from radix_ext.results import LoadSegment
 from radix_ext.slot_runs import join
 
@@ -159,6 +159,16 @@ class StructureMixin:
 
     def device_size(self) -> int:
         return self.dev_evictable + self.dev_protected + self.dev_leaving
+
+    def held_tokens(self) -> int:
+        """Tokens cached in any tier, a prefix held in several tiers counted once: what the
+        device, host and donor tiers together must hold to keep everything cached."""
+        n = self.device_size()
+        host = self._in_tier.get(HOST, ())
+        n += sum(len(x.key) for x in host if DEVICE not in x.res)
+        n += sum(len(x.key) for x in self._in_tier.get(DONOR, ())
+                 if DEVICE not in x.res and HOST not in x.res)
+        return n
 
     def tier_size(self, tier: str) -> int:
         """Tokens held in a lower tier."""

@@ -361,6 +361,10 @@ RECORDS: dict[str, RecordSpec] = {
                                   "tier below took, written from donor pages to L3 (with L3 "
                                   "only)",
             "revoked_tokens": "cached tokens (s) lost to the reclaim",
+            "reclaim_overflow_tokens": "tokens (s)'s tree held at the reclaim beyond what its "
+                                       "device pool, host tier and remaining donor pages "
+                                       "could hold without the lent pages: at least this many "
+                                       "had to go (to L3, else dropped) under any placement",
             "reclaims": "reclaims (s)'s busy server acknowledged",
             "loads_failed": "(s)'s loads that failed (their requests would have been aborted)",
             "history_tokens": "the busy model's histories at the end (prompt + answer of each "

@@ -21,6 +21,11 @@ Summary keys:
   into host instead; `spilled_tokens`: those it wrote straight to L3 when host had no room
   (`--l3` only); `history_tokens`: the busy model's histories at the end, against
   `device_plus_host_tokens`;
+- `reclaim_overflow_tokens`: tokens (s)'s tree held, when the reclaim came, beyond what its
+  device pool, host tier and remaining donor pages could hold once the lent pages were gone: at
+  least that many had to leave the tiers (to L3, else dropped) under any placement, so without
+  L3 `recomputed_after_reclaim_tokens` can reach 0 only when it is 0 (or what was dropped is
+  never asked for again); `revoked_tokens`: what the reclaim did drop;
 - `donor_to_host_tokens`: tokens (s)'s evictions pushed out of the full lease and moved into
   host; `donor_to_l3_tokens`: those no tier below took, written to L3 instead (`--l3` only).
 """
@@ -88,6 +93,8 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
         out["donor_to_host_tokens"] = int(m.get("swiftcache_donor_to_host_tokens_total", 0))
         out["donor_to_l3_tokens"] = int(m.get("swiftcache_donor_to_l3_tokens_total", 0))
         out["revoked_tokens"] = int(m.get("swiftcache_revoked_tokens_total", 0))
+        out["reclaim_overflow_tokens"] = int(
+            m.get("swiftcache_reclaim_overflow_tokens_total", 0))
         out["reclaims"] = int(m.get("swiftcache_reclaims_total", 0))
         out["loads_failed"] = int(m.get("swiftcache_loads_failed_total", 0))
     last = {}

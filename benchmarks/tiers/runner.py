@@ -21,7 +21,7 @@ from .plan import Server
 TIER_METRICS = ("swiftcache_donor_hit_tokens_total", "swiftcache_host_hit_tokens_total",
                 "swiftcache_rescued_tokens_total", "swiftcache_spilled_tokens_total",
                 "swiftcache_donor_to_host_tokens_total", "swiftcache_donor_to_l3_tokens_total",
-                "swiftcache_revoked_tokens_total",
+                "swiftcache_revoked_tokens_total", "swiftcache_reclaim_overflow_tokens_total",
                 "swiftcache_recomputed_after_reclaim_tokens_total",
                 "swiftcache_reclaims_total", "swiftcache_loads_failed_total",
                 "swiftcache_host_stored_tokens_total", "swiftcache_stored_tokens_total",

@@ -68,6 +68,11 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "recomputed_after_reclaim_tokens": ("swiftcache_recomputed_after_reclaim_tokens",
                                         "tokens that were in the donor tier when a reclaim "
                                         "came and that a later request prefilled again"),
+    "reclaim_overflow_tokens": ("swiftcache_reclaim_overflow_tokens", "tokens the cache held "
+                                "beyond what its device pool, host tier and remaining donor "
+                                "memory could hold after a reclaim: what had to go to L3 or be "
+                                "dropped, whatever the placement (a host tier too small for "
+                                "the reclaims)"),
     "l3_written_pages": ("swiftcache_l3_written_pages", "pages written from the host tier to "
                          "L3 storage (--hicache-storage-backend)"),
     "l3_fetched_tokens": ("swiftcache_l3_fetched_tokens", "tokens read from L3 storage into the "

@@ -111,7 +111,7 @@ class SwiftRuntime:
         self._view: dict = {}  # TP: (donor, lease id) -> readable, as rank 0 saw it
         self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
                       "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
-                      "lost_leases": 0, "own_pages_wait_s": 0.0}
+                      "lost_leases": 0, "own_pages_wait_s": 0.0, "reclaim_overflow_tokens": 0}
         self.reclaim_loss = ReclaimLoss()  # what reclaims dropped, counted when asked again
         # a donor's own cache evicted to lend (tokens asked -> evicted); the cache sets it
         self.make_room: Callable[[int], int] | None = None
@@ -360,6 +360,13 @@ class SwiftRuntime:
         """This server's own usable KV capacity now: its pool minus what it lent."""
         return self.allocator.size - self.lent_tokens
 
+    def cache_capacity_tokens(self) -> int:
+        """Tokens the cache can hold now in every tier: the usable device pool, the host tier
+        and the donor pages still lent to it. After a reclaim, what the tree held beyond this
+        had to leave those tiers (to L3, else dropped) whatever the placement."""
+        tiers = self.tree.tiers.values() if self.tree is not None else ()
+        return self.usable_tokens() + sum(t.capacity_tokens() for t in tiers)
+
     # ---- events -----------------------------------------------------------------------------
     def _on_granted(self, ev: LeaseGranted) -> None:
         if self.borrowing is None:
@@ -397,7 +404,9 @@ class SwiftRuntime:
 
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
         if self.borrowing is not None:
+            held = self.tree.held_tokens()
             result = self.borrowing.on_reclaim(ev, self.tree)
+            self.stats["reclaim_overflow_tokens"] += max(0, held - self.cache_capacity_tokens())
             self.forget(result)
             if result is not None:
                 self.reclaim_loss.add(result.lost_paths)

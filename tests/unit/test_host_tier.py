@@ -271,6 +271,29 @@ def test_without_host_room_a_reclaim_loses_the_prefixes_and_their_reuse_is_count
     assert loss.recomputed(list(b), "other namespace", 0) == 0
 
 
+def test_held_tokens_count_a_prefix_once_whatever_tiers_hold_it():
+    """The shared root and both branches in the donor tier (16 tokens); b loaded back onto the
+    device keeps its donor copies; a reclaim then finds no room for a's 6-token branch in a
+    4-token host tier (the root and b stay on the device): each state counts every cached token
+    once."""
+    from array import array
+
+    from radix_ext import DONOR
+
+    tree, a, b = _tree_with_donor_prefixes(host_capacity=4)
+    assert tree.held_tokens() == 16 and tree.device_size() == 0
+    m = tree.match(b, None)
+    ticket = tree.begin_load_back(m.last_node, array("q", range(100, 110)))
+    assert tree.complete_load_back(ticket).ok
+    tree.unlock(m.last_node)
+    assert tree.device_size() == 10 and tree.tier_size(DONOR) == 16
+    assert tree.held_tokens() == 16
+    result = tree.revoke("d", rescue=True)
+    assert result.num_tokens_lost == 6  # a's branch: the host tier holds only 4 tokens
+    assert tree.held_tokens() == 10
+    tree.check_integrity()
+
+
 def test_a_rescue_names_each_donor_copy_it_found_no_host_room_for():
     """Host room for the shared 4-token root only: the two branches are dropped, and
     `unrescued` names each (its path's tokens, where its own tokens start, its donor blocks),

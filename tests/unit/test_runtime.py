@@ -428,9 +428,57 @@ def test_a_reclaim_moves_the_donor_tier_into_host_memory_instead_of_dropping_it(
         _pump_until(pair, lambda: donor.lent_tokens == 0)
         assert tree.tier_size(DONOR) == 0 and tree.tier_size(HOST) == 8
         assert borrower.stats["revoked_tokens"] == 0 and borrower.stats["rescued_tokens"] == 8
+        assert borrower.stats["reclaim_overflow_tokens"] == 0
         m = tree.match(list(range(100, 108)))
         assert m.load_len == 8 and [s.tier for s in m.loads] == [HOST]
         _assert_host_rows(host, pool, m.loads[0].source, 30, expect)
+        tree.check_integrity()
+    finally:
+        borrower.stop()
+        donor.stop()
+
+
+def test_a_reclaim_counts_what_device_and_host_could_not_hold_without_the_lent_pages(
+        tmp_path, monkeypatch):
+    """Two 8-token prefixes in the donor tier, the device pool full but for 4 tokens of cached
+    prefixes, an 8-token host tier: once the lease is gone the tiers hold 4 tokens fewer than
+    the tree had, so the reclaim's overflow is 4 (what any placement must drop); the rescue
+    keeps one prefix in host and drops the other (8 tokens: a prefix goes whole)."""
+    from sglang_swift.dataplane.reclaim_staging import ReclaimStaging
+    from sglang_swift.integration.host_tier import HostKV
+
+    donor = _runtime(tmp_path, monkeypatch, "donor", DONOR_SHAPE, role="donor",
+                     lend_fraction=0.5)
+    borrower = _runtime(tmp_path, monkeypatch, "borrower", BORROWER_SHAPE, role="borrower",
+                        max_borrow_blocks=16)
+    host = HostKV(borrower.kv_pool, ratio=1.0, size_gb=0, layout="layer_first",
+                  io_backend="kernel", page_size=1)
+    borrower.tree = RadixTree(borrower.config.tree_config(1, 8))
+    borrower.borrowing.staging = ReclaimStaging(host.write_rows)
+    donor.start()
+    borrower.start()
+    try:
+        pair = (donor, borrower)
+        _pump_until(pair, lambda: borrower.tree.donor.capacity_tokens() == 16)
+        tree = borrower.tree
+        for base in (100, 200):
+            tree.insert(list(range(base, base + 8)), array("q", range(1, 9)))
+            (ticket,) = tree.evict_device(8).stores
+            assert ticket.dst_tier == DONOR
+            dst = ticket.transfer.dst
+            assert _copy(borrower, (dst.donor, dst.lease), ticket.src.indices, dst.blocks)
+            tree.complete_store(ticket)
+        size = borrower.usable_tokens()
+        tree.insert(list(range(1000, 1000 + size - 4)), array("q", range(size - 4)))
+        assert tree.held_tokens() == size + 12
+        assert borrower.cache_capacity_tokens() == size + 8 + 16
+
+        own = donor.allocator.alloc(donor.allocator.available_size())
+        assert own is not None
+        _pump_until(pair, lambda: donor.lent_tokens == 0)
+        assert borrower.stats["reclaim_overflow_tokens"] == 4
+        assert borrower.stats["rescued_tokens"] == 8 and borrower.stats["revoked_tokens"] == 8
+        assert tree.held_tokens() == size + 4
         tree.check_integrity()
     finally:
         borrower.stop()
