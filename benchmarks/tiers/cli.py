@@ -5,9 +5,9 @@ keys. The last line printed is the JSON summary; `--out` keeps every request's r
 Summary keys:
 - `identical`: every busy output of (s) equals stock SGLang's (r), greedy, request by request;
   `mismatches`: per run, the busy outputs that differ from (r)'s: the ideal (i) differs where its
-  larger device pool serves what the plan's 384-token pool cannot (a prompt longer than the pool is
-  refused with an empty answer, an answer stops where the pool is full), and any HiCache run could
-  differ at a float near-tie (its cached prefixes change the prefill's arithmetic);
+  larger device pool serves what the plan's `busy_pool` cannot (a prompt longer than the pool is
+  refused with an empty answer, an answer stops where the pool is full), and any HiCache run
+  could differ at a float near-tie (its cached prefixes change the prefill's arithmetic);
 - `cached_tokens`: per run, prompt tokens the busy server served from cache (any tier);
   `cached_vs_hicache` = (s) / (h), `cached_vs_ideal` = (s) / (i);
 - `ttft_p50_vs_hicache`, `ttft_p99_vs_hicache`: (s) / (h) over the busy requests; beside them
