@@ -15,7 +15,8 @@ Importing it touches no GPU and starts nothing; SGLang is never imported here.
 from swift_kernels import KVGeometry
 
 from .block_size import BLOCK_ALIGN_BYTES
-from .layer_counter import CpuLayerCounter, CudaLayerCounter, LayerWaitResult
+from .emulated import EmulatedDevice
+from .layer_counter import CpuLayerCounter, CudaLayerCounter, LayerCounter, LayerWaitResult
 from .packing import LeasePacking
 from .pool_layout import PoolLayout
 from .pool_lease import MappedPool, UnshareablePool, map_pool, pool_geometry, why_pool_unshareable
@@ -34,7 +35,9 @@ __all__ = [
     "BLOCK_ALIGN_BYTES",
     "CpuLayerCounter",
     "CudaLayerCounter",
+    "EmulatedDevice",
     "KVGeometry",
+    "LayerCounter",
     "LayerWaitResult",
     "LeasePacking",
     "MappedArena",
@@ -57,8 +60,6 @@ __all__ = [
 
 
 def make_layer_counter(num_layers: int, device="cpu", timeout_s: float = 30.0):
-    """The layer counter for `device`: CUDA events on a GPU, thread signals on CPU."""
-    import torch
-
-    cls = CudaLayerCounter if torch.device(device).type == "cuda" else CpuLayerCounter
-    return cls(num_layers, timeout_s=timeout_s)
+    """The layer counter of a pool on `device`: one class for every lane (a CPU lane signals
+    layers on the host, a device lane also hands over the events to wait on)."""
+    return LayerCounter(num_layers, timeout_s=timeout_s)

@@ -9,11 +9,13 @@ get_key_buffer / get_value_buffer (twice per layer) and ignores what it returns.
 Like SGLang's, it is a ring of `num_counters` slots so the next batch's load can be produced
 while the current one is consumed. Each slot holds one state per layer: PENDING, READY or FAILED.
 
-- CpuLayerCounter: READY means the bytes are in place (the loader thread finished the layer);
-  waiting blocks the host on a condition variable.
-- CudaLayerCounter: READY means the layer's copy is enqueued on the copy stream and an event
-  recorded after it; waiting makes the *current stream* wait on that event (no host blocking).
-  The host only waits for the enqueue, which the loader does up front.
+One protocol on every device. READY means the layer is in place *for the host's purposes*: on a
+CPU lane the loader thread finished copying it; on a device lane (a GPU, or the emulated device
+on CPU) its copy is enqueued and an event recorded after it. A layer carries the events its
+copies recorded (none on a CPU lane). `wait_until(layer)` blocks the host until the layer is
+READY (on a device lane it already is: the loader enqueues up front) and then makes the *current
+stream* (the one the forward runs on) wait for exactly that layer's events, device side: the
+forward's layer l never waits for a later layer's copy.
 
 Abort and timeout: `fail(reason)` (the loader saw the donor vanish) marks every layer that is
 not READY as FAILED and wakes all waiters; a wait that outlives `timeout_s` does the same with
@@ -43,12 +45,12 @@ class _Slot:
     def __init__(self, num_layers: int):
         self.state = [READY] * num_layers  # an unused slot waits on nothing
         self.reason: str | None = None
-        self.events: list = [None] * num_layers
+        self.events: list[list] = [[] for _ in range(num_layers)]
 
     def arm(self) -> None:
         self.state = [PENDING] * len(self.state)
         self.reason = None
-        self.events = [None] * len(self.state)
+        self.events = [[] for _ in self.state]
 
     def failed(self) -> tuple[int, ...]:
         return tuple(i for i, s in enumerate(self.state) if s == FAILED)
@@ -57,8 +59,8 @@ class _Slot:
         return PENDING in self.state
 
 
-class CpuLayerCounter:
-    """Host-signalled layer completion (CPU deployments, and the CPU tests)."""
+class LayerCounter:
+    """Per-layer completion of a ring of loads (see the module docstring)."""
 
     def __init__(self, num_layers: int, timeout_s: float = 30.0, num_counters: int = 3):
         if num_layers <= 0 or num_counters <= 0 or timeout_s <= 0:
@@ -103,13 +105,22 @@ class CpuLayerCounter:
             self._cond.notify_all()
 
     # ---- producer side ---------------------------------------------------------------------
-    def complete(self, layer: int, producer_id: int | None = None, stream=None) -> None:
-        """The loader finished `layer` (CUDA: enqueued it; `stream` is the copy stream)."""
+    def complete(self, layer: int, producer_id: int | None = None, stream=None,
+                 events=()) -> None:
+        """The loader finished `layer`. On a device lane it enqueued it: with `stream` (the
+        copy stream) an event is recorded there now; `events` are events already recorded
+        after the layer's copies (a batch fanned in from several lanes). The consumer's stream
+        waits for all of them when it reaches the layer, and for nothing else."""
         with self._cond:
             slot = self._slots[self._pid(producer_id)]
             if slot.state[layer] == FAILED:  # the load was abandoned; late news is ignored
                 return
-            self._record(slot, layer, stream)
+            marks = list(events)
+            if stream is not None:
+                from . import streams
+
+                marks.append(streams.record_event(stream))
+            slot.events[layer] = marks
             slot.state[layer] = READY
             self._cond.notify_all()
 
@@ -139,8 +150,8 @@ class CpuLayerCounter:
                 self._cond.wait(left)
             if slot.state[layer] == FAILED:
                 return LayerWaitResult(False, layer, slot.failed(), slot.reason)
-            event = slot.events[layer]
-        self._device_wait(event)
+            events = slot.events[layer]
+        self._device_wait(events)
         return LayerWaitResult(True, layer, (), None)
 
     def aborted(self, producer_id: int | None = None) -> bool:
@@ -171,23 +182,14 @@ class CpuLayerCounter:
         slot.reason = slot.reason or reason
         self._cond.notify_all()
 
-    def _record(self, slot: _Slot, layer: int, stream) -> None:
-        """CPU: the bytes are already in place; nothing to record."""
+    def _device_wait(self, events) -> None:
+        """Order the current stream after the layer's copies, device side (no events: a CPU
+        lane's layer is in place once READY)."""
+        if events:
+            from . import streams
 
-    def _device_wait(self, event) -> None:
-        """CPU: nothing left to wait for once the host state is READY."""
+            streams.wait_events(None, events)
 
 
-class CudaLayerCounter(CpuLayerCounter):
-    """GPU variant: a CUDA event per layer recorded on the copy stream; consumers wait on it
-    GPU-side (`current_stream().wait_event`), so the host never blocks on the copy itself."""
-
-    def _record(self, slot: _Slot, layer: int, stream) -> None:
-        from . import streams
-
-        slot.events[layer] = streams.record_event(stream)
-
-    def _device_wait(self, event) -> None:
-        from . import streams
-
-        streams.wait_event_on_current_stream(event)
+CpuLayerCounter = LayerCounter  # names the deployments knew: one class serves every lane
+CudaLayerCounter = LayerCounter

@@ -399,11 +399,16 @@ class PoolTransferEngine:
         """Move layer `layer`'s K and V of the whole transfer; an error is returned as the
         reason (reported as failed layers) rather than raised on the lane."""
         try:
-            for local, rows, donor, where in self._layer_halves(plan, layer):
-                if store:
-                    self._move(local, rows, donor, where, staging)
-                else:
-                    self._move(donor, where, local, rows, staging)
+            halves = list(self._layer_halves(plan, layer))
+
+            def work() -> None:
+                for local, rows, donor, where in halves:
+                    if store:
+                        self._move(local, rows, donor, where, staging)
+                    else:
+                        self._move(donor, where, local, rows, staging)
+
+            self.lane.launch(work)
         except Exception as exc:  # noqa: BLE001 - reported as failed layers
             return f"copy failed: {exc}"
         return None
@@ -413,11 +418,16 @@ class PoolTransferEngine:
         """Swap layer `layer`'s K and V of the transfer's slots and blocks (see
         `begin_exchange`); an error is returned as the reason, as `_copy_layer` does."""
         try:
-            for local, rows, donor, where in self._layer_halves(plan, layer):
-                held = local.index_select(0, rows)  # the slots' rows, before they are written
-                self._move(donor, where, local, rows, staging)
-                order = torch.arange(held.shape[0], device=held.device)
-                self._move(held, order, donor, where, staging)
+            halves = list(self._layer_halves(plan, layer))
+
+            def work() -> None:
+                for local, rows, donor, where in halves:
+                    held = local.index_select(0, rows)  # the slots' rows, before overwritten
+                    self._move(donor, where, local, rows, staging)
+                    order = torch.arange(held.shape[0], device=held.device)
+                    self._move(held, order, donor, where, staging)
+
+            self.lane.launch(work)
         except Exception as exc:  # noqa: BLE001 - reported as failed layers
             return f"copy failed: {exc}"
         return None

@@ -7,7 +7,10 @@ engine each, and attention on layer l may read the pool only once *every* engine
 layer l. `BatchLayerCounter` arms one slot of the pool's counter per batch (its `pid` is the
 batch's `hicache_consumer_index`) and hands each engine a part of it: layer l of the slot is
 completed once every part has finished or failed layer l, and never before `seal()` (all parts
-added). A part that fails never releases a layer early for the others, so requests that loaded
+added). Completing it hands the pool's counter the events the parts recorded after their copies
+of layer l (device lanes); nothing here waits for them: the forward's stream waits for layer l's
+events when attention reaches layer l (`LayerCounter.wait_until`), so on a GPU, where every part
+is enqueued before the batch is sealed, layer 0 is read while later layers still copy. A part that fails never releases a layer early for the others, so requests that loaded
 only from healthy parts read complete KV; `failed_parts()` says which parts failed, so only the
 requests that used them are dropped.
 
@@ -66,7 +69,7 @@ class BatchLayerCounter:
                 from ..dataplane import streams
 
                 self._events[part][layer] = streams.record_event(stream)
-            self._advance(layer, stream)
+            self._advance(layer)
 
     def fail(self, reason: str, producer_id: int | None = None) -> tuple[int, ...]:
         """Part `producer_id` stops: its layers not done fail; returns them."""
@@ -76,7 +79,7 @@ class BatchLayerCounter:
             failed = tuple(i for i, s in enumerate(self._state[part]) if s != READY)
             for i in failed:
                 self._state[part][i] = FAILED
-                self._advance(i, None)
+                self._advance(i)
             return failed
 
     def aborted(self, producer_id: int | None = None) -> bool:
@@ -98,7 +101,7 @@ class BatchLayerCounter:
         with self._lock:
             self._sealed = True
             for layer in range(self.num_layers):
-                self._advance(layer, None)
+                self._advance(layer)
 
     def fail_part(self, reason: str) -> int:
         """Add a part that could not start (its donor is not readable): it counts as failed."""
@@ -136,8 +139,9 @@ class BatchLayerCounter:
                              f"{len(self._state)} parts")
         return producer_id
 
-    def _advance(self, layer: int, stream) -> None:
-        """Complete the pool counter's `layer` once every part is past it (lock held)."""
+    def _advance(self, layer: int) -> None:
+        """Complete the pool counter's `layer` once every part is past it (lock held), handing
+        it the parts' events for that layer: waited on by the consumer's stream, not here."""
         if not self._sealed or self._released[layer]:
             return
         if any(s[layer] == PENDING for s in self._state):
@@ -145,11 +149,7 @@ class BatchLayerCounter:
         self._released[layer] = True
         self.released_at[layer] = self.clock()
         events = [e[layer] for e in self._events if e[layer] is not None]
-        if events:  # GPU: the event recorded for the consumer must follow every part's copy
-            from ..dataplane import streams
-
-            streams.wait_events(stream, events)
-        self.counter.complete(layer, self.pid, stream=stream)
+        self.counter.complete(layer, self.pid, events=events)
 
 
 class TimedLayerCounter:
