@@ -16,23 +16,54 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "records"
 OUTPUTS = ("docs/records", "docs/img")  # what runs write into the tree
+PRODUCT = ("sglang_swift", "radix_ext", "swift_kernels", "pyproject.toml")  # what users install
 
 
-def git(*args: str) -> str:
-    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+def git(*args: str, root: Path = ROOT, env: dict | None = None) -> str:
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, env=env)
     return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _tree_of_worktree(root: Path) -> str:
+    """A git tree of the working tree as it stands (tracked and untracked files git does not
+    ignore), written through a private copy of the index so the shared one is left alone."""
+    index = git("rev-parse", "--path-format=absolute", "--git-path", "index", root=root)
+    if not index:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        if Path(index).exists():
+            shutil.copy(index, env["GIT_INDEX_FILE"])  # its stat cache spares rehashing
+        git("add", "-A", "--", *PRODUCT, root=root, env=env)
+        return git("write-tree", root=root, env=env)
+
+
+def product_tree(commit: str | None = None, root: Path = ROOT) -> str | None:
+    """The product's identity: a hash over the git object ids of PRODUCT in `commit` (None: the
+    working tree now). Two runs share it exactly when sglang_swift, radix_ext, swift_kernels and
+    pyproject.toml are identical. None where git cannot tell (no repository, unknown commit)."""
+    tree = _tree_of_worktree(root) if commit is None else commit
+    listing = git("ls-tree", tree, "--", *PRODUCT, root=root) if tree else ""
+    if not listing:
+        return None
+    entries = sorted(line.split("\t", 1)[::-1] for line in listing.splitlines())  # path, meta
+    text = "".join(f"{path} {meta.split()[2]}\n" for path, meta in entries)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def last_json_line(text: str) -> dict:
@@ -63,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     # earlier run are outputs, not changes to what ran
     uncommitted = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
                            *(f":(exclude){p}" for p in OUTPUTS)))
+    product = product_tree(root=ROOT)
     started = dt.datetime.now(dt.timezone.utc)
     load_before = os.getloadavg()
     t0 = time.monotonic()
@@ -81,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         "started_utc": started.strftime("%Y-%m-%d %H:%M"),
         "commit": git("rev-parse", "--short", "HEAD"),
         "uncommitted_changes": uncommitted,
+        "product_tree": product,
+        "product_uncommitted": product != product_tree("HEAD"),
         "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,6 +20,14 @@ def _renderer():
                                                   ROOT / "scripts" / "render_results.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("render_results", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record_run():
+    spec = importlib.util.spec_from_file_location("record_run",
+                                                  ROOT / "scripts" / "record_run.py")
+    module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
@@ -31,8 +43,10 @@ def _copy_pages(tmp: Path) -> Path:
 
 
 def test_pages_are_rendered_from_the_records():
-    """Invariant: no figure on the pages was edited by hand (--check passes on the repository)."""
-    assert _renderer().main(["--check"]) == 0
+    """Invariant: no figure on the pages was edited by hand (--check passes on the repository,
+    each record marked against the committed product; on a clean clone that is the working
+    tree's)."""
+    assert _renderer().main(["--check", "--against", "HEAD"]) == 0
 
 
 def test_a_hand_edited_figure_fails_the_check(tmp_path):
@@ -64,8 +78,138 @@ def test_a_new_record_changes_the_pages_and_a_missing_one_says_so(tmp_path):
     assert r.main(["--check"], root=root) == 1
     assert r.main([], root=root) == 0
     readme, results = (root / "README.md").read_text(), (root / "docs" / "results.md").read_text()
-    assert "`27/27`" in readme and "`4.543`" in readme and "2030-01-02" in readme
+    assert "`27/27`" in readme and "`4.543`" in readme
     assert "commit abc1234" in results and "`bash scripts/demo.sh`" in results
+    assert "2030-01-02" in results
+
+
+def _demo_record(**extra) -> dict:
+    return {"name": "demo", "command": "bash scripts/demo.sh", "started_utc": "2030-01-02 03:04",
+            "commit": "abc1234", "uncommitted_changes": False, "machine": {"cpus": 2},
+            "load_average_before": [0.5, 0.4, 0.3], "load_average_after": [1.5, 1.0, 0.5],
+            "wall_s": 120.0, "result": {"identical_outputs": 27, "requests": 27,
+                                        "cached_ratio": 4.543}, **extra}
+
+
+def _readme_row(readme: str, label: str) -> str:
+    block = readme.split("<!-- results:begin -->")[1].split("<!-- results:end -->")[0]
+    return next(line for line in block.splitlines() if line.startswith(f"| {label} |"))
+
+
+def test_a_record_of_older_product_code_is_marked_stale_beside_its_figures(tmp_path, monkeypatch):
+    """Invariant: a figure whose record ran on another product tree than the one now carries
+    **stale** on both pages, one that ran on this tree `current`; --fail-stale exits 2 only
+    while a record is not current."""
+    r = _renderer()
+    root = _copy_pages(tmp_path)
+    for rec in (root / "docs" / "records").glob("*.json"):
+        rec.unlink()
+    path = root / "docs" / "records" / "demo.json"
+    path.write_text(json.dumps(_demo_record(product_tree="aaaaaaaaaaaa")))
+    monkeypatch.setattr(r, "product_now", lambda root, against=None: "bbbbbbbbbbbb")
+    assert r.main([], root=root) == 0
+    readme, results = (root / "README.md").read_text(), (root / "docs" / "results.md").read_text()
+    assert _readme_row(readme, "outputs identical to stock SGLang").endswith("| **stale** |")
+    assert "product tree aaaaaaaaaaaa: **stale**" in results
+    assert r.main(["--check"], root=root) == 0
+    assert r.main(["--check", "--fail-stale"], root=root) == 2
+    path.write_text(json.dumps(_demo_record(product_tree="bbbbbbbbbbbb")))
+    assert r.main(["--check"], root=root) == 1  # the mark changed: the pages are out of date
+    assert r.main([], root=root) == 0
+    readme = (root / "README.md").read_text()
+    assert _readme_row(readme, "outputs identical to stock SGLang").endswith("| current |")
+    assert r.main(["--check", "--fail-stale"], root=root) == 0
+
+
+def test_a_record_from_an_uncommitted_tree_says_so_and_is_never_provably_current():
+    """Invariant: a command that ran on an uncommitted tree shows it; without the product tree
+    taken from that tree, the commit's tree does not make it current."""
+    r = _renderer()
+    derived = r.Freshness("aaa", "aaa", uncommitted=True, exact=False)
+    assert derived.mark() == "current, uncommitted tree" and not derived.current
+    exact = r.Freshness("aaa", "aaa", uncommitted=True, exact=True)
+    assert exact.current
+    assert r.Freshness("aaa", "bbb", uncommitted=False, exact=False).mark() == "**stale**"
+    assert r.Freshness(None, "bbb", uncommitted=False, exact=False).mark() == "unknown"
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+
+
+def test_the_product_tree_changes_with_product_code_only(tmp_path):
+    """Invariant: the product tree of the working tree is that of HEAD until a product file
+    changes (committed or not, untracked included); other files do not change it."""
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    rr = _record_run()
+    repo = tmp_path
+    _git(repo, "init", "-q")
+    for rel in ("sglang_swift/a.py", "radix_ext/b.py", "swift_kernels/c.py", "pyproject.toml",
+                "scripts/d.py"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(rel + "\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "x")
+    head = rr.product_tree("HEAD", repo)
+    assert head and rr.product_tree(None, repo) == head
+    (repo / "scripts" / "d.py").write_text("changed\n")
+    assert rr.product_tree(None, repo) == head
+    (repo / "radix_ext" / "new.py").write_text("untracked\n")
+    assert rr.product_tree(None, repo) != head
+    assert "?? radix_ext/new.py" in _git(repo, "status", "--porcelain")  # index left alone
+    (repo / "radix_ext" / "new.py").unlink()
+    (repo / "sglang_swift" / "a.py").write_text("edited\n")
+    edited = rr.product_tree(None, repo)
+    assert edited != head
+    _git(repo, "commit", "-q", "-am", "y")
+    assert rr.product_tree("HEAD", repo) == edited and rr.product_tree("HEAD~1", repo) == head
+
+
+def test_the_refresh_plan_lists_what_fits_this_machine(tmp_path):
+    """Invariant: refresh_records.sh re-runs each record with its recorded command; --stale-only
+    leaves current records out, records that ran on more CPUs than here are left out, and
+    --dry-run only prints the plan."""
+    r = _renderer()
+    big = {**_demo_record(product_tree="now"), "name": "chaos_quick",
+           "command": "python scripts/chaos.py --quick", "machine": {"cpus": 64}}
+    records = {"demo": {**_demo_record(command="bash -c 'echo a && echo b'"),
+                        "_freshness": r.Freshness("old", "now", False, True)},
+               "chaos_quick": {**big, "_freshness": r.Freshness("now", "now", False, True)},
+               "bench_tree_quick": {**_demo_record(name="bench_tree_quick"),
+                                    "_freshness": r.Freshness("now", "now", False, True)}}
+    plan = dict(r.refresh_plan(records, cpus=2))
+    assert plan["demo"] == ["bash", "-c", "echo a && echo b"]
+    assert "chaos_quick" not in plan and "bench_tree_quick" in plan
+    assert set(plan) <= set(r.RECORDS) and len(plan) == len(r.RECORDS) - 1  # missing: spec's
+    assert plan["bench_node_quick"][:2] == [".venv/bin/python", "scripts/bench_node.py"]
+    stale = dict(r.refresh_plan(records, stale_only=True, cpus=2))
+    assert "demo" in stale and "bench_tree_quick" not in stale
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "refresh_records.sh"), "--dry-run",
+                          "demo", "bench_tree_quick"], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert [line.split("\t")[0] for line in out] == ["demo", "bench_tree_quick"]
+    records_dir = ROOT / "docs" / "records"
+    assert out[0].split("\t")[1] == json.loads((records_dir / "demo.json").read_text())["command"]
+
+
+def test_the_readme_reads_in_a_minute():
+    """Invariant: README.md is at most 200 lines, its results block at most 20, and no line
+    outside code blocks and tables is over 100 characters."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200
+    block = text.split("<!-- results:begin -->")[1].split("<!-- results:end -->")[0]
+    assert len(block.strip().splitlines()) <= 20
+    in_code = False
+    for n, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and not line.startswith("|"):
+            assert len(line) <= 100, (n, line)
 
 
 def test_every_key_of_the_existing_records_is_described():
