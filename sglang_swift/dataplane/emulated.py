@@ -195,8 +195,9 @@ class EmulatedDevice:
 
 
 def _call_site() -> str:
-    """The first frame outside this module, as file:line (function)."""
+    """The first frame outside this module and the stream dispatch (`streams.py`), as
+    file:line (function): the code that asked for the wait."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if not frame.filename.endswith("emulated.py"):
+        if not frame.filename.endswith(("dataplane/emulated.py", "dataplane/streams.py")):
             return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} ({frame.name})"
     return "?"

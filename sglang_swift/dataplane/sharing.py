@@ -121,7 +121,11 @@ class SharedArena:
             raise ValueError(f"arena device must be cpu or cuda, got {device}")
         self.region[:HEADER_BYTES].copy_(header)
         self.memory = self.region[HEADER_BYTES:].view(num_blocks, block_bytes)  # uint8 blocks
-        self._handle = self._make_handle()
+        try:
+            self._handle = self._make_handle()
+        except BaseException:  # an export that fails leaves no shared name behind
+            self.close()
+            raise
 
     def _make_handle(self) -> bytes:
         if self._shm is not None:

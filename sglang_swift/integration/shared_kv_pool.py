@@ -9,7 +9,9 @@ for a server whose `SwiftConfig` lends: it allocates one `SharedArena` region an
 per-layer K and V views of it with exactly the shapes SGLang would allocate (`PoolLayout`), so
 every kernel, attention backend and accounting path sees an ordinary pool. Pools it cannot lay
 out this way (HND or AITER layouts, quantized KV) are built by SGLang as usual, and the server
-then lends nothing and says why in its log; a server that does not lend is never touched.
+then lends nothing and says why in its log; so does a pool whose shareable region cannot be
+allocated or exported (no shared memory left, a CUDA IPC export refused): the server serves with
+SGLang's own buffers. A server that does not lend is never touched.
 """
 
 from __future__ import annotations
@@ -59,7 +61,13 @@ def create_buffers_in_shared_region(orig: Callable[[Any], None], pool: Any) -> N
 
     layout = layout_of(pool, data_offset=0)
     size = -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
-    arena = SharedArena(1, size, device=str(pool.device), name_prefix="swiftpool")
+    try:  # the allocation and its export (shm name, CUDA IPC handle) can fail: serve anyway
+        arena = SharedArena(1, size, device=str(pool.device), name_prefix="swiftpool")
+    except Exception as exc:  # noqa: BLE001 - any failure here means "lend nothing"
+        logger.warning("SwiftCache: this server's KV pool could not be placed in shareable "
+                       "memory (%s: %s); it is built as usual and lends nothing",
+                       type(exc).__name__, exc)
+        return orig(pool)
     region = arena.memory.view(-1)  # after the arena's header; zeroed by shm/torch.empty below
     region.zero_()
     pool.k_buffer, pool.v_buffer = layout.views(region)

@@ -81,3 +81,21 @@ def test_layout_round_trips_and_rejects_nonsense():
         PoolLayout.from_dict({**flat, "padded_rows": 12, "dtype": "int7"})
     with pytest.raises(ValueError, match="missing"):
         PoolLayout.from_dict({k: v for k, v in flat.items() if k != "rows"})
+
+
+def test_a_pool_whose_shared_region_cannot_be_exported_is_built_as_usual(monkeypatch, caplog):
+    """Invariant (a mapping fault never takes a server down): when the shareable region cannot
+    be allocated or exported (here the export raises, as a refused CUDA IPC export would), the
+    lending server's pool is SGLang's own, it lends nothing, and its log says why."""
+    from sglang_swift.dataplane import sharing
+
+    def refuse(self):
+        raise RuntimeError("export refused")
+
+    monkeypatch.setattr(sharing.SharedArena, "_make_handle", refuse)
+    monkeypatch.setenv(CONFIG_ENV, SwiftConfig(enabled=True, lend_fraction=0.5).to_json())
+    with caplog.at_level("WARNING"):
+        pool = _pool()
+    assert shared_region_of(pool) is None
+    assert pool.k_buffer[0].shape == (64, 2, 8)
+    assert "could not be placed in shareable memory (RuntimeError: export refused)" in caplog.text
