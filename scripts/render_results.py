@@ -61,6 +61,7 @@ class RecordSpec:
     # keys computed from the result as the page renders (the same for old and new records)
     derive: Callable[[dict], dict] | None = None
     derived_note: str = ""
+    table: Callable[[dict], list[str]] | None = None  # lines below the key table
 
 
 def key(path: str) -> Callable[[dict], Any]:
@@ -569,6 +570,7 @@ RECORDS["simulate_validate_tiers"] = RecordSpec(
                  lambda r: _count_true({k: v["equal"] for k, v in
                                         (r.get("consistency_check") or {}).items()}))],
     derive=lambda result: _validation_figures().from_result(result),
+    table=lambda result: _validation_figures().format_table(result).splitlines(),
     derived_note="`validation`, `within_20pct`, `all_within_20pct`, `largest_error` and "
                  "`consistency_check` are computed from the record's `figures` and "
                  "`hits_by_tier` as the page renders "
@@ -1053,14 +1055,20 @@ def record_section(name: str, records: dict[str, dict]) -> str:
     if spec.derived_note:
         lines += [spec.derived_note, ""]
     lines += ["| key | value | meaning |", "|---|---|---|"]
+    derived = set(spec.derive(result)) if spec.derive else set()
     for path, meaning in spec.keys.items():
         value = key(path)(result)
         if value is None and "." not in path and path not in result:
             continue  # an optional key this run did not print
-        lines.append(f"| `{path}` | `{fmt(value)}` | {meaning} |")
+        text = fmt(value)
+        if path in derived and text.startswith("(in the record"):
+            text = "(in the table below)"
+        lines.append(f"| `{path}` | `{text}` | {meaning} |")
     tops = {p.split(".")[0] for p in spec.keys}
     for extra in (k for k in result if k not in tops):
         lines.append(f"| `{extra}` | `{fmt(result[extra])}` | (not described) |")
+    if spec.table:
+        lines += [""] + spec.table(result)
     return "\n".join(lines)
 
 
