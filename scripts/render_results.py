@@ -9,8 +9,10 @@ A record is what `scripts/record_run.py NAME -- CMD...` wrote: the command, its 
 commit, the machine, the load average before and after, and the benchmark's last-line JSON object
 (`result`). docs/results.md is docs/results.template.md with each `{{record NAME}}` replaced by
 that record's citation and every key of its result with its meaning (RECORDS below), and each
-`{{headlines}}` by the table of headline figures. In README.md the text between
-`<!-- results:begin -->` and `<!-- results:end -->` is that table, and the text between
+`{{headlines}}`, `{{records}}`, `{{comparison}}` and `{{grid}}` by the tables of headline
+figures, of records, of the paper's claims and of the regime grid. In README.md the text between
+`<!-- results:begin -->` and `<!-- results:end -->` is the short table of README_FIGURES, and
+the text between
 `<!-- options:begin -->` and `<!-- options:end -->` is the options table built from
 `sglang_swift.config.cli_options()`. A record that does not exist renders as "not yet recorded".
 
@@ -41,7 +43,7 @@ LONG_VALUE = 160  # characters: a longer value is left in the record, not printe
 
 @dataclass(frozen=True)
 class Headline:
-    """One figure of the README's results table: a label and how to read it from a result."""
+    """One headline figure of a record: a label and how to read it from a result."""
 
     label: str
     read: Callable[[dict], Any]
@@ -52,7 +54,7 @@ class Headline:
 @dataclass(frozen=True)
 class RecordSpec:
     title: str
-    short: str  # the README's name for it
+    short: str  # its name in the tables of headline figures
     command: str  # how to make the record (run from the repository root)
     doc: str  # where the method is described
     keys: dict[str, str]  # result key -> its meaning; dotted keys name nested values
@@ -1092,7 +1094,7 @@ def headline_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
 
 
 def summary_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
-    """One row per record, its headline figures in one cell (the README)."""
+    """One row per record, its headline figures in one cell (docs/results.md)."""
     rows = ["| benchmark | figures | record, date, commit | code | command |",
             "|---|---|---|---|---|"]
     for name, spec in RECORDS.items():
