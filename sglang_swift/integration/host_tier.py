@@ -88,11 +88,22 @@ def _gather(records: Any, dev_side: str, host_side: str) -> tuple[torch.Tensor, 
             torch.empty(0, dtype=torch.int64))
 
 
-class _ControllerView:
-    """What `HiCacheController.move_indices` reads of its controller."""
-
-    def __init__(self, io_backend: str, device: torch.device, mem_pool_host: Any):
-        self.io_backend, self.device, self.mem_pool_host = io_backend, device, mem_pool_host
+def place_indices(io_backend: str, layout: str, device: torch.device, host_slots: torch.Tensor,
+                  device_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) slot indices where the host pool's copies for `io_backend` read them, by
+    HiCache's rule (`touchpoints.HOST_INDEX_RULE`, checked against SGLang's at start-up):
+    kernel copies take the host indices on the device; direct ones take the device indices on
+    the host, layer_first's sorted in host order. Moves are non-blocking."""
+    if io_backend == "kernel":
+        return host_slots.to(device, non_blocking=True), device_slots
+    if io_backend == "direct" and layout == "layer_first":
+        host_sorted, order = host_slots.sort()
+        return host_sorted, device_slots.cpu().index_select(0, order)
+    if io_backend == "direct" and layout == "page_first_direct":
+        return host_slots, device_slots.cpu()
+    raise ValueError(f"--hicache-io-backend {io_backend} with --hicache-mem-layout {layout} is "
+                     f"not served by SwiftCache's host tier: use --hicache-io-backend kernel, or "
+                     f"direct with layer_first or page_first_direct")
 
 
 class HostKV:
@@ -168,14 +179,9 @@ class HostKV:
 
     def _indices(self, host_slots: torch.Tensor,
                  device_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both index tensors where the io backend and layout want them, by SGLang's own rule
-        (`HiCacheController.move_indices`, called with this pool: kernel copies take host
-        indices on the device; direct ones take device indices on the host, layer_first's in
-        host order). Moves are non-blocking, as the controller's."""
-        from sglang.srt.managers.cache_controller import HiCacheController
-
-        me = _ControllerView(self.io_backend, self.device, self.pool)
-        return HiCacheController.move_indices(me, host_slots, device_slots)
+        """Both index tensors where the io backend and layout want them (`place_indices`)."""
+        return place_indices(self.io_backend, self.pool.layout, self.device, host_slots,
+                             device_slots)
 
     def store(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         h, d = self._indices(host_slots, device_slots.to(self.device, non_blocking=True))

@@ -62,21 +62,29 @@ def own_demand_tokens(scheduler: Any) -> int:
     A re-implementation of SGLang's arithmetic, checked at start-up (`touchpoints.OWN_DEMAND`)."""
     if scheduler is None:
         return 0
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
-
-    def budget(req: Any) -> int:
-        left = (req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
-        return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
-
     total = 0
     for req in scheduler.waiting_queue:
-        total += len(req.origin_input_ids) + len(req.output_ids) + budget(req)
+        total += len(req.origin_input_ids) + len(req.output_ids) + output_budget(req)
     running = getattr(scheduler, "running_batch", None)
     if running is not None and running.reqs:
         ratio = scheduler.new_token_ratio_tracker.current
         for req in running.reqs:
-            total += budget(req) * (1.0 if req.sampling_params.ignore_eos else ratio)
+            total += running_demand(req, ratio)
     return int(total)
+
+
+def output_budget(req: Any) -> int:
+    """The output tokens a request may still make, clipped as SGLang's admission clips them."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    left = (req.sampling_params.max_new_tokens or 0) - len(req.output_ids)
+    return min(max(left, 0), CLIP_MAX_NEW_TOKENS)
+
+
+def running_demand(req: Any, new_token_ratio: float) -> float:
+    """A running request's KV demand as `PrefillAdder` reserves it: its output budget times
+    the new-token ratio (1 for `ignore_eos`)."""
+    return output_budget(req) * (1.0 if req.sampling_params.ignore_eos else new_token_ratio)
 
 
 class PoolLender:

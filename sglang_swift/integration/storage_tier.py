@@ -5,12 +5,11 @@ that reach SwiftCache's host tier are also written to storage, and a request who
 tree does not hold is looked up there and fetched into host memory before the scheduler admits
 it (the `--hicache-storage-prefetch-policy`), then loaded like any host hit. Everything that
 touches storage is SGLang's: the backend is built by `StorageBackendFactory` from a
-`HiCacheStorageConfig` made by `HiCacheController._generate_storage_config`; pages are keyed by
+`HiCacheStorageConfig` made as HiCache's controller makes it; pages are keyed by
 `get_storage_hash_str` (the namespace seed and hash chain HiCache uses, so a SwiftCache server
-and a HiCache server of the same model share one store); queries, reads and writes run
-`HiCacheController`'s own `_storage_hit_query` and page get / set functions (zero-copy for the
-backends HiCache runs zero-copy). Those helpers are called on a small view holding what they
-read of a controller; SwiftCache's tree replaces HiCache's.
+and a HiCache server of the same model share one store); the backend's config, queries, reads
+and writes follow HiCache's controller over the backend's public interface
+(`storage_pages.py`: zero-copy for the backends HiCache runs zero-copy).
 
 Two threads do the I/O, as HiCache's controller does: writes (host -> storage) and prefetches
 (a hit query, then reads storage -> host). The scheduler thread books host slots, hands them
@@ -34,26 +33,12 @@ from typing import Any, Optional
 
 import torch
 
+from .storage_pages import StoragePages, is_zero_copy, storage_config
+
 logger = logging.getLogger(__name__)
 
 # pages whose storage keys this server wrote or found, remembered so a prefix is written once
 KNOWN_KEYS = 1 << 20
-
-
-class _ControllerView:
-    """What `HiCacheController`'s storage helpers read of their controller."""
-
-    attn_cp_group = None
-
-    def __init__(self, host_kv: Any, page_size: int):
-        self.mem_pool_device = host_kv.kv_pool
-        self.mem_pool_host = self.storage_host_pool = host_kv.pool
-        self.page_size = page_size
-        self.enable_storage_metrics = False
-        self.storage_backend = None
-
-    def get_attn_cp_rank_and_size(self) -> tuple[int, int]:
-        return 0, 1
 
 
 @dataclass(eq=False)
@@ -87,7 +72,6 @@ class StorageTier:
     """SGLang storage backend `name` below host memory `host_kv` (a `HostKV`)."""
 
     def __init__(self, host_kv: Any, server_args: Any, *, page_size: int, model_name: str):
-        from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
             HybridCacheController,
         )
@@ -103,21 +87,12 @@ class StorageTier:
             extra = dict(extra or {})
             extra.setdefault("file_storage_path", server_args.file_storage_path)
         self.threshold = max(int(self.threshold), page_size)
-        self._view = view = _ControllerView(host_kv, page_size)
-        config = HiCacheController._generate_storage_config(view, model_name, extra)
+        zero_copy = is_zero_copy(self.name, extra)
+        config = storage_config(host_kv, model_name, extra, page_size)
         self.backend = StorageBackendFactory.create_backend(self.name, config, host_kv.pool)
         self.backend.register_mem_pool_host(host_kv.pool)
         self.backend.on_host_pools_registered()
-        view.storage_backend = self.backend
-        # the controller's choice of page functions for this backend
-        zero_copy = self.name in ("hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm",
-                                  "mori", "tensorcast", "seaweedfs") or (
-            self.name == "dynamic" and bool((extra or {}).get("interface_v1", 0)))
-        self._get = (HiCacheController._page_get_zero_copy if zero_copy
-                     else HiCacheController._generic_page_get)
-        self._set = (HiCacheController._page_set_zero_copy if zero_copy
-                     else HiCacheController._generic_page_set)
-        self._query = HiCacheController._storage_hit_query
+        self.pages = StoragePages(self.backend, host_kv.pool, page_size, zero_copy)
         self.failures = 0  # queries, reads and writes that raised (the I/O threads count)
         self._known: OrderedDict = OrderedDict()
         self._warned: set = set()
@@ -203,7 +178,7 @@ class StorageTier:
             return 0
         slots = torch.cat([host_slots[i * page:(i + 1) * page] for i in todo]).to(torch.int64)
         try:
-            ok = self._set(self._view, [keys[i] for i in todo], slots)
+            ok = self.pages.set([keys[i] for i in todo], slots)
         except Exception as e:  # noqa: BLE001 - a failed write loses only the L3 copy
             self._warn("write", e)
             return 0
@@ -214,7 +189,7 @@ class StorageTier:
 
     def _write(self, w: Write) -> None:
         try:
-            if self._set(self._view, w.keys, w.host):
+            if self.pages.set(w.keys, w.host):
                 w.ok_pages = len(w.keys)
         except Exception as e:  # noqa: BLE001 - a failed write loses only the L3 copy
             self._warn("write", e)
@@ -249,7 +224,7 @@ class StorageTier:
     def _fetch(self, f: Fetch) -> None:
         if not f.reading:
             try:
-                hashes, hit = self._query(self._view, f.op) if not f.op.is_terminated() \
+                hashes, hit = self.pages.hit_query(f.op) if not f.op.is_terminated() \
                     else ([], 0)
             except Exception as e:  # noqa: BLE001 - a failed query is a miss
                 self._warn("query", e)
@@ -266,8 +241,7 @@ class StorageTier:
                 break
             batch = op.hash_value[i:i + STORAGE_BATCH_SIZE]
             try:
-                got = self._get(self._view, op, batch,
-                                op.host_indices[i * page:(i + len(batch)) * page])
+                got = self.pages.get(op, batch, op.host_indices[i * page:(i + len(batch)) * page])
             except Exception as e:  # noqa: BLE001 - what failed is recomputed
                 self._warn("read", e)
                 got = 0

@@ -231,8 +231,8 @@ def test_host_slots_a_write_still_reads_are_not_handed_out(tmp_path):
 
     a = L3Rig(tmp_path)
     gate = threading.Event()
-    real = a.storage._set
-    a.storage._set = lambda view, keys, host: gate.wait(10) and real(view, keys, host)
+    real = a.storage.pages.set
+    a.storage.pages.set = lambda keys, host: gate.wait(10) and real(keys, host)
     tokens = list(range(300, 316))
     a.insert(tokens)
     a.evict_all()
@@ -271,7 +271,7 @@ def test_a_backend_that_raises_costs_only_its_pages(tmp_path):
     def broken(*args, **kwargs):
         raise OSError("disk gone")
 
-    a.storage._set = broken
+    a.storage.pages.set = broken
     a.insert(tokens)
     a.evict_all()
     a.settle()
@@ -280,8 +280,8 @@ def test_a_backend_that_raises_costs_only_its_pages(tmp_path):
     assert m.host_hit_length == len(tokens) and a.kv_is(slots, tokens)
 
     b = L3Rig(tmp_path)
-    b.storage._get = broken
-    b.storage._query = lambda view, op: (_stock_keys(tokens), len(tokens))  # claims a hit
+    b.storage.pages.get = broken
+    b.storage.pages.hit_query = lambda op: (_stock_keys(tokens), len(tokens))  # claims a hit
     assert b.fetch(tokens + [7]) == 0  # the read failed: nothing joins the tree
     assert b.cache.tree.tier_size("host") == 0
     b.cache.check_integrity()

@@ -1,10 +1,13 @@
 """The manifest of SwiftCache's touch points on SGLang (`integration/touchpoints.py`).
 
-Invariants: every entry passes its checks on the installed (pinned) SGLang; a changed SGLang is
-reported per entry (a missing target, a private name gone from the source that sets it, a changed
-signature); each private name listed is in the product module that touches it; and no product
-module outside the manifest spells an SGLang hook target (`sglang.srt.<...>.<Class>.<method>`)
-except the CPU stand-ins' modules, whose lists the manifest imports."""
+Invariants: every entry passes its checks on the installed (pinned) SGLang; every entry states
+the SGLang releases it holds for, the pinned one among those it was verified on, and an SGLang
+outside that range is reported; a changed SGLang is reported per entry (a missing target, a
+private name gone from the source that sets it, a changed signature or behaviour); the CPU
+stand-ins are checked only where the CPU compatibility layer is active; each private name or
+re-implementation listed is in the product module that touches it; and no product module
+outside the manifest spells an SGLang hook target (`sglang.srt.<...>.<Class>.<method>`) except
+the CPU stand-ins' modules, whose lists the manifest imports."""
 
 from __future__ import annotations
 
@@ -19,6 +22,50 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_touch_point_holds_on_the_installed_sglang():
     assert tp.problems() == []
     assert len({p.target for p in tp.ALL}) == len(tp.ALL)
+
+
+def test_every_entry_states_the_versions_it_was_verified_on():
+    from sglang_swift.integration.plugin import PINNED_SGLANG
+
+    for point in tp.ALL:
+        v = point.versions
+        assert v is not None and v.verified, point.target
+        assert PINNED_SGLANG in v and PINNED_SGLANG in v.verified, point.target
+        assert all(release in v for release in v.verified), point.target
+        assert tp.version_key(v.low) <= tp.version_key(v.high), point.target
+
+
+def test_an_sglang_outside_an_entrys_range_is_reported():
+    ranged = tp.TouchPoint(tp.ADD_CLI_ARGS.target, tp.Kind.AFTER, "", "", "",
+                           versions=tp.Versions("0.5.20", "0.5.23", ("0.5.23",)))
+    assert tp.problems((ranged,), version="0.5.23") == []
+    assert tp.problems((ranged,), version="0.5.23.post1") == []
+    found = tp.problems((ranged,), version="0.6.0")
+    assert len(found) == 1 and "0.5.20 to 0.5.23" in found[0] and "not 0.6.0" in found[0]
+    assert len(tp.problems((ranged,), version="0.5.19")) == 1
+
+
+def test_cpu_stand_ins_are_checked_only_where_the_cpu_layer_is_active():
+    gone = tp.TouchPoint("sglang.srt.server_args.ServerArgs.no_such_stand_in", tp.Kind.BEFORE,
+                         "", "", "", versions=tp.SGLANG_0_5_23, cpu_only=True)
+    assert tp.problems((gone,), environ={"SWIFTCACHE_CPU_COMPAT": "1"}) != []
+    assert tp.problems((gone,), environ={"SWIFTCACHE_CPU_COMPAT": "0"}) == []
+    stand_ins = [p for p in tp.ALL if p.cpu_only]
+    assert set(tp.HICACHE_STAND_INS) <= set(stand_ins) and tp.CPU_DEFAULTS in stand_ins
+
+
+def test_a_behaviour_check_reports_what_differs():
+    def differs(obj):
+        return "it differs"
+
+    def raises(obj):
+        raise RuntimeError("boom")
+
+    points = tuple(tp.TouchPoint(f"argparse.ArgumentParser.{name}", tp.Kind.SIGNATURE, "", "",
+                                 "", (tp.Check(tp.How.BEHAVES, behaves=run),))
+                   for name, run in (("parse_args", differs), ("add_argument", raises)))
+    found = tp.problems(points)
+    assert len(found) == 2 and "it differs" in found[0] and "raised RuntimeError" in found[1]
 
 
 def test_a_changed_sglang_is_reported_per_entry():
@@ -48,12 +95,15 @@ def _module_source(dotted: str) -> str:
 def test_each_listed_touch_is_where_the_manifest_says():
     """A private name read or written, a class swap, a re-implementation: the module named in
     `used_in` has it (a stale entry, or one naming the wrong module, fails here)."""
-    words = {tp.Kind.PRIVATE_READ: lambda p: p.attr, tp.Kind.PRIVATE_WRITE: lambda p: p.attr,
+    words = {tp.Kind.PRIVATE_READ: lambda p: p.mark or p.attr,
+             tp.Kind.PRIVATE_WRITE: lambda p: p.mark or p.attr,
+             tp.Kind.PRIVATE_CALL: lambda p: p.mark or p.attr,
              tp.Kind.CLASS_SWAP: lambda p: "__class__ =",
-             tp.Kind.REIMPLEMENTATION: lambda p: "CLIP_MAX_NEW_TOKENS"}
+             tp.Kind.REIMPLEMENTATION: lambda p: p.mark}
     for point in tp.ALL:
         if point.kind in words and point not in tp.HICACHE_STAND_INS:  # checked below
-            assert words[point.kind](point) in _module_source(point.used_in), point.target
+            word = words[point.kind](point)
+            assert word and word in _module_source(point.used_in), point.target
 
 
 def _string_constants(path: Path) -> list[str]:
