@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = RECORDS / f"{args.name}.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
-    print(f"record_run: {path.relative_to(ROOT)} ({wall:.0f} s)")
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    print(f"record_run: {shown} ({wall:.0f} s)")
     return 0
 
 

@@ -229,3 +229,16 @@ def test_the_options_table_lists_every_cli_option():
     table = readme.split("<!-- options:begin -->")[1].split("<!-- options:end -->")[0]
     for flag, _ in cli_options():
         assert f"| `{flag}` |" in table
+
+
+def test_a_new_record_carries_the_product_tree_it_ran_on(tmp_path, monkeypatch):
+    """Invariant: record_run.py stores the working tree's product tree and whether the product
+    differed from HEAD's, so the pages can tell a record of older product code."""
+    rr = _record_run()
+    monkeypatch.setattr(rr, "RECORDS", tmp_path)
+    cmd = [sys.executable, "-c", "print('{\"x\": 1}')"]
+    assert rr.main(["probe", "--", *cmd]) == 0
+    rec = json.loads((tmp_path / "probe.json").read_text())
+    assert rec["result"] == {"x": 1}
+    assert rec["product_tree"] == rr.product_tree() and len(rec["product_tree"]) == 12
+    assert rec["product_uncommitted"] == (rr.product_tree() != rr.product_tree("HEAD"))
