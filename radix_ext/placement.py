@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from radix_ext.residency import DEVICE, DONOR, HOST
 
 if TYPE_CHECKING:
-    from radix_ext.tree import RadixTree
+    from radix_ext.structure import Structure
 
 
 @dataclass(frozen=True)
@@ -38,19 +38,19 @@ class CostModel:
     def donor_expected(self, hazard: float) -> float:
         return (1.0 - hazard) * self.donor + hazard * self.recompute
 
-    def residency_cost(self, tier: str, res: Any, tree: "RadixTree") -> float:
+    def residency_cost(self, tier: str, res: Any, nodes: "Structure") -> float:
         """Expected per-token cost to bring `res` (in `tier`) back to the device."""
         if tier == DEVICE:
             return 0.0
         if tier == HOST:
             return self.host
         if tier == DONOR:
-            lease = tree.donor.leases.get((res.donor, res.lease)) if tree.donor else None
+            lease = nodes.donor.leases.get((res.donor, res.lease)) if nodes.donor else None
             return self.donor_expected(lease.reclaim_hazard if lease else 1.0)
         return self.recompute
 
 
-def reuse_estimate(node: Any, tree: "RadixTree") -> float:
+def reuse_estimate(node: Any, nodes: "Structure") -> float:
     """Chance of reuse, modelled as decaying hyperbolically with the ticks since the last access.
 
     Recency only, on purpose: in multi-turn traces a node's hit count mostly says how shallow it
@@ -58,7 +58,7 @@ def reuse_estimate(node: Any, tree: "RadixTree") -> float:
     again; a first version weighted hits and kept finished conversations too long. With equal
     reload costs this orders exactly like LRU.
     """
-    return 1.0 / (tree.clock - node.last_access + 1.0)
+    return 1.0 / (nodes.clock - node.last_access + 1.0)
 
 
 # ---- eviction order ---------------------------------------------------------------------------
@@ -69,10 +69,10 @@ class LRUEviction:
 
     name = "lru"
 
-    def device_priority(self, node: Any, tree: "RadixTree") -> float:
+    def device_priority(self, node: Any, nodes: "Structure") -> float:
         return node.last_access
 
-    def tier_priority(self, node: Any, tier: str, tree: "RadixTree", pending: Any = None) -> float:
+    def tier_priority(self, node: Any, tier: str, nodes: "Structure", pending: Any = None) -> float:
         """A lower copy of a node that is on the device goes first: dropping it loses nothing
         now, while a copy of an evicted node is all that keeps it from a recompute (a small
         donor tier full of duplicates of device prefixes turned away the prefixes the device
@@ -92,31 +92,32 @@ class CostAwareEviction:
 
     name = "cost_aware"
 
-    def __init__(self, cost: CostModel):
+    def __init__(self, cost: CostModel, demotion: Any):
         self.cost = cost
+        self.demotion = demotion  # prices the tier a node without another copy would go to
 
-    def _fallback_cost(self, node: Any, skip: str, tree: "RadixTree") -> float:
+    def _fallback_cost(self, node: Any, skip: str, nodes: "Structure") -> float:
         best = None
         for tier, res in node.res.items():
             if tier != skip and tier != DEVICE:
-                c = self.cost.residency_cost(tier, res, tree)
+                c = self.cost.residency_cost(tier, res, nodes)
                 best = c if best is None or c < best else best
         if best is not None:
             return best
         # No other copy: it would be demoted to the best tier with room, or recomputed.
-        return tree.demotion.best_target_cost(len(node.key), node, tree, skip=skip)
+        return self.demotion.best_target_cost(len(node.key), node, nodes, skip=skip)
 
-    def device_priority(self, node: Any, tree: "RadixTree") -> float:
-        return reuse_estimate(node, tree) * self._fallback_cost(node, DEVICE, tree)
+    def device_priority(self, node: Any, nodes: "Structure") -> float:
+        return reuse_estimate(node, nodes) * self._fallback_cost(node, DEVICE, nodes)
 
-    def tier_priority(self, node: Any, tier: str, tree: "RadixTree", pending: Any = None) -> float:
+    def tier_priority(self, node: Any, tier: str, nodes: "Structure", pending: Any = None) -> float:
         """`pending`: the destination in `tier` of a store in flight for `node` (which is
         leaving the device), priced as the copy it becomes."""
         if pending is None and DEVICE in node.res:
             return -1.0  # dropping a lower copy of a device-resident node loses nothing now
         copy = node.res[tier] if pending is None else pending
-        now = self.cost.residency_cost(tier, copy, tree)
-        return reuse_estimate(node, tree) * (self._fallback_cost(node, tier, tree) - now)
+        now = self.cost.residency_cost(tier, copy, nodes)
+        return reuse_estimate(node, nodes) * (self._fallback_cost(node, tier, nodes) - now)
 
 
 # ---- demotion target --------------------------------------------------------------------------
@@ -136,21 +137,21 @@ class TieredDemotion:
                        default=self.cost.donor)
         return self.cost.host if tier == HOST else self.cost.recompute
 
-    def room_bar(self, node: Any, tree: "RadixTree", tier: str, pref: Sequence,
+    def room_bar(self, node: Any, nodes: "Structure", tier: str, pref: Sequence,
                  later: Sequence, have: float) -> float:
         return float("inf")
 
     def __init__(self, cost: CostModel):
         self.cost = cost
 
-    def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
+    def targets(self, node: Any, nodes: "Structure") -> Sequence[tuple[str, Sequence]]:
         return ((DONOR, ()), (HOST, ()))
 
-    def best_target_cost(self, num_tokens: int, node: Any, tree: "RadixTree", skip: str) -> float:
-        for tier, pref in self.targets(node, tree):
+    def best_target_cost(self, num_tokens: int, node: Any, nodes: "Structure", skip: str) -> float:
+        for tier, pref in self.targets(node, nodes):
             if tier == skip:
                 continue
-            t = tree.tiers.get(tier)
+            t = nodes.tiers.get(tier)
             if t is not None and t.available_tokens() >= num_tokens:
                 if tier == DONOR:
                     leases = pref or t.leases.values()
@@ -168,7 +169,7 @@ class CostAwareDemotion(TieredDemotion):
     name = "cost_aware"
     make_room_first = True
 
-    def room_bar(self, node: Any, tree: "RadixTree", tier: str, pref: Sequence,
+    def room_bar(self, node: Any, nodes: "Structure", tier: str, pref: Sequence,
                  later: Sequence, have: float) -> float:
         """Per-token loss of not placing `node` in (tier, pref) but in the best later target
         with free room, or keeping the copy it has (cost `have`; recompute when none): the most
@@ -176,19 +177,19 @@ class CostAwareDemotion(TieredDemotion):
         n = len(node.key)
         fallback = have
         for t, p in later:
-            room = (sum(len(x.free_blocks) for x in p) * tree.page_size if t == DONOR and p
-                    else tree.tiers[t].available_tokens())
+            room = (sum(len(x.free_blocks) for x in p) * nodes.page_size if t == DONOR and p
+                    else nodes.tiers[t].available_tokens())
             if room >= n:
                 fallback = min(fallback, self.cost_of(t, p))
                 break
-        return reuse_estimate(node, tree) * (fallback - self.cost_of(tier, pref))
+        return reuse_estimate(node, nodes) * (fallback - self.cost_of(tier, pref))
 
-    def targets(self, node: Any, tree: "RadixTree") -> Sequence[tuple[str, Sequence]]:
+    def targets(self, node: Any, nodes: "Structure") -> Sequence[tuple[str, Sequence]]:
         options: list[tuple[float, str, Sequence]] = []
-        if tree.donor is not None:
-            for lease in sorted(tree.donor.leases.values(), key=lambda x: x.reclaim_hazard):
+        if nodes.donor is not None:
+            for lease in sorted(nodes.donor.leases.values(), key=lambda x: x.reclaim_hazard):
                 options.append((self.cost.donor_expected(lease.reclaim_hazard), DONOR, (lease,)))
-        if tree.host is not None:
+        if nodes.host is not None:
             options.append((self.cost.host, HOST, ()))
         options.sort(key=lambda o: o[0])
         return tuple((tier, pref) for _, tier, pref in options)
@@ -198,13 +199,14 @@ EVICTION_POLICIES = {"lru": LRUEviction, "cost_aware": CostAwareEviction}
 DEMOTION_POLICIES = {"tiered": TieredDemotion, "cost_aware": CostAwareDemotion}
 
 
-def make_eviction(name: str, cost: CostModel):
+def make_eviction(name: str, cost: CostModel, demotion: Any):
+    """The eviction policy `name`; `demotion`: the demotion policy it prices victims with."""
     try:
         cls = EVICTION_POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; "
                          f"choose one of {sorted(EVICTION_POLICIES)}") from None
-    return cls(cost) if cls is CostAwareEviction else cls()
+    return cls(cost, demotion) if cls is CostAwareEviction else cls()
 
 
 def make_demotion(name: str, cost: CostModel):

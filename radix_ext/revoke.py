@@ -1,15 +1,27 @@
-"""Donors taking their memory back (mixin of `RadixTree`)."""
+"""`Revoke`: donors taking their memory back."""
 
 from __future__ import annotations
 
-from array import array
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
-from radix_ext.residency import DEVICE, DONOR, HOST, DonorResidency
+from radix_ext.loadback import LoadBack
+from radix_ext.residency import DEVICE, DONOR, HOST
 from radix_ext.results import LostPrefix, Released, RevokeResult, Transfer, Unrescued
+from radix_ext.room import Room
+from radix_ext.store import Store
+from radix_ext.structure import Structure
 
 
-class RevokeMixin:
+class Revoke:
+    """Revocation and its rescue into host; stateless (it changes the nodes, the stores in
+    flight and the donor tier through their interfaces)."""
+
+    def __init__(self, nodes: Structure, store: Store, loads: LoadBack, room: Room):
+        self._nodes = nodes
+        self._store = store
+        self._loads = loads
+        self._room = room
+
     def revoke(
         self, donor: str, lease_id: Optional[int] = None, blocks: Optional[Iterable[int]] = None,
         rescue: bool = False,
@@ -34,7 +46,9 @@ class RevokeMixin:
         (its path's tokens and its donor residency), for a caller that can keep those bytes in
         a tier below the tree (L3).
         """
-        if self.donor is None:
+        nodes = self._nodes
+        donor_tier = nodes.donor
+        if donor_tier is None:
             return RevokeResult()
         if blocks is not None and lease_id is None:
             raise ValueError("revoking blocks needs the lease they belong to")
@@ -46,11 +60,11 @@ class RevokeMixin:
             return gone_blocks is None or any(b in gone_blocks for b in res.blocks)
 
         if gone_blocks is not None:
-            lease = self.donor.leases.get((donor, lease_id))
+            lease = donor_tier.leases.get((donor, lease_id))
             if lease is None:
                 raise ValueError(f"no lease {donor}/{lease_id} to revoke blocks from")
             owned = set(lease.free_blocks)
-            for r in [x.res[DONOR] for x in self._in_tier[DONOR]] + self._pending_donor():
+            for r in [x.res[DONOR] for x in nodes.in_tier[DONOR]] + self._store.pending(DONOR):
                 if (r.donor, r.lease) == (donor, lease_id):
                     owned.update(r.blocks)
             if not gone_blocks <= owned:
@@ -59,39 +73,30 @@ class RevokeMixin:
         # in node order, not the set's (its order is the objects' addresses): the blocks freed
         # and the host slots given go in the same order in every tree that made the same moves
         # (the TP ranks' trees, each in its own process)
-        victims = sorted(x for x in self._in_tier[DONOR] if hit(x.res[DONOR]))
+        victims = sorted(x for x in nodes.in_tier[DONOR] if hit(x.res[DONOR]))
         released: list = []
-        stale: list = []
-        for t in self._stores.values():
-            if t.dst_tier == DONOR and t.dst is not None and hit(t.dst):
-                if not t.stale:
-                    t.stale = True
-                    stale.append(t.ticket_id)
-                keep = array("q", [] if gone_blocks is None else
-                               [b for b in t.dst.blocks if b not in gone_blocks])
-                d = t.dst
-                t.dst = DonorResidency(d.donor, d.lease, d.epoch, keep) if keep else None
+        stale: list = self._store.revoke_dst(hit, gone_blocks)
         orphans = []
         moved: list = []
         moved_nodes: list = []
         unrescued: list = []
-        if rescue and self.host is not None:
+        if rescue and nodes.host is not None:
             moved, moved_nodes, unrescued = self._rescue(victims, released)
         for x in victims:
             if x.pins:
-                stale.extend(self._mark_stale(x))
-            res = self._pop_res(x, DONOR)
-            self.donor.free(res)
+                stale.extend(self._loads.mark_stale(x))
+            res = nodes.pop_res(x, DONOR)
+            donor_tier.free(res)
             released.append(Released(DONOR, res))
             if not x.res:
                 orphans.append(x)
         lost, leaves, num_lost = self._drop_orphans(orphans, released, stale)
         if gone_blocks is not None:
-            self.donor.remove_blocks(donor, lease_id, gone_blocks)
+            donor_tier.remove_blocks(donor, lease_id, gone_blocks)
         else:
-            for key in [k for k in self.donor.leases if k[0] == donor]:
+            for key in [k for k in donor_tier.leases if k[0] == donor]:
                 if lease_id is None or key[1] == lease_id:
-                    self.donor.remove_lease(*key)
+                    donor_tier.remove_lease(*key)
         return RevokeResult(tuple(lost), tuple(released), tuple(sorted(set(stale))), num_lost,
                             tuple(moved), tuple(leaves), tuple(moved_nodes), tuple(unrescued))
 
@@ -100,7 +105,8 @@ class RevokeMixin:
         not be written: each host residency is freed, and a node left with no copy loses its
         subtree, as in a revoke (`lost`, `lost_paths`, `num_tokens_lost` say what). Call it
         before anything reads those host slots."""
-        holders = {id(x.res[HOST]): x for x in self._in_tier[HOST]}  # used in `moved` order
+        nodes = self._nodes
+        holders = {id(x.res[HOST]): x for x in nodes.in_tier[HOST]}  # used in `moved` order
         released: list = []
         stale: list = []
         orphans = []
@@ -109,8 +115,8 @@ class RevokeMixin:
             if x is None:
                 continue  # not in the host tier any more
             if x.pins:
-                stale.extend(self._mark_stale(x))
-            self.tiers[HOST].free(self._pop_res(x, HOST))
+                stale.extend(self._loads.mark_stale(x))
+            nodes.tiers[HOST].free(nodes.pop_res(x, HOST))
             released.append(Released(HOST, tr.dst))
             if not x.res:
                 orphans.append(x)
@@ -121,7 +127,8 @@ class RevokeMixin:
     def _drop_orphans(self, orphans: list, released: list, stale: list) -> tuple:
         """Remove the subtrees of `orphans` (nodes left with no copy), shallowest first so a lost
         subtree is reported (and removed) once, at its top; returns (lost, leaves, tokens)."""
-        orphans.sort(key=lambda x: (self._depth(x), x.id))
+        nodes = self._nodes
+        orphans.sort(key=lambda x: (nodes.depth(x), x.id))
         removed: set = set()
         lost: list = []
         num_lost = 0
@@ -129,7 +136,7 @@ class RevokeMixin:
         for x in orphans:
             if x in removed:
                 continue
-            ns, tokens = self.prefix_of(x)
+            ns, tokens = nodes.prefix_of(x)
             lost.append(LostPrefix(ns, tokens, len(tokens) - len(x.key)))
             cached = len(tokens) - len(x.key)
             stack = [x]
@@ -138,12 +145,12 @@ class RevokeMixin:
                 if y.children:
                     stack.extend(y.children.values())
                 else:
-                    leaves.append(LostPrefix(ns, self.prefix_of(y)[1], cached))
-            for y in self._remove_subtree(x, released):
+                    leaves.append(LostPrefix(ns, nodes.prefix_of(y)[1], cached))
+            for y in nodes.remove_subtree(x, released):
                 removed.add(y)
                 num_lost += len(y.key)
                 if y.pins:
-                    stale.extend(self._mark_stale(y))
+                    stale.extend(self._loads.mark_stale(y))
         return lost, leaves, num_lost
 
     def _rescue(self, victims: list, released: list) -> tuple[list, list, list]:
@@ -154,47 +161,26 @@ class RevokeMixin:
         A victim that finds no room is dropped with its subtree, so nothing below it is moved;
         another victim may still fit. Room is made with every victim held, so making it never
         drops another victim."""
+        nodes = self._nodes
         todo = sorted((x for x in victims if HOST not in x.res and DEVICE not in x.res),
-                      key=lambda x: (self._depth(x), x.id))
-        moved, nodes = [], []
+                      key=lambda x: (nodes.depth(x), x.id))
+        moved, rescued = [], []
         failed: set = set()
-        with self._held(todo):
+        with nodes.held(todo):
             for x in todo:
-                if self._below(x, failed):
+                if nodes.below(x, failed):
                     failed.add(x)
                     continue
-                res = self._alloc_or_make_room(HOST, len(x.key), released)
+                res = self._room.alloc_or_make_room(HOST, len(x.key), released)
                 if res is None:
                     failed.add(x)  # dropped with its subtree; a smaller one may still fit
                     continue
-                self._add_res(x, res)
+                nodes.add_res(x, res)
                 moved.append(Transfer(DONOR, x.res[DONOR], HOST, res))
-                nodes.append(x)
+                rescued.append(x)
         unrescued = []
         for x in todo:
             if x in failed:
-                ns, tokens = self.prefix_of(x)
+                ns, tokens = nodes.prefix_of(x)
                 unrescued.append(Unrescued(ns, tokens, len(tokens) - len(x.key), x.res[DONOR]))
-        return moved, nodes, unrescued
-
-    def _below(self, x: Any, nodes: set) -> bool:
-        """Whether an ancestor of `x` is in `nodes`."""
-        if not nodes:
-            return False
-        y = x.parent
-        while y is not None and y is not self.root:
-            if y in nodes:
-                return True
-            y = y.parent
-        return False
-
-    def _pending_donor(self) -> list:
-        """Donor residencies of stores in flight (allocated, not yet in any node)."""
-        return [t.dst for t in self._stores.values() if t.dst_tier == DONOR and t.dst is not None]
-
-    def _depth(self, node) -> int:
-        d = 0
-        while node is not self.root:
-            node = node.parent
-            d += 1
-        return d
+        return moved, rescued, unrescued
