@@ -49,7 +49,12 @@ def _tree_of_worktree(root: Path) -> str:
         env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         if Path(index).exists():
             shutil.copy(index, env["GIT_INDEX_FILE"])  # its stat cache spares rehashing
-        git("add", "-A", "--", *PRODUCT, root=root, env=env)
+        present = [p for p in PRODUCT if (root / p).exists()]  # a missing path fails `add`
+        gone = [p for p in PRODUCT if p not in present]
+        if present:
+            git("add", "-A", "--", *present, root=root, env=env)
+        if gone:
+            git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", *gone, root=root, env=env)
         return git("write-tree", root=root, env=env)
 
 

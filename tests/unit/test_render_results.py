@@ -167,6 +167,8 @@ def test_the_product_tree_changes_with_product_code_only(tmp_path):
     assert edited != head
     _git(repo, "commit", "-q", "-am", "y")
     assert rr.product_tree("HEAD", repo) == edited and rr.product_tree("HEAD~1", repo) == head
+    shutil.rmtree(repo / "swift_kernels")  # a product path gone from the working tree
+    assert rr.product_tree(None, repo) not in (None, edited)
 
 
 def test_the_refresh_plan_lists_what_fits_this_machine(tmp_path):
