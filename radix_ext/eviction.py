@@ -119,7 +119,7 @@ class Eviction:
         res = t.alloc(n, pref)
         if res is None and bar is not None:
             for scope in self._room_scopes(t, pref, n):
-                steps.extend(self._room.free(tier, n, run, within=scope, bar=bar,
+                steps.extend(self._room.make(tier, n, run, within=scope, bar=bar,
                                              exclude=x).steps)
                 res = t.alloc(n, scope)
                 if res is not None:

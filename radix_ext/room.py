@@ -54,7 +54,7 @@ class Room:
         copies the eviction policy values least, among copies whose node keeps another copy or
         has no children (so no prefix is left with a hole). Pinned nodes are untouched.
         """
-        return self.free(tier, num_tokens, EvictionRun(), chunk=False)
+        return self.make(tier, num_tokens, EvictionRun(), chunk=False)
 
     def alloc_or_make_room(self, tier: str, n: int, released: list) -> Any:
         """An `n`-token residency in `tier`, from free room or else from room made by dropping
@@ -64,12 +64,12 @@ class Room:
         t = self._nodes.tiers[tier]
         res = t.alloc(n)
         if res is None:
-            steps = self.free(tier, n, EvictionRun(), chunk=False, move=False).steps
+            steps = self.make(tier, n, EvictionRun(), chunk=False, move=False).steps
             released.extend(s for s in steps if type(s) is Released)
             res = t.alloc(n)
         return res
 
-    def free(self, tier: str, need: int, run: EvictionRun, chunk: bool = True, within=(),
+    def make(self, tier: str, need: int, run: EvictionRun, chunk: bool = True, within=(),
              bar: float = _INF, exclude: Any = None, move: bool = True) -> MakeRoomResult:
         """Free at least `need` tokens of `tier`. `within`: donor leases to make room in (all
         when empty); `bar`: drop only copies whose policy priority is below it; `exclude`: a node
@@ -207,7 +207,7 @@ class Room:
                 continue
             moved = s.tiers[target].alloc(n, pref)
             if moved is None and mode == "down":
-                steps.extend(self.free(target, n, run, chunk=False, bar=value, exclude=x).steps)
+                steps.extend(self.make(target, n, run, chunk=False, bar=value, exclude=x).steps)
                 moved = s.tiers[target].alloc(n, pref)
             if moved is not None:
                 s.add_res(x, moved)

@@ -2,10 +2,10 @@
 
 It owns the root, the clock, node ids, and the books every other part reads: device tokens by
 state (evictable, protected, leaving), the set of evictable device leaves, the departure marks
-(`leaving`, written only by `Departures`), and per lower tier the nodes with a copy there. It also
-holds the tiers and the policies price against it (`clock`, `donor`, `host`, `tiers`,
-`page_size`). Everything that changes a node's residencies goes through `add_res` / `pop_res`, so
-the books cannot drift from the nodes.
+(`leaving`: set and cleared by `Departures`; a split copies its node's mark to the new head),
+and per lower tier the nodes with a copy there. It also holds the tiers, and the policies price
+against it (`clock`, `donor`, `host`, `tiers`, `page_size`). Everything that changes a node's
+residencies goes through `add_res` / `pop_res`, so the books cannot drift from the nodes.
 """
 
 from __future__ import annotations
