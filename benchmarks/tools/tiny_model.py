@@ -12,9 +12,24 @@ Two named shapes, so a node can run two different models (a donor and a bigger b
 
 The tokenizer is a byte-level BPE trained on Python's own standard-library sources (present on every
 machine with Python), with ChatML-style special tokens and chat template. The weights are randomly
-initialised from the seed and saved as safetensors, so HF transformers and SGLang load the same
-model and their greedy outputs can be compared. The same seed and Python version give the same
-files.
+initialised from the seed, then scaled (`sensitize`), and saved as safetensors, so HF transformers
+and SGLang load the same model and their greedy outputs can be compared. The same seed and Python
+version give the same files.
+
+Why the scaling: "outputs identical token for token" is the tests' evidence that no KV row was
+copied wrong, which holds only if one wrong row changes the tokens. Freshly initialised, these
+models fail that: the first layer's output is hundreds of times the embedding it adds to, so it
+dominates the residual stream of every later layer, whose attention then moves the logits little;
+and the query-key scores are so spread (init 0.25) that each query puts about 95% of its weight on
+one token, so a wrong row elsewhere is rarely read. `sensitize` scales layer l's attention output
+projection by `ATTN_OUT_GROWTH ** l` (each layer's attention writes about as much into the
+residual stream as all layers before it) and the query and key projections by `QK_SCALE` (a query
+spreads its weight over a few tokens). Measured with HF transformers (fp32) on the `small` model:
+one KV row (one layer, one token of a random 40-token prompt) replaced by random values at its own
+scale, and 16 greedy tokens compared with the clean run's, for 10 prompts and each layer: before
+scaling the tokens changed in 10/10 cases for layer 0 and 2-5/10 for layers 1-7; after it, in
+10/10 for every layer (the `tiny` model: 10/10 for each of its 4 layers).
+`tests/integration/test_negative_control.py` checks it in a live borrower.
 """
 
 from __future__ import annotations
@@ -44,6 +59,10 @@ MODEL_SHAPES = {
 }
 MODEL_SHAPE = MODEL_SHAPES["tiny"]
 STAMP = "swiftcache_build.json"
+# The weights' recipe; a build stamped with another (or none) is rebuilt.
+BUILD_RECIPE = 2
+ATTN_OUT_GROWTH = 3.0  # layer l's o_proj is scaled by ATTN_OUT_GROWTH ** l
+QK_SCALE = 0.7  # q_proj and k_proj are scaled by this (attention logits by its square)
 CORPUS_FILES = 80  # stdlib modules, in sorted order, that the tokenizer is trained on
 
 
@@ -90,9 +109,23 @@ def build_model(out: Path, tokenizer, seed: int, shape: str = "tiny") -> None:
         initializer_range=0.25,
     )
     model = LlamaForCausalLM(config).eval()
+    sensitize(model)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                      do_sample=False).save_pretrained(out)
+
+
+def sensitize(model) -> None:
+    """Scale a freshly initialised Llama so that one wrong KV row in any layer changes its
+    greedy tokens (see the module docstring): layer l's attention output projection by
+    `ATTN_OUT_GROWTH ** l`, every query and key projection by `QK_SCALE`."""
+    import torch
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.o_proj.weight.mul_(ATTN_OUT_GROWTH ** i)
+            layer.self_attn.q_proj.weight.mul_(QK_SCALE)
+            layer.self_attn.k_proj.weight.mul_(QK_SCALE)
 
 
 def fingerprint(out: Path) -> str:
@@ -120,7 +153,7 @@ def ensure_tiny_model(out: Path | None = None, seed: int = 0, shape: str = "tiny
     tokenizer = build_tokenizer(tmp, VOCAB_SIZE)
     build_model(tmp, tokenizer, seed, shape)
     stamp = {"seed": seed, "shape_name": shape, "shape": MODEL_SHAPES[shape],
-             "sha256_16": fingerprint(tmp)}
+             "recipe": BUILD_RECIPE, "sha256_16": fingerprint(tmp)}
     (tmp / STAMP).write_text(json.dumps(stamp))
     if out.exists() and _build_id(out) != (seed, shape):
         shutil.rmtree(out, ignore_errors=True)  # a stale or partial build
@@ -134,10 +167,13 @@ def ensure_tiny_model(out: Path | None = None, seed: int = 0, shape: str = "tiny
 
 
 def _build_id(out: Path) -> tuple[int, str] | None:
-    """(seed, shape name) of the complete build in `out`, or None."""
+    """(seed, shape name) of the complete build in `out` made with this `BUILD_RECIPE`, or
+    None (none there, incomplete, or an older recipe's weights)."""
     try:
         stamp = json.loads((out / STAMP).read_text())
     except (FileNotFoundError, ValueError):
+        return None
+    if stamp.get("recipe") != BUILD_RECIPE:
         return None
     return stamp.get("seed"), stamp.get("shape_name", "tiny")
 

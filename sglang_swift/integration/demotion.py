@@ -37,6 +37,7 @@ from radix_ext.results import Released, StoreTicket, Transfer
 
 from ..dataplane.reclaim_staging import gather_rows, read_blocks
 from .copies import InFlightCopy, runs_by_lease, store_now
+from .debug_seam import OBSERVERS
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class Demotions:
             self.stats["stores_started"] += len(tickets)
             if ok:
                 self.stats["stored_tokens"] += len(slots)
+                if OBSERVERS.donor_stored is not None and enqueued is None:  # test-only fault
+                    OBSERVERS.donor_stored(self.runtime, key, tickets)
             else:  # the donor is not writable now: the eviction drops them instead
                 self.stats["refused_stores"] += 1
             to_free.append(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
