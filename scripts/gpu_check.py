@@ -1,43 +1,46 @@
 #!/usr/bin/env python3
-"""One prepared run of the data plane on a single NVIDIA GPU (written for an H200).
+"""The one prepared check of SwiftCache's GPU data plane, on one NVIDIA GPU (H100 or H200).
 
-1. Compiles the Triton row copy (swift_kernels/row_copy_triton.py, the one-pass copy the pool
-   leases use within one GPU) and checks it against the plain-torch reference on the GPU (1-,
-   2-, 4- and 8-byte elements; scattered and reversed rows; a poisoned destination).
-2. Pool leases (scripts/gpu_pool_check.py), one per page size: the donor places a pool of its
-   own shape in one region exported through CUDA IPC (as the plugin places a lending server's
-   SGLang pool) and lends some of its pages to a second process on the same GPU (this script,
-   run with --role borrower), of another shape. The borrower maps it, stores a prefix with the
-   pool-lease engine (one-pass Triton row copy), loads it back layer by layer on a side stream
-   through the CUDA layer counter (events, no host blocking) and checks it is bit-identical,
-   checks the packing rule, the two copy paths against each other, an exchange and, where two
-   GPUs exist, the cross-device path (skipped with a message on one GPU); the donor checks its
-   own buffers hold the borrower's stream.
-3. The borrower measures store and per-layer load bandwidth of each lease against a
-   device-to-device copy of the same bytes in the same run (target: at least 0.85x); the donor
-   prints the table and, last, a JSON line.
-4. Layer views with resident rows (sglang_swift/layer_stream/layer_views.py): each layer's
-   buffer mapped with CUDA VMM from its own resident rows and a shared staging buffer; checks
-   resident rows are per layer, staging rows shared by every depth-th layer, and a streamed
-   SGLang pool with resident rows builds on the GPU.
-5. Layer-streamed load (scripts/gpu_stream_check.py): a prefix loaded from donor pool pages
-   layer by layer on the engine's side stream while attention runs per layer, waiting on the
-   CUDA layer counter only for its layer, timed against the same attention with everything
-   resident (target: at most 1.10x), and checked bit-identical.
+Needs python3 with torch (and Triton for part 2) and this repository only: no SGLang, ZMQ or
+msgspec, nothing installed. `--emulate` runs the same checks on CPU through the emulated
+asynchronous device (sglang_swift/dataplane/emulated.py), which is how CI runs them. The JSON of
+what has finished is written after each part (to $OUT/gpu_check.json, or --json-out), so a run
+cut short keeps its parts; the last line printed is the whole JSON. Exit status: 0 when every
+check passed, 1 when one failed, 2 when no CUDA device is visible (without --emulate).
 
-Exit status: 0 when every check passed (bandwidth below target is reported, not failed),
-1 when a check failed, 2 when there is no CUDA device (nothing run).
-Run from the repository root: `python3 scripts/gpu_check.py` (about a minute; --quick less).
+1. `ipc_lease`: a donor process places a pool of its own shape in one region exported by CUDA IPC
+   (shared memory with --emulate) and lends its pages; this process, a borrower of another
+   shape, maps it, stores a prefix with the pool-lease engine and loads it back layer by layer
+   through `BatchLayerCounter`; the bytes must come back identical.
+2. `kernels`: the Triton row copy against the plain-torch reference (1-, 2-, 4-, 8-byte rows).
+3. `stream`: the streamed load under a forward stand-in on its own stream (attention per layer
+   waits on the counter for its layer only): `overlap_ratio` is the share of the load's copy
+   time hidden under the forward ((copy + forward - both) / copy); the copy's GB/s beside a
+   same-run torch copy of as many bytes.
+4. `fence`: loads run while a reclaim fences every block from another thread; right after the
+   fence returns (the ack) the donor overwrites its pages; `poisoned_bytes_accepted` counts bytes
+   of loads the borrower accepted that differ from what it stored (must be 0).
+5. `syncs`: the scheduler-thread hooks every step runs (a store, a load begun and sealed,
+   polling, the confirm of a finished copy) under `torch.cuda.set_sync_debug_mode("error")`
+   (with --emulate: the emulated device's log of host waits made by the calling thread):
+   `syncs_on_scheduler_path` counts what they wait for (must be 0). The one wait left on an
+   exception path (a confirm while the copy still runs) is listed in `syncs_named`, with why.
+6. `donor_killed`: the donor is SIGKILLed while mapped; loads after it fail cleanly (no crash,
+   nothing accepted).
+
+Run from the repository root: `python3 scripts/gpu_check.py` (--quick: smaller, about a minute).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import statistics
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,332 +48,528 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-NO_CUDA = (
-    "gpu_check: no CUDA device is visible here, so nothing was run. This script needs one "
-    "NVIDIA GPU (it was written for an H200); on CPU use scripts/bench_transfer.py and "
-    "the CPU tests."
-)
+import torch  # noqa: E402
+
+POISON = 0xA5
+NO_CUDA = ("gpu_check: no CUDA device is visible here, so nothing was run; on CPU run "
+           "`python scripts/gpu_check.py --emulate` (the same checks on the emulated device)")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="4096 tokens, fewer repeats")
-    p.add_argument("--tokens", type=int, default=None, help="prefix length (default 32768)")
-    p.add_argument("--page-sizes", default="16,64")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20)")
-    p.add_argument("--target", type=float, default=0.85)
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument(
-        "--dry-run-cpu",
-        action="store_true",
-        help="run the whole flow on CPU (shm instead of CUDA IPC, Triton interpreted, "
-        "host timers) at toy size: tests the script, measures nothing",
-    )
-    p.add_argument("--json-out", default=None, help="also write the final JSON here")
-    p.add_argument("--role", choices=["donor", "borrower"], default="donor", help=argparse.SUPPRESS)
+    p.add_argument("--emulate", action="store_true",
+                   help="run on CPU through the emulated asynchronous device")
+    p.add_argument("--quick", action="store_true", help="a smaller prefix and fewer repeats")
+    p.add_argument("--tokens", type=int, default=None, help="prefix length")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
+    p.add_argument("--json-out", default=None, help="where the JSON goes ($OUT/gpu_check.json)")
+    p.add_argument("--role", choices=["borrower", "donor"], default="borrower",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--donor-rows", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tokens is None:
-        args.tokens = 4096 if args.quick else 32768
+        args.tokens = 16384 if args.emulate else (16384 if args.quick else 65536)
     if args.repeats is None:
-        args.repeats = 5 if args.quick else 20
-    args.page_sizes = [int(x) for x in str(args.page_sizes).split(",")]
-    if args.dry_run_cpu:
-        args.device = "cpu"
-    if min(args.tokens, args.layers, args.repeats, *args.page_sizes) <= 0:
-        p.error("tokens, layers, repeats and page sizes must be positive")
+        args.repeats = 3 if (args.quick or args.emulate) else 5
+    if args.tokens <= 0 or args.repeats <= 0:
+        p.error("--tokens and --repeats must be positive")
+    if args.json_out is None and os.environ.get("OUT"):
+        args.json_out = str(Path(os.environ["OUT"]) / "gpu_check.json")
     return args
 
 
-def format_table(rows: list[dict], target: float) -> str:
-    """Bandwidth table: one row per pool lease (borrower page size), GB/s and the ratio to the
-    same-run D2D copy."""
-    head = (
-        f"{'page':>5} {'donor':>9} {'MiB':>7} {'d2d GB/s':>9} {'store GB/s':>11} {'ratio':>6} "
-        f"{'load GB/s':>10} {'ratio':>6} {'ms/layer':>9} {'unit B':>7}  path"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        sr, lr = r["store_gbps"] / r["copy_gbps"], r["load_gbps"] / r["copy_gbps"]
-        flag = "" if min(sr, lr) >= target else f"  below {target}x"
-        donor = f"{r['donor_layers']}L/p{r['donor_page_size']}"
-        lines.append(
-            f"{r['page_size']:>5} {donor:>9} {r['bytes'] / 2**20:>7.0f} {r['copy_gbps']:>9.1f} "
-            f"{r['store_gbps']:>11.1f} {sr:>6.2f} {r['load_gbps']:>10.1f} {lr:>6.2f} "
-            f"{r['load_ms_per_layer']:>9.3f} {r['unit']:>7}  {r['backend']}{flag}"
-        )
-    return "\n".join(lines)
+def geometries(emulate: bool):
+    """(borrower, donor) page shapes: two different models, as on a real node."""
+    from swift_kernels import KVGeometry
+
+    if emulate:
+        return KVGeometry(8, 2, 64, 64, "float16", 16), KVGeometry(6, 4, 32, 32, "float16", 16)
+    return (KVGeometry(32, 8, 128, 128, "bfloat16", 16),  # a Qwen3-8B-like borrower
+            KVGeometry(28, 4, 128, 128, "bfloat16", 16))
 
 
-def summarize(rows: list[dict], checks: dict, target: float) -> dict:
-    ok = all(checks.values())
-    out = {
-        "ok": ok,
-        "checks": checks,
-        "target": target,
-        "path": "pool-lease",
-        "store_ratio": None,
-        "load_ratio": None,
-        "rows": rows,
-    }
-    if rows:
-        out["store_ratio"] = round(min(r["store_gbps"] / r["copy_gbps"] for r in rows), 3)
-        out["load_ratio"] = round(min(r["load_gbps"] / r["copy_gbps"] for r in rows), 3)
-    return out
+# ---- the device: a GPU or the emulated one, behind one small surface ---------------------------
+class Device:
+    def __init__(self, emulate: bool):
+        from sglang_swift.dataplane import EmulatedDevice
 
+        self.emulated = EmulatedDevice() if emulate else None
+        self.torch = torch.device("cpu" if emulate else "cuda:0")
+        self.lane_device = self.emulated or self.torch
+        self._streams: list = []
 
-# ---- on the GPU ------------------------------------------------------------------------------
-def _sync(device) -> None:
-    import torch
+    def stream(self, name: str):
+        s = self.emulated.Stream(name) if self.emulated else torch.cuda.Stream(self.torch)
+        self._streams.append(s)
+        return s
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def use(self, stream):
+        return self.emulated.stream(stream) if self.emulated else torch.cuda.stream(stream)
 
-
-def _cuda_time(fn, repeats: int, device) -> float:
-    import torch
-
-    fn()
-    _sync(device)
-    if device.type != "cuda":  # --dry-run-cpu: host timer
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    def launch(self, fn) -> None:
+        if self.emulated:
+            self.emulated.launch(fn)
+        else:
             fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def synchronize(self) -> None:
+        if self.emulated:
+            self.emulated.synchronize()
+        else:
+            torch.cuda.synchronize(self.torch)
+
+    def timed(self, fn) -> float:
+        """Seconds from issue to the device finishing what `fn` issued."""
+        self.synchronize()
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        self.synchronize()
+        return time.perf_counter() - t0
 
 
-def check_kernels(device) -> dict:
-    """The Triton row copy against the plain-torch reference on the GPU, every element width."""
-    import torch
+class Report:
+    """The JSON, written after each part."""
 
-    import swift_kernels as sk
+    def __init__(self, path: str | None, emulate: bool):
+        self.path = path
+        self.data: dict = {"device": "emulated (CPU)" if emulate else _gpu_name(),
+                           "torch": torch.__version__, "parts": {}, "ok": True}
 
-    rows, width, n = (4096, 1024, 1500) if device.type == "cuda" else (64, 40, 20)
-    results = {}
-    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
-        g = torch.Generator(device="cpu").manual_seed(7)
-        src = torch.randint(0, 100, (rows, width), generator=g).to(dtype).to(device)
-        ok = True
-        for kind in ("scattered", "reversed"):
-            if kind == "scattered":
-                src_rows = torch.randperm(rows, generator=g)[:n]
-                dst_rows = torch.randperm(rows, generator=g)[:n]
-            else:
-                src_rows = torch.arange(n)
-                dst_rows = torch.arange(rows - 1, rows - 1 - n, -1)
-            src_rows, dst_rows = src_rows.to(device), dst_rows.to(device)
-            ref = torch.full((rows, width), 0x5A, dtype=dtype, device=device)  # poisoned
-            out = ref.clone()
-            sk.copy_rows(src, src_rows, ref, dst_rows, backend="reference")
-            sk.copy_rows(src, src_rows, out, dst_rows, backend="triton")
-            _sync(device)
-            ok = ok and torch.equal(out, ref) and torch.equal(out[dst_rows], src[src_rows])
-        results[f"row_copy_{str(dtype).removeprefix('torch.')}"] = bool(ok)
-    return results
+    def part(self, name: str, result: dict) -> None:
+        self.data["parts"][name] = result
+        self.data["ok"] = self.data["ok"] and bool(result.get("ok"))
+        self.write()
+
+    def write(self) -> None:
+        if self.path:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).write_text(json.dumps(self.data, indent=1, default=str) + "\n")
 
 
-def check_layer_views(device) -> dict:
-    """Part 5: VMM-mapped layer buffers behave as the pool needs (CPU dry run: memfd)."""
-    import torch
-
-    from sglang_swift.layer_stream.layer_views import LayerViews, aligned_rows, granularity
-
-    layers, depth, shape = 4, 2, (8, 128)
-    row_bytes = 8 * 128 * 2
-    grain = granularity(device)
-    resident, rows = aligned_rows(3 * grain // row_bytes, 5 * grain // row_bytes, row_bytes,
-                                  grain, 1)
-    views = LayerViews(layers, depth, resident, rows, shape, torch.float16, device).views
-    for layer in range(layers):
-        views[layer][:, :resident].fill_(layer + 1)
-    views[0][:, resident:].fill_(7)
-    ok = all(bool(views[i][:, :resident].eq(i + 1).all()) for i in range(layers))
-    ok = ok and bool(views[2][:, resident:].eq(7).all()) and not bool(
-        views[1][:, resident:].eq(7).any())
-    from sglang_swift.layer_stream.pool import LayerStreamKVPool, StreamSettings
-
-    cls = LayerStreamKVPool.configured(StreamSettings(depth=2, resident_fraction=0.5))
-    pool = cls(size=4 * grain // 256, page_size=1, dtype=torch.float16, head_num=1,
-               head_dim=128, layer_num=4, device=str(device), enable_memory_saver=False)
-    return {"layer_views_aliasing": ok, "layer_views_pool_resident": pool.resident_rows > 0,
-            "layer_views_granularity": grain}
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 
 
-def _local_pool(g, num_slots, device, seed):
-    import torch
+# ---- the donor process -----------------------------------------------------------------------
+def donor(args) -> int:
+    """Place a pool in an exported region, print its descriptor, then obey stdin: `poison`
+    (overwrite the pool's bytes, then answer `poisoned`), `exit`."""
+    from sglang_swift.dataplane import PoolLayout, SharedArena
+    from sglang_swift.dataplane.block_size import BLOCK_ALIGN_BYTES
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def mk(d):
-        shape = (num_slots, g.num_kv_heads, d)
-        return torch.randint(
-            -(2**15), 2**15, shape, dtype=torch.int16, device=device, generator=gen
-        )
-
-    if g.dtype.itemsize == 2:
-        return (
-            [mk(g.head_dim).view(g.dtype) for _ in range(g.num_layers)],
-            [mk(g.v_head_dim).view(g.dtype) for _ in range(g.num_layers)],
-        )
-    return (
-        [
-            torch.randn(num_slots, g.num_kv_heads, g.head_dim, device=device, generator=gen).to(
-                g.dtype
-            )
-            for _ in range(g.num_layers)
-        ],
-        [
-            torch.randn(num_slots, g.num_kv_heads, g.v_head_dim, device=device, generator=gen).to(
-                g.dtype
-            )
-            for _ in range(g.num_layers)
-        ],
-    )
-
-
-def borrower(args) -> int:
-    """Second process: map each donor pool through CUDA IPC, verify, measure; JSON on stdout."""
-    import torch
-    from gpu_pool_check import borrower_pool_checks
-
-    msg = json.loads(sys.stdin.readline())
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    checks, rows, infos = {}, [], []
-    for pool_msg in msg["pools"]:
-        got, row, info = borrower_pool_checks(args, pool_msg, device, _local_pool, _cuda_time,
-                                              args.dry_run_cpu)
-        for name, ok in got.items():  # every lease must pass each check
-            checks[name] = checks.get(name, True) and ok
-        rows.append(row)
-        infos.append(info)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(json.dumps({"checks": checks, "rows": rows, "pool_infos": infos}), flush=True)
+    _, g = geometries(args.emulate)
+    device = "cpu" if args.emulate else "cuda:0"
+    layout = PoolLayout(g, rows=args.donor_rows, padded_rows=args.donor_rows, data_offset=0)
+    size = -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
+    arena = SharedArena(1, size, device=device, name_prefix="gpucheck")
+    arena.memory.view(-1).zero_()
+    desc = arena.export()
+    desc["handle"] = desc["handle"].hex()
+    desc["layout"] = layout.to_dict()
+    print(json.dumps(desc), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "poison":
+            arena.memory.view(-1).fill_(POISON)
+            if not args.emulate:
+                torch.cuda.synchronize()
+            print("poisoned", flush=True)
+        elif line.strip() == "exit":
+            break
+    arena.close()
     return 0
 
 
-def _borrower_command(args) -> list[str]:
-    return [sys.executable, __file__, "--role", "borrower", "--device", args.device,
-            "--tokens", str(args.tokens), "--page-sizes", ",".join(map(str, args.page_sizes)),
-            "--layers", str(args.layers), "--kv-heads", str(args.kv_heads), "--head-dim",
-            str(args.head_dim), "--dtype", args.dtype, "--repeats", str(args.repeats)] + (
-        ["--dry-run-cpu"] if args.dry_run_cpu else [])
+class DonorProcess:
+    def __init__(self, args, rows: int):
+        cmd = [sys.executable, __file__, "--role", "donor", "--donor-rows", str(rows)]
+        cmd += ["--emulate"] if args.emulate else []
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the donor process exited ({self.proc.wait()}) before exporting")
+        self.descriptor = json.loads(line)
+        self.descriptor["handle"] = bytes.fromhex(self.descriptor["handle"])
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.close()
+            self.proc.wait(30)
 
 
-def _run_borrower(args, pools) -> dict:
-    """The borrower process's result, or failed checks when it did not answer."""
-    child = subprocess.Popen(_borrower_command(args), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+# ---- the borrower ---------------------------------------------------------------------------
+class Borrower:
+    """A borrower pool of 2N + page rows: slots [0, N) hold the prefix it stores, loads go to
+    [N, 2N). `engine` is the pool-lease engine on a device lane."""
+
+    def __init__(self, args, dev: Device, mapped, lease_pages):
+        from sglang_swift.dataplane import LeasePacking, PoolTransferEngine
+        from sglang_swift.dataplane.streams import DeviceLane
+
+        g, _ = geometries(args.emulate)
+        self.g, self.dev, self.n = g, dev, args.tokens
+        rows = 2 * self.n + g.page_size
+        gen = torch.Generator().manual_seed(0)
+
+        def buf(dim):
+            raw = torch.randint(0, 255, (rows, g.num_kv_heads, dim * g.itemsize), generator=gen,
+                                dtype=torch.uint8)
+            return raw.to(dev.torch).view(g.dtype)
+
+        self.k = [buf(g.head_dim) for _ in range(g.num_layers)]
+        self.v = [buf(g.v_head_dim) for _ in range(g.num_layers)]
+        self.packing = LeasePacking(g, mapped.layout, lease_pages)
+        self.engine = PoolTransferEngine(self.packing, mapped.region, self.k, self.v,
+                                         liveness=mapped.alive, lane=DeviceLane(dev.lane_device))
+        self.src = torch.arange(self.n, device=dev.torch)
+        self.dst = torch.arange(self.n, 2 * self.n, device=dev.torch)
+        self.blocks = list(range(self.n // g.page_size))
+        self.bytes = self.n * g.num_layers * g.num_kv_heads * (g.head_dim + g.v_head_dim) \
+            * g.itemsize
+
+    def store(self) -> bool:
+        return self.engine.begin_store(self.src, self.blocks, allocator_slots=True).wait(600).ok
+
+    def begin_load(self, counter, seal=True):
+        from sglang_swift.integration.layer_fan_in import BatchLayerCounter
+
+        fan = BatchLayerCounter(counter)
+        handle = self.engine.begin_load(self.dst, self.blocks, fan, allocator_slots=True)
+        if seal:
+            fan.seal()
+        return fan, handle
+
+    def wrong_bytes(self) -> int:
+        """Bytes of the loaded slots that differ from the stored prefix."""
+        wrong = 0
+        for bufs in (self.k, self.v):
+            for b in bufs:
+                a, c = b[self.src].view(torch.uint8), b[self.dst].view(torch.uint8)
+                wrong += int((a != c).sum())
+        return wrong
+
+    def clear_loaded(self) -> None:
+        for b in (*self.k, *self.v):
+            b[self.dst] = 0
+
+
+def _counter(g):
+    from sglang_swift.dataplane import LayerCounter
+    from sglang_swift.integration.layer_fan_in import TimedLayerCounter
+
+    return TimedLayerCounter(LayerCounter(g.num_layers, timeout_s=60))
+
+
+def _forward(dev: Device, forward, counter, layers: int, compute) -> None:
+    """The forward stand-in on stream `forward`: per layer, attention's wait for the layer
+    (SGLang's pool getter), then that layer's compute."""
+    with dev.use(forward):
+        for layer in range(layers):
+            counter.wait_until(layer)
+            compute()
+
+
+def check_ipc_lease(b: Borrower, dev: Device) -> dict:
+    ok_store = b.store()
+    b.clear_loaded()
+    counter = _counter(b.g)
+    forward = dev.stream("forward")
+    fan, handle = b.begin_load(counter)
+    counter.set_consumer(fan.pid)
+    _forward(dev, forward, counter, b.g.num_layers, lambda: None)
+    dev.synchronize()
+    result = handle.wait(600)
+    wrong = b.wrong_bytes()
+    exchanged = _exchange_both_ways(b)
+    return {"ok": ok_store and result.ok and wrong == 0 and not fan.failed_parts()
+            and exchanged, "stored": ok_store, "loaded": result.ok, "wrong_bytes": wrong,
+            "exchanged": exchanged, "tokens": b.n, "lease_blocks": b.packing.num_blocks}
+
+
+def _exchange_both_ways(b: Borrower) -> bool:
+    """Swap the load slots (filled with a marker byte) with the lease's blocks (the prefix):
+    the slots must then hold the prefix; swapped back, the marker again."""
+    for buf in (*b.k, *b.v):
+        buf.view(torch.uint8)[b.dst] = 0x5A
+    first = b.engine.begin_exchange(b.dst, b.blocks, allocator_slots=True).wait(600)
+    swapped = first.ok and b.wrong_bytes() == 0
+    back = b.engine.begin_exchange(b.dst, b.blocks, allocator_slots=True).wait(600)
+    restored = back.ok and all(bool((buf.view(torch.uint8)[b.dst] == 0x5A).all())
+                               for buf in (*b.k, *b.v))
+    return swapped and restored
+
+
+def check_kernels(dev: Device) -> dict:
+    import swift_kernels as sk
+
+    if dev.emulated and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"ok": True, "skipped": "CPU without TRITON_INTERPRET=1"}
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.uint8, torch.float16, torch.float32, torch.float64):
+        rows = 64 if dev.emulated else 4096
+        src = torch.randint(0, 100, (rows, 24), generator=gen).to(dtype).to(dev.torch)
+        src_rows = torch.randperm(rows, generator=gen)[: rows // 2].to(dev.torch)
+        dst_rows = torch.randperm(rows, generator=gen)[: rows // 2].to(dev.torch)
+        want, got = torch.zeros_like(src), torch.zeros_like(src)
+        sk.copy_rows(src, src_rows, want, dst_rows, backend="reference")
+        sk.copy_rows(src, src_rows, got, dst_rows, backend="triton")
+        out[str(dtype).replace("torch.", "")] = bool(torch.equal(want, got))
+    return {"ok": all(out.values()), **out}
+
+
+def _compute_step(dev: Device, seconds: float):
+    """One layer's compute of about `seconds` on the current stream."""
+    if dev.emulated:
+        return lambda: dev.launch(lambda: time.sleep(seconds))
+    a = torch.randn(4096, 4096, device=dev.torch, dtype=torch.bfloat16)
+    one = dev.timed(lambda: [a @ a for _ in range(10)]) / 10
+    reps = max(1, math.ceil(seconds / one))
+    return lambda: [a @ a for _ in range(reps)]
+
+
+def check_stream(b: Borrower, dev: Device, repeats: int) -> dict:
+    forward = dev.stream("forward")
+    L = b.g.num_layers
+
+    def load_only():
+        counter = _counter(b.g)
+        fan, handle = b.begin_load(counter)
+        counter.set_consumer(fan.pid)
+        _forward(dev, forward, counter, L, lambda: None)
+        return handle
+
+    copy_s = min(dev.timed(load_only) for _ in range(repeats))
+    step = _compute_step(dev, 1.5 * copy_s / L)  # the forward outlasts the copy: it can hide
+    compute_s = min(dev.timed(lambda: _forward(dev, forward, _counter(b.g), L, step))
+                    for _ in range(repeats))
+
+    def both():
+        counter = _counter(b.g)
+        fan, handle = b.begin_load(counter)
+        counter.set_consumer(fan.pid)
+        _forward(dev, forward, counter, L, step)
+
+    b.clear_loaded()
+    both_s = [dev.timed(both) for _ in range(repeats)]
+    wrong = b.wrong_bytes()
+    hidden = copy_s + compute_s - min(both_s)
+    overlap = max(0.0, min(1.0, hidden / copy_s))
+    src = torch.empty(b.bytes, dtype=torch.uint8, device=dev.torch)
+    dst = torch.empty_like(src)
+
+    def torch_copy():
+        if dev.emulated:
+            dev.launch(lambda: dst.copy_(src))
+        else:
+            dst.copy_(src)
+
+    torch_s = min(dev.timed(torch_copy) for _ in range(repeats))
+    return {"ok": wrong == 0 and overlap >= 0.5, "overlap_ratio": round(overlap, 3),
+            "copy_ms": round(copy_s * 1e3, 3), "forward_ms": round(compute_s * 1e3, 3),
+            "both_ms": round(min(both_s) * 1e3, 3), "wrong_bytes": wrong,
+            "copy_gbps": round(b.bytes / copy_s / 1e9, 2),
+            "torch_copy_gbps": round(b.bytes / torch_s / 1e9, 2),
+            "copy_vs_torch_copy": round(torch_s / copy_s, 3), "bytes": b.bytes}
+
+
+def check_fence(b: Borrower, dev: Device, donor_proc: DonorProcess) -> dict:
+    from sglang_swift.dataplane import streams
+
+    forward = dev.stream("forward")
+    acked, poisoned = threading.Event(), threading.Event()
+
+    def reclaim():  # the control agent's thread: fence, ack, the donor takes its pages back
+        time.sleep(0.05)
+        b.engine.fence(range(b.packing.num_blocks))
+        acked.set()
+        poisoned.set() if donor_proc.ask("poison") == "poisoned" else None
+
+    agent = threading.Thread(target=reclaim)
+    agent.start()
+    accepted = refused = wrong = after_poison = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        was_poisoned = poisoned.is_set()
+        b.clear_loaded()
+        counter = _counter(b.g)
+        fan, handle = b.begin_load(counter)
+        marker = streams.done_marker(b.engine.lane)
+        counter.set_consumer(fan.pid)
+        _forward(dev, forward, counter, b.g.num_layers, lambda: None)
+        streams.wait_marker(marker)
+        result = handle.wait(60)
+        if result.ok and handle.invalid() is None and not fan.failed_parts():
+            accepted += 1
+            wrong += b.wrong_bytes()
+        else:
+            refused += 1
+        after_poison += was_poisoned
+        if after_poison >= 3:
+            break
+    agent.join(60)
+    return {"ok": wrong == 0 and acked.is_set() and poisoned.is_set() and after_poison >= 3,
+            "poisoned_bytes_accepted": wrong, "loads_accepted": accepted,
+            "loads_refused": refused, "loads_after_poison": after_poison}
+
+
+SETTLE_WAIT = ("confirm of a load still copying when its batch settles waits for the copy: "
+               "its bytes are judged once it finished, before the output is used; the "
+               "forward waited for every layer's copy, so at most until the forward's own "
+               "output, which SGLang waits for next")
+
+
+def check_syncs(b: Borrower, dev: Device) -> dict:
+    """The scheduler-thread hooks with host waits made visible (see the module docstring):
+    those every step runs must make none; the one exception path is named with its reason."""
+    from types import SimpleNamespace
+
+    from sglang_swift.dataplane import streams
+    from sglang_swift.integration.copies import InFlightCopy, store_now
+
+    runtime = SimpleNamespace(lease_engine=lambda *key: b.engine, track=lambda *a: None,
+                              untrack=lambda *a: None)
+    key = ("donor", 1)
+
+    def hook(name, fn, found):
+        if dev.emulated:
+            with dev.emulated.counting_syncs() as waits:
+                out = fn()
+            found.extend(f"{name}: {what} at {site}" for what, site in waits)
+            return out
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn()
+        except RuntimeError as exc:
+            found.append(f"{name}: {str(exc).splitlines()[0]}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def load(found, slow=False):
+        counter = _counter(b.g)
+        begun = hook("begin_load+seal", lambda: b.begin_load(counter), found)
+        if begun is None:
+            return None
+        if slow:  # a copy still running at settle (a GPU's is, right after the enqueue)
+            with dev.use(b.engine.lane.stream):
+                dev.launch(lambda: time.sleep(0.2)) if dev.emulated else None
+        return InFlightCopy(key, begun[1], frozenset(b.blocks), b.n,
+                            streams.done_marker(b.engine.lane), runtime)
+
+    every_step: list[str] = []
+    hook("store_now", lambda: store_now(runtime, key, b.src, b.blocks), every_step)
+    copy = load(every_step)
+    if copy is not None:
+        hook("finished (poll)", copy.finished, every_step)
+        dev.synchronize()
+        hook("confirm (copy done)", copy.confirm, every_step)
+    exception_path: list[str] = []
+    copy = load(exception_path, slow=True)
+    if copy is not None:
+        running = not copy.finished()
+        hook("confirm (copy running)", copy.confirm, exception_path)
+        if running and not dev.emulated and not exception_path:
+            # sync debug mode flags stream, device and copy syncs, not cudaEventSynchronize
+            exception_path.append("confirm (copy running): Event.synchronize (an event wait, "
+                                  "which set_sync_debug_mode does not flag)")
+    dev.synchronize()
+    named = [f"{what} [{SETTLE_WAIT}]" for what in exception_path
+             if what.startswith("confirm (copy running)")]
+    unexpected = every_step + [w for w in exception_path
+                               if not w.startswith("confirm (copy running)")]
+    return {"ok": not unexpected, "syncs_on_scheduler_path": len(unexpected),
+            "syncs_found": unexpected, "syncs_named": named,
+            "mode": "emulated device log" if dev.emulated else "set_sync_debug_mode('error')"}
+
+
+def check_donor_killed(b: Borrower, dev: Device, donor_proc: DonorProcess) -> dict:
+    donor_proc.kill()
+    time.sleep(0.1)
+    accepted = 0
     try:
-        out, _ = child.communicate(json.dumps({"pools": [p[-1] for p in pools]}) + "\n",
-                                   timeout=480)
-        return json.loads(out.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
-        child.kill()
-        print(f"borrower failed: {e!r}")
-        return {"checks": {"borrower": False}, "rows": []}
-    finally:
-        if child.poll() is None:
-            child.kill()
+        for _ in range(3):
+            counter = _counter(b.g)
+            fan, handle = b.begin_load(counter)
+            counter.set_consumer(fan.pid)
+            _forward(dev, dev.stream("forward"), counter, b.g.num_layers, lambda: None)
+            dev.synchronize()
+            result = handle.wait(60)
+            accepted += bool(result.ok and handle.invalid() is None)
+        crashed = None
+    except Exception as exc:  # noqa: BLE001 - reported
+        crashed = f"{type(exc).__name__}: {exc}"
+    return {"ok": accepted == 0 and crashed is None, "loads_accepted_after_kill": accepted,
+            "error": crashed}
 
 
-def donor(args) -> int:
-    import torch
-
-    if not torch.cuda.is_available() and not args.dry_run_cpu:
-        print(NO_CUDA)
+def borrower(args) -> int:
+    if not args.emulate and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
         return 2
-    import triton
+    from sglang_swift.dataplane import LeasePacking, map_pool
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        print(
-            f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-            f"triton {triton.__version__}, {torch.cuda.device_count()} GPU(s)"
-        )
-    else:
-        print(
-            f"DRY RUN on CPU (shm instead of CUDA IPC, Triton interpreted): the flow is "
-            f"exercised, the numbers mean nothing; torch {torch.__version__}, triton "
-            f"{triton.__version__}"
-        )
-    t0 = time.monotonic()
-    checks = check_kernels(device)
-    print(f"row copy vs reference: {checks} ({time.monotonic() - t0:.1f} s incl. compile)")
-    views = check_layer_views(device)
-    print(f"layer views with resident rows: {views}")
-    checks.update(layer_views_aliasing=views["layer_views_aliasing"],
-                  layer_views_pool_resident=views["layer_views_pool_resident"])
-    from gpu_stream_check import run_stream_check
+    report = Report(args.json_out, args.emulate)
+    dev = Device(args.emulate)
+    g, dg = geometries(args.emulate)
+    need_blocks = args.tokens // g.page_size
+    donor_rows = (-(-need_blocks * g.page_bytes // dg.page_bytes) + 4) * dg.page_size
+    donors = []
+    try:
+        d1 = DonorProcess(args, donor_rows)
+        donors.append(d1)
+        mapped = map_pool(d1.descriptor)
+        layout = mapped.layout
+        pages = LeasePacking.pages_for(g, layout, need_blocks)
+        b = Borrower(args, dev, mapped, list(range(pages)))
+        report.part("ipc_lease", check_ipc_lease(b, dev))
+        report.part("kernels", check_kernels(dev))
+        report.part("stream", check_stream(b, dev, args.repeats))
+        report.part("syncs", check_syncs(b, dev))
+        b.store()
+        report.part("fence", check_fence(b, dev, d1))
+        d2 = DonorProcess(args, donor_rows)
+        donors.append(d2)
+        b2 = Borrower(args, dev, map_pool(d2.descriptor), list(range(pages)))
+        b2.store()
+        report.part("donor_killed", check_donor_killed(b2, dev, d2))
+    except Exception as exc:  # noqa: BLE001 - a crash is a failed check, reported
+        report.data["ok"] = False
+        report.data["error"] = f"{type(exc).__name__}: {exc}"
+        import traceback
 
-    stream = run_stream_check(args, device, _cuda_time)
-    checks["stream_load_bit_identical"] = stream["ok"]
-    print(f"layer-streamed load under attention ({stream['backend']}): {stream['tokens']} tokens "
-          f"({stream['kv_mib_per_layer']} MiB of KV per layer), {stream['new_tokens']} new "
-          f"tokens: resident {stream['resident_ms']} ms, streamed {stream['streamed_ms']} ms, "
-          f"ratio {stream['ratio']} (target <= {stream['target']})")
-    from gpu_pool_check import make_donor_pool, stream_checksum
-
-    pools = [list(make_donor_pool(args, device, ps)) for ps in args.page_sizes]
-    kind = pools[0][-1]["desc"]["kind"]
-    print(f"donor pools: {len(pools)} on {device}, exported as {kind}")
-    result = _run_borrower(args, pools)
-    checks.update(result["checks"])
-    for (_, layout, (pool_k, pool_v), pages, _), info in zip(pools,
-                                                              result.get("pool_infos", [])):
-        seen = stream_checksum(pool_k, pool_v, layout.geometry.page_size, pages, info["used"])
-        checks["pool_donor_sees_bytes"] = (checks.get("pool_donor_sees_bytes", True)
-                                           and seen == info["checksum"])
-        print(f"pool lease: {info['blocks']} borrower blocks in {len(pages)} donor pages, "
-              f"unit {info['unit']} B, copy path {info['backend']}; "
-              f"cross-device: {info['cross_device']}")
-    for pool in pools:
-        pool[2] = pool_k = pool_v = None  # the donor's views of its region, before it goes
-        pool[0].close()
-    rows = result["rows"]
-    print(
-        f"bandwidth of pool leases through {kind}, borrower {args.layers} layers x "
-        f"{args.kv_heads} KV heads x {args.head_dim} {args.dtype}; donor pool 4 more layers, "
-        f"half the page; store and layer-wise load through the engine (side stream, one event "
-        f"per layer, consumer stream waits)"
-    )
-    print(format_table(rows, args.target))
-    summary = summarize(rows, checks, args.target)
-    summary["stream"] = {k: stream[k] for k in ("ratio", "target", "resident_ms", "streamed_ms",
-                                                 "tokens")}
-    if rows:
-        summary["pool"] = {"backend": rows[-1]["backend"], "unit": rows[-1]["unit"]}
-    line = json.dumps(
-        {k: summary[k] for k in ("ok", "path", "store_ratio", "load_ratio", "target", "checks",
-                                 "pool", "stream") if k in summary}
-    )
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(summary, indent=1))
-    print(line)
-    return 0 if summary["ok"] else 1
+        traceback.print_exc()
+    finally:
+        for d in donors:
+            try:
+                d.close()
+            except Exception:  # noqa: BLE001 - the donor may be gone already
+                pass
+    parts = report.data["parts"]
+    report.data.update({
+        "overlap_ratio": parts.get("stream", {}).get("overlap_ratio"),
+        "poisoned_bytes_accepted": parts.get("fence", {}).get("poisoned_bytes_accepted"),
+        "syncs_on_scheduler_path": parts.get("syncs", {}).get("syncs_on_scheduler_path"),
+        "syncs_named": parts.get("syncs", {}).get("syncs_named"),
+        "emulated": args.emulate,
+    })
+    report.write()
+    print(json.dumps(report.data, default=str))
+    return 0 if report.data["ok"] else 1
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.dry_run_cpu:  # read when triton decorates the kernels: set before any import of it
-        os.environ["TRITON_INTERPRET"] = "1"
-    return borrower(args) if args.role == "borrower" else donor(args)
+    return donor(args) if args.role == "donor" else borrower(args)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,21 @@ only inside `probe.counting()`, and off inside `probe.device_side()` (code that 
 device itself on a GPU: a copy kernel whose CPU reference reads indices because the CPU is the
 device there). Each count keeps its call site, so a failure names the line.
 
-The scenarios it counts are in `tests/unit/test_sync_free.py`. They have no GPU run yet:
-`scripts/gpu_check.py` checks the copy kernels, pool leases and layer views on a GPU, and does
-not count synchronisations (`torch.cuda.set_sync_debug_mode` over these scenarios would, with
-SGLang installed on the GPU machine).
+Host waits on an asynchronous device are not torch functions: with an emulated device attached
+(`attach`, dataplane/emulated.py) the probe also counts every `Event.synchronize` and
+`Stream.synchronize` a counting thread makes there (kind `wait`). A copy lane on that device runs
+its jobs on the scheduler thread, as a GPU lane does, so what the lane's job does on the host is
+counted too; what it launches runs on the device's stream threads and is not (device side).
+`device_side()` is per thread.
+
+The scenarios it counts are in `tests/unit/test_sync_free.py`; on a GPU, `scripts/gpu_check.py`
+runs the scheduler-thread hooks under `torch.cuda.set_sync_debug_mode("error")`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import traceback
 from collections import Counter
 
@@ -123,23 +129,35 @@ class SyncProbe(TorchFunctionMode):
         self.counts: Counter = Counter()
         self.sites: Counter = Counter()
         self._on = False
-        self._device_side = 0
+        self._local = threading.local()  # per thread: how deep inside device_side()
+        self._devices: list = []  # emulated devices whose host waits are counted too
+
+    def attach(self, emulated_device) -> None:
+        """Count the host waits (event and stream synchronize) that threads counting here make
+        on `emulated_device` (dataplane/emulated.py), as kind `wait`."""
+        self._devices.append(emulated_device)
 
     @contextlib.contextmanager
     def counting(self):
         was, self._on = self._on, True
-        try:
-            yield self
-        finally:
-            self._on = was
+        with contextlib.ExitStack() as stack:
+            found = [stack.enter_context(d.counting_syncs()) for d in self._devices]
+            try:
+                yield self
+            finally:
+                self._on = was
+        for waits in found:
+            for what, site in waits:
+                self.counts["wait"] += 1
+                self.sites[f"wait {what} at {site}"] += 1
 
     @contextlib.contextmanager
     def device_side(self):
-        self._device_side += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
-            self._device_side -= 1
+            self._local.depth -= 1
 
     def total(self) -> int:
         return sum(self.counts.values())
@@ -158,7 +176,7 @@ class SyncProbe(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._on and not self._device_side and func not in METADATA:
+        if self._on and not getattr(self._local, "depth", 0) and func not in METADATA:
             self._inspect(func, args, kwargs)
         out = func(*args, **kwargs)
         if func is T.to and not any(map(is_device, args[:1])) and kwargs.get("non_blocking") \

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import threading
 import traceback
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -136,7 +137,8 @@ class EmulatedDevice:
 
     def __init__(self, name: str = "emulated"):
         self.name = name
-        self.default_stream = EmulatedStream(self, f"{name}-default")
+        self._streams: weakref.WeakSet = weakref.WeakSet()
+        self.default_stream = self.Stream(f"{name}-default")
         self._local = threading.local()
         self._log_lock = threading.Lock()
         self.sync_log: list[tuple[str, str, str]] = []  # (thread, what, call site)
@@ -144,7 +146,9 @@ class EmulatedDevice:
 
     # the torch.cuda-shaped surface the lanes use -----------------------------------------------
     def Stream(self, name: str = "side") -> EmulatedStream:  # noqa: N802 - torch.cuda's name
-        return EmulatedStream(self, name)
+        stream = EmulatedStream(self, name)
+        self._streams.add(stream)
+        return stream
 
     def Event(self) -> EmulatedEvent:  # noqa: N802 - torch.cuda's name
         return EmulatedEvent(self)
@@ -170,8 +174,11 @@ class EmulatedDevice:
         self.current_stream().launch(fn)
 
     def synchronize(self) -> None:
+        """Block the host until every stream of the device ran what it had (CUDA's
+        device synchronize)."""
         self._count_sync("device.synchronize")
-        self.default_stream.synchronize()
+        for stream in list(self._streams):
+            stream.synchronize()
 
     # ---- the synchronisation log ---------------------------------------------------------------
     def _count_sync(self, what: str) -> None:

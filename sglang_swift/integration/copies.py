@@ -62,7 +62,7 @@ class InFlightCopy:
         if result is not None and not result.ok:
             return result.reason
         if not streams.marker_done(self.marker):
-            streams.wait_marker(self.marker)
+            streams.wait_marker(self.marker)  # the settle's one wait (docs/streaming.md)
         return self.handle.invalid()
 
     def ok(self) -> bool:

@@ -10,9 +10,10 @@ completed once every part has finished or failed layer l, and never before `seal
 added). Completing it hands the pool's counter the events the parts recorded after their copies
 of layer l (device lanes); nothing here waits for them: the forward's stream waits for layer l's
 events when attention reaches layer l (`LayerCounter.wait_until`), so on a GPU, where every part
-is enqueued before the batch is sealed, layer 0 is read while later layers still copy. A part that fails never releases a layer early for the others, so requests that loaded
-only from healthy parts read complete KV; `failed_parts()` says which parts failed, so only the
-requests that used them are dropped.
+is enqueued before the batch is sealed, layer 0 is read while later layers still copy. A part
+that fails never releases a layer early for the others, so requests that loaded only from healthy
+parts read complete KV; `failed_parts()` says which parts failed, so only the requests that used
+them are dropped.
 
 `TimedLayerCounter` is what the plugin registers with the KV pool and the tp worker: it
 delegates to the real counter (`dataplane.make_layer_counter`), ends attention's waits for a
