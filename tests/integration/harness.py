@@ -26,9 +26,11 @@ def tiny_model_dir() -> Path:
 
 def chat(server: LocalServer, messages: list[dict], max_tokens: int = 12,
          top_logprobs: int = 0) -> dict:
-    """One greedy /v1/chat/completions call; returns the parsed JSON response (with each
-    generated token's `top_logprobs` candidates when asked, for `same_greedy`)."""
-    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    """One greedy /v1/chat/completions call; returns the parsed JSON response, with the output's
+    token ids (`response_token_ids`, what `same_greedy` compares) and each generated token's
+    `top_logprobs` candidates when asked."""
+    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}
     if top_logprobs:
         body.update(logprobs=True, top_logprobs=top_logprobs)
     return server.post("/v1/chat/completions", body)
@@ -46,33 +48,61 @@ def reply_text(resp: dict) -> str:
     return resp["choices"][0]["message"]["content"]
 
 
-def _steps(resp: dict) -> list[tuple[str, dict[str, float]]]:
-    content = resp["choices"][0]["logprobs"]["content"]
-    return [(e["token"], {c["token"]: c["logprob"] for c in e["top_logprobs"]}) for e in content]
+def output_ids(resp: dict) -> list[int]:
+    """The generated token ids of a /v1/chat/completions response (asked with
+    `return_token_ids`, as `chat` does) or of a /generate response."""
+    if "choices" in resp:
+        ids = resp["choices"][0].get("response_token_ids")
+        assert ids is not None, "a chat response without response_token_ids: ask for them"
+        return list(ids)
+    return list(resp["output_ids"])
+
+
+def _steps(resp: dict) -> list[tuple[object, dict[object, float]]]:
+    """Per generated token, (the token, {candidate: logprob}): token strings for a chat
+    response, token ids for a /generate one (asked with `top_logprobs_num`)."""
+    if "choices" in resp:
+        content = resp["choices"][0]["logprobs"]["content"]
+        return [(e["token"], {c["token"]: c["logprob"] for c in e["top_logprobs"]})
+                for e in content]
+    meta = resp["meta_info"]
+    return [(tok, {c[1]: c[0] for c in cands}) for (_, tok, _), cands
+            in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]
 
 
 def same_greedy(got: list[dict], want: list[dict], tie_nats: float = TIE_NATS) -> list[int]:
     """Asserts that each greedy response in `got` equals the one in `want` (responses to the same
-    prompts, asked with `top_logprobs`), token for token, except where both first part at a
-    near-tie: the token each chose is within `tie_nats` of the other's in BOTH runs' candidates,
-    which float-summation order alone can flip. Returns the indices of such ties (the caller
-    bounds how many it accepts); raises AssertionError naming the first real difference."""
+    prompts, asked with top logprobs) in its token ids (`output_ids`), except where both first
+    part at a near-tie: the token each chose is within `tie_nats` of the other's in BOTH runs'
+    candidates, which float-summation order alone can flip. Two empty outputs are not a match
+    (nothing was compared). Returns the indices of such ties (the caller bounds how many it
+    accepts); raises AssertionError naming the first real difference."""
     assert len(got) == len(want), (len(got), len(want))
+    assert got, "no responses to compare"
     ties = []
     for i, (g, w) in enumerate(zip(got, want)):
-        gs, ws = _steps(g), _steps(w)
-        if [t for t, _ in gs] == [t for t, _ in ws]:
+        gi, wi = output_ids(g), output_ids(w)
+        assert gi or wi, f"request {i}: both outputs are empty, so nothing was compared"
+        if gi == wi:
             continue
-        k = next((j for j, (a, b) in enumerate(zip(gs, ws)) if a[0] != b[0]), None)
-        text = (reply_text(g), reply_text(w))
-        assert k is not None, f"request {i}: {len(gs)} tokens against {len(ws)}: {text}"
+        gs, ws = _steps(g), _steps(w)
+        k = next((j for j, (a, b) in enumerate(zip(gi, wi)) if a != b), None)
+        text = (_text(g), _text(w))
+        assert k is not None, f"request {i}: {len(gi)} tokens against {len(wi)}: {text}"
+        assert k < len(gs) and k < len(ws), f"request {i}: no logprobs for token {k}: {text}"
         (gt, gc), (wt, wc) = gs[k], ws[k]
-        near = (gc[gt] - gc.get(wt, float("-inf")) <= tie_nats
+        # two ids that print alike (chat logprobs name tokens by text) cannot be told apart
+        # by their candidates: a real difference
+        near = (gt != wt and gc[gt] - gc.get(wt, float("-inf")) <= tie_nats
                 and wc[wt] - wc.get(gt, float("-inf")) <= tie_nats)
-        assert near, (f"request {i}, token {k}: {gt!r} (candidates {gc}) where the reference "
-                      f"chose {wt!r} (candidates {wc}); texts {text}")
+        assert near, (f"request {i}, token {k}: id {gi[k]} {gt!r} (candidates {gc}) where the "
+                      f"reference chose id {wi[k]} {wt!r} (candidates {wc}); texts {text}")
         ties.append(i)
     return ties
+
+
+def _text(resp: dict) -> str:
+    return reply_text(resp) if "choices" in resp else resp.get("text", "")
 
 
 def wait_for(predicate, timeout_s: float, what: str):

@@ -37,7 +37,8 @@ MAX_TIES = 2  # near-tie flips accepted out of CONVERSATIONS * TURNS responses
 
 def ask(server: LocalServer, messages: list[dict]) -> dict:
     body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "logprobs": True, "top_logprobs": 2, "return_cached_tokens_details": True}
+            "logprobs": True, "top_logprobs": 2, "return_cached_tokens_details": True,
+            "return_token_ids": True}
     return server.post("/v1/chat/completions", body)
 
 
