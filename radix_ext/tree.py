@@ -10,7 +10,6 @@ on `reset`) and sharing the nodes' books through `Structure`:
 * `LoadBack`, `Exchange`: lower-tier nodes brought (or swapped) onto the device;
 * `Revoke`, `Backup`, `Fetched`: donors taking memory back, write-through copies, content
   fetched from below the tree; `Integrity`: `check_integrity`.
-Each lives in the module of its name (lower case, `LoadBack` in loadback.py).
 
 Match and insert, the hot path, live here. `admission.py` runs match, lock, evict, re-match and
 load-back for callers.
@@ -243,17 +242,22 @@ class RadixTree:
         """Mark `node` (and so its path) in use: never evicted, demoted or dropped until the
         matching `unlock`. The node must be on the device (or be the root, a no-op); a leaving
         node on the path stays on the device (its store, if any, still completes)."""
-        self._departures.lock(node)
+        if DEVICE in node.res:  # never the root; `Departures.lock`'s checks, one call fewer
+            self._departures.hold(node)
+        else:
+            self._departures.lock(node)  # the root: a no-op; else it raises
 
     def unlock(self, node: Node) -> None:
         """Release one `lock(node)`; raises if `node` holds no lock (an unbalanced unlock)."""
-        self._departures.unlock(node)
+        if node.direct_locks > 0:  # never the root (locking it is a no-op)
+            self._departures.release(node)
+        else:
+            self._departures.unlock(node)  # the root: a no-op; else it raises
 
     # ---- eviction and two-phase stores ----------------------------------------------------------
 
     def evict_device(self, num_tokens: int) -> EvictionPlan:
-        """Give up at least `num_tokens` device tokens, demoting or dropping victims (contract:
-        `Eviction.evict_device`)."""
+        """Give up `num_tokens` device tokens or more (contract: `Eviction.evict_device`)."""
         return self._evictor.evict_device(num_tokens)
 
     def complete_store(self, ticket: StoreTicket) -> StoreOutcome:
@@ -268,20 +272,17 @@ class RadixTree:
         return self._stores.in_flight()
 
     def make_room(self, tier: str, num_tokens: int) -> MakeRoomResult:
-        """Free at least `num_tokens` of `tier` if its unpinned copies allow it (contract:
-        `Room.make_room`)."""
+        """Free `num_tokens` of `tier` or more if it can (contract: `Room.make_room`)."""
         return self._room.make_room(tier, num_tokens)
 
     def demotion_volume(self, num_tokens: int) -> int:
-        """Tokens `evict_device(num_tokens)` would demote into lower tiers now; changes nothing
-        (contract: `Eviction.demotion_volume`)."""
+        """Tokens `evict_device(num_tokens)` would demote now (`Eviction.demotion_volume`)."""
         return self._evictor.demotion_volume(num_tokens)
 
     # ---- load-back and exchange -----------------------------------------------------------------
 
     def begin_load_back(self, last_node: Node, device_indices: array) -> Optional[LoadTicket]:
-        """Start bringing the non-device nodes on the path to `last_node` back to the device
-        (contract: `LoadBack.begin`)."""
+        """Start loading the path to `last_node` back (contract: `LoadBack.begin`)."""
         return self._loads.begin(last_node, device_indices)
 
     def complete_load_back(self, ticket: LoadTicket) -> LoadOutcome:
@@ -296,18 +297,15 @@ class RadixTree:
         return self._loads.in_flight()
 
     def exchangeable(self, m: Match) -> Optional[tuple]:
-        """The donor part of `m` as one exchange can take it, or None (contract:
-        `Exchange.exchangeable`)."""
+        """The donor part of `m` as one exchange can take it (`Exchange.exchangeable`)."""
         return self._exchanges.exchangeable(m)
 
     def exchange(self, m: Match, swap: Swap) -> Optional[ExchangeResult]:
-        """Swap the donor part of `m` with device victims around a synchronous `swap(slots,
-        blocks)` (contract: `Exchange.exchange`)."""
+        """Both phases of an exchange around `swap` (contract: `Exchange.exchange`)."""
         return self._exchanges.exchange(m, swap)
 
     def begin_exchange(self, m: Match) -> Optional[ExchangeTicket]:
-        """Record the swap of the donor part of `m` with device victims; its ticket, or None
-        (contract: `Exchange.begin`)."""
+        """Record the swap of `m`'s donor part with device victims (`Exchange.begin`)."""
         return self._exchanges.begin(m)
 
     def complete_exchange(self, t: ExchangeTicket) -> Node:
@@ -315,8 +313,7 @@ class RadixTree:
         return self._exchanges.complete(t)
 
     def abort_exchange(self, t: ExchangeTicket, free_hit_slots: bool = True) -> array:
-        """Settle an exchange whose swap failed or never ran; the device slots to free (contract:
-        `Exchange.abort`)."""
+        """Settle an exchange whose swap failed or never ran (contract: `Exchange.abort`)."""
         return self._exchanges.abort(t, free_hit_slots)
 
     def exchanges_in_flight(self) -> int:
