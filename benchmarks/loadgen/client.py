@@ -29,10 +29,13 @@ class RequestRecord:
     cached_tokens: int | None = None
     text: str = ""
     error: str | None = None
+    # the generated token ids (what identity is compared on: two ids can decode alike)
+    output_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d.pop("text")
+        d.pop("output_ids")
         return d
 
 
@@ -103,6 +106,8 @@ async def _stream_generate(http: aiohttp.ClientSession, base_url: str, prompt: d
                     rec.itls.extend([(now - last_t[i]) / (n - last_n[i])] * (n - last_n[i]))
                 last_t[i], last_n[i] = now, n
                 rec.text = text
+                got = ev.get("output_ids") or []  # cumulative or deltas, by SGLang's options
+                rec.output_ids = list(got) if len(got) == n else rec.output_ids + list(got)
                 rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
                 rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
                 rec.completion_tokens = n
@@ -131,7 +136,8 @@ async def chat(http: aiohttp.ClientSession, base_url: str, messages: list[dict],
     """POST /v1/chat/completions with streaming and usage; fills `rec`."""
     payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                "temperature": 0.0, "ignore_eos": True,
-               "stream_options": {"include_usage": True}}
+               "stream_options": {"include_usage": True},
+               "return_output_ids_in_sglext": True}  # SGLang: the ids, in the last chunk
     start = time.perf_counter()
     rec.t_send = start - t0
     last_t, pieces = None, []
@@ -151,6 +157,9 @@ async def chat(http: aiohttp.ClientSession, base_url: str, messages: list[dict],
                         rec.itls.append(now - last_t)
                     last_t = now
                     pieces.append(piece)
+                ids = (ev.get("sglext") or {}).get("output_ids")
+                if ids:
+                    rec.output_ids = list(ids[0])
                 usage = ev.get("usage")
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens")

@@ -18,12 +18,19 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 3)
 
 
+def same_output(got, want) -> bool:
+    """Two greedy outputs are the same: equal token ids, and not both empty (an empty answer
+    on both sides, a refused or failed request, compares nothing)."""
+    return bool(got) and list(got) == list(want)
+
+
 def compare_outputs(base: dict[str, list], other: dict[str, list]) -> dict:
-    """Every request of `base` looked up in `other` by (stream, session, turn), texts compared.
-    A request missing from `other` counts as a mismatch."""
-    theirs = {(s, r.session, r.turn): r.text for s in STREAMS for r in other.get(s, [])}
+    """Every request of `base` looked up in `other` by (stream, session, turn), token ids
+    compared (`same_output`). A request missing from `other`, or empty in both, counts as a
+    mismatch."""
+    theirs = {(s, r.session, r.turn): r.output_ids for s in STREAMS for r in other.get(s, [])}
     mismatches = [(s, r.session, r.turn) for s in STREAMS for r in base.get(s, [])
-                  if theirs.get((s, r.session, r.turn)) != r.text]
+                  if not same_output(theirs.get((s, r.session, r.turn)), r.output_ids)]
     compared = sum(len(base.get(s, [])) for s in STREAMS)
     return {"compared": compared, "matched": compared - len(mismatches),
             "mismatches": [list(m) for m in mismatches]}

@@ -315,13 +315,15 @@ def test_thread_cpu_readings_name_the_threads_of_a_process_tree_that_did_the_wor
     assert observe.cpu_delta({"a": 1.0}, {"a": 1.5, "b": 2.0}) == {"b": 2.0, "a": 0.5}
 
 
-def _rec(session, turn, text, ttft=0.1, cached=0, prompt=10):
+def _rec(session, turn, text, ttft=0.1, cached=0, prompt=10, ids=None):
+    """A record whose output ids are its text's letters' codes unless `ids` says."""
     return RequestRecord(session=session, turn=turn, server="x", t_send=0.0, ttft=ttft,
-                         cached_tokens=cached, prompt_tokens=prompt, text=text)
+                         cached_tokens=cached, prompt_tokens=prompt, text=text,
+                         output_ids=[ord(c) for c in text] if ids is None else ids)
 
 
 def test_compare_outputs_counts_changed_and_missing_requests():
-    """A request whose text differs, or which the other run lacks, is a mismatch."""
+    """A request whose token ids differ, or which the other run lacks, is a mismatch."""
     base = {"busy": [_rec("c", 1, "x"), _rec("c", 2, "y")], "donor": [_rec("d", 1, "z")],
             "burst": []}
     same = {"busy": [_rec("c", 2, "y"), _rec("c", 1, "x")], "donor": [_rec("d", 1, "z")]}
@@ -329,6 +331,15 @@ def test_compare_outputs_counts_changed_and_missing_requests():
     other = {"busy": [_rec("c", 1, "x"), _rec("c", 2, "Y")], "donor": []}
     got = report.compare_outputs(base, other)
     assert got["matched"] == 1 and got["mismatches"] == [["busy", "c", 2], ["donor", "d", 1]]
+
+
+def test_compare_outputs_is_on_token_ids_and_two_empty_outputs_do_not_match():
+    """Equal text from other ids differs; two empty answers (refused, failed) compare nothing."""
+    base = {"busy": [_rec("c", 1, "x", ids=[5]), _rec("c", 2, "", ids=[])]}
+    other = {"busy": [_rec("c", 1, "x", ids=[6]), _rec("c", 2, "", ids=[])]}
+    got = report.compare_outputs(base, other)
+    assert got["matched"] == 0 and got["mismatches"] == [["busy", "c", 1], ["busy", "c", 2]]
+    assert report.same_output([1, 2], (1, 2)) and not report.same_output([], [])
 
 
 class _FakeSampler(observe.CapacitySampler):
