@@ -241,11 +241,12 @@ class Borrowing:
         try:
             for j, (d, shard) in enumerate(self._donor_ranks(len(memories), layouts[0])):
                 memory = memories[d]
-                if memory.kind == "cuda_ipc":  # the same GPU numbering, and peer access
+                index = None
+                if memory.kind == "cuda_ipc":  # the donor's GPU by UUID, and peer access
                     from .cuda_ipc import check_reachable
 
-                    check_reachable(memory.device, self.kv_pool.k_buffer[0].device)
-                mapped = self._map(memory)
+                    index = check_reachable(memory.device, self.kv_pool.k_buffer[0].device)
+                mapped = self._map(memory, index)
                 packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks),
                                        shard=shard)
                 key = LeaseKey(ev.key.donor, ev.key.epoch, sub_lease_id(ev.key.lease_id, j))
@@ -310,11 +311,12 @@ class Borrowing:
         self.last_fence = FenceSteps(n_blocks, found_ms, copies_ms, aborted, staged_ms)
         return True
 
-    def _map(self, memory: Any) -> Any:
-        """The donor pool of a grant's descriptor, mapped once per donor incarnation."""
+    def _map(self, memory: Any, cuda_index: int | None = None) -> Any:
+        """The donor pool of a grant's descriptor, mapped once per donor incarnation (on this
+        process's GPU `cuda_index` for a CUDA region)."""
         mapped = self._mapped.get(memory.owner_uuid)
         if mapped is None:
-            mapped = map_pool(memory)
+            mapped = map_pool(memory, cuda_index)
             self._mapped[memory.owner_uuid] = mapped
         return mapped
 

@@ -28,13 +28,14 @@ FIX = ("launch every SwiftCache server of the node with all its GPUs visible (th
        "CUDA_VISIBLE_DEVICES, or none) and pick each server's GPU with --base-gpu-id")
 
 
-def check_reachable(label: str, local: torch.device) -> None:
-    """Whether this process can read donor memory on device `label` (`device_label`) from its
-    own device `local`: the handle's index must name the same physical GPU here (the same
-    device numbering in both processes) and, across GPUs, peer access must exist. Raises
+def check_reachable(label: str, local: torch.device) -> int:
+    """Where this process can read donor memory on device `label` (`device_label`) from its
+    own device `local`: returns this process's index of the donor's GPU, found by its UUID (the
+    two processes may number their GPUs differently, e.g. under different
+    CUDA_VISIBLE_DEVICES); across GPUs peer access must exist. Raises
     MappingError("unreachable", why and the fix) when it cannot."""
     if not label.startswith("cuda:"):
-        return
+        return -1
     index_text, _, uuid = label[len("cuda:"):].partition("@")
     try:
         index = int(index_text)
@@ -45,20 +46,24 @@ def check_reachable(label: str, local: torch.device) -> None:
         raise MappingError("unreachable", f"the donor's memory is on {label}, and this process "
                            f"sees no CUDA device")
     count = torch.cuda.device_count()
-    if index >= count:
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
+    if uuid:
+        if uuid not in uuids:
+            raise MappingError("unreachable", f"the donor's GPU {uuid} is not one of the {count} "
+                               f"GPU(s) this process sees: {FIX}")
+        here = uuids.index(uuid)
+    elif index < count:  # a label without a UUID: the same numbering is assumed
+        here = index
+    else:
         raise MappingError("unreachable", f"the donor's memory is on its GPU {index}, but this "
                            f"process sees {count} GPU(s): {FIX}")
-    here = str(torch.cuda.get_device_properties(index).uuid)
-    if uuid and here != uuid:
-        raise MappingError("unreachable", f"the donor's GPU {index} is {uuid}, this process's "
-                           f"GPU {index} is {here} (the two see the GPUs under different "
-                           f"numbers): {FIX}")
     mine = local.index if local.index is not None else torch.cuda.current_device()
-    if mine != index and not torch.cuda.can_device_access_peer(mine, index):
+    if mine != here and not torch.cuda.can_device_access_peer(mine, here):
         raise MappingError("unreachable", f"no peer access from GPU {mine} to the donor's GPU "
-                           f"{index} (no NVLink or PCIe P2P between them): this borrower and "
+                           f"{here} (no NVLink or PCIe P2P between them): this borrower and "
                            f"that donor cannot share memory; place them on GPUs with peer "
                            f"access")
+    return here
 
 
 def export_handle(region: torch.Tensor) -> bytes:
@@ -103,14 +108,18 @@ def _unpack_fields(data: bytes) -> list:
     return out
 
 
-def open_handle(handle: bytes, total: int) -> torch.Tensor:
-    """Map a donor's region from its handle; MappingError when that is impossible."""
+def open_handle(handle: bytes, total: int, device_index: int | None = None) -> torch.Tensor:
+    """Map a donor's region from its handle, on this process's GPU `device_index` (the donor's
+    GPU as numbered here, `check_reachable`; None: the index the donor used); MappingError when
+    that is impossible."""
     if not torch.cuda.is_available():
         raise MappingError("unsupported", "a cuda_ipc descriptor needs CUDA in the borrower")
     fields = _unpack_fields(handle)
     if len(fields) != 9:
         raise MappingError("bad_descriptor", f"CUDA IPC handle has {len(fields)} fields, want 9")
     *share, tensor_offset = fields
+    if device_index is not None and device_index >= 0:
+        share[0] = device_index  # the handle opens on the device that holds it, as seen here
     try:
         torch.cuda._lazy_init()  # noqa: SLF001
         storage = torch.UntypedStorage._new_shared_cuda(*share)  # noqa: SLF001

@@ -116,7 +116,7 @@ class MappedPool:
         self.arena.close()
 
 
-def map_pool(desc: Any) -> MappedPool:
+def map_pool(desc: Any, cuda_index: int | None = None) -> MappedPool:
     """Map a donor's pool from the `MemoryDescriptor` a pool lease's grant carries (a dict or
     the protocol struct, with its `layout`). Raises MappingError (an expected event: run
     without the lease) when the region is gone, too small, or the descriptor has no layout."""
@@ -128,7 +128,7 @@ def map_pool(desc: Any) -> MappedPool:
         layout = PoolLayout.from_dict(raw)
     except ValueError as exc:
         raise MappingError("bad_descriptor", str(exc)) from None
-    arena = map_arena(desc)
+    arena = map_arena(desc, cuda_index)
     region = arena.memory.view(-1)
     need = layout.data_offset + layout.data_bytes
     if region.numel() < need:

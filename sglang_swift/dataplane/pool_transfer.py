@@ -43,6 +43,7 @@ lane has run what it had enqueued. Any thread may call it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -107,6 +108,24 @@ class PoolTransferEngine:
         self._ptr_align = math.gcd(*ptrs, self._max_width)
         self.copy_fence = CopyFence()
         self._views: dict = {}  # unit -> (donor rows, K rows, V rows): `_row_views`
+        if self.backend == "triton":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile the row copy for every row shape this lease's transfers use (its two unit
+        widths: whole aligned pages, and token rows), so the first hit does not compile on
+        the scheduler thread. Built when the lease is granted; copies one unit row of the donor
+        region and of the local pool into a scratch row, writing nothing of either."""
+        g, unit = self.packing.borrower, self.packing.unit
+        for width in sorted({unit, math.gcd(unit, g.k_row_elems * g.itemsize,
+                                            g.v_row_elems * g.itemsize)}):
+            donor, k_rows, _ = self._row_views(width)
+            first = torch.zeros(1, dtype=torch.int64, device=self.local_device)
+            with torch.cuda.device(self.local_device) if self.local_device.type == "cuda" \
+                    else contextlib.nullcontext():
+                for src in (donor, k_rows[0]):
+                    scratch = torch.empty_like(src[:1])
+                    self._move(src, first, scratch, first, None)
 
     def close(self) -> None:
         if self._own_lane:

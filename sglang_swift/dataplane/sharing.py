@@ -251,9 +251,11 @@ def _open_shm(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def map_arena(desc) -> MappedArena:
+def map_arena(desc, cuda_index: int | None = None) -> MappedArena:
     """Map a donor's region from its descriptor (a dict or any object with the protocol's
-    attributes); checks sizes and owner identity, raises MappingError on failure."""
+    attributes); checks sizes and owner identity, raises MappingError on failure. A CUDA region
+    opens on this process's GPU `cuda_index` (`cuda_ipc.check_reachable`; None: the donor's
+    own index)."""
     d = {k: _desc_get(desc, k) for k in DESCRIPTOR_KEYS}
     try:
         nb, bb, total = int(d["num_blocks"]), int(d["block_bytes"]), int(d["total_bytes"])
@@ -278,7 +280,7 @@ def map_arena(desc) -> MappedArena:
     elif d["kind"] == "cuda_ipc":
         from .cuda_ipc import open_handle
 
-        region = open_handle(bytes(d["handle"]), total)
+        region = open_handle(bytes(d["handle"]), total, cuda_index)
     else:
         raise MappingError(
             "unsupported", f"descriptor kind {d['kind']!r}; expected shm or cuda_ipc"

@@ -8,6 +8,7 @@ scatter on the destination device) is the same one that runs between two GPUs.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -397,10 +398,11 @@ def test_pools_that_cannot_be_shared_are_refused_with_the_reason():
         pool_geometry(mha)
 
 
-def test_a_donor_gpu_this_process_cannot_read_is_refused_with_the_fix(monkeypatch):
-    """A grant names the donor's GPU by the index its CUDA IPC handle opens on and by its uuid;
-    a borrower that numbers the GPUs differently, sees fewer, or has no peer access to it is
-    told so (with the launch fix) before it maps anything. CPU memory is always reachable."""
+def test_a_donor_gpu_is_found_by_its_uuid_and_refused_only_when_unreadable(monkeypatch):
+    """Invariant: a grant names the donor's GPU by its index there and its UUID; the borrower
+    maps it on the GPU with that UUID whatever its own numbering (the index it returns is the
+    one the IPC handle is opened on), and refuses, with the reason and the fix, only a GPU it
+    does not see or cannot reach (no peer access). CPU memory is always reachable."""
     import types
 
     from sglang_swift.dataplane.cuda_ipc import check_reachable
@@ -413,17 +415,42 @@ def test_a_donor_gpu_this_process_cannot_read_is_refused_with_the_fix(monkeypatc
         can_device_access_peer=lambda a, b: peer["ok"])
     monkeypatch.setattr(torch, "cuda", fake)
     local = torch.device("cuda", 0)
-    check_reachable("cpu", local)
-    check_reachable("cuda:1@GPU-bbbb", local)  # visible under the same number, peer access
-    for label, needle in (("cuda:2@GPU-cccc", "sees 2 GPU(s)"),
-                          ("cuda:1@GPU-aaaa", "different numbers")):
+    assert check_reachable("cpu", local) == -1
+    assert check_reachable("cuda:1@GPU-bbbb", local) == 1  # the same number here
+    assert check_reachable("cuda:0@GPU-bbbb", local) == 1  # numbered differently: by UUID
+    assert check_reachable("cuda:7@GPU-aaaa", local) == 0  # the borrower's own GPU
+    assert check_reachable("cuda:1", local) == 1  # a label without a UUID: the same numbering
+    for label, needle in (("cuda:2@GPU-cccc", "is not one of the 2 GPU(s)"),
+                          ("cuda:3", "sees 2 GPU(s)")):
         with pytest.raises(MappingError, match="unreachable") as refused:
             check_reachable(label, local)
         assert needle in str(refused.value) and "CUDA_VISIBLE_DEVICES" in str(refused.value)
     peer["ok"] = False
     with pytest.raises(MappingError, match="no peer access"):
-        check_reachable("cuda:1@GPU-bbbb", local)
-    check_reachable("cuda:0@GPU-aaaa", local)  # the same GPU needs no peer access
+        check_reachable("cuda:0@GPU-bbbb", local)
+    assert check_reachable("cuda:0@GPU-aaaa", local) == 0  # the same GPU needs no peer access
+
+
+def test_an_ipc_handle_opens_on_the_gpu_the_borrower_numbers_it(monkeypatch):
+    """Invariant: the CUDA IPC handle's device field is replaced by the borrower's index of the
+    donor's GPU before it is opened (the rest of the handle is kept)."""
+    from sglang_swift.dataplane import cuda_ipc
+
+    opened = []
+
+    class Storage:
+        @staticmethod
+        def _new_shared_cuda(*share):
+            opened.append(share)
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch, "UntypedStorage", Storage)
+    handle = cuda_ipc._pack_fields([3, b"h", 64, 0, b"r", 0, b"e", False, 0])
+    with pytest.raises(MappingError, match="not_found"):
+        cuda_ipc.open_handle(handle, 64, device_index=1)
+    assert opened[0][0] == 1 and opened[0][1:] == (b"h", 64, 0, b"r", 0, b"e", False)
 
 
 def test_a_borrower_that_cannot_read_a_donor_releases_its_grant_and_never_asks_it_again():
@@ -445,3 +472,36 @@ def test_a_borrower_that_cannot_read_a_donor_releases_its_grant_and_never_asks_i
     b.on_granted(types.SimpleNamespace(key=key, memory=memory, blocks=(0, 1)), tree=None)
     assert calls == [("release", key), ("avoid", "big-gpu1")]
     assert b.leases == {} and not b._pending
+
+
+def test_a_triton_engine_compiles_its_row_shapes_when_built_and_writes_nothing(monkeypatch):
+    """Invariant: an engine on the one-pass Triton copy runs the copy once per row shape its
+    transfers will use (the lease's aligned unit and its token-row unit) when it is built (at
+    the grant), into scratch rows only: the donor region and the local pool are unchanged, and
+    a later transfer of either kind launches no new row shape."""
+    from sglang_swift.dataplane import pool_transfer
+
+    seen = []
+    real = pool_transfer.sk.copy_rows
+
+    def spy(src, src_rows, dst, dst_rows, **kw):
+        seen.append((src.shape[1], src.dtype))
+        return real(src, src_rows, dst, dst_rows, **kw)
+
+    monkeypatch.setattr(pool_transfer.sk, "copy_rows", spy)
+    lease = Lease("heads+dtype")
+    region, k0 = lease.region.clone(), lease.k[0].clone()
+    engine = lease.engine(backend="triton")
+    try:
+        warmed = set(seen)
+        assert len(warmed) == 2 or lease.packing.unit == math.gcd(
+            lease.packing.unit, lease.g.k_row_elems * lease.g.itemsize,
+            lease.g.v_row_elems * lease.g.itemsize)
+        assert torch.equal(region, lease.region) and same(k0, lease.k[0])
+        n = lease.g.page_size * 3
+        for aligned in (True, False):
+            slots = lease.slots(n, aligned=aligned, seed=4)
+            assert engine.begin_store(slots, [0, 1, 2]).wait(30).ok
+        assert set(seen) == warmed
+    finally:
+        engine.close()
