@@ -1,9 +1,10 @@
 """The `swiftcache` radix cache backend that SGLang builds when --enable-swiftcache is on.
 
 `create_swift_tree_cache` builds the one cache class, `cache.SwiftRadixCache` (radix_ext behind
-SGLang's prefix-cache interface), with a `SwiftRuntime` when the server lends or borrows. Tree
-configuration comes from `SwiftConfig`; model kinds and options the tree does not handle yet fail
-here, at start-up, with the fix.
+SGLang's prefix-cache interface), through `build.build_cache`, with a `SwiftRuntime` when the
+server lends or borrows and the host tier and L3 HiCache's options ask for. Tree configuration
+comes from `SwiftConfig`; model kinds and options the tree does not handle yet fail here, at
+start-up, with the fix.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     if unsupported:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop "
                          f"those options or run without --enable-swiftcache.")
-    from .cache import SwiftRadixCache
+    from .build import build_cache
     from .tp_sync import tp_group_of
 
     tp = tp_group_of(ctx)  # None with one rank
+    model, agent_id, metrics = _identity(ctx.server_args)
     host_kv = None
     if config.host_tier:  # with TP: this rank's host pool, its copies agreed between the ranks
         from .host_tier import HostKV
@@ -89,7 +91,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         from .storage_tier import StorageTier
 
         storage = StorageTier.build(host_kv, ctx.server_args, page_size=params.page_size,
-                                    model_name=_identity(ctx.server_args)[0])
+                                    model_name=model)
         if storage is not None and config.borrows:
             # a reclaim's rows the host tier has no room for go on to L3 through these slots
             host_kv.reserve_spill()
@@ -99,22 +101,15 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                                      # donor rows reach host memory by CPU copies
                                      donor_to_host=hosted and host_kv.device.type == "cpu",
                                      l3_below=hosted and host_kv.spill_slots is not None)
-    if not config.uses_donation:  # the tree alone, or with a host tier: no control channel
-        model, agent_id, metrics = _identity(ctx.server_args)
-        cache = SwiftRadixCache(params, tree_config, config, tp_worker=ctx.tp_worker,
-                                host_kv=host_kv, storage=storage, model=model,
-                                agent_id=agent_id, enable_metrics=metrics)
-    else:
-        model, agent_id, metrics = _identity(ctx.server_args)
-        from ..dataplane import UnshareablePool
+    from ..dataplane import UnshareablePool
 
-        try:
-            cache = SwiftRadixCache(params, tree_config, config, model=model,
-                                    agent_id=agent_id, tp_worker=ctx.tp_worker, host_kv=host_kv,
-                                    storage=storage, enable_metrics=metrics, tp=tp)
-        except UnshareablePool as exc:
-            raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
-                             f"{exc}") from None
+    try:
+        cache = build_cache(params, tree_config, config, model=model, agent_id=agent_id,
+                            tp_worker=ctx.tp_worker, host_kv=host_kv, storage=storage,
+                            enable_metrics=metrics, tp=tp)
+    except UnshareablePool as exc:  # a server that lends or borrows shares its pool's pages
+        raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
+                         f"{exc}") from None
     logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, host tier %d tokens, "
                 "runtime %s)", params.page_size, cache.tree_config.eviction,
                 cache.tree_config.host_capacity, "on" if cache.runtime is not None else "off")

@@ -4,19 +4,25 @@ It subclasses SGLang's Python `RadixCache` for the request-level flow it already
 (`checkpoint`, which inserts, frees duplicates, re-matches and moves the request's lock) and
 replaces every operation on the tree itself (match, insert, evict, lock, sizes, path indices)
 with radix_ext. Node handles given to the scheduler are radix_ext nodes. Tensors cross the
-boundary here and only here: radix_ext holds `array('q')` slot indices.
+boundary in `cache_tree.py`: radix_ext holds `array('q')` slot indices.
 
-`runtime` is None unless the server lends or borrows (`SwiftConfig.uses_donation`); the tree
-then has no lower tier and makes the same decisions as SGLang's own LRU radix tree. A borrower's
-tree has a donor tier fed by leases of other SwiftCache servers' pool pages, and nothing on the
-scheduler thread waits for a copy into or out of it:
-- a match reports the donor part as a lower-tier hit (`host_hit_length`, as HiCache does);
-  SGLang's `PrefillAdder` calls `init_load_back` only for a request it admits, which allocates
-  the slots and queues the copy; the copy runs layer by layer under the batch's forward
-  (`streaming.py`), and a request whose copy failed is aborted, never answered from bad KV;
-- an eviction's demotions are stored before it returns, so their slots are free at once: on CPU
-  the scheduler thread copies the victims (bytes over memory bandwidth), on a GPU it enqueues
-  the copies and the compute stream waits for them (`demotion.py`).
+The cache holds named collaborators, built before it (`build.py`, the one construction path)
+and passed in; a capability the server lacks is a null object, so no method asks which tiers
+exist:
+- `seat` (`cache_tree.CacheTree`): the current tree and SGLang's device slots, shared with the
+  collaborators (`reset` replaces the tree);
+- `donor_hits` (`donor_hits.DonorHits`, or `NoDonorHits` without donor and host tier): lower-tier
+  hits and the room made for the device. A match reports the donor and host part as a
+  lower-tier hit (`host_hit_length`, as HiCache does); SGLang's `PrefillAdder` calls
+  `init_load_back` only for a request it admits, which allocates the slots and queues the copy;
+  the copy runs layer by layer under the batch's forward (`streaming.py`), and a request whose
+  copy failed is aborted, never answered from bad KV. An eviction's demotions are stored before
+  it returns, so their slots are free at once (`demotion.py`);
+- `storage_hits` (`storage_hits.StorageHits`, or `NoStorageHits` without L3): what SGLang's
+  scheduler calls on a tree with `--hicache-storage-backend`;
+- `control` (`runtime.SwiftRuntime` when the server lends or borrows, else `runtime.NoRuntime`):
+  the control channel, lending and borrowing (`runtime` names the first, None for the second);
+- `metrics` (`metrics.SwiftMetrics` with --enable-metrics, else `metrics.NoMetrics`).
 Admission (match, lock, allocate evicting, re-match, begin load-back) is radix_ext's
 (`radix_ext.admission`), shared with the simulator and `bench_tree`.
 
@@ -40,6 +46,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     InsertParams,
     InsertResult,
     MatchPrefixParams,
@@ -48,17 +55,20 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from radix_ext import DEVICE, HOST, DevicePool, RadixTree, TreeConfig, slot_runs
+from radix_ext import DEVICE, slot_runs
 
-from ..dataplane.pool_rows import to_device
-from .donor_hits import DonorHitsMixin
-from .storage_hits import StorageHitsMixin
+from .cache_tree import (  # noqa: F401 - tensor_to_indices: imported from here too
+    CacheTree,
+    indices_to_tensor,
+    namespace_of,
+    tensor_to_indices,
+)
+from .runtime import NoRuntime
 from .work_clock import WorkClock, timed
 
 logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
-METRICS_INTERVAL_S = 1.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
                 "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
                 "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
@@ -70,151 +80,48 @@ STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "l
 LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
 
 
-def tensor_to_indices(t: torch.Tensor) -> array:
-    """int64 slot indices as an array('q') (one copy through host memory: for host tensors;
-    a device tensor's values read here would make the host wait for the GPU)."""
-    out = array("q")
-    if t.numel():
-        out.frombytes(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-    return out
+class SwiftRadixCache(RadixCache):
+    """SGLang's radix cache interface, radix_ext inside, over the collaborators described in
+    the module docstring (`build.build_cache` makes them). `stats` are the counters of loads
+    and stores (the runtime's with a control channel: one dict for every collaborator)."""
 
-
-def indices_to_tensor(a: Any, device: torch.device) -> torch.Tensor:
-    """Slot indices as an int64 tensor on `device`: a tensor (SGLang's, as the tree holds it)
-    as it is; host indices (`array('q')`: the debug insert, the tests) through one asynchronous
-    copy (pinned on a GPU)."""
-    if isinstance(a, torch.Tensor):
-        return a
-    if not len(a):
-        return torch.empty((0,), dtype=torch.int64, device=device)
-    return to_device(torch.frombuffer(a, dtype=torch.int64).clone(), device)
-
-
-def namespace_of(key: RadixKey) -> Any:
-    """The isolation namespace SGLang gives a key (LoRA id, cache salt); None when plain."""
-    if key.extra_key is None and key.cache_salt is None:
-        return None
-    return (key.extra_key, key.cache_salt)
-
-
-class KVSlots(DevicePool):
-    """SGLang's KV slot allocator as radix_ext's admission sees it. Slots go back with
-    `free_segment` (page-aligned runs, as SGLang's own eviction frees them); a borrower's room is
-    made by `Demotions` (its stores copied or enqueued before it returns)."""
-
-    def __init__(self, cache: "SwiftRadixCache"):
-        self.cache = cache
-
-    def available(self) -> int:
-        return self.cache.token_to_kv_pool_allocator.available_size()
-
-    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
-        return self.cache.token_to_kv_pool_allocator.alloc(num_tokens)  # device tensor, kept
-
-    def free(self, indices: Any) -> None:
-        if len(indices):
-            self.cache.token_to_kv_pool_allocator.free_segment(
-                indices_to_tensor(indices, self.cache.device), start_pos=0)
-
-    def make_room(self, tree: Any, num_tokens: int) -> int:
-        if self.cache.demotions is None:
-            return super().make_room(tree, num_tokens)
-        return self.cache.demotions.make_room(num_tokens)
-
-
-class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
-    """SGLang's radix cache interface, radix_ext inside. `tree_config` picks page size, policies
-    and tiers; `config` (a `SwiftConfig`) starts a `SwiftRuntime` when the server lends or
-    borrows; `model`, `agent_id` and `enable_metrics` describe it then. A borrower registers its
-    layer counter with the KV pool and `tp_worker`. `storage` (a `storage_tier.StorageTier`,
-    with `host_kv` only) is L3 below the host tier (`storage_hits.py`)."""
-
-    def __init__(self, params: CacheInitParams, tree_config: TreeConfig, config: Any = None, *,
-                 model: str = "", agent_id: Optional[str] = None, enable_metrics: bool = False,
-                 tp_worker: Any = None, host_kv: Any = None, storage: Any = None,
-                 tp: Any = None):
+    def __init__(self, params: CacheInitParams, seat: CacheTree, *, donor_hits: Any,
+                 storage_hits: Any, runtime: Any, metrics: Any, stats: dict):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
-        if bool(tree_config.host_capacity) != (host_kv is not None) or (
-                host_kv is not None and tree_config.host_capacity > host_kv.capacity):
-            raise ValueError("the tree's host tier needs host memory of its size: pass host_kv "
-                             "(host_tier.HostKV) and host_capacity <= host_kv.capacity, or "
-                             "neither")
-        if storage is not None and host_kv is None:
-            raise ValueError("L3 storage sits below the host tier: pass host_kv with storage")
-        slot_runs.register(torch.Tensor, torch.cat)  # the tree joins SGLang's slot tensors
-        self.tree_config = tree_config
-        self.tp = tp  # tp_sync.TpGroup of a lending or borrowing server with --tp > 1
-        self.host_kv = host_kv
-        self._init_storage(storage)
-        self.runtime = self.loads = self.demotions = None
+        self.seat = seat
+        self.tree_config = seat.config
+        self.donor_hits = donor_hits
+        self.storage_hits = storage_hits
+        self.control = runtime  # SwiftRuntime, or NoRuntime
+        self.metrics = metrics
+        self.stats = stats
+        self.hicache_storage_pass_prefix_keys = storage_hits.pass_prefix_keys
         self.work = WorkClock()
+        self._built = False  # SGLang's constructor resets once: the seat's tree is new already
         super().__init__(params)  # calls self.reset()
-        self.slots = KVSlots(self)
-        self.metrics = None
-        self._own_stats: dict = {}
-        self._last_step = self._last_report = self._last_metrics = 0.0
+        self._built = True
+        self._last_step = self._last_report = 0.0
         self._watch_loop = True  # runtime.watch_loop at the first step given the scheduler
         self._reported: dict = {}
-        if config is not None and config.uses_donation:
-            self._start_runtime(config, model, agent_id, enable_metrics, tp_worker)
-        elif host_kv is not None:  # a host tier alone: loads and stores, no control channel
-            self._own_stats = {k: 0 for k in (*LOCAL_STATS, *STREAM_STATS)}
-            self._start_streaming(config, self.token_to_kv_pool_allocator.get_kvcache(),
-                                  tp_worker)
-            if enable_metrics:
-                self._start_metrics(agent_id or model or "server", "host")
-        elif enable_metrics:  # the tree alone: its own work and tiers
-            self._start_metrics(agent_id or model or "server", "none")
-
-    def _start_runtime(self, config: Any, model: str, agent_id: Optional[str],
-                       enable_metrics: bool, tp_worker: Any) -> None:
-        from .runtime import SwiftRuntime
-
-        kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
-        self.runtime = SwiftRuntime(config, model=model, kv_pool=kv_pool,
-                                    allocator=self.token_to_kv_pool_allocator, tree=self.tree,
-                                    page_size=self.page_size, agent_id=agent_id, tp=self.tp)
-        self.runtime.stats.update({k: 0 for k in STREAM_STATS})
-        self.runtime.make_room = \
-            lambda n: self.evict(EvictParams(num_tokens=n)).num_tokens_evicted
-        if self.host_kv is not None and config.borrows:  # a reclaimed donor page goes to host
-            from ..dataplane.reclaim_staging import ReclaimStaging
-
-            self.runtime.borrowing.staging = ReclaimStaging(self.host_kv.write_rows)
-            if self.storage is not None:  # what a reclaim moved into host goes on to L3
-                self.runtime.on_rescued = lambda nodes: [self._write_to_storage(x)
-                                                         for x in nodes]
-                if self.host_kv.spill_slots is not None:  # and what found no room there too
-                    self.runtime.borrowing.spill = self._spill_to_storage
-        if config.borrows or self.host_kv is not None:
-            self._start_streaming(config, kv_pool, tp_worker)
-        if enable_metrics:
-            self._start_metrics(self.runtime.agent_id, config.role)
-        self.runtime.start()
-
-    def _start_metrics(self, agent: str, role: str) -> None:
-        """SGLang's --enable-metrics: our series join its /metrics."""
-        from .metrics import SwiftMetrics
-
-        self.metrics = SwiftMetrics({"agent": agent, "role": role})
 
     @property
-    def stats(self) -> dict:
-        """The counters of loads and stores: the runtime's when there is one (with the control
-        channel's), else the tree's own (a host tier alone)."""
-        return self.runtime.stats if self.runtime is not None else self._own_stats
+    def tree(self) -> Any:
+        return self.seat.tree
+
+    @property
+    def runtime(self) -> Any:
+        """The server's `SwiftRuntime`; None when it neither lends nor borrows."""
+        return None if isinstance(self.control, NoRuntime) else self.control
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def reset(self) -> None:
-        if self.storage is not None and getattr(self, "tree", None) is not None:
-            self._drain_storage()  # no I/O may touch host slots the new tree hands out
-        if self.loads is not None:  # the tickets in flight go with the old tree
-            self.loads.reset()
-            self.demotions.reset()
-        self.tree = RadixTree(self.tree_config)
+        if self._built:  # SGLang's flush: a new, empty tree
+            self.storage_hits.reset()  # no I/O may touch host slots the new tree hands out
+            self.donor_hits.reset()  # the tickets in flight go with the old tree
+            self.control.attach_tree(self.seat.reset())  # hand it the leases still held
         self.root_node = self.tree.root
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -226,8 +133,6 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
             best_match_node=self.root_node,
         )
         self.kv_events.record_all_cleared()
-        if self.runtime is not None:  # a new, empty tree: hand it the leases still held
-            self.runtime.attach_tree(self.tree)
 
     @timed("loop")
     def swift_step(self, scheduler: Any = None) -> None:
@@ -236,43 +141,35 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         leases and reclaims; with TP also at once when rank 0's agent woke the loop for them
         (`loop_wake.py`: an idle scheduler asleep in SGLang's poll runs this step at once)."""
         self.work.loops += 1
-        if self.loads is not None:
-            self.demotions.poll()
-            self.loads.poll()
-            self.stats["layer_wait_s"] = self.counter.wait_s
-        self._poll_storage()
+        self.donor_hits.poll()
+        self.storage_hits.poll()
+        runtime = self.control
         now = time.monotonic()
-        if self.runtime is None:
-            self._update_metrics(now)
-            self._report(now)
-            return
         if self._watch_loop and scheduler is not None:  # the first step with the scheduler
             self._watch_loop = False
-            self.runtime.watch_loop(scheduler)
+            runtime.watch_loop(scheduler)
         # woken first (drained every step): TP rank 0's agent woke the loop for an event that
         # waits for the pump (a reclaim), so this step pumps whenever the last one was
-        due = self.runtime.woken()
+        due = runtime.woken()
         due = due or now - self._last_step >= STEP_INTERVAL_S
         if due:
             self._last_step = now
-        if due or self.tp is not None:  # TP: every loop, rank 0's `due` decides for all
-            self.runtime.pump(due)
-        self.runtime.lend(scheduler)  # every loop: a burst's demand leaves in the loop it arrived
+        if due or runtime.tp is not None:  # TP: every loop, rank 0's `due` decides for all
+            runtime.pump(due)
+        runtime.lend(scheduler)  # every loop: a burst's demand leaves in the loop it arrived
         self._update_metrics(now)
         self._report(now)
 
     def _update_metrics(self, now: float) -> None:
-        """Push the counters and gauges to /metrics every METRICS_INTERVAL_S."""
-        if self.metrics is None or now - self._last_metrics < METRICS_INTERVAL_S:
+        """Push the counters and gauges to /metrics when due (`metrics.METRICS_INTERVAL_S`)."""
+        if not self.metrics.due(now):
             return
         from .metrics import gauges_of
 
-        self._last_metrics = now
         self.metrics.update_work(self.work.seconds, self.work.loops)
         self.metrics.update(self.stats, gauges_of(self.runtime, self.tree,
                                                   self.token_to_kv_pool_allocator.size))
-        if self.runtime is not None and self.runtime.lender is not None:
-            self.metrics.observe_reclaims(self.runtime.lender.reclaim_latencies)
+        self.metrics.observe_reclaims(self.control.reclaim_latencies)
 
     def _report(self, now: float) -> None:
         """Log the counters every REPORT_INTERVAL_S while they change."""
@@ -288,18 +185,18 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
 
     @timed("match")
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """One match of the tree. The donor part, up to its first lease not readable now, is a
-        lower-tier hit: nothing is allocated or copied until `init_load_back`."""
+        """One match of the tree. The donor and host part, up to its first lease not readable
+        now, is a lower-tier hit: nothing is allocated or copied until `init_load_back`."""
         key = params.key
         if self.disable or len(key) == 0:
             return self._empty_match_result
         tokens = key.raw_token_ids()
         m = self.tree.match(tokens, namespace_of(key))
-        length, node = m.device_len, m.last_device_node
-        hit, best = self._lower_hit(m) if self.loads is not None else (0, node)
+        length = m.device_len
+        hit, best = self.donor_hits.lower_hit(m)
         if length == 0 and hit == 0:
             return self._empty_match_result
-        return MatchResult(device_prefix_len=length, last_device_node=node,
+        return MatchResult(device_prefix_len=length, last_device_node=m.last_device_node,
                            last_host_node=best, best_match_node=best, host_hit_length=hit)
 
     def touch_prefix(self, key: RadixKey) -> None:
@@ -318,31 +215,16 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         else:  # SGLang's device tensor, kept as the tree's handle: its values are never read
             slots = params.value[:n].to(torch.int64)
         r = self.tree.insert(tokens[:n], slots, namespace_of(key))
-        if self.runtime is not None and self.runtime.reclaim_loss:
+        lost = self.control.reclaim_loss
+        if lost:
             # tokens new to the tree were prefilled (what a request loaded from host or L3 was
             # in the tree before its prefill): those of a prefix a reclaim dropped are recomputed
             self.stats["recomputed_after_reclaim_tokens"] += \
-                self.runtime.reclaim_loss.recomputed(tokens[:n], namespace_of(key), r.prefix_len)
-        if self.host_kv is not None and self.host_kv.write_through and params.value is not None:
-            self._write_through(r.last_node)
+                lost.recomputed(tokens[:n], namespace_of(key), r.prefix_len)
+        if params.value is not None:  # computed KV (write-through copies it to host)
+            self.donor_hits.inserted(r.last_node)
         # SGLang's caller frees its slots in [cache_protected_len, prefix_len): the duplicates.
         return InsertResult(prefix_len=r.duplicate_len, last_device_node=r.last_node)
-
-    def _write_through(self, node: Any) -> None:
-        """--hicache-write-policy write_through: host copies of the path the tree just took,
-        through SGLang's host pool on the scheduler's stream (GPU: ordered before anything that
-        could rewrite the device rows, no host wait; CPU: copied here). A copy that fails is
-        taken back: the prefix is then on the device only, as under write_back."""
-        transfers, _ = self.tree.back_up(node, HOST)
-        if not transfers:
-            return
-        try:
-            self.stats["host_stored_tokens"] += self.host_kv.store_copies(transfers)
-        except Exception:  # noqa: BLE001 - the host copy is an optimisation; the device has it
-            logger.exception("SwiftCache: a write-through copy into the host tier failed")
-            self.tree.forget_backup(transfers)
-            return
-        self._write_to_storage(node)
 
     @timed("evict")
     def evict(self, params: EvictParams) -> EvictResult:
@@ -352,31 +234,87 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         if self.disable or params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        num_evicted = self.slots.make_room(self.tree, params.num_tokens)
+        num_evicted = self.donor_hits.make_room(params.num_tokens)
         self.update_eviction_metrics(num_evicted, start)
         return EvictResult(num_tokens_evicted=num_evicted)
+
+    def evict_tokens(self, num_tokens: int) -> int:
+        """`evict` for a donor's lending (`SwiftRuntime.start`): the tokens evicted."""
+        return self.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
 
     @timed("lock")
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable:
             return IncLockRefResult(delta=0)
-        before = self.tree.evictable_size()
-        self.tree.lock(node)
-        return IncLockRefResult(delta=self.tree.evictable_size() - before)
+        return IncLockRefResult(delta=self.seat.lock_delta(node, True))
 
     @timed("lock")
     def dec_lock_ref(self, node: Any,
                      params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
         if self.disable:
             return DecLockRefResult(delta=0)
-        before = self.tree.evictable_size()
-        self.tree.unlock(node)
-        return DecLockRefResult(delta=self.tree.evictable_size() - before)
+        return DecLockRefResult(delta=self.seat.lock_delta(node, False))
 
     def path_device_indices(self, node: Any) -> torch.Tensor:
         if node is self.root_node:
             return self._empty_device_indices
         return indices_to_tensor(self.tree.device_indices(node), self.device)
+
+    # ---- lower-tier hits (donor_hits.py) ------------------------------------------------------
+
+    @timed("load_back")
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:
+        return self.donor_hits.init_load_back(params)
+
+    def load_back_is_cache_owned(self) -> bool:
+        return self.donor_hits.load_back_is_cache_owned()
+
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        path = self.path_device_indices(req.last_node)
+        tail = self.donor_hits.private_slots(req.rid)
+        if tail is not None:  # a streamed load's slots, the request's until its forward
+            path = torch.cat([path, tail])
+        assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
+        return path[: req.prefix_len]
+
+    @timed("batch_start")
+    def swift_batch_built(self, batch: Any) -> None:
+        """A prefill batch was built (plugin hook): start the loads its requests queued."""
+        self.donor_hits.batch_built(batch)
+
+    @timed("batch_settle")
+    def swift_batch_ran(self, scheduler: Any, batch: Any) -> None:
+        """A batch's forward ran (plugin hook): drop the output of requests whose load failed."""
+        self.donor_hits.batch_ran(scheduler, batch)
+
+    # ---- L3 (storage_hits.py): what the scheduler calls with --hicache-storage-backend -------
+
+    def is_backuped(self, node: Any) -> bool:
+        """Every node can anchor a fetch: its storage keys come from its path's tokens."""
+        return True
+
+    def get_last_hash_value(self, node: Any) -> Optional[str]:
+        """Unused by this tree (a fetch derives its keys from the request's tokens)."""
+        return None
+
+    def get_prefix_hash_values(self, node: Any) -> list:
+        return self.storage_hits.prefix_hash_values(node)
+
+    def prefetch_from_storage(self, request: Any, last_host_node: Any, new_input_tokens: Any,
+                              last_hash: Optional[str] = None, prefix_keys: Any = None,
+                              matched_prefix_tokens: Any = None, extra_key: Any = None,
+                              cache_salt: Any = None, storage_hit_end: Any = None) -> None:
+        self.storage_hits.prefetch(request, list(matched_prefix_tokens or []), new_input_tokens,
+                                   extra_key, cache_salt)
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        return self.storage_hits.check_progress(request)
+
+    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
+        return self.storage_hits.pop_loaded_tokens(request)
+
+    def release_aborted_request(self, request: Any) -> None:
+        self.storage_hits.release_aborted(request)
 
     # ---- sizes and inspection -----------------------------------------------------------------
 
@@ -387,10 +325,10 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
         """Locked tree tokens plus the pages this server lent out of its pool: those are neither
         free nor evictable, and SGLang's idle check (available + evictable + protected == pool)
         must see them as in use."""
-        lent = self.runtime.lent_tokens if self.runtime is not None else 0
         # device slots of prefixes leaving the device (0 between evictions: stores settle in
         # the eviction that began them)
-        return self.tree.protected_size() + self.tree.leaving_size() + lent
+        return (self.tree.protected_size() + self.tree.leaving_size()
+                + self.control.lent_tokens)
 
     def total_size(self) -> int:
         return self.tree.device_size()
@@ -416,5 +354,4 @@ class SwiftRadixCache(StorageHitsMixin, DonorHitsMixin, RadixCache):
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
-        if self.runtime is not None:
-            self.runtime.agent.check_integrity()
+        self.control.agent.check_integrity()

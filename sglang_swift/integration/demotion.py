@@ -45,9 +45,11 @@ logger = logging.getLogger(__name__)
 class Demotions:
     """The demotions of one borrower's cache; runs on the scheduler thread."""
 
-    def __init__(self, cache: Any, runtime: Any, stats: dict, host_kv: Any = None):
-        self.cache = cache  # .tree (replaced on reset) and .slots (the device pool)
-        self.runtime = runtime  # None: no donor tier
+    def __init__(self, seat: Any, runtime: Any, stats: dict, *, storage: Any,
+                 host_kv: Any = None):
+        self.seat = seat  # .tree (replaced on reset) and .slots (the device pool)
+        self.runtime = runtime  # SwiftRuntime, or runtime.NoRuntime: no donor tier
+        self.storage = storage  # StorageHits, or NoStorageHits: no L3
         self.host_kv = host_kv  # host_tier.HostKV, or None: no host tier
         self.stats = stats
         self.stats.setdefault("evict_store_max_s", 0.0)
@@ -61,7 +63,7 @@ class Demotions:
         evictable); returns the slots freed, all of them free when this returns. Waits for
         nothing but its own stores' copies (CPU) or enqueues (GPU)."""
         self.poll()
-        plan = self.cache.tree.evict_device(num_tokens)
+        plan = self.seat.tree.evict_device(num_tokens)
         to_free = []  # runs of device slots (SGLang's tensors: never read on the host)
         stores = []
         moves = []
@@ -76,7 +78,7 @@ class Demotions:
                 moves.append(step)
             elif type(step) is Released and step.tier == "device":
                 to_free.append(step.residency.indices)
-        drops = plan.dropped_donor if self.cache.storage is not None else ()
+        drops = plan.dropped_donor  # named only with L3 below (TreeConfig.l3_below)
         if moves or drops:  # before any store below rewrites the donor blocks they leave
             self._keep_below(moves, drops)
         hosted = [t for t in stores if t.dst_tier == HOST]
@@ -87,7 +89,7 @@ class Demotions:
             to_free.append(self._store(stores))
         freed = slot_runs.join(to_free)
         if len(freed):
-            self.cache.slots.free(freed)
+            self.seat.slots.free(freed)
         return len(freed)
 
     def _store(self, stores: list) -> Any:
@@ -111,7 +113,7 @@ class Demotions:
                     OBSERVERS.donor_stored(self.runtime, key, tickets)
             else:  # the donor is not writable now: the eviction drops them instead
                 self.stats["refused_stores"] += 1
-            to_free.append(admission.settle(self.cache.tree, tickets, [ok] * len(tickets)))
+            to_free.append(admission.settle(self.seat.tree, tickets, [ok] * len(tickets)))
         self._waited(start)
         return slot_runs.join(to_free)
 
@@ -130,10 +132,10 @@ class Demotions:
             ok = False
             self.stats["refused_stores"] += 1
         self.stats["stores_started"] += len(stores)
-        to_free = admission.settle(self.cache.tree, stores, [ok] * len(stores))
-        if ok and self.cache.storage is not None:  # L3 takes a copy of what reached host
+        to_free = admission.settle(self.seat.tree, stores, [ok] * len(stores))
+        if ok:  # L3 takes a copy of what reached host
             for t in stores:
-                self.cache._write_to_storage(t.node)
+                self.storage.write(t.node)
         self._waited(start)
         return to_free
 
@@ -147,7 +149,7 @@ class Demotions:
         write failed (with TP: on any rank) is taken back from the tree, every move of this
         eviction alike: those prefixes are recomputed, never loaded from rows not written."""
         start = time.perf_counter()
-        page = self.cache.tree.page_size
+        page = self.seat.tree.page_size
         # a move whose host copy a later step of the plan dropped again: nothing to write
         moves = [m for m in moves if m.node.res.get(HOST) is m.dst]
         threads = torch.get_num_threads()
@@ -183,15 +185,14 @@ class Demotions:
         tokens = sum(len(m.dst.indices) for m in moves)
         if ok:
             self.stats["donor_to_host_tokens"] += tokens
-            if self.cache.storage is not None:  # L3 takes a copy of what reached host
-                for m in moves:
-                    self.cache._write_to_storage(m.node)
+            for m in moves:  # L3 takes a copy of what reached host
+                self.storage.write(m.node)
         elif moves:
             logger.warning("SwiftCache: %d tokens pushed out of donor memory could not be moved "
                            "into the host tier (%s); they are dropped and recomputed when asked "
                            "again", tokens, error or "failed on another TP rank")
             self.stats["donor_to_host_failed_tokens"] += tokens
-            self.cache.tree.forget_rescue(moves)
+            self.seat.tree.forget_rescue(moves)
         if drops and error is not None:
             logger.warning("SwiftCache: donor copies dropped from a full lease could not be read "
                            "for L3 (%s); they are recomputed when asked again", error)
@@ -200,8 +201,7 @@ class Demotions:
             for d in drops:
                 by_lease.setdefault((d.src.donor, d.src.lease), []).append(d)
             for key, part in by_lease.items():
-                self.stats["donor_to_l3_tokens"] += self.cache._spill_to_storage(
-                    part, rows[key], page)
+                self.stats["donor_to_l3_tokens"] += self.storage.spill(part, rows[key], page)
         self._waited(start)
 
     def _waited(self, start: float) -> None:

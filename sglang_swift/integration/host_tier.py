@@ -221,7 +221,7 @@ class HostKV:
         """Take the pool's last `tokens` slots (default: 1/SPILL_FRACTION of the pool in whole
         pages, at least one page) out of the tree's host tier (`capacity` shrinks by them) and
         keep them as `spill_slots`: the rows a reclaim writes on to L3 when the tier has no room
-        for them pass through these slots (`SwiftRadixCache._spill_to_storage`). Call before
+        for them pass through these slots (`StorageHits.spill`). Call before
         the tree is built."""
         if tokens is None:
             page = self.page_size

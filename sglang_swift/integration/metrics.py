@@ -95,8 +95,19 @@ GAUGES = {
 RECLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+METRICS_INTERVAL_S = 1.0  # how often the scheduler thread pushes to /metrics
+
+
+class NoMetrics:
+    """A server without --enable-metrics: never due, so nothing is gathered or pushed."""
+
+    def due(self, now: float) -> bool:
+        return False
+
+
 class SwiftMetrics:
-    """Counters follow `SwiftRuntime.stats` by deltas; gauges are set on each `update`."""
+    """Counters follow `SwiftRuntime.stats` by deltas; gauges are set on each `update`; the
+    scheduler thread pushes when `due` (every METRICS_INTERVAL_S)."""
 
     def __init__(self, labels: dict[str, str]):
         from prometheus_client import Counter, Gauge, Histogram
@@ -119,6 +130,14 @@ class SwiftMetrics:
                               names).labels(**labels)
         self._work_last: dict[str, float] = {}
         self._loops_last = 0
+        self._pushed_at = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether a push is due at `now` (monotonic seconds); if so, it counts as done."""
+        if now - self._pushed_at < METRICS_INTERVAL_S:
+            return False
+        self._pushed_at = now
+        return True
 
     def update_work(self, seconds: dict[str, float], loops: int) -> None:
         """Feed a `work_clock.WorkClock`'s totals (they only grow)."""

@@ -69,6 +69,10 @@ TP_VIEW_MARGIN_S = 1.0
 WAKE_EVENTS = (ReclaimRequested, BlocksReturned)
 
 
+def _nothing(*args: Any) -> None:
+    pass
+
+
 def control_config_for(config: SwiftConfig, agent_id: str) -> ControlConfig:
     return ControlConfig(agent_id=agent_id, rendezvous_dir=config.resolved_rendezvous_dir(),
                          secret_file=config.resolved_secret_file(),
@@ -82,7 +86,15 @@ class SwiftRuntime:
 
     def __init__(self, config: SwiftConfig, *, model: str, kv_pool: Any, allocator: Any,
                  tree: Any, page_size: int, agent_id: str | None = None,
-                 tp: Any = None) -> None:
+                 tp: Any = None, stats: dict | None = None,
+                 on_rescued: Callable[[Any], None] = _nothing, staging: Any = None,
+                 spill: Any = None) -> None:
+        """`stats`: the dict its counters go into (the cache's, shared with its other
+        collaborators; a new one when None). `on_rescued(nodes)`: the tree nodes a reclaim moved
+        into the host tier (their host copies go on to L3). A borrower with a host tier passes
+        `staging` (a reclaimed page's rows are read into memory of its own,
+        `reclaim_staging.ReclaimStaging`) and, with L3 below, `spill` (what found no host room
+        goes to storage: `StorageHits.spill`)."""
         self.config = config
         self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
         self.kv_pool = kv_pool
@@ -109,13 +121,13 @@ class SwiftRuntime:
 
             self.wake = LoopWake()
         self._view: dict = {}  # TP: (donor, lease id) -> readable, as rank 0 saw it
-        self.stats = {"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
-                      "refused_stores": 0, "revoked_tokens": 0, "leases": 0, "reclaims": 0,
-                      "lost_leases": 0, "own_pages_wait_s": 0.0, "reclaim_overflow_tokens": 0}
+        self.stats = {} if stats is None else stats
+        self.stats.update({"stored_tokens": 0, "loaded_tokens": 0, "refused_loads": 0,
+                           "refused_stores": 0, "revoked_tokens": 0, "leases": 0,
+                           "reclaims": 0, "lost_leases": 0, "own_pages_wait_s": 0.0,
+                           "reclaim_overflow_tokens": 0})
         self.reclaim_loss = ReclaimLoss()  # what reclaims dropped, counted when asked again
-        # a donor's own cache evicted to lend (tokens asked -> evicted); the cache sets it
-        self.make_room: Callable[[int], int] | None = None
-        self.on_rescued = None  # called with the nodes a reclaim moved into host (the tree's)
+        self.on_rescued = on_rescued
         self.lender: PoolLender | None = None
         self.borrowing: Borrowing | None = None
         self._peers_present = False  # as of the last pump
@@ -123,13 +135,17 @@ class SwiftRuntime:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
                                        stats=self.stats, tp=tp)
+            self.borrowing.staging, self.borrowing.spill = staging, spill
         elif config.streams_from_donor:  # leases for the streamed pool's store, not the tree
             from ..layer_stream.store_leases import StoreLeases
 
             self.borrowing = StoreLeases.for_pool(kv_pool, agent=self.agent, stats=self.stats)
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self) -> "SwiftRuntime":
+    def start(self, make_room: Callable[[int], int] | None = None) -> "SwiftRuntime":
+        """Start the agent and, for a donor, lending; `make_room(tokens)` evicts that many tokens
+        of the server's own cache (returns those evicted) to lend idle cached room (None: the
+        lender counts only free pages, `PoolLender`)."""
         if self.config.lends:
             shared = shared_region_of(self.kv_pool)
             if self.tp is not None and not self.tp.all_ok(shared is not None):
@@ -151,7 +167,7 @@ class SwiftRuntime:
                                          agent=self.agent,
                                          relend_cooldown_s=self.config.relend_cooldown_s,
                                          lend_cached_after_s=self.config.lend_cached_after_s,
-                                         make_room=self.make_room)
+                                         make_room=make_room)
         if self.borrowing is not None and self.tp is None:
             self.agent.on_reclaim(self._fence_reclaim)
         if self.wake is not None:
@@ -353,6 +369,11 @@ class SwiftRuntime:
     def lent_tokens(self) -> int:
         return self.lender.lent_tokens if self.lender is not None else 0
 
+    @property
+    def reclaim_latencies(self) -> list[float]:
+        """A donor's reclaim latencies so far (`PoolLender.reclaim_latencies`; the list grows)."""
+        return self.lender.reclaim_latencies if self.lender is not None else []
+
     def borrowed_tokens(self) -> int:
         return self.borrowing.held_tokens() if self.borrowing is not None else 0
 
@@ -410,7 +431,7 @@ class SwiftRuntime:
             self.forget(result)
             if result is not None:
                 self.reclaim_loss.add(result.lost_paths)
-                if result.moved_nodes and self.on_rescued is not None:
+                if result.moved_nodes:
                     self.on_rescued(result.moved_nodes)  # their host copies go on to L3
         self.stats["reclaims"] += 1
         logger.info("SwiftCache: %s reclaimed %d pages of lease %d", ev.key.donor,
@@ -462,3 +483,37 @@ class SwiftRuntime:
 
     def untrack(self, key: tuple[str, int], handle: Any) -> None:
         self.borrowing.untrack(key, handle)
+
+
+class NoRuntime:
+    """The runtime of a server that neither lends nor borrows (no control channel): nothing to
+    pump, lend, track or attach; its counters are the cache's own (`stats`)."""
+
+    tp = None
+    lender = None
+    lent_tokens = 0
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+        self.reclaim_loss = ReclaimLoss()  # stays empty: no reclaim without a donor tier
+        self.reclaim_latencies: list[float] = []
+        self.agent = self  # no control agent: nothing of its to check
+
+
+    def watch_loop(self, scheduler: Any) -> None:
+        pass
+
+    def woken(self) -> bool:
+        return False
+
+    def pump(self, due: bool = True) -> None:
+        pass
+
+    def lend(self, scheduler: Any = None) -> None:
+        pass
+
+    def attach_tree(self, tree: Any) -> None:
+        pass
+
+    def check_integrity(self) -> None:
+        pass

@@ -1,5 +1,6 @@
-"""L3 in SwiftCache's tree (mixin of `SwiftRadixCache`): what SGLang's scheduler calls on a tree
-when `--hicache-storage-backend` is set, over a `storage_tier.StorageTier`.
+"""L3 in SwiftCache's tree (a collaborator of `SwiftRadixCache`, built before it: `build.py`):
+what SGLang's scheduler calls on a tree when `--hicache-storage-backend` is set, over a
+`storage_tier.StorageTier`. A tree without L3 gets `NoStorageHits` (nothing fetched or written).
 
 The scheduler, as for HiCache: when a request arrives it matches it and calls
 `prefetch_from_storage` with the part the tree does not hold; before admitting it,
@@ -21,10 +22,11 @@ there, page by page, once.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from radix_ext import HOST
 
+from .cache_tree import namespace_of
 from .storage_tier import Fetch, Write
 
 WRITTEN_NODES_MAX = 1 << 20  # forgotten beyond this (a write of known pages is skipped anyway)
@@ -37,23 +39,73 @@ def _radix_key(tokens: Any, namespace: Any) -> Any:
     return RadixKey(list(tokens), extra_key=extra, cache_salt=salt)
 
 
-class StorageHitsMixin:
-    storage: Any = None  # a StorageTier, or None: no L3
-    hicache_storage_pass_prefix_keys = False
+class NoStorageHits:
+    """A tree without L3: nothing to fetch, nothing written; every node "backed up" (SGLang
+    then asks for no hash values), every request's prefetch done at once."""
 
-    def _init_storage(self, storage: Any) -> None:
+    pass_prefix_keys = False
+
+    def write(self, node: Any) -> None:
+        pass
+
+    def write_nodes(self, nodes: Any) -> None:
+        pass
+
+    def spill(self, unrescued: Any, rows: dict, page: int) -> int:
+        return 0
+
+    def prefix_hash_values(self, node: Any) -> list:
+        return []
+
+    def prefetch(self, request: Any, matched: list, new_tokens: Any, extra_key: Any,
+                 cache_salt: Any) -> None:
+        pass
+
+    def check_progress(self, request: Any) -> bool:
+        return True
+
+    def pop_loaded_tokens(self, request: Any) -> int:
+        return 0
+
+    def release_aborted(self, request: Any) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class StorageHits:
+    """L3 below the host tier of the cache's tree: `seat` is the cache's `CacheTree`, `storage`
+    a `StorageTier`, `host_kv` the host tier's memory (`HostKV`), `stats` the cache's counters."""
+
+    def __init__(self, seat: Any, storage: Any, host_kv: Any, stats: dict):
+        self.seat = seat
         self.storage = storage
-        self.hicache_storage_pass_prefix_keys = bool(storage and storage.pass_prefix_keys)
+        self.host_kv = host_kv
+        self.stats = stats
+        self.pass_prefix_keys = bool(storage.pass_prefix_keys)
         self._fetches: dict = {}  # request handle -> Fetch
         self._fetched: dict = {}  # request handle -> tokens storage supplied, until popped
         self._written_nodes: set = set()  # ids of tree nodes whose host copy went to storage
 
+    @property
+    def tree(self) -> Any:
+        return self.seat.tree
+
     # ---- writes -------------------------------------------------------------------------------
 
-    def _write_to_storage(self, node: Any) -> None:
+    def write_nodes(self, nodes: Any) -> None:
+        """`write` each node (what a reclaim moved into the host tier goes on to L3)."""
+        for node in nodes:
+            self.write(node)
+
+    def write(self, node: Any) -> None:
         """Write the host copies on the path to `node` to storage (pages not written yet). The
         path's keys are hashed only when one of its host copies was not written before."""
-        if self.storage is None or node is None or self.tree.is_root(node):
+        if node is None or self.tree.is_root(node):
             return
         path = []
         x = node
@@ -67,7 +119,7 @@ class StorageHitsMixin:
             written.clear()
         ns, tokens = self.tree.prefix_of(node)
         keys = self.storage.page_keys(_radix_key(tokens, ns))
-        page, pos = self.page_size, 0
+        page, pos = self.seat.page_size, 0
         for x in reversed(path):
             res = x.res.get(HOST)
             n = len(x.key) // page
@@ -76,7 +128,7 @@ class StorageHitsMixin:
                 written.add(x.id)
             pos += n
 
-    def _spill_to_storage(self, unrescued: Any, rows: dict, page: int) -> int:
+    def spill(self, unrescued: Any, rows: dict, page: int) -> int:
         """A reclaim's donor copies the host tier found no room for (`Unrescued`, dropped from
         the tree): their staged rows go to storage through the host pool's spill slots
         (`HostKV.reserve_spill`), a spill area's worth of pages per write, each write waited for
@@ -103,41 +155,32 @@ class StorageHitsMixin:
                                                          slots[:m * page])
         return written
 
-    # ---- the scheduler's L3 calls -------------------------------------------------------------
+    # ---- the scheduler's L3 calls (through the cache) ------------------------------------------
 
-    def is_backuped(self, node: Any) -> bool:
-        """Every node can anchor a fetch: its storage keys come from its path's tokens."""
-        return True
-
-    def get_last_hash_value(self, node: Any) -> Optional[str]:
-        """Unused by this tree (a fetch derives its keys from the request's tokens)."""
-        return None
-
-    def get_prefix_hash_values(self, node: Any) -> list:
-        if self.storage is None or self.tree.is_root(node):
+    def prefix_hash_values(self, node: Any) -> list:
+        if self.tree.is_root(node):
             return []
         ns, tokens = self.tree.prefix_of(node)
         return self.storage.page_keys(_radix_key(tokens, ns))
 
-    def prefetch_from_storage(self, request: Any, last_host_node: Any, new_input_tokens: Any,
-                              last_hash: Optional[str] = None, prefix_keys: Any = None,
-                              matched_prefix_tokens: Any = None, extra_key: Any = None,
-                              cache_salt: Any = None, storage_hit_end: Any = None) -> None:
-        if self.storage is None or request in self._fetches:
+    def prefetch(self, request: Any, matched: list, new_tokens: Any, extra_key: Any,
+                 cache_salt: Any) -> None:
+        """Look up in storage what continues the request's cached prefix `matched`."""
+        if request in self._fetches:
             return
-        matched = list(matched_prefix_tokens or [])
-        key = _radix_key(matched + list(new_input_tokens),
+        key = _radix_key(matched + list(new_tokens),
                          None if extra_key is None and cache_salt is None
                          else (extra_key, cache_salt))
         f = self.storage.begin_fetch(request, key, len(matched))
         if f is not None:
             self._fetches[request] = f
 
-    def check_prefetch_progress(self, request: Any) -> bool:
+    def check_progress(self, request: Any) -> bool:
+        """False while the request must wait for its fetch (`--hicache-storage-prefetch-policy`)."""
         f = self._fetches.get(request)
         if f is None:
             return True
-        self._poll_storage()
+        self.poll()
         if request not in self._fetches:
             return True
         policy = self.storage.policy
@@ -150,10 +193,10 @@ class StorageHitsMixin:
         self.storage.terminate(f)  # what is read by its next batch is kept
         return False if f.reading else self._end_fetch(f, 0)
 
-    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
+    def pop_loaded_tokens(self, request: Any) -> int:
         return self._fetched.pop(request, 0)
 
-    def release_aborted_request(self, request: Any) -> None:
+    def release_aborted(self, request: Any) -> None:
         f = self._fetches.get(request)
         if f is not None:
             f.abandoned = True
@@ -162,21 +205,20 @@ class StorageHitsMixin:
 
     # ---- progress (scheduler thread) ----------------------------------------------------------
 
-    def _drain_storage(self) -> None:
+    def reset(self) -> None:
         """Stop every fetch, wait for the I/O in flight and settle it (before the tree is
         replaced): afterwards no thread reads or writes a host slot of this tree."""
         for f in self._fetches.values():
             f.abandoned = True
             self.storage.terminate(f)
         self.storage.drain()
-        self._poll_storage()
+        self.poll()
         for f in list(self._fetches.values()):  # queries answered after the drain's poll
             self._end_fetch(f, 0)
         self._written_nodes.clear()  # node ids start again in the new tree
 
-    def _poll_storage(self) -> None:
-        if self.storage is None:
-            return
+    def poll(self) -> None:
+        """Settle what the I/O threads finished (every scheduler loop)."""
         self.stats["l3_failures"] = self.storage.failures
         for item in self.storage.poll():
             if type(item) is Write:
@@ -203,8 +245,6 @@ class StorageHitsMixin:
 
     def _attach(self, f: Fetch) -> None:
         key = f.key
-        from .cache import namespace_of
-
         n = self.tree.attach(f.rid, key.raw_token_ids(), f.start, f.op.completed_tokens,
                              namespace_of(key))
         self.stats["l3_fetched_tokens"] += n

@@ -492,10 +492,10 @@ def test_a_borrower_whose_donor_hits_are_exchanged_never_waits_for_the_gpu(monke
                     batch = SimpleNamespace(hicache_consumer_index=-1, reqs=[req])
                     cache.swift_batch_built(batch)
                     with probe.device_side():  # the forward: the model's, on the GPU
-                        cache.counter.set_consumer(batch.hicache_consumer_index)
+                        cache.donor_hits.counter.set_consumer(batch.hicache_consumer_index)
                         for layer in range(G.num_layers):
-                            cache.counter.wait_until(layer)
-                        cache.counter.set_consumer(-1)
+                            cache.donor_hits.counter.wait_until(layer)
+                        cache.donor_hits.counter.set_consumer(-1)
                     cache.swift_batch_ran(SimpleNamespace(chunked_req=None), batch)
                 return run
 

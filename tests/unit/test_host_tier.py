@@ -66,14 +66,14 @@ class Rig:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         from sglang_swift.config import SwiftConfig
-        from sglang_swift.integration.cache import SwiftRadixCache
+        from sglang_swift.integration.build import build_cache
 
         self.pool, self.alloc = _device_pool()
         self.host = _host(self.pool, layout, io)
         self.registered = []
         config = SwiftConfig(enabled=True, host_tier=True)
         tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=self.registered.append)
-        self.cache = SwiftRadixCache(
+        self.cache = build_cache(
             CacheInitParams(disable=False, req_to_token_pool=None,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
             config.tree_config(1, self.host.capacity), config, tp_worker=tp_worker,
@@ -140,7 +140,7 @@ def test_evicted_prefixes_go_to_host_and_load_back_before_attention_reads_them(l
     batch = SimpleNamespace(hicache_consumer_index=-1)
     rig.cache.swift_batch_built(batch)
     assert batch.hicache_consumer_index >= 0
-    counter = rig.cache.counter
+    counter = rig.cache.donor_hits.counter
     counter.set_consumer(batch.hicache_consumer_index)
     assert all(counter.wait_until(layer) for layer in range(LAYERS))
     counter.set_consumer(-1)
@@ -317,23 +317,18 @@ def test_tokens_of_a_lost_prefix_count_as_recomputed_only_when_the_tree_gets_the
     tree before the prefill (as an L3 fetch attaches host copies before the admission match)
     counts only the rest, the part the prefill made new; matching
     alone counts nothing, and a second insert of the same tokens nothing more."""
-    from types import SimpleNamespace as NS
-
     from radix_ext.results import LostPrefix
-    from sglang_swift.integration.reclaim_loss import ReclaimLoss
 
     rig = Rig()
     lost = list(range(500, 512))
     rig.insert(lost[:5])  # back in the tree before this request's prefill (not watched yet)
-    rig.cache.runtime = NS(reclaim_loss=ReclaimLoss(), stats=rig.cache.stats)
-    rig.cache.runtime.reclaim_loss.add([LostPrefix(None, lost, 0)])
+    rig.cache.control.reclaim_loss.add([LostPrefix(None, lost, 0)])
     rig.match(lost + [1])
     assert rig.cache.stats["recomputed_after_reclaim_tokens"] == 0
     rig.insert(lost + [1])
     assert rig.cache.stats["recomputed_after_reclaim_tokens"] == 12 - 5
     rig.insert(lost + [1, 2])
     assert rig.cache.stats["recomputed_after_reclaim_tokens"] == 7
-    rig.cache.runtime = None
 
 
 def test_write_through_backs_up_the_path_and_an_eviction_then_copies_nothing():

@@ -36,13 +36,13 @@ def test_adapter_matches_sglang_radix_cache(monkeypatch, seed, page_size):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from radix_ext import TreeConfig
-    from sglang_swift.integration.cache import SwiftRadixCache
+    from sglang_swift.integration.build import build_cache
 
     ticks = itertools.count()
     monkeypatch.setattr(rc.time, "monotonic", lambda: float(next(ticks)))
     stock_alloc, swift_alloc = RecordingAllocator(), RecordingAllocator()
     stock = rc.RadixCache.create_simulated(mock_allocator=stock_alloc, page_size=page_size)
-    swift = SwiftRadixCache(
+    swift = build_cache(
         CacheInitParams(disable=False, req_to_token_pool=None,
                         token_to_kv_pool_allocator=swift_alloc, page_size=page_size),
         TreeConfig(page_size=page_size))

@@ -526,12 +526,13 @@ def _cascading_borrower(tmp_path, monkeypatch, host_tokens: int, storage=None):
     borrower.tree = RadixTree(borrower.config.tree_config(1, host_tokens, donor_to_host=True,
                                                           l3_below=storage is not None))
     assert borrower.tree.config.cascade == "down"
-    cache = NS(tree=borrower.tree, slots=_Slots(borrower.allocator), storage=storage)
-    if storage is not None:
-        cache._spill_to_storage = storage.spill
-        cache._write_to_storage = storage.write
+    from sglang_swift.integration.storage_hits import NoStorageHits
+
+    seat = NS(tree=borrower.tree, slots=_Slots(borrower.allocator))
     stats = defaultdict(int)  # the cache's counters (SwiftRadixCache adds its own to the runtime's)
-    return donor, borrower, host, Demotions(cache, borrower, stats, host_kv=host)
+    return donor, borrower, host, Demotions(
+        seat, borrower, stats, host_kv=host,
+        storage=storage if storage is not None else NoStorageHits())
 
 
 def _fill_both_tiers(borrower, demotions, pair, reload_c: bool = True):
@@ -626,7 +627,7 @@ def test_with_l3_a_copy_dropped_from_a_full_lease_goes_to_l3_with_its_bytes(tmp_
                                                                           monkeypatch):
     """Host holds only c, newer than a: d's demotion pushes a out of the lease and no tier below
     takes it, so the eviction names it and its rows, read from the donor pages before d's store
-    rewrites them, are handed to L3 (`_spill_to_storage`)."""
+    rewrites them, are handed to L3 (`StorageHits.spill`)."""
     storage = _L3Calls()
     donor, borrower, host, demotions = _cascading_borrower(tmp_path, monkeypatch, 8, storage)
     donor.start()

@@ -137,7 +137,7 @@ def test_a_load_whose_copy_never_starts_ends_the_forward_wait_at_the_batch_deadl
     rig.prefix(tokens)
     rig.demote_all()
     budget = 0.3
-    rig.cache.loads.wait_budget = lambda n: budget
+    rig.cache.donor_hits.loads.wait_budget = lambda n: budget
     gate = stuck_lane(rig)
     req, _, out = rig.admit(tokens, "r")
     assert out[0] == 16
@@ -170,7 +170,7 @@ def test_a_late_load_within_its_deadline_is_waited_for_and_read_complete(rig):
     rig.prefix(tokens)
     rig.demote_all()
     rig.poison()
-    rig.cache.loads.wait_budget = lambda n: 2.0
+    rig.cache.donor_hits.loads.wait_budget = lambda n: 2.0
     gate = gate_lane(rig)
     req, _, out = rig.admit(tokens, "r")
     req.slots = rig.cache.prefix_device_indices(req)

@@ -45,7 +45,7 @@ class L3Rig:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         from sglang_swift.config import SwiftConfig
-        from sglang_swift.integration.cache import SwiftRadixCache
+        from sglang_swift.integration.build import build_cache
         from sglang_swift.integration.host_tier import HostKV
         from sglang_swift.integration.storage_tier import StorageTier
 
@@ -58,7 +58,7 @@ class L3Rig:
             self.host.reserve_spill(spill)
         config = SwiftConfig(enabled=True, host_tier=True)
         tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=lambda c: None)
-        self.cache = SwiftRadixCache(
+        self.cache = build_cache(
             CacheInitParams(disable=False, req_to_token_pool=None,
                             token_to_kv_pool_allocator=self.alloc, page_size=PAGE),
             config.tree_config(PAGE, self.host.capacity), config, tp_worker=tp_worker,
@@ -114,7 +114,7 @@ class L3Rig:
         slots = self.cache.prefix_device_indices(req)  # what prepare_for_extend writes
         batch = SimpleNamespace(hicache_consumer_index=-1)
         self.cache.swift_batch_built(batch)
-        counter = self.cache.counter
+        counter = self.cache.donor_hits.counter
         counter.set_consumer(batch.hicache_consumer_index)
         assert all(counter.wait_until(layer) for layer in range(LAYERS))
         counter.set_consumer(-1)
@@ -192,9 +192,9 @@ def test_a_reclaims_rows_without_host_room_go_to_l3_and_a_fresh_tree_loads_them(
                   [(-(t * 10 + layer)).expand(-1, *shape).clone() for layer in range(LAYERS)])
     rows = {b: (part, i) for i, b in enumerate(part.blocks)}
     u = Unrescued(None, array("q", tokens), 8, DonorResidency("d", 0, 1, array("q", [5, 6, 7, 8])))
-    assert a.cache._spill_to_storage([u], rows, PAGE) == len(own)
+    assert a.cache.storage_hits.spill([u], rows, PAGE) == len(own)
     assert all(a.storage.backend.exists(k) for k in _stock_keys(tokens))
-    assert a.cache._spill_to_storage([u], rows, PAGE) == 0  # written once
+    assert a.cache.storage_hits.spill([u], rows, PAGE) == 0  # written once
 
     b = L3Rig(tmp_path)
     assert b.fetch(tokens + [7]) == len(tokens)

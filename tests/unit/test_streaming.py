@@ -105,7 +105,8 @@ class Rig:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         from radix_ext import TreeConfig
-        from sglang_swift.integration.cache import STREAM_STATS, SwiftRadixCache
+        from sglang_swift.integration.build import build_cache
+        from sglang_swift.integration.cache import STREAM_STATS
 
         self.k = [torch.zeros(ROWS, G.num_kv_heads, G.head_dim) for _ in range(G.num_layers)]
         self.v = [torch.zeros(ROWS, G.num_kv_heads, G.head_dim) for _ in range(G.num_layers)]
@@ -113,12 +114,12 @@ class Rig:
         pool = SimpleNamespace(k_buffer=self.k, v_buffer=self.v, layer_num=G.num_layers,
                                register_layer_transfer_counter=self.registered.append)
         self.alloc = Allocator(pool)
-        self.cache = SwiftRadixCache(
+        self.runtime = Runtime(STREAM_STATS)
+        tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=self.registered.append)
+        self.cache = build_cache(
             CacheInitParams(disable=False, req_to_token_pool=None,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
-            TreeConfig(page_size=1, donor=True))
-        self.runtime = Runtime(STREAM_STATS)
-        self.cache.runtime = self.runtime
+            TreeConfig(page_size=1, donor=True), tp_worker=tp_worker, runtime=self.runtime)
         self.lane = CpuLane()
         self.gates = []
         self.alive = {}
@@ -131,9 +132,7 @@ class Rig:
                 packing, region, self.k, self.v, lane=self.lane,
                 liveness=lambda n=name: self.alive[n])
             self.cache.tree.donor.add_lease(name, 0, 1, packing.num_blocks)
-        tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=self.registered.append)
-        self.cache._start_streaming(SimpleNamespace(heartbeat_timeout_s=2.0), pool, tp_worker)
-        self.counter = self.cache.counter
+        self.counter = self.cache.donor_hits.counter
 
     def close(self):
         for gate in self.gates:  # a failed test must not leave the lane blocked

@@ -177,10 +177,10 @@ def test_a_server_without_donation_never_waits_for_the_gpu(probe):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from radix_ext import TreeConfig
-    from sglang_swift.integration.cache import SwiftRadixCache
+    from sglang_swift.integration.build import build_cache
 
     alloc = _allocator(96)
-    cache = SwiftRadixCache(
+    cache = build_cache(
         CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
                         page_size=1), TreeConfig(page_size=1))
     shared = list(range(1, 17))  # a system prompt every request starts with
@@ -212,7 +212,8 @@ class Borrower:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
         from radix_ext import TreeConfig
-        from sglang_swift.integration.cache import STREAM_STATS, SwiftRadixCache
+        from sglang_swift.integration.build import build_cache
+        from sglang_swift.integration.cache import STREAM_STATS
 
         self.k = [device(torch.zeros(self.ROWS + 1, G.num_kv_heads, G.head_dim))
                   for _ in range(G.num_layers)]
@@ -222,12 +223,12 @@ class Borrower:
         pool = SimpleNamespace(k_buffer=self.k, v_buffer=self.v, layer_num=G.num_layers,
                                register_layer_transfer_counter=registered.append)
         self.alloc = _allocator(self.ROWS, pool)
-        self.cache = SwiftRadixCache(
+        self.runtime = Runtime(STREAM_STATS)
+        tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=registered.append)
+        self.cache = build_cache(
             CacheInitParams(disable=False, req_to_token_pool=None,
                             token_to_kv_pool_allocator=self.alloc, page_size=1),
-            TreeConfig(page_size=1, donor=True))
-        self.runtime = Runtime(STREAM_STATS)
-        self.cache.runtime = self.runtime
+            TreeConfig(page_size=1, donor=True), tp_worker=tp_worker, runtime=self.runtime)
         # "device": a GPU's lane on the emulated device (jobs on this thread, copies later)
         self.dev = EmulatedDevice() if lane == "device" else None
         self.lane = DeviceLane(self.dev) if self.dev is not None else CpuLane()
@@ -237,8 +238,6 @@ class Borrower:
         self.runtime.engines[("d", 0)] = PoolTransferEngine(packing, region, self.k, self.v,
                                                             lane=self.lane)
         self.cache.tree.donor.add_lease("d", 0, 1, packing.num_blocks)
-        tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=registered.append)
-        self.cache._start_streaming(SimpleNamespace(heartbeat_timeout_s=2.0), pool, tp_worker)
 
     def close(self):
         self.lane.close()
@@ -268,7 +267,7 @@ class Borrower:
                 with contextlib.ExitStack() as off:  # the forward: the model's, on the GPU
                     if probe._on:
                         off.enter_context(probe.device_side())
-                    counter = cache.counter
+                    counter = cache.donor_hits.counter
                     counter.set_consumer(batch.hicache_consumer_index)
                     for layer in range(G.num_layers):
                         counter.wait_until(layer)

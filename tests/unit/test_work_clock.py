@@ -73,10 +73,10 @@ def test_the_cache_times_what_the_scheduler_calls():
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     from radix_ext import TreeConfig
-    from sglang_swift.integration.cache import SwiftRadixCache
+    from sglang_swift.integration.build import build_cache
 
     alloc = TokenToKVPoolAllocator(64, torch.int64, "cpu", None, need_sort=False)
-    cache = SwiftRadixCache(
+    cache = build_cache(
         CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
                         page_size=1), TreeConfig(page_size=1))
     assert all(s == 0.0 for s in cache.work.seconds.values())
