@@ -9,14 +9,18 @@ The runs (same traffic each, one request at a time, the histories carrying run (
 - `h` HiCache (`--enable-hierarchical-cache`, host tier `host_ratio` x the device pool);
 - `s` HiCache with SwiftCache: the busy server borrows (device, donor pages while lent, host), the
   donor lends `lend_fraction` of its own pool;
-- `i` the ideal: HiCache with what (s)'s donor lends added to the busy server's device pool (and
-  taken from the donor's), the host tier as big in tokens as in (h);
+- `u` the upper bound: stock SGLang (no HiCache, no hierarchy) whose ONE device pool holds the
+  busy server's device pool, what (s)'s donor lends and the host tier together (`bound_pool`;
+  the donor's pool shrinks by what it lends): every token any placement of (s)'s memory could
+  keep, each one as fast to reach as device memory. With `--l3` the bound's pool holds every
+  history instead (storage is unbounded). SwiftCache's cached tokens above it are not a gain
+  (cli.py names the cause);
 - `t` HiCache again, a twin of (h): the noise floor of a TTFT ratio against (h).
 After the burst every run pauses `pause_after_burst_s` (15 s) before its next turn, as a
 user's think time; (s)'s donor lends again inside that pause (`relent_after_burst`).
 Every HiCache run uses the same `--hicache-write-policy`, `write_back` unless `--write-policy`
-says otherwise (SwiftCache's host tier receives a prefix when it leaves the device; (h) and (i)
-do the same, so the runs differ only in the tiers). With `--l3 file` every HiCache run also has
+says otherwise (SwiftCache's host tier receives a prefix when it leaves the device; (h) does the
+same, so the runs differ only in the tiers). With `--l3 file` every HiCache run also has
 SGLang's `file` storage backend below its host tier, each run its own empty store; note that
 stock HiCache starts an L3 prefetch only from a host-backed (or root) prefix, so under
 write_back a request whose prefix begins on the device is not looked up in storage.
@@ -29,8 +33,8 @@ from pathlib import Path
 
 from ..nodebench.plan import COMMON_ARGS, HEARTBEAT_ARGS, ModelFacts
 
-RUNS = ("r", "h", "s", "i", "t")
-NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "i": "ideal",
+RUNS = ("r", "h", "s", "u", "t")
+NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "u": "upper bound",
          "t": "hicache twin"}
 LAYOUT = ("--hicache-mem-layout", "layer_first")
 
@@ -70,6 +74,23 @@ class TierPlan:
     def host_tokens(self) -> int:
         return int(self.busy_pool * self.host_ratio)
 
+    def host_pool_tokens(self) -> int:
+        """HiCache's host pool as SGLang 0.5.23 sizes it (`pool_host/base.py`): the ratio times
+        the device tokens, plus its padding page (one token on CPU)."""
+        return self.host_tokens() + 1
+
+    def bound_pool(self, busy: ModelFacts, donor: ModelFacts, host_measured: int = 0,
+                   history_tokens: int = 0) -> int:
+        """The upper bound's one device pool: the busy server's device pool, what the donor
+        lends (busy tokens) and the host tier (the larger of SGLang's sizing and
+        `host_measured`, what (s) reported); with L3 at least `history_tokens` plus one
+        request's room (every history fits, as in unbounded storage)."""
+        pool = (self.busy_pool + self.lent_busy_tokens(busy, donor)
+                + max(self.host_pool_tokens(), host_measured))
+        if self.l3 is not None:
+            pool = max(pool, history_tokens + self.busy_pool)
+        return pool
+
 
 QUICK = TierPlan()
 FULL = TierPlan(conversations=10, turns=6, burst_after_turn=4)
@@ -96,9 +117,10 @@ def l3_args(plan: TierPlan, store: Path | None) -> tuple:
 
 
 def servers(run: str, plan: TierPlan, busy_dir: Path, donor_dir: Path, rendezvous: str,
-            busy: ModelFacts, donor: ModelFacts,
-            store: Path | None = None) -> dict[str, Server]:
-    """The busy and donor servers of run `run`; `store`: its L3 directory (`plan.l3`)."""
+            busy: ModelFacts, donor: ModelFacts, store: Path | None = None,
+            bound_pool: int | None = None) -> dict[str, Server]:
+    """The busy and donor servers of run `run`; `store`: its L3 directory (`plan.l3`);
+    `bound_pool`: the upper bound's pool (default `plan.bound_pool` from the plan alone)."""
     lent = plan.lent_busy_tokens(busy, donor)
     lent_donor_tokens = int(plan.donor_pool * plan.lend_fraction)
     l3 = l3_args(plan, store)
@@ -110,13 +132,9 @@ def servers(run: str, plan: TierPlan, busy_dir: Path, donor_dir: Path, rendezvou
     if run in ("h", "t"):
         return {"busy": Server(busy_dir, plan.busy_pool, COMMON_ARGS + hicache, False),
                 "donor": Server(donor_dir, plan.donor_pool, COMMON_ARGS, False)}
-    if run == "i":
-        pool = plan.busy_pool + lent
-        ratio = plan.host_tokens() / pool  # the same host tokens as (h)
-        ideal = ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
-                 *plan.hicache_policy(),
-                 *l3)
-        return {"busy": Server(busy_dir, pool, COMMON_ARGS + ideal, False),
+    if run == "u":
+        pool = plan.bound_pool(busy, donor) if bound_pool is None else bound_pool
+        return {"busy": Server(busy_dir, pool, COMMON_ARGS, False),
                 "donor": Server(donor_dir, plan.donor_pool - lent_donor_tokens, COMMON_ARGS,
                                 False)}
     if run == "s":
