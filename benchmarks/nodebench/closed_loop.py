@@ -9,26 +9,35 @@ Runs, one after another, each with the machine to itself (the donor stays idle: 
 borrowed memory against local memory, not reclaims):
 - `stock`      stock SGLang, the node plan's pools;
 - `swiftcache` the busy server borrows what the idle donor lends (the plan's lend fraction);
-- `ideal`      stock SGLang, that capacity moved into the busy pool (`NodePlan.planned_loan`);
-- `ideal_twin` the ideal again: the noise floor of a ratio against the ideal.
+- `upper_bound` stock SGLang with ONE device pool holding the busy server's pool, the capacity
+  the donor lends (`NodePlan.planned_loan`, taken from the donor's pool) and, with
+  `--hicache-ratio`, HiCache's host tier too (`upper_bound_pool`): no hierarchy, every token as
+  fast to reach as device memory, so no placement of the same memory caches more (for SGLang's
+  LRU order); SwiftCache above it is printed with its cause (`upper_bound_exceeded`);
+- `upper_bound_twin` the upper bound again: the noise floor of a ratio against it.
 The stock run's answers are every later run's histories (forced), so every run sends the same
-prompts; `identical` compares each run's answers with stock's, request by request.
+prompts; `identical` compares each run's answers with stock's, request by request, in token ids
+(an answer empty in both is not a match).
 
-`--hicache-ratio R` gives every run's busy server HiCache's host tier (R x the base busy pool,
-the same host tokens in the ideal): stock becomes HiCache, SwiftCache HiCache + SwiftCache.
-`--sweep-clients 4,8,16` runs stock (HiCache with `--hicache-ratio`), SwiftCache, the ideal and
-a twin of stock at each client count and reports cached tokens and TTFT per system against
-`history_vs_capacity` (the clients' histories over the busy server's device pool plus host
-tier), with `ttft_p99_reduction_vs_stock` (1 - SwiftCache / stock) beside the twin's
-`ttft_p99_twin_vs_stock`, the noise floor of that ratio.
+`--hicache-ratio R` gives the stock and SwiftCache runs' busy server HiCache's host tier (R x the
+base busy pool): stock becomes HiCache, SwiftCache HiCache + SwiftCache; the upper bound's one
+pool grows by the same host tokens. `--sweep-clients 4,8,16` runs stock (HiCache with
+`--hicache-ratio`), SwiftCache, the upper bound and a twin of stock at each client count and
+reports cached tokens and TTFT per system against `history_vs_capacity` (the clients' histories
+over the busy server's device pool plus host tier), with `ttft_p99_reduction_vs_stock`
+(1 - SwiftCache / stock) beside the twin's `ttft_p99_twin_vs_stock`, the noise floor of that
+ratio, and `cached_vs_upper_bound` (SwiftCache / the upper bound).
 
-JSON keys (last line): `closed_loop_ttft_avg_vs_ideal`, `closed_loop_ttft_p99_vs_ideal`
-(swiftcache / ideal), `closed_loop_ttft_avg_noise`, `closed_loop_ttft_p99_noise` (twin / ideal),
-`cached_tokens` and `ttft_ms` (avg, p50, p90, p99) per run, `cached_vs_ideal`,
-`history_vs_busy_pool` (the clients' histories at the end over the busy pool), `identical`,
-`swift_stats` (the borrower's SwiftCache counters: donor hits, exchanges, loads),
-`swift_work_per_request` (the borrower's scheduler-thread time in SwiftCache's own code over
-the traffic, ms per request by phase: `benchmarks/instruments/work.py`), `loadavg`.
+JSON keys (last line): `closed_loop_ttft_avg_vs_upper_bound`, `closed_loop_ttft_p90_vs_upper_bound`,
+`closed_loop_ttft_p99_vs_upper_bound` (swiftcache / upper bound), `closed_loop_ttft_avg_noise`,
+`closed_loop_ttft_p99_noise` (upper bound twin / upper bound), `stock_ttft_avg_vs_upper_bound`,
+`stock_ttft_p99_vs_upper_bound` (stock / upper bound), `cached_tokens` and `ttft_ms` (avg, p50,
+p90, p99) per run, `cached_vs_upper_bound` (swiftcache / upper bound, at most 1 unless
+`upper_bound_exceeded` says why), `upper_bound_pool`, `history_vs_busy_pool` (the clients'
+histories at the end over the busy pool), `identical`, `swift_stats` (the borrower's SwiftCache
+counters: donor hits, exchanges, loads), `swift_work_per_request` (the borrower's
+scheduler-thread time in SwiftCache's own code over the traffic, ms per request by phase:
+`benchmarks/instruments/work.py`), `loadavg`.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ from ..loadgen.stats import pct
 from ..tools.demo import wait_for_lease
 from ..tools.local_server import start_all
 from .observe import parse_metrics
-from .plan import ModelFacts, NodePlan, RunSpec, ideal_run, stock_run, swiftcache_run
+from .plan import ModelFacts, NodePlan, RunSpec, stock_run, swiftcache_run
+from .report import same_output
 from .runner import bench_server
 
 SWIFT_STATS = ("swiftcache_donor_hit_tokens_total", "swiftcache_exchanged_tokens_total",
@@ -186,20 +196,35 @@ def _metrics(url: str) -> dict:
         return parse_metrics(r.read().decode(errors="replace"), SWIFT_STATS)
 
 
-def hicache_args(ratio: float, pool: int, host_tokens: int) -> list[str]:
-    """HiCache on a busy server of `pool` tokens with `host_tokens` of host memory (the same
-    host tokens in every run: the ideal's ratio is scaled to its larger pool)."""
+def hicache_args(ratio: float) -> list[str]:
+    """HiCache on a busy server, host memory `ratio` x its pool (none where `ratio` is 0)."""
     if not ratio:
         return []
-    return ["--enable-hierarchical-cache", "--hicache-ratio", f"{host_tokens / pool:.6f}",
+    return ["--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
             "--hicache-write-policy", "write_back", "--hicache-mem-layout", "layer_first"]
+
+
+def host_pool_tokens(plan: NodePlan, ratio: float) -> int:
+    """HiCache's host pool on the base busy pool as SGLang 0.5.23 sizes it (`pool_host/base.py`:
+    the ratio times the device tokens, plus its padding page of one token on CPU); 0 without."""
+    return int(plan.busy_pool * ratio) + 1 if ratio else 0
+
+
+def upper_bound_run(plan: NodePlan, loan: int, lent: int, host_tokens: int) -> RunSpec:
+    """Stock SGLang, one device pool: the busy pool, the `loan` (busy tokens) the donor lends
+    (its pool shrinks by `lent`, its tokens) and `host_tokens`; no hierarchy."""
+    if loan < 0 or host_tokens < 0 or not 0 <= lent < plan.donor_pool:
+        raise ValueError(f"upper bound out of range: loan {loan}, lent {lent} of "
+                         f"{plan.donor_pool}, host {host_tokens}")
+    return RunSpec("u", "upper_bound", plan.busy_pool + loan + host_tokens,
+                   plan.donor_pool - lent, swiftcache=False)
 
 
 def run_one(spec: RunSpec, plan: NodePlan, load: ClosedLoop, busy_model: Path,
             donor_model: Path, out: Path, forced: dict | None, max_borrow_blocks: int,
             vocab: int, hicache_ratio: float = 0.0) -> dict:
     rendezvous = str((out / f"rendezvous-{spec.name}").resolve())
-    host = hicache_args(hicache_ratio, spec.busy_pool, int(plan.busy_pool * hicache_ratio))
+    host = hicache_args(hicache_ratio) if spec.name in ("stock", "swiftcache") else []
     busy = bench_server(busy_model, spec, "busy", spec.busy_pool,
                         spec.busy_args(plan, rendezvous, max_borrow_blocks) + host, plan, out,
                         False)
@@ -224,6 +249,17 @@ def run_one(spec: RunSpec, plan: NodePlan, load: ClosedLoop, busy_model: Path,
             "loadavg": [round(x, 2) for x in before + os.getloadavg()]}
 
 
+def upper_bound_exceeded(swift: int, bound: int) -> dict | None:
+    """Why SwiftCache cached more than the upper bound, or None where it did not."""
+    if swift <= bound:
+        return None
+    return {"by_tokens": swift - bound,
+            "why": "both runs send the same prompts (forced histories), but a closed loop's "
+                   "order of requests follows each answer's timing: a different interleaving "
+                   "(nondeterminism), a different eviction order (SGLang's LRU over one pool is "
+                   "no optimum), or an over-count of cached tokens (a bug)"}
+
+
 def summarize(runs: dict, plan: NodePlan, load: ClosedLoop, pools: dict) -> dict:
     ref = {(t.client, t.round): t.output for t in runs["stock"]["turns"]}
     out: dict = {"load": asdict(load), "pools": pools, "cached_tokens": {}, "ttft_ms": {},
@@ -234,24 +270,28 @@ def summarize(runs: dict, plan: NodePlan, load: ClosedLoop, pools: dict) -> dict
         out["ttft_ms"][name] = {"avg": sum(ttft) / len(ttft) if ttft else None,
                                 "p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)}
         out["mismatches"][name] = sum(1 for t in run["turns"]
-                                      if t.output != ref[(t.client, t.round)])
+                                      if not same_output(t.output, ref[(t.client, t.round)]))
         out["wall_s"][name] = run["wall_s"]
         out["loadavg"][name] = run["loadavg"]
     out["prompt_tokens"] = sum(t.prompt for t in runs["stock"]["turns"])
-    t, s, i, w = (out["ttft_ms"].get(k) for k in ("stock", "swiftcache", "ideal", "ideal_twin"))
+    t, s, u, w = (out["ttft_ms"].get(k) for k in ("stock", "swiftcache", "upper_bound",
+                                                  "upper_bound_twin"))
 
     def ratio(a, b, q):
         return None if a is None or b is None or not b[q] else a[q] / b[q]
 
-    out["closed_loop_ttft_avg_vs_ideal"] = ratio(s, i, "avg")
-    out["closed_loop_ttft_p99_vs_ideal"] = ratio(s, i, "p99")
-    out["closed_loop_ttft_p90_vs_ideal"] = ratio(s, i, "p90")
-    out["closed_loop_ttft_avg_noise"] = ratio(w, i, "avg")
-    out["closed_loop_ttft_p99_noise"] = ratio(w, i, "p99")
-    out["stock_ttft_avg_vs_ideal"] = ratio(t, i, "avg")
-    out["stock_ttft_p99_vs_ideal"] = ratio(t, i, "p99")
+    out["closed_loop_ttft_avg_vs_upper_bound"] = ratio(s, u, "avg")
+    out["closed_loop_ttft_p99_vs_upper_bound"] = ratio(s, u, "p99")
+    out["closed_loop_ttft_p90_vs_upper_bound"] = ratio(s, u, "p90")
+    out["closed_loop_ttft_avg_noise"] = ratio(w, u, "avg")
+    out["closed_loop_ttft_p99_noise"] = ratio(w, u, "p99")
+    out["stock_ttft_avg_vs_upper_bound"] = ratio(t, u, "avg")
+    out["stock_ttft_p99_vs_upper_bound"] = ratio(t, u, "p99")
     cached = out["cached_tokens"]
-    out["cached_vs_ideal"] = cached["swiftcache"] / cached["ideal"] if cached["ideal"] else None
+    bound = cached["upper_bound"]
+    out["cached_vs_upper_bound"] = cached["swiftcache"] / bound if bound else None
+    out["upper_bound_exceeded"] = upper_bound_exceeded(cached["swiftcache"], bound)
+    out["upper_bound_pool"] = pools["upper_bound"]["busy"]
     out["history_vs_busy_pool"] = round(load.history_tokens() / plan.busy_pool, 2)
     out["identical"] = out["mismatches"]["swiftcache"] == 0
     out["swift_stats"] = runs["swiftcache"]["stats"]
@@ -273,12 +313,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--hicache-ratio", type=float, default=0.0,
                    help="every run's busy server with HiCache, host memory this many times the "
-                        "base busy pool (write_back; the ideal keeps the same host tokens); "
-                        "0: no HiCache (default)")
+                        "base busy pool (write_back; the upper bound's one pool grows by as many "
+                        "tokens); 0: no HiCache (default)")
     g.add_argument("--sweep-clients", default=None,
                    help="comma-separated client counts: stock (or HiCache), SwiftCache, the "
-                        "ideal and a twin of stock at each; the JSON gets `sweep`, one entry per "
-                        "count")
+                        "upper bound and a twin of stock at each; the JSON gets `sweep`, one "
+                        "entry per count")
 
 
 def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks: int) -> int:
@@ -290,11 +330,12 @@ def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks:
     busy, donor = ModelFacts.from_dir(busy_model), ModelFacts.from_dir(donor_model)
     vocab = json.loads((busy_model / "config.json").read_text())["vocab_size"]
     loan, lent = plan.planned_loan(busy, donor)
-    ideal = ideal_run(plan, loan, lent)
-    specs = {"stock": stock_run(plan), "swiftcache": swiftcache_run(plan), "ideal": ideal,
-             "ideal_twin": ideal}
+    bound = upper_bound_run(plan, loan, lent, host_pool_tokens(plan, args.hicache_ratio))
+    specs = {"stock": stock_run(plan), "swiftcache": swiftcache_run(plan), "upper_bound": bound,
+             "upper_bound_twin": bound}
     print(f"busy: {busy.describe()}\nload: {asdict(load)}; histories {load.history_tokens()} "
-          f"tokens, busy pool {plan.busy_pool}, ideal {ideal.busy_pool}", flush=True)
+          f"tokens, busy pool {plan.busy_pool}, upper bound's one pool {bound.busy_pool}",
+          flush=True)
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep_clients:
         return _sweep(args, plan, load, specs, busy_model, donor_model, out, max_borrow_blocks,
@@ -313,6 +354,7 @@ def main(args: argparse.Namespace, plan: NodePlan, out: Path, max_borrow_blocks:
     pools = {name: {"busy": s.busy_pool, "donor": s.donor_pool} for name, s in specs.items()}
     summary = summarize(runs, plan, load, pools)
     summary["hicache_ratio"] = args.hicache_ratio
+    _warn_above_bound(summary["upper_bound_exceeded"])
     if plan.busy_tp > 1:
         summary["busy_tp"] = plan.busy_tp
     (out / "closed_loop.json").write_text(json.dumps(
@@ -340,7 +382,7 @@ def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path
         load = replace(base, clients=n)
         runs: dict = {}
         forced = None
-        for name in ("stock", "swiftcache", "ideal", "stock_twin"):
+        for name in ("stock", "swiftcache", "upper_bound", "stock_twin"):
             spec = specs["stock" if name == "stock_twin" else name]
             runs[name] = run_one(spec, plan, load, busy_model, donor_model, out, forced,
                                  max_borrow_blocks, vocab, args.hicache_ratio)
@@ -354,14 +396,19 @@ def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path
             point["cached_tokens"][name] = sum(t.cached for t in run["turns"])
             point["ttft_avg_ms"][name] = sum(ttft) / len(ttft)
             point["ttft_p99_ms"][name] = pct(ttft, 99)
-            point["mismatches"][name] = sum(1 for t in run["turns"]
-                                            if t.output != ref[(t.client, t.round)])
+            point["mismatches"][name] = sum(
+                1 for t in run["turns"] if not same_output(t.output, ref[(t.client, t.round)]))
         p99, avg = point["ttft_p99_ms"], point["ttft_avg_ms"]
         point["ttft_p99_reduction_vs_stock"] = 1 - p99["swiftcache"] / p99["stock"]
         point["ttft_p99_twin_vs_stock"] = p99["stock_twin"] / p99["stock"]
         point["ttft_avg_twin_vs_stock"] = avg["stock_twin"] / avg["stock"]
-        point["cached_vs_stock"] = (point["cached_tokens"]["swiftcache"]
-                                    / max(1, point["cached_tokens"]["stock"]))
+        cached = point["cached_tokens"]
+        point["cached_vs_stock"] = cached["swiftcache"] / max(1, cached["stock"])
+        point["cached_vs_upper_bound"] = (cached["swiftcache"] / cached["upper_bound"]
+                                          if cached["upper_bound"] else None)
+        point["upper_bound_exceeded"] = upper_bound_exceeded(cached["swiftcache"],
+                                                             cached["upper_bound"])
+        _warn_above_bound(point["upper_bound_exceeded"])
         point["loadavg"] = {name: run["loadavg"] for name, run in runs.items()}
         points.append(point)
         print(f"[{n} clients] {json.dumps(point)}", flush=True)
@@ -370,3 +417,9 @@ def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path
                "identical": all(p["mismatches"]["swiftcache"] == 0 for p in points)}
     print(json.dumps(summary, sort_keys=True), flush=True)
     return 0
+
+
+def _warn_above_bound(over: dict | None) -> None:
+    if over is not None:
+        print(f"WARNING: SwiftCache cached {over['by_tokens']} tokens more than the upper bound: "
+              f"{over['why']}", flush=True)

@@ -3,7 +3,10 @@
 Invariants, against a local HTTP server that streams /generate like SGLang: every client sends
 its rounds in order, each round's prompt is the client's history (earlier prompts and the forced
 answers) plus its new tokens; never more than `max_parallel` requests are in flight; TTFT and
-cached tokens are read from the stream; the summary's ratios are SwiftCache over the ideal.
+cached tokens are read from the stream; the summary's ratios are SwiftCache over the upper
+bound (stock SGLang with one device pool of the busy pool, the loan and the host tier), and
+SwiftCache above it is reported with its cause; outputs compare on token ids, two empty answers
+never matching.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ import threading
 
 import pytest
 
-from benchmarks.nodebench.closed_loop import ClosedLoop, Turn, drive, summarize
+from benchmarks.nodebench.closed_loop import (
+    ClosedLoop,
+    Turn,
+    drive,
+    hicache_args,
+    host_pool_tokens,
+    summarize,
+    upper_bound_run,
+)
 from benchmarks.nodebench.plan import NodePlan
 
 
@@ -101,15 +112,52 @@ def test_bad_load_parameters_are_refused_by_name():
         ClosedLoop(request_rate=0)
 
 
-def test_the_summary_compares_swiftcache_and_the_twin_with_the_ideal():
-    def run(ttfts, cached):
-        return {"turns": [Turn(0, i, ttft=t, cached=cached, prompt=10, output=(1,))
-                          for i, t in enumerate(ttfts)], "wall_s": 1.0, "stats": {},
-                "loadavg": [0.0] * 6}
+def _run(ttfts, cached, output=(1,)):
+    return {"turns": [Turn(0, i, ttft=t, cached=cached, prompt=10, output=output)
+                      for i, t in enumerate(ttfts)], "wall_s": 1.0, "stats": {},
+            "loadavg": [0.0] * 6}
 
-    runs = {"stock": run([0.3, 0.3], 0), "swiftcache": run([0.22, 0.22], 8),
-            "ideal": run([0.2, 0.2], 8), "ideal_twin": run([0.21, 0.21], 8)}
-    s = summarize(runs, NodePlan(), ClosedLoop(), {})
-    assert s["closed_loop_ttft_avg_vs_ideal"] == pytest.approx(1.1)
+
+POOLS = {"upper_bound": {"busy": 2561, "donor": 2048}}
+
+
+def test_the_summary_compares_swiftcache_and_the_twin_with_the_upper_bound():
+    runs = {"stock": _run([0.3, 0.3], 0), "swiftcache": _run([0.22, 0.22], 6),
+            "upper_bound": _run([0.2, 0.2], 8), "upper_bound_twin": _run([0.21, 0.21], 8)}
+    s = summarize(runs, NodePlan(), ClosedLoop(), POOLS)
+    assert s["closed_loop_ttft_avg_vs_upper_bound"] == pytest.approx(1.1)
     assert s["closed_loop_ttft_p99_noise"] == pytest.approx(1.05)
-    assert s["cached_vs_ideal"] == 1.0 and s["identical"] is True
+    assert s["stock_ttft_avg_vs_upper_bound"] == pytest.approx(1.5)
+    assert s["cached_vs_upper_bound"] == 0.75 and s["identical"] is True
+    assert s["upper_bound_exceeded"] is None and s["upper_bound_pool"] == 2561
+    assert not any("ideal" in k for k in s)
+
+
+def test_swiftcache_above_the_upper_bound_is_reported_with_its_cause():
+    runs = {"stock": _run([0.3], 0), "swiftcache": _run([0.2], 9),
+            "upper_bound": _run([0.2], 8), "upper_bound_twin": _run([0.2], 8)}
+    s = summarize(runs, NodePlan(), ClosedLoop(), POOLS)
+    assert s["cached_vs_upper_bound"] > 1
+    assert s["upper_bound_exceeded"]["by_tokens"] == 1
+    assert "nondeterminism" in s["upper_bound_exceeded"]["why"]
+
+
+def test_two_empty_answers_are_a_mismatch():
+    runs = {"stock": _run([0.3], 0, ()), "swiftcache": _run([0.2], 0, ()),
+            "upper_bound": _run([0.2], 0, ()), "upper_bound_twin": _run([0.2], 0, ())}
+    s = summarize(runs, NodePlan(), ClosedLoop(), POOLS)
+    assert s["mismatches"]["swiftcache"] == 1 and s["identical"] is False
+
+
+def test_the_upper_bound_is_one_stock_pool_of_busy_lent_and_host_tokens():
+    plan = NodePlan()  # busy 1024, donor 4096
+    host = host_pool_tokens(plan, 1.0)
+    assert host == 1025 and host_pool_tokens(plan, 0.0) == 0
+    bound = upper_bound_run(plan, 512, 2048, host)
+    assert (bound.busy_pool, bound.donor_pool) == (1024 + 512 + 1025, 4096 - 2048)
+    assert not bound.swiftcache and bound.name == "upper_bound"
+    assert "--enable-hierarchical-cache" not in bound.busy_args(plan, "rv", 0)
+    assert hicache_args(1.0)[:3] == ["--enable-hierarchical-cache", "--hicache-ratio",
+                                     "1.000000"]
+    with pytest.raises(ValueError, match="upper bound"):
+        upper_bound_run(plan, 512, 4096, host)
