@@ -39,7 +39,7 @@ class DonorSide:
     def set_memory(self, memory: p.MemoryDescriptor) -> None:
         if self.memory is not None and self.ledger.offered:
             raise RuntimeError("memory descriptor changed while blocks are offered")
-        # The arena's own identity (checked by the borrower against the mapped region's header)
+        # The region's own identity (checked by the borrower against the mapped region's header)
         # wins; a descriptor without one is named after this agent's incarnation.
         uuid = memory.owner_uuid or f"{self.agent.config.agent_id}:{self.agent.epoch}"
         self.memory = msgspec.structs.replace(memory, owner_uuid=uuid)
@@ -48,14 +48,10 @@ class DonorSide:
     def offer(self, blocks) -> None:
         if self.memory is None:
             raise RuntimeError("set_memory() before offering blocks")
-        blocks = list(blocks)
-        layout = self.memory.layout
-        # a donor lending its own pool offers pool page ids; an arena offers its block ids
-        limit = (layout.padded_rows // layout.page_size if layout is not None
-                 else self.memory.num_blocks)
-        bad = [b for b in blocks if not 0 <= b < limit]
+        blocks = list(blocks)  # the donor's own pool: its page ids
+        bad = [b for b in blocks if not 0 <= b < self.memory.num_pages]
         if bad:
-            raise ValueError(f"blocks outside the {'pool' if layout else 'arena'}: {bad[:8]}")
+            raise ValueError(f"blocks outside the pool: {bad[:8]}")
         self._returned(self.ledger.offer(blocks))
 
     def demand(self, n: int) -> None:

@@ -54,9 +54,10 @@ class PoolLayoutMsg(msgspec.Struct, frozen=True):
 
 
 class MemoryDescriptor(msgspec.Struct, frozen=True):
-    """The donor memory a grant's blocks live in; the data plane exports it as a dict. With
-    `layout`, the memory is the donor's own KV pool and block ids are its page ids; with
-    `ranks`, the pools of a TP donor's ranks (docs/integration.md "Tensor parallelism")."""
+    """The donor memory a grant's blocks live in: the donor's own KV pool, laid out as `layout`
+    says, its page ids the block ids; with `ranks`, the pools of a TP donor's ranks
+    (docs/integration.md "Tensor parallelism"). The data plane exports the region as a dict and
+    the runtime adds the layout."""
 
     kind: Annotated[str, msgspec.Meta(pattern="^(shm|cuda_ipc)$")]
     handle: Annotated[bytes, msgspec.Meta(max_length=4096)]
@@ -66,26 +67,28 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
     num_blocks: U64
     owner_pid: U64
     owner_uuid: Name
-    layout: PoolLayoutMsg | None = None
+    layout: PoolLayoutMsg
     # A TP donor's pool is one region per rank, each lending the same page ids: every rank's
     # descriptor (with its layout), rank 0's first. Empty: the one region above.
     ranks: Annotated[list[MemoryDescriptor], msgspec.Meta(max_length=64)] = []
 
     @classmethod
     def coerce(cls, value: MemoryDescriptor | dict) -> MemoryDescriptor:
-        """Accept the arena's plain dict (exactly the field names above) or a descriptor."""
+        """Accept an exported dict (exactly the field names above) or a descriptor."""
         desc = value if isinstance(value, cls) else msgspec.convert(value, cls)
         if desc.block_bytes * desc.num_blocks > desc.total_bytes:
             raise ValueError(f"descriptor blocks overflow its memory: {desc}")
         return desc
 
+    @property
+    def num_pages(self) -> int:
+        """The pool's pages: the ids a grant's blocks may take."""
+        return self.layout.padded_rows // self.layout.page_size
+
     def to_dict(self) -> dict:
-        """Plain values only (the layout as a dict; no `layout` key for a plain arena)."""
+        """Plain values only (the layout as a dict)."""
         out = msgspec.structs.asdict(self)
-        if self.layout is None:
-            del out["layout"]
-        else:
-            out["layout"] = msgspec.structs.asdict(self.layout)
+        out["layout"] = msgspec.structs.asdict(self.layout)
         if self.ranks:
             out["ranks"] = [r.to_dict() for r in self.ranks]
         else:
@@ -116,7 +119,7 @@ class Hello(_Msg, tag="hello"):
     host: Name = ""
     pid_start: U64 = 0
     # The layout of the pool this peer lends (its own KV pool), so a borrower sizes its first
-    # request in that pool's pages; None when it lends a block arena or nothing.
+    # request in that pool's pages; None when it lends nothing.
     layout: PoolLayoutMsg | None = None
 
 
