@@ -108,6 +108,7 @@ class RadixTree:
         exchanges = Exchange(nodes, loads, eviction, ids)
         self._nodes, self._departures, self._stores, self._room = nodes, departures, stores, room
         self._evictor, self._loads, self._exchanges = eviction, loads, exchanges
+        self._sides = exchanges.sides  # read by every match
         self._revoke = Revoke(nodes, stores, loads, room)
         self._backup = Backup(nodes, room)
         self._fetched = Fetched(nodes, room, ids, self.match)
@@ -148,7 +149,7 @@ class RadixTree:
         ck = (namespace, key[0] if page == 1 else tuple(key[:page]))
         node, pos, dev_len, last_dev, loads = root, 0, 0, root, None
         children = root.children
-        exchanging = self._exchanges.sides
+        exchanging = self._sides
         while True:
             child = children.get(ck)
             if child is None or (exchanging and child in exchanging):
