@@ -57,12 +57,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from radix_ext import DEVICE, slot_runs
 
-from .cache_tree import (  # noqa: F401 - tensor_to_indices: imported from here too
-    CacheTree,
-    indices_to_tensor,
-    namespace_of,
-    tensor_to_indices,
-)
+from .cache_tree import CacheTree, indices_to_tensor, namespace_of
 from .runtime import NoRuntime
 from .work_clock import WorkClock, timed
 

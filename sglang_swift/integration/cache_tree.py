@@ -18,17 +18,6 @@ from radix_ext import DevicePool, RadixTree, TreeConfig, slot_runs
 from ..dataplane.pool_rows import to_device
 
 
-def tensor_to_indices(t: torch.Tensor) -> Any:
-    """int64 slot indices as an array('q') (one copy through host memory: for host tensors;
-    a device tensor's values read here would make the host wait for the GPU)."""
-    from array import array
-
-    out = array("q")
-    if t.numel():
-        out.frombytes(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-    return out
-
-
 def indices_to_tensor(a: Any, device: torch.device) -> torch.Tensor:
     """Slot indices as an int64 tensor on `device`: a tensor (SGLang's, as the tree holds it)
     as it is; host indices (`array('q')`: the debug insert, the tests) through one asynchronous

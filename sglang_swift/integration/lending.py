@@ -87,9 +87,25 @@ def running_demand(req: Any, new_token_ratio: float) -> float:
     return output_budget(req) * (1.0 if req.sampling_params.ignore_eos else new_token_ratio)
 
 
+class NoLender:
+    """A server that lends nothing (not a donor, or its pool is not in shareable memory)."""
+
+    lends = False
+    lent_tokens = 0
+    max_pages = 0
+
+    def __init__(self) -> None:
+        self.reclaim_latencies: list[float] = []
+
+    def on_returned(self, blocks: list[int]) -> None:
+        pass
+
+
 class PoolLender:
     """Pages of one server's KV pool lent through its control agent. Runs on the scheduler
     thread (it calls the allocator); `agent` is the server's ControlAgent."""
+
+    lends = True
 
     def __init__(self, allocator: Any, page_size: int, *, lend_fraction: float,
                  reclaim_watermark: float, agent: Any,

@@ -5,8 +5,10 @@ It ties the components together for a live SGLang server:
 - as a donor, a `PoolLender` (lending.py): idle pages of this server's own SGLang KV pool (placed
   in shareable memory by `shared_kv_pool.py`) are offered to borrowers and freed back into the
   allocator once returned, so capacity moves between models;
-- as a borrower, a `Borrowing` (borrowing.py): leases of other servers' pool pages, packed for
-  this model's shape, handed to the radix tree's donor tier, plus the copies the tree asks for.
+- as a borrower, a `Borrowing` (dataplane/borrowing.py): leases of other servers' pool pages,
+  packed for this model's shape, handed to the radix tree's donor tier, plus the copies the tree
+  asks for.
+A role the server does not have is a null object (`NoLender`, `NoBorrowing`).
 
 Threading: the agent runs its own I/O thread; everything here runs on the scheduler thread, which
 calls `lend()` every loop iteration and `pump()` at most every 20 ms (`SwiftRadixCache.swift_step`,
@@ -52,7 +54,7 @@ from ..control import (
 from ..dataplane import pool_geometry
 from ..dataplane.borrowing import Borrowing
 from .debug_seam import OBSERVERS
-from .lending import PoolLender, own_demand_tokens
+from .lending import NoLender, PoolLender, own_demand_tokens
 from .reclaim_loss import ReclaimLoss
 from .shared_kv_pool import shared_region_of
 
@@ -128,8 +130,8 @@ class SwiftRuntime:
                            "reclaim_overflow_tokens": 0})
         self.reclaim_loss = ReclaimLoss()  # what reclaims dropped, counted when asked again
         self.on_rescued = on_rescued
-        self.lender: PoolLender | None = None
-        self.borrowing: Borrowing | None = None
+        self.lender: PoolLender | NoLender = NoLender()  # a PoolLender once `start` lends
+        self.borrowing: Any = NoBorrowing(self.agent)
         self._peers_present = False  # as of the last pump
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
@@ -168,23 +170,21 @@ class SwiftRuntime:
                                          relend_cooldown_s=self.config.relend_cooldown_s,
                                          lend_cached_after_s=self.config.lend_cached_after_s,
                                          make_room=make_room)
-        if self.borrowing is not None and self.tp is None:
+        if self.holds_leases and self.tp is None:
             self.agent.on_reclaim(self._fence_reclaim)
         if self.wake is not None:
             self.agent.on_queued(self._wake_for)
         self.agent.start()
         logger.info("SwiftCache runtime %s started: lends up to %d tokens of its pool, borrows "
                     "up to %d blocks", self.agent_id,
-                    self.lender.max_pages * self.geometry.page_size if self.lender else 0,
-                    self.borrowing.max_blocks if self.borrowing else 0)
+                    self.lender.max_pages * self.geometry.page_size, self.borrowing.max_blocks)
         return self
 
     def stop(self) -> None:
         self.agent.stop()
         if self.wake is not None:
             self.wake.close()
-        if self.borrowing is not None:
-            self.borrowing.close()
+        self.borrowing.close()
 
     # ---- waking the scheduler loop (TP rank 0) -----------------------------------------------
     def _wake_for(self, event: Any) -> None:
@@ -229,8 +229,7 @@ class SwiftRuntime:
         for event in self.agent.poll_events():
             self._handle(event)
         self._peers_present = self.agent.peer_count() > 0  # every pump: no full status
-        if self.borrowing is not None:
-            self.borrowing.maybe_request(self._peers_present)
+        self.borrowing.maybe_request(self._peers_present)
         self.agent.set_capacity(self.allocator.size, self.lent_tokens, self.borrowed_tokens(),
                                 self.usable_tokens(), **self._tiers())
 
@@ -260,8 +259,7 @@ class SwiftRuntime:
             self._acks = []
         if self.tp.leader:
             self._peers_present = self.agent.peer_count() > 0
-            if self.borrowing is not None:
-                self.borrowing.maybe_request(self._peers_present)
+            self.borrowing.maybe_request(self._peers_present)
             self.agent.set_capacity(self.allocator.size, self.lent_tokens,
                                     self.borrowed_tokens(), self.usable_tokens(), **self._tiers())
 
@@ -269,8 +267,6 @@ class SwiftRuntime:
         """Rank 0: which held leases matches may offer until the next pump (donor there, read
         deadline more than TP_VIEW_MARGIN_S away; a lease granted in `events` from the next
         pump on), and each donor's read deadline (the other ranks' copies stop there)."""
-        if self.borrowing is None:
-            return {}, {}
         now = time.monotonic()
         donors = {donor for donor, _ in self.borrowing.leases}
         donors.update(ev.key.donor for ev in events if isinstance(ev, LeaseGranted))
@@ -283,8 +279,6 @@ class SwiftRuntime:
         """Whether a donor residency on `blocks` of lease (donor, lease_id) may be offered and
         loaded now: lease held and readable, blocks not fenced by a reclaim. With TP, from the
         view rank 0 shared at the last pump, so every rank's tree decides alike."""
-        if self.borrowing is None:
-            return False
         if self.tp is not None:
             held = self.borrowing.leases.get((donor, lease_id))
             return (held is not None and self._view.get((donor, lease_id), False)
@@ -312,7 +306,7 @@ class SwiftRuntime:
         usually back before SGLang admits the burst, which then runs as one batch instead of
         waiting a whole forward of the part that fitted. The wait ends at the bound whatever the
         borrower does (a dead one is declared so by the agent, later)."""
-        if self.lender is None:
+        if not self.lender.lends:  # nothing to plan (with TP: no collective either)
             return
         if self.tp is not None:
             self._lend_tp(scheduler)
@@ -361,21 +355,25 @@ class SwiftRuntime:
     def attach_tree(self, tree: Any) -> None:
         """The cache was reset (a new, empty tree): register the leases still held in it."""
         self.tree = tree
-        if self.borrowing is not None:
-            self.borrowing.attach_tree(tree)
+        self.borrowing.attach_tree(tree)
 
     # ---- capacity, as SGLang's accounting and the operator see it -------------------------
     @property
+    def holds_leases(self) -> bool:
+        """Whether this server borrows (for its tree's donor tier or a layer stream's store)."""
+        return not isinstance(self.borrowing, NoBorrowing)
+
+    @property
     def lent_tokens(self) -> int:
-        return self.lender.lent_tokens if self.lender is not None else 0
+        return self.lender.lent_tokens
 
     @property
     def reclaim_latencies(self) -> list[float]:
         """A donor's reclaim latencies so far (`PoolLender.reclaim_latencies`; the list grows)."""
-        return self.lender.reclaim_latencies if self.lender is not None else []
+        return self.lender.reclaim_latencies
 
     def borrowed_tokens(self) -> int:
-        return self.borrowing.held_tokens() if self.borrowing is not None else 0
+        return self.borrowing.held_tokens()
 
     def usable_tokens(self) -> int:
         """This server's own usable KV capacity now: its pool minus what it lent."""
@@ -390,14 +388,10 @@ class SwiftRuntime:
 
     # ---- events -----------------------------------------------------------------------------
     def _on_granted(self, ev: LeaseGranted) -> None:
-        if self.borrowing is None:
-            self.agent.release(ev.key)
-            return
         self.borrowing.on_granted(ev, self.tree)
 
     def _on_failed(self, ev: RequestFailed) -> None:
-        if self.borrowing is not None:
-            self.borrowing.on_failed(ev.donor, ev.reason)
+        self.borrowing.on_failed(ev.donor, ev.reason)
 
     def _fence_reclaim(self, ev: ReclaimRequested) -> None:
         """Agent's I/O thread, as the reclaim arrives: stop every copy touching the pages and
@@ -406,7 +400,7 @@ class SwiftRuntime:
         t0 = time.perf_counter()
         probe = OBSERVERS.reclaim_fence  # the debug seam: where the thread's time went
         finish = probe() if probe is not None else None
-        if self.borrowing is not None and self.borrowing.fence(ev):
+        if self.borrowing.fence(ev):
             self.agent.ack_reclaim(ev)
             wall_ms = (time.perf_counter() - t0) * 1e3
             where = finish() if finish is not None else ""
@@ -424,7 +418,7 @@ class SwiftRuntime:
                              "; ".join(filter(None, (detail, where))))
 
     def _on_reclaim(self, ev: ReclaimRequested) -> None:
-        if self.borrowing is not None:
+        if self.holds_leases:  # (a reclaim comes only for a lease held)
             held = self.tree.held_tokens()
             result = self.borrowing.on_reclaim(ev, self.tree)
             self.stats["reclaim_overflow_tokens"] += max(0, held - self.cache_capacity_tokens())
@@ -443,8 +437,6 @@ class SwiftRuntime:
         self.agent.ack_reclaim(ev)
 
     def _on_lost(self, ev: LeaseLost) -> None:
-        if self.borrowing is None:
-            return
         result = self.borrowing.on_lost(ev, self.tree)
         if result is None:
             return
@@ -454,8 +446,7 @@ class SwiftRuntime:
                        ev.key, ev.reason)
 
     def _on_returned(self, ev: BlocksReturned) -> None:
-        if self.lender is not None:
-            self.lender.on_returned(list(ev.blocks))
+        self.lender.on_returned(list(ev.blocks))
 
     def _on_peer(self, ev: PeerChanged) -> None:
         logger.info("SwiftCache: peer %s %s %s", ev.agent_id,
@@ -474,7 +465,7 @@ class SwiftRuntime:
 
     # ---- copies the tree asks for (see Borrowing) -----------------------------------------
     def lease_engine(self, donor: str, lease_id: int) -> Any:
-        return self.borrowing.lease_engine(donor, lease_id) if self.borrowing else None
+        return self.borrowing.lease_engine(donor, lease_id)
 
     def track(self, key: tuple[str, int], handle: Any, blocks: set[int]) -> None:
         """A copy started on lease `key` (`integration/copies.py`): a lost lease aborts it. (A
@@ -485,12 +476,52 @@ class SwiftRuntime:
         self.borrowing.untrack(key, handle)
 
 
+class NoBorrowing:
+    """The leases of a server that borrows nothing: none held, none asked for; a lease granted
+    all the same goes back to its donor at once."""
+
+    max_blocks = 0
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.leases: dict = {}
+
+    def maybe_request(self, peers_present: bool) -> None:
+        pass
+
+    def held_tokens(self) -> int:
+        return 0
+
+    def lease_engine(self, donor: str, lease_id: int) -> None:
+        return None
+
+    def on_granted(self, ev: Any, tree: Any) -> None:
+        self.agent.release(ev.key)
+
+    def on_failed(self, donor: str, reason: str) -> None:
+        pass
+
+    def fence(self, ev: Any) -> bool:
+        return False
+
+    def on_reclaim(self, ev: Any, tree: Any) -> None:
+        return None
+
+    def on_lost(self, ev: Any, tree: Any) -> None:
+        return None
+
+    def attach_tree(self, tree: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class NoRuntime:
     """The runtime of a server that neither lends nor borrows (no control channel): nothing to
     pump, lend, track or attach; its counters are the cache's own (`stats`)."""
 
     tp = None
-    lender = None
     lent_tokens = 0
 
     def __init__(self, stats: dict):
