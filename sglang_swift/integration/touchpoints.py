@@ -8,9 +8,11 @@ changed signature or behaviour, or a private attribute no longer set makes the p
 the SGLang versions it holds for (`versions`: the range it is meant for and the releases it was
 verified on; an installed SGLang outside the range is reported) and how it is checked (`Check`):
 by signature, or by a small run of SGLang's code (`touchpoint_probes.py`) where a signature says
-too little. Only attributes that SGLang sets inside a constructor that cannot run without a
-server (the scheduler, a request, a process group) are checked in the source that sets them.
-Entries for the CPU compatibility layer (`cpu_only`) are checked only where it is active.
+too little. The source is searched (`How.SOURCE`) only where neither can show it: attributes
+SGLang sets or reads inside code that cannot run without a server (the scheduler and its idle
+sleeper, a request, a process group, a pool configurator, a record's resolution), and the tree
+members the scheduler calls. Entries for the CPU compatibility layer (`cpu_only`) are checked
+only where it is active.
 
 Modules above `integration` import their target names from here. `layer_stream` and `cpu_compat`
 sit below it in the import layers, so they take no hook target from here (the plugin registers
@@ -568,12 +570,12 @@ IDLE_POLLER = TouchPoint(
      Check(How.BEHAVES, IDLE_SLEEPER, behaves=probes.idle_sleeper_poller),
      Check(How.SOURCE, f"{IDLE_SLEEPER}.maybe_sleep", ("self.poller.poll",))),
     versions=SGLANG_0_5_23)
+_STAND_IN_PIN = cpu_hicache.PINNED_SGLANG  # the release the stand-ins check themselves against
 HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
     TouchPoint(patch.dotted, Kind(patch.kind), f"CPU stand-in `{patch.name}`: {patch.why}",
                f"breaks if {patch.breaks_if}; HiCache then refuses to start on the CPU engine",
-               cpu_hicache.USED_IN, versions=Versions(*[cpu_hicache.PINNED_SGLANG] * 2,
-                                                      (cpu_hicache.PINNED_SGLANG,)),
-               cpu_only=True)
+               cpu_hicache.USED_IN,
+               versions=Versions(_STAND_IN_PIN, _STAND_IN_PIN, (_STAND_IN_PIN,)), cpu_only=True)
     for patch in cpu_hicache.PATCHES)
 
 ALL: tuple[TouchPoint, ...] = (
