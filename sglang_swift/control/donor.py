@@ -48,10 +48,10 @@ class DonorSide:
     def offer(self, blocks) -> None:
         if self.memory is None:
             raise RuntimeError("set_memory() before offering blocks")
-        blocks = list(blocks)  # the donor's own pool: its page ids
-        bad = [b for b in blocks if not 0 <= b < self.memory.num_pages]
+        blocks = list(blocks)
+        bad = [b for b in blocks if not 0 <= b < self.memory.num_ids]
         if bad:
-            raise ValueError(f"blocks outside the pool: {bad[:8]}")
+            raise ValueError(f"blocks outside the lent memory: {bad[:8]}")
         self._returned(self.ledger.offer(blocks))
 
     def demand(self, n: int) -> None:

@@ -54,10 +54,11 @@ class PoolLayoutMsg(msgspec.Struct, frozen=True):
 
 
 class MemoryDescriptor(msgspec.Struct, frozen=True):
-    """The donor memory a grant's blocks live in: the donor's own KV pool, laid out as `layout`
-    says, its page ids the block ids; with `ranks`, the pools of a TP donor's ranks
-    (docs/integration.md "Tensor parallelism"). The data plane exports the region as a dict and
-    the runtime adds the layout."""
+    """The donor memory a grant's blocks live in; the data plane exports it as a dict. A
+    SwiftCache server lends its own KV pool: `layout` says how, and block ids are its page ids;
+    with `ranks`, the pools of a TP donor's ranks (docs/integration.md "Tensor parallelism").
+    Without `layout` the memory is `num_blocks` blocks of `block_bytes` (the control channel's
+    own tests and benchmarks lend such a region, with no model behind it)."""
 
     kind: Annotated[str, msgspec.Meta(pattern="^(shm|cuda_ipc)$")]
     handle: Annotated[bytes, msgspec.Meta(max_length=4096)]
@@ -67,7 +68,7 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
     num_blocks: U64
     owner_pid: U64
     owner_uuid: Name
-    layout: PoolLayoutMsg
+    layout: PoolLayoutMsg | None = None
     # A TP donor's pool is one region per rank, each lending the same page ids: every rank's
     # descriptor (with its layout), rank 0's first. Empty: the one region above.
     ranks: Annotated[list[MemoryDescriptor], msgspec.Meta(max_length=64)] = []
@@ -81,14 +82,19 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
         return desc
 
     @property
-    def num_pages(self) -> int:
-        """The pool's pages: the ids a grant's blocks may take."""
+    def num_ids(self) -> int:
+        """How many block ids a grant may name: the pool's pages, or the region's blocks."""
+        if self.layout is None:
+            return self.num_blocks
         return self.layout.padded_rows // self.layout.page_size
 
     def to_dict(self) -> dict:
-        """Plain values only (the layout as a dict)."""
+        """Plain values only (the layout as a dict; no `layout` key without one)."""
         out = msgspec.structs.asdict(self)
-        out["layout"] = msgspec.structs.asdict(self.layout)
+        if self.layout is None:
+            del out["layout"]
+        else:
+            out["layout"] = msgspec.structs.asdict(self.layout)
         if self.ranks:
             out["ranks"] = [r.to_dict() for r in self.ranks]
         else:
@@ -119,7 +125,7 @@ class Hello(_Msg, tag="hello"):
     host: Name = ""
     pid_start: U64 = 0
     # The layout of the pool this peer lends (its own KV pool), so a borrower sizes its first
-    # request in that pool's pages; None when it lends nothing.
+    # request in that pool's pages; None when it lends no pool.
     layout: PoolLayoutMsg | None = None
 
 

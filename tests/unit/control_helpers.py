@@ -1,4 +1,4 @@
-"""What the in-process control-agent tests share: a donor's pool descriptor, a short rendezvous
+"""What the in-process control-agent tests share: a donor's memory descriptor, a short rendezvous
 directory (ipc socket paths are limited to 107 bytes), and waiting for one agent event."""
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ MEM = dict(
     num_blocks=32,
     owner_pid=os.getpid(),
     owner_uuid="",
-    # the donor's own pool: 32 pages of one token (its page ids are the blocks it lends)
-    layout=dict(num_layers=1, rows=32, padded_rows=32, head_num=1, head_dim=32, v_head_dim=32,
-                dtype="float32", page_size=1, data_offset=0),
 )
 
 

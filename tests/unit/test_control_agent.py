@@ -90,7 +90,7 @@ def test_owner_mistakes_fail_loudly_or_are_refused(pair):
     with pytest.raises(ValueError):
         borrower.request(1, priority=1000)
     donor.offer([0])  # already offered
-    donor.offer([10**6])  # outside the pool
+    donor.offer([10**6])  # outside the arena
     assert donor.wait_until(lambda a: a.counters.get("commands_refused", 0) == 2, 5)
     assert donor.is_alive()
     borrower.request(2)

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from sglang_swift.control import protocol as p
 
 SECRET = b"s" * 32
-MEM = p.MemoryDescriptor("shm", b"arena", "cpu", 4096, 256, 16, 123, "donor:1",
-                         p.PoolLayoutMsg(1, 16, 16, 1, 32, 32, "float32", 1, 0))
+MEM = p.MemoryDescriptor("shm", b"arena", "cpu", 4096, 256, 16, 123, "donor:1")
 
 SAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "llama", "ipc:///tmp/x.sock", 42, 256, 16, "cuda:0", True),
@@ -52,9 +51,8 @@ def test_every_message_round_trips(msg):
     assert codec.decode(codec.encode(env)) == env
 
 
-def test_memory_descriptor_accepts_the_exported_dict():
-    """The data plane exports a pool's region as a plain dict, the runtime adds its layout:
-    exactly the descriptor's keys."""
+def test_memory_descriptor_accepts_the_arena_dict():
+    """The data plane's arena exports a plain dict with exactly the descriptor's keys."""
     d = dict(
         kind="cuda_ipc",
         handle=b"\x01" * 64,
@@ -64,8 +62,6 @@ def test_memory_descriptor_accepts_the_exported_dict():
         num_blocks=16,
         owner_pid=1,
         owner_uuid="x",
-        layout=dict(num_layers=1, rows=16, padded_rows=16, head_num=1, head_dim=32,
-                    v_head_dim=32, dtype="float32", page_size=1, data_offset=0),
     )
     desc = p.MemoryDescriptor.coerce(d)
     assert desc.to_dict() == d
