@@ -60,6 +60,15 @@ def running_request_reservation(offset: Any) -> str | None:
     return None
 
 
+def request_tree_lock(req_class: Any) -> str | None:
+    """A new request holds its tree lock and matched node at `.lock` and `.last_node`."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = req_class("probe", "", [1], SamplingParams(max_new_tokens=1))
+    missing = [name for name in ("lock", "last_node") if not hasattr(req, name)]
+    return f"a request no longer has {', '.join(missing)}" if missing else None
+
+
 def idle_sleeper_poller(sleeper_class: Any) -> str | None:
     """An idle sleeper keeps one `zmq.Poller` at `.poller`, which other sockets can join."""
     import zmq

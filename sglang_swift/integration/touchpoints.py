@@ -10,7 +10,7 @@ verified on; an installed SGLang outside the range is reported) and how it is ch
 by signature, or by a small run of SGLang's code (`touchpoint_probes.py`) where a signature says
 too little. The source is searched (`How.SOURCE`) only where neither can show it: attributes
 SGLang sets or reads inside code that cannot run without a server (the scheduler and its idle
-sleeper, a request, a process group, a pool configurator, a record's resolution), and the tree
+sleeper, a process group, a pool configurator, a record's resolution), and the tree
 members the scheduler calls. Entries for the CPU compatibility layer (`cpu_only`) are checked
 only where it is active.
 
@@ -320,8 +320,8 @@ REQ_TREE_LOCK = TouchPoint(
     "lock, so SGLang frees those slots with the request",
     "the failed request's slots stay locked in the tree or are freed twice",
     f"{INTEGRATION}.streaming",
-    (Check(How.SOURCE, "sglang.srt.managers.schedule_batch.Req.__init__",
-           ("self.lock", "self.last_node")),
+    (Check(How.BEHAVES, "sglang.srt.managers.schedule_batch.Req",
+           behaves=probes.request_tree_lock),
      Check(How.KEYWORD_PARAMS, "sglang.srt.managers.schedule_batch.ReqKvInfo",
            ("cache_protected_len",))),
     versions=SGLANG_0_5_23)
