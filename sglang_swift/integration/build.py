@@ -69,7 +69,7 @@ def build_cache(params: Any, tree_config: Any, config: Any = None, *, model: str
             agent, role = agent_id or model or "server", "host" if host_kv is not None else "none"
         metrics = SwiftMetrics({"agent": agent, "role": role})
     cache = SwiftRadixCache(params, seat, donor_hits=donor_hits, storage_hits=storage_hits,
-                            runtime=runtime, metrics=metrics, stats=stats)
+                            control=runtime, metrics=metrics, stats=stats)
     if own_runtime:
         runtime.start(make_room=cache.evict_tokens)
     return cache

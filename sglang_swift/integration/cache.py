@@ -81,7 +81,7 @@ class SwiftRadixCache(RadixCache):
     and stores (the runtime's with a control channel: one dict for every collaborator)."""
 
     def __init__(self, params: CacheInitParams, seat: CacheTree, *, donor_hits: Any,
-                 storage_hits: Any, runtime: Any, metrics: Any, stats: dict):
+                 storage_hits: Any, control: Any, metrics: Any, stats: dict):
         if params.is_eagle:
             raise ValueError("SwiftCache's tree does not support EAGLE (bigram keys) yet; "
                              "run without --enable-swiftcache or without speculative decoding")
@@ -89,7 +89,7 @@ class SwiftRadixCache(RadixCache):
         self.tree_config = seat.config
         self.donor_hits = donor_hits
         self.storage_hits = storage_hits
-        self.control = runtime  # SwiftRuntime, or NoRuntime
+        self.control = control  # SwiftRuntime, or NoRuntime
         self.metrics = metrics
         self.stats = stats
         self.hicache_storage_pass_prefix_keys = storage_hits.pass_prefix_keys
