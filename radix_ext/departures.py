@@ -105,8 +105,13 @@ class Departures:
             self._nodes.leaving[x] = None
             self.leave(x, released)
 
-    def settle(self, path: list, released: list) -> None:
-        """After a store settled: its nodes leave if nothing else holds them back."""
+    def settle(self, ticket_id: int, path: list, released: list) -> None:
+        """Store `ticket_id` over `path` settled: the nodes it held on the device are unheld, and
+        its nodes leave if nothing else holds them back."""
+        holds = self._store_holds.pop(ticket_id, None)
+        if holds:
+            for x in holds:
+                self.release(x)
         s = self._nodes
         for p in path:
             if s.leaving.get(p) is not None:
@@ -152,8 +157,3 @@ class Departures:
             s.refresh_leaf(x)
             x = x.parent
         s.refresh_leaf(x)
-
-    def release_store_holds(self, ticket_id: int) -> None:
-        """Store `ticket_id` settled: the nodes it held on the device are unheld."""
-        for x in self._store_holds.pop(ticket_id, ()):
-            self.release(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterator
 
-from radix_ext.departures import Departures
+from radix_ext.departures import UNDECIDED, Departures
 from radix_ext.node import Node
 from radix_ext.residency import DEVICE, DONOR, HOST
 from radix_ext.results import EvictionPlan, StoreTicket
@@ -45,7 +45,7 @@ class Eviction:
         s = self._nodes
         pol = self._eviction
         run = EvictionRun(drops=[] if self._config.name_donor_drops else None)
-        leaves = s.leaves
+        leaves, leaving = s.leaves, s.leaving
         heap = [(pol.device_priority(x, s), x.id, x) for x in leaves]
         heapq.heapify(heap)
         steps: list = []
@@ -72,13 +72,14 @@ class Eviction:
                 demoted += n  # kept the lower copy it had: no better target took it
             else:
                 dropped += n
-            self._departures.decide(x, steps)  # no store: leaves now, or once its children have
+            if leaving[x] is UNDECIDED:  # no store: leaves now, or once its children have
+                self._departures.decide(x, steps)
             s.refresh_leaf(parent)
             if parent in leaves:
                 heapq.heappush(heap, (pol.device_priority(parent, s), parent.id, parent))
-        # stores cancelled to make room in this pass never reach the caller
-        store = self._store
-        steps = [x for x in steps if type(x) is not StoreTicket or store.is_open(x)]
+        if run.cancelled:  # stores cancelled to make room in this pass never reach the caller
+            gone = set(run.cancelled)
+            steps = [x for x in steps if type(x) is not StoreTicket or x not in gone]
         return EvictionPlan(evicted, demoted, dropped, tuple(steps), tuple(run.drops or ()))
 
     def _demote(self, run: EvictionRun, x: Node, dev: Any, steps: list) -> bool:

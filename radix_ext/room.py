@@ -27,10 +27,12 @@ _INF = float("inf")
 class EvictionRun:
     """What a running `evict_device` shares with the room it makes: `fresh`, node -> the store
     it began for it (its destination may still be dropped for room, cancelling the store);
-    `hint`, tokens it may still demote (room is made in chunks at least that big); `drops`, the
-    donor copies it dropped, named (None: not named). Outside an eviction all are empty."""
+    `cancelled`, those stores cancelled so; `hint`, tokens it may still demote (room is made in
+    chunks at least that big); `drops`, the donor copies it dropped, named (None: not named).
+    Outside an eviction all are empty."""
 
     fresh: dict = field(default_factory=dict)
+    cancelled: list = field(default_factory=list)
     hint: int = 0
     drops: Optional[list] = None
 
@@ -132,7 +134,9 @@ class Room:
             dst = self._fresh_candidate(run, x, tier, keys, exclude)
             if dst is not None:
                 freed += dst.num_tokens(page)
-                gone, instead = self._store.cancel(run.fresh.pop(x), steps)
+                ticket = run.fresh.pop(x)
+                run.cancelled.append(ticket)
+                gone, instead = self._store.cancel(ticket, steps)
                 if instead is not None:
                     run.fresh[x] = instead
             else:

@@ -48,7 +48,7 @@ class Store:
                 tier.free(old)
                 released.append(Released(ticket.dst_tier, old))
             s.add_res(p, part)
-        self._departures.settle(path, released)
+        self._departures.settle(ticket.ticket_id, path, released)
         return StoreOutcome(True, tuple(released))
 
     def abort(self, ticket: StoreTicket) -> StoreOutcome:
@@ -60,7 +60,7 @@ class Store:
         if ticket.dst is not None:
             self._nodes.tiers[ticket.dst_tier].free(ticket.dst)
         released: list = []
-        self._departures.settle(path, released)
+        self._departures.settle(ticket.ticket_id, path, released)
         return StoreOutcome(False, tuple(released))
 
     def in_flight(self) -> int:
@@ -69,9 +69,6 @@ class Store:
     def tickets(self) -> Iterator[StoreTicket]:
         """The stores in flight (read only)."""
         return iter(self._tickets.values())
-
-    def is_open(self, ticket: StoreTicket) -> bool:
-        return self._tickets.get(ticket.ticket_id) is ticket
 
     def path(self, ticket: StoreTicket) -> list:
         """The nodes `ticket` covers, in path order (one, or more after splits)."""
@@ -150,5 +147,4 @@ class Store:
         path = self.path(ticket)
         for p in path:
             p.pins -= 1
-        self._departures.release_store_holds(ticket.ticket_id)
         return path
