@@ -33,8 +33,8 @@ from sglang_swift.integration.debug_seam import FAULT_ENV
 
 pytestmark = pytest.mark.integration
 LAYERS = MODEL_SHAPES["small"]["num_hidden_layers"]
-POOL = 256  # the borrower's device pool: a probe (64 tokens) or a filler (231), never both
-PROBE, FILLER, NEW_TOKENS = 48, 230, 16
+POOL = 256  # the borrower's device pool: a filler (231 tokens) leaves no room for a probe
+PROBE, FILLER, NEW_TOKENS = 48, 230, 32
 ROW = 20  # the probe token whose row the fault overwrites
 TOP = 5  # candidates per token, for the near-tie test
 CONTROL_FIRST = 1950  # the untouched probe's first token id (no fault target)
