@@ -14,7 +14,7 @@ Ordering against the forward (docs/streaming.md "Ordering"): at submit the side 
 the caller's current stream and for every *forward stream* registered for its device
 (`follow_forward_stream`). SGLang 0.5.23 runs the model on `model_runner.forward_stream`, apart
 from the scheduler's own `schedule_stream` when overlap scheduling is on, and fences HiCache's
-copies on that stream (`Scheduler.init_cache_with_memory_pool` sets the cache controller's
+copies on that stream (`Scheduler.__init__` sets the cache controller's
 `load_fence_stream` / `write_fence_stream`): a store then reads rows only after the forward that
 wrote them, and a load writes slots only after the forward that last read them.
 

@@ -108,6 +108,20 @@ class NoDonorHits:
         pass
 
 
+def follow_forward(device: Any, tp_worker: Any) -> None:
+    """Order this server's copy lanes after the stream its model's forward runs on (touch point
+    FORWARD_STREAM; docs/streaming.md "Ordering against SGLang's forward stream"). A CPU pool
+    has no such stream: its lanes are host threads, ordered by the scheduler thread itself."""
+    import torch
+
+    from ..dataplane import streams
+
+    runner = getattr(tp_worker, "model_runner", None)
+    stream = getattr(runner, "forward_stream", None)
+    if torch.device(device).type == "cuda" and stream is not None:
+        streams.follow_forward_stream(device, stream)
+
+
 class DonorHits:
     """Lower-tier hits of a tree with a donor tier, a host tier or both (see the module
     docstring). `seat` is the cache's `CacheTree`; `runtime` its `SwiftRuntime` (a
@@ -131,6 +145,7 @@ class DonorHits:
             kv_pool.layer_num, kv_pool.k_buffer[0].device, timeout_s=LOAD_WAIT_FLOOR_S))
         kv_pool.register_layer_transfer_counter(self.counter)
         tp_worker.register_hicache_layer_transfer_counter(self.counter)
+        follow_forward(kv_pool.k_buffer[0].device, tp_worker)
         token_bytes = sum(buf[0].numel() * buf.element_size()
                           for buf in (*kv_pool.k_buffer, *kv_pool.v_buffer))
         self.seat = seat

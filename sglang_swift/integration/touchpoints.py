@@ -333,6 +333,21 @@ KV_POOL_BUFFERS = TouchPoint(
     (Check(How.LEADING_PARAMS, names=("self",)),),
     versions=SGLANG_0_5_23)
 
+FORWARD_STREAM = TouchPoint(
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward_stream", Kind.PRIVATE_READ,
+    "a borrower's copy lanes order every copy after the stream the model's forward runs on "
+    "(`streams.follow_forward_stream`): with overlap scheduling the forward runs there, apart "
+    "from the scheduler's own stream, and HiCache fences its copies on it the same way "
+    "(`Scheduler.__init__` sets the controller's load and write fences)",
+    "a store could read KV rows before the forward that writes them, and a load could write "
+    "slots a forward still reads: wrong bytes in the donor tier or the batch",
+    f"{INTEGRATION}.donor_hits",
+    (Check(How.SOURCE, "sglang.srt.model_executor.model_runner.ModelRunner.__init__",
+           ("self.forward_stream",)),
+     Check(How.SOURCE, f"{SCHEDULER}.__init__",
+           ("load_fence_stream", "model_runner.forward_stream"))),
+    versions=SGLANG_0_5_23)
+
 STEP_MARK = TouchPoint(
     f"{SCHEDULER}.ingest_requests", Kind.BEFORE,
     "debug seam only (a step observer installed by a benchmark): marks each scheduler loop "
@@ -581,7 +596,7 @@ HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
 ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
-    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, REQ_TREE_LOCK, KV_POOL_BUFFERS,
+    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, REQ_TREE_LOCK, KV_POOL_BUFFERS, FORWARD_STREAM,
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     STORAGE_BACKEND, STORAGE_CONFIG, STORAGE_PAGE_RULES, STORAGE_INTERFACE, STORAGE_KEYS,
     SCHEDULER_PREFETCH,
