@@ -89,19 +89,18 @@ class Borrowing:
     """All leases this server holds; runs on the scheduler thread (`fence`: any thread)."""
 
     last_fence: FenceSteps | None = None  # the latest fence's steps (runtime's log line)
-    # With a host tier below (set by the cache): `fence` first reads the reclaimed blocks
-    # into memory of this server's own, and `on_reclaim` moves what the tree rescues into host
-    # slots (`reclaim_staging.ReclaimStaging`).
-    staging: Any = None
-    # With L3 below the host tier: `spill(unrescued, rows, page) -> tokens` writes the staged
-    # rows of the copies the rescue found no host room for into storage (`cache.py`)
-    spill: Any = None
+    # `staging` (with a host tier below): `fence` first reads the reclaimed blocks into memory
+    # of this server's own, and `on_reclaim` moves what the tree rescues into host slots
+    # (`reclaim_staging.ReclaimStaging`). `spill` (with L3 below the host tier):
+    # `spill(unrescued, rows, page) -> tokens` writes the staged rows of the copies the rescue
+    # found no host room for into storage (`StorageHits.spill`). Both None: neither tier.
     shard: tuple[int, int] = (0, 1)  # (this rank, the server's TP ranks)
     geometry: Any = None  # this rank's KV page (KVGeometry)
 
     def __init__(self, *, max_blocks: int, geometry: Any, kv_pool: Any, agent: Any,
-                 stats: dict, tp: Any = None) -> None:
+                 stats: dict, tp: Any = None, staging: Any = None, spill: Any = None) -> None:
         self.tp = tp  # tp_sync.TpGroup with --tp > 1, else None
+        self.staging, self.spill = staging, spill
         self.shard = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.max_blocks = max_blocks
         self.geometry = geometry

@@ -16,8 +16,9 @@ _WIDTHS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch
            (1, torch.uint8))
 # CPU: a layer moves through a staging buffer this big, reused, so the gathered rows are still in
 # cache when they are scattered and no fresh (page-faulting) temporary is allocated per layer.
-# Measured on the 2-core CI machine, 256 MiB moved in 32 KiB units: one temporary per op
-# 1.0 GB/s, 1 MiB staging 5.8, 4 MiB 6.2 (a plain copy 9.2).
+# Sized by a measurement (2 cores, 256 MiB moved in 32 KiB units): one temporary per op
+# 1.0 GB/s, 1 MiB staging 5.8, 4 MiB 6.2 (a plain copy 9.2): 2 MiB gets most of it and stays
+# within a core's share of a last-level cache.
 STAGING_BYTES = 2 << 20
 
 

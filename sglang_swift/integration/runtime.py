@@ -136,8 +136,7 @@ class SwiftRuntime:
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
-                                       stats=self.stats, tp=tp)
-            self.borrowing.staging, self.borrowing.spill = staging, spill
+                                       stats=self.stats, tp=tp, staging=staging, spill=spill)
         elif config.streams_from_donor:  # leases for the streamed pool's store, not the tree
             from ..layer_stream.store_leases import StoreLeases
 
