@@ -23,7 +23,7 @@ _DEPTH = {DEVICE: 0, DONOR: 1, HOST: 2}  # the tier order, fastest first
 _INF = float("inf")
 
 
-@dataclass
+@dataclass(slots=True)
 class EvictionRun:
     """What a running `evict_device` shares with the room it makes: `fresh`, node -> the store
     it began for it (its destination may still be dropped for room, cancelling the store);
