@@ -10,7 +10,6 @@ eviction dropped the fresh copy.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from radix_ext.node import Node
@@ -23,7 +22,6 @@ _DEPTH = {DEVICE: 0, DONOR: 1, HOST: 2}  # the tier order, fastest first
 _INF = float("inf")
 
 
-@dataclass(slots=True)
 class EvictionRun:
     """What a running `evict_device` shares with the room it makes: `fresh`, node -> the store
     it began for it (its destination may still be dropped for room, cancelling the store);
@@ -31,10 +29,13 @@ class EvictionRun:
     chunks at least that big); `drops`, the donor copies it dropped, named (None: not named).
     Outside an eviction all are empty."""
 
-    fresh: dict = field(default_factory=dict)
-    cancelled: list = field(default_factory=list)
-    hint: int = 0
-    drops: Optional[list] = None
+    __slots__ = ("fresh", "cancelled", "hint", "drops")
+
+    def __init__(self, drops: Optional[list] = None):
+        self.fresh: dict = {}
+        self.cancelled: list = []
+        self.hint = 0
+        self.drops = drops
 
 
 class Room:
