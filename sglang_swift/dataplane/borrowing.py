@@ -94,6 +94,8 @@ class Borrowing:
     # (`reclaim_staging.ReclaimStaging`). `spill` (with L3 below the host tier):
     # `spill(unrescued, rows, page) -> tokens` writes the staged rows of the copies the rescue
     # found no host room for into storage (`StorageHits.spill`). Both None: neither tier.
+    staging: Any = None
+    spill: Any = None
     shard: tuple[int, int] = (0, 1)  # (this rank, the server's TP ranks)
     geometry: Any = None  # this rank's KV page (KVGeometry)
 
