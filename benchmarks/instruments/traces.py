@@ -71,9 +71,10 @@ def forward_observer(path: str):
                 after = pool.stream_stats()
                 copies = {k: after[k] - before[k] for k in COPY_FIELDS}
             copies["minor_faults"] = minor_faults() - faults
-            append_line(path, forward_record(forward_batch, streamed,
-                                             time.perf_counter() - wall,
-                                             time.thread_time() - cpu, copies))
+            record = forward_record(forward_batch, streamed, time.perf_counter() - wall,
+                                    time.thread_time() - cpu, copies)
+            record["end_unix"] = time.time()  # to place it beside SGLang's request times
+            append_line(path, record)
 
         return done
 

@@ -1,6 +1,6 @@
 """Multi-turn load generator for SGLang-compatible servers.
 
-  cli.py           scripts/bench_multiturn.py: chat sessions, agent tool loops, agent programs
+  cli.py           scripts/bench_sessions.py: chat sessions, agent tool loops, agent programs
   runner.py        replays text sessions (Poisson starts, turns in order, think times)
   client.py        streaming /generate and /v1/chat/completions clients (TTFT, ITL, cached tokens)
   frontend.py      an agent written in SGLang's frontend language, run through RuntimeEndpoint

@@ -1,9 +1,9 @@
-"""`bench_multiturn`: replay chat or agent sessions against one or more servers; tables, JSON, PNG.
+"""`bench_sessions`: replay chat or agent sessions against one or more servers; tables, JSON, PNG.
 
 Examples:
-  scripts/bench_multiturn.py --server off=http://127.0.0.1:30000 --server on=http://127.0.0.1:30001
-  scripts/bench_multiturn.py --quick --launch        # starts the CPU demo servers (off and on)
-  scripts/bench_multiturn.py --quick --launch --workload agent-frontend   # SGLang frontend programs
+  scripts/bench_sessions.py --server off=http://127.0.0.1:30000 --server on=http://127.0.0.1:30001
+  scripts/bench_sessions.py --quick --launch        # starts the CPU demo servers (off and on)
+  scripts/bench_sessions.py --quick --launch --workload agent-frontend   # SGLang frontend programs
 
 Workloads: chat (ShareGPT conversations), agent (tool loops as raw prompts), agent-frontend (the
 same tool loops written in SGLang's frontend language, sgl.function with fork for parallel tool
@@ -27,7 +27,7 @@ from . import frontend, plots, runner, stats
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_multiturn", description=__doc__,
+    p = argparse.ArgumentParser(prog="bench_sessions", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
                    help="server to test; give two to print ratios (second / first)")

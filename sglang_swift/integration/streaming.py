@@ -336,12 +336,18 @@ class StreamingLoads:
         return self.stats["load_wait_s"]
 
     def _facts(self, entry: BatchLoad, failed: dict) -> dict:
-        """One batch load, for the debug seam (bench_overlap's timeline): when each layer was
-        ready for attention and when attention first asked for it, from the batch's start."""
+        """One batch load, for the debug seam (bench_overlap's timeline, bench_multiturn's
+        per-request phases): when each layer was ready for attention and when attention first
+        asked for it, from the batch's start; which requests it served, and how (load or
+        exchange)."""
         fan = entry.fan
         base = fan.started_at
         reached = self.counter.reached(fan.pid)
         return {
+            "t0": time.time() - (fan.clock() - base),  # the batch's start, in Unix time
+            "loads": [{"rid": load.req.rid, "tokens": len(load.slots),
+                       "kind": "exchange" if type(load) is QueuedExchange else "load"}
+                      for load in entry.loads],
             "tokens": sum(len(load.slots) for load in entry.loads),
             "requests": len(entry.loads), "parts": len(entry.copies), "ok": not failed,
             "ready_ms": [None if t is None else (t - base) * 1e3 for t in fan.released_at],

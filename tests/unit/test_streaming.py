@@ -400,3 +400,32 @@ def test_fan_in_releases_a_layer_only_when_every_part_is_past_it():
     counter.set_consumer(fan.pid)
     assert counter.wait_until(1) and not counter.wait_until(2)  # times out: part a never did 2
     assert fan.aborted(a) and set(fan.failed_parts()) == {a, b}
+
+
+def test_the_debug_seam_names_each_request_of_a_batch_load_and_its_start(rig):
+    """Invariant: a batch load's facts say which requests it served, how (load or exchange) and
+    how many tokens each, and when the batch started in Unix time (per-request timelines join
+    them with SGLang's own request times)."""
+    import time
+
+    from sglang_swift.integration import debug_seam
+
+    seen = []
+    debug_seam.OBSERVERS.batch_load = seen.append
+    try:
+        tokens = list(range(1, 17))
+        rig.prefix(tokens)
+        rig.demote_all()
+        rig.match(tokens)
+        req, _, _ = rig.admit(tokens, "r1")
+        req.slots = rig.cache.prefix_device_indices(req)
+        batch = SimpleNamespace(hicache_consumer_index=-1, reqs=[req])
+        before = time.time()
+        rig.cache.swift_batch_built(batch)
+        assert all(rig.forward(batch, [tokens]))
+        rig.cache.swift_batch_ran(SimpleNamespace(chunked_req=None), batch)
+    finally:
+        debug_seam.reset()
+    assert len(seen) == 1
+    assert seen[0]["loads"] == [{"rid": "r1", "tokens": 16, "kind": "load"}]
+    assert before - 0.01 <= seen[0]["t0"] <= time.time()
