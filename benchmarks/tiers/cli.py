@@ -9,6 +9,8 @@ Summary keys:
   where its larger pool serves what the plan's `busy_pool` cannot (a prompt longer than the pool
   is refused with an empty answer, an answer stops where the pool is full), and any HiCache run
   could differ at a float near-tie (its cached prefixes change the prefill's arithmetic);
+  `empty_in_both`: of those, per run, the requests neither it nor (r) answered (a prompt longer
+  than both pools allow: not compared, so not a match);
 - `cached_tokens`: per run, prompt tokens the busy server served from cache (any tier);
   `cached_vs_hicache` = (s) / (h); `cached_vs_upper_bound` = (s) / (u), at most 1 unless
   something is wrong: above 1, `upper_bound_exceeded` says by how much, in which turns, and
@@ -92,6 +94,9 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
     mismatches = {run: sum(1 for r in res.records
                            if not same_output(r.output_ids, ref.get((r.session, r.turn))))
                   for run, res in results.items() if run != "r"}
+    empty_in_both = {run: sum(1 for r in res.records
+                              if not r.output_ids and not ref.get((r.session, r.turn)))
+                     for run, res in results.items() if run != "r"}
     cached = {run: sum(r.cached_tokens or 0 for r in res.records) for run, res in results.items()}
     ttft = {run: [r.ttft * 1e3 for r in res.records if r.ttft is not None]
             for run, res in results.items()}
@@ -104,6 +109,7 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
     p50 = {run: pct(v, 50) for run, v in ttft.items()}
     p99 = {run: pct(v, 99) for run, v in ttft.items()}
     out = {"identical": mismatches.get("s") == 0, "mismatches": mismatches,
+           "empty_in_both": empty_in_both,
            "cached_tokens": cached, "cached_by_turn": by_turn,
            "cached_vs_hicache": _ratio(cached.get("s"), cached.get("h")),
            "cached_vs_upper_bound": _ratio(cached.get("s"), cached.get("u")),

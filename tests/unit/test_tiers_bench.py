@@ -88,3 +88,4 @@ def test_identity_is_on_token_ids_and_two_empty_answers_are_a_mismatch():
     assert s["identical"] is False and s["mismatches"]["s"] == 1
     empty = cli.summarize(TierPlan(turns=2), _results(runs, {"r": [], "s": []}), BUSY)
     assert empty["identical"] is False and empty["mismatches"]["s"] == 1
+    assert empty["empty_in_both"]["s"] == 1 and empty["empty_in_both"]["h"] == 0
