@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The cache hierarchy against HiCache and the ideal; see benchmarks/tiers/cli.py."""
+"""The cache hierarchy against HiCache and an upper bound; see benchmarks/tiers/cli.py."""
 
 import sys
 from pathlib import Path

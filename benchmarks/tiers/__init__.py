@@ -1,1 +1,2 @@
-"""The hierarchy benchmark (scripts/bench_tiers.py): HiCache, HiCache with SwiftCache, the ideal."""
+"""The hierarchy benchmark (scripts/bench_tiers.py): HiCache, HiCache with SwiftCache, the upper
+bound."""
