@@ -33,7 +33,10 @@ JSON keys (last line): `closed_loop_ttft_avg_vs_upper_bound`, `closed_loop_ttft_
 `closed_loop_ttft_p99_noise` (upper bound twin / upper bound), `stock_ttft_avg_vs_upper_bound`,
 `stock_ttft_p99_vs_upper_bound` (stock / upper bound), `cached_tokens` and `ttft_ms` (avg, p50,
 p90, p99) per run, `cached_vs_upper_bound` (swiftcache / upper bound, at most 1 unless
-`upper_bound_exceeded` says why), `upper_bound_pool`, `history_vs_busy_pool` (the clients'
+`upper_bound_exceeded` says why), `upper_bound_pool`, `unlimited_cache_tokens` and
+`cached_vs_unlimited_cache` (what a cache that never evicts would serve: a bound no size or
+eviction order beats; SGLang's LRU over one pool can be beaten by another eviction order once
+the histories outgrow it), `history_vs_busy_pool` (the clients'
 histories at the end over the busy pool), `identical`, `swift_stats` (the borrower's SwiftCache
 counters: donor hits, exchanges, loads), `swift_work_per_request` (the borrower's
 scheduler-thread time in SwiftCache's own code over the traffic, ms per request by phase:
@@ -260,6 +263,17 @@ def upper_bound_exceeded(swift: int, bound: int) -> dict | None:
                    "no optimum), or an over-count of cached tokens (a bug)"}
 
 
+def unlimited_cache_tokens(turns: list, load: ClosedLoop) -> int:
+    """What a cache that never evicts would serve from cache over these turns: each round's
+    prompt begins with the client's previous prompt and its answer, whose KV was computed (the
+    answer's last token's was not; counted all the same), and nothing else of it was seen
+    before (new tokens are random per client and round). No cache of any size, placement or
+    eviction order serves more, so SwiftCache above it is a miscount."""
+    prompt = {(t.client, t.round): t.prompt for t in turns}
+    return sum(prompt[(t.client, t.round - 1)] + load.output_length for t in turns
+               if t.round > 0 and (t.client, t.round - 1) in prompt)
+
+
 def summarize(runs: dict, plan: NodePlan, load: ClosedLoop, pools: dict) -> dict:
     ref = {(t.client, t.round): t.output for t in runs["stock"]["turns"]}
     out: dict = {"load": asdict(load), "pools": pools, "cached_tokens": {}, "ttft_ms": {},
@@ -292,6 +306,9 @@ def summarize(runs: dict, plan: NodePlan, load: ClosedLoop, pools: dict) -> dict
     out["cached_vs_upper_bound"] = cached["swiftcache"] / bound if bound else None
     out["upper_bound_exceeded"] = upper_bound_exceeded(cached["swiftcache"], bound)
     out["upper_bound_pool"] = pools["upper_bound"]["busy"]
+    unlimited = unlimited_cache_tokens(runs["stock"]["turns"], load)
+    out["unlimited_cache_tokens"] = unlimited
+    out["cached_vs_unlimited_cache"] = cached["swiftcache"] / unlimited if unlimited else None
     out["history_vs_busy_pool"] = round(load.history_tokens() / plan.busy_pool, 2)
     out["identical"] = out["mismatches"]["swiftcache"] == 0
     out["swift_stats"] = runs["swiftcache"]["stats"]
@@ -409,6 +426,9 @@ def _sweep(args, plan: NodePlan, base: ClosedLoop, specs: dict, busy_model: Path
         point["upper_bound_exceeded"] = upper_bound_exceeded(cached["swiftcache"],
                                                              cached["upper_bound"])
         _warn_above_bound(point["upper_bound_exceeded"])
+        unlimited = unlimited_cache_tokens(runs["stock"]["turns"], load)
+        point["cached_vs_unlimited_cache"] = (cached["swiftcache"] / unlimited
+                                              if unlimited else None)
         point["loadavg"] = {name: run["loadavg"] for name, run in runs.items()}
         points.append(point)
         print(f"[{n} clients] {json.dumps(point)}", flush=True)

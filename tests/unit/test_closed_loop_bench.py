@@ -24,6 +24,7 @@ from benchmarks.nodebench.closed_loop import (
     hicache_args,
     host_pool_tokens,
     summarize,
+    unlimited_cache_tokens,
     upper_bound_run,
 )
 from benchmarks.nodebench.plan import NodePlan
@@ -140,6 +141,21 @@ def test_swiftcache_above_the_upper_bound_is_reported_with_its_cause():
     assert s["cached_vs_upper_bound"] > 1
     assert s["upper_bound_exceeded"]["by_tokens"] == 1
     assert "nondeterminism" in s["upper_bound_exceeded"]["why"]
+
+
+def test_the_unlimited_cache_bound_counts_each_previous_prompt_and_answer():
+    """Round r's prompt starts with round r-1's prompt and answer: a cache that never evicts
+    serves exactly those; round 0 is new tokens only."""
+    load = ClosedLoop(output_length=4)
+    turns = [Turn(c, r, ttft=0.3, prompt=10 * (r + 1) + c, output=(1,)) for c in range(2)
+             for r in range(3)]
+    # client 0: rounds 1, 2 reuse 10 + 4 and 20 + 4; client 1: 11 + 4 and 21 + 4
+    assert unlimited_cache_tokens(turns, load) == 14 + 24 + 15 + 25
+    runs = {"stock": {**_run([0.3], 0), "turns": turns},
+            "swiftcache": _run([0.2], 39), "upper_bound": _run([0.2], 30),
+            "upper_bound_twin": _run([0.2], 30)}
+    s = summarize(runs, NodePlan(), load, POOLS)
+    assert s["unlimited_cache_tokens"] == 78 and s["cached_vs_unlimited_cache"] == 0.5
 
 
 def test_two_empty_answers_are_a_mismatch():
