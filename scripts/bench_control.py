@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 
+from benchmarks.peers.block_region import lend_blocks
 from sglang_swift.common.private_resources import sweep_shm
 from sglang_swift.control import (
     BlocksReturned,
@@ -35,7 +36,6 @@ from sglang_swift.control import (
     LeaseGranted,
     RequestFailed,
 )
-from sglang_swift.dataplane import SharedArena
 
 SIM = [sys.executable, "-m", "benchmarks.peers.control_peer"]
 
@@ -150,9 +150,9 @@ def bench_msgs(rdv: str, seconds: float, window: int = 32) -> float:
 
 
 def bench_reclaims(rdv: str, n: int) -> list[float]:
-    arena = SharedArena(64, 512, name_prefix="swcbench")
+    arena, descriptor = lend_blocks(64, 512, name_prefix="swcbench")
     agent = ControlAgent(ControlConfig("bench-donor", rendezvous_dir=rdv),
-                         memory=arena.export()).start()
+                         memory=descriptor).start()
     borrower = spawn(rdv, "--agent-id", "sim-borrower", "--auto-ack")
     try:
         agent.offer(range(64))

@@ -101,7 +101,7 @@ def _pool_target(g: KVGeometry, npages: int, threads: int, k, v, donor: KVGeomet
     need = LeasePacking.pages_for(g, PoolLayout(donor, donor.page_size, donor.page_size), npages)
     rows = (need + 8) * donor.page_size
     layout = PoolLayout(donor, rows, rows)
-    arena = SharedArena(1, -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES)
+    arena = SharedArena(-(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES)
     book = DonorLedger()
     book.offer(range(layout.num_pages))
     pages = sorted(book.grant("bench", 1, need, 0).active)

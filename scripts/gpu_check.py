@@ -161,7 +161,7 @@ def donor(args) -> int:
     device = "cpu" if args.emulate else "cuda:0"
     layout = PoolLayout(g, rows=args.donor_rows, padded_rows=args.donor_rows, data_offset=0)
     size = -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
-    arena = SharedArena(1, size, device=device, name_prefix="gpucheck")
+    arena = SharedArena(size, device=device, name_prefix="gpucheck")
     arena.memory.view(-1).zero_()
     desc = arena.export()
     desc["handle"] = desc["handle"].hex()

@@ -29,6 +29,7 @@ import time
 
 import msgspec
 
+from benchmarks.peers.block_region import lend_blocks
 from benchmarks.peers.peer_borrower import PeerBorrower
 from sglang_swift.control import events as ev
 from sglang_swift.control.agent import ControlAgent
@@ -53,9 +54,9 @@ class Blocks:
         self.buf = memoryview(memory.numpy()).cast("B")
 
     @classmethod
-    def lend(cls, num_blocks: int, block_bytes: int) -> tuple[Blocks, SharedArena]:
-        arena = SharedArena(num_blocks, block_bytes, name_prefix="swc")
-        return cls(arena.memory), arena
+    def lend(cls, num_blocks: int, block_bytes: int) -> tuple[Blocks, SharedArena, dict]:
+        arena, descriptor = lend_blocks(num_blocks, block_bytes, name_prefix="swc")
+        return cls(arena.memory), arena, descriptor
 
 
 class Mapper:
@@ -79,8 +80,8 @@ class Mapper:
 class SimDonor:
     def __init__(self, agent: ControlAgent, args) -> None:
         self.agent, self.args = agent, args
-        self.blocks, self.arena = Blocks.lend(args.donate, args.block_bytes)
-        agent.set_memory(self.arena.export())
+        self.blocks, self.arena, descriptor = Blocks.lend(args.donate, args.block_bytes)
+        agent.set_memory(descriptor)
         agent.offer(range(args.donate))
         if args.pressure:
             threading.Thread(target=self._pressure, daemon=True).start()

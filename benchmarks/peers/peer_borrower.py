@@ -8,6 +8,7 @@ import struct
 import threading
 import time
 
+from benchmarks.peers.block_region import block_size
 from sglang_swift.control import events as ev
 
 _CLAIM = struct.Struct("<II")  # holder pid, lease id (low 32 bits); zero means unclaimed
@@ -77,7 +78,7 @@ class PeerBorrower:
         arena = self.arenas.get(e.memory.handle)
         if arena is None:
             arena = self.arenas[e.memory.handle] = self._arena_cls(e.memory.handle.decode())
-        bb, buf = e.memory.block_bytes, arena.buf
+        bb, buf = block_size(e.memory), arena.buf
         taken = [b for b in e.blocks if _claim_alive(buf[b * bb : b * bb + 8])]
         if taken:
             self.say(

@@ -158,10 +158,7 @@ class BorrowerSide:
             return "lease id granted twice"
         if len(set(msg.blocks)) != len(msg.blocks) or not msg.blocks:
             return "empty or duplicate blocks"
-        layout = msg.memory.layout  # a donor's own pool: blocks are its page ids
-        limit = (layout.padded_rows // layout.page_size if layout is not None
-                 else msg.memory.num_blocks)
-        if any(b >= limit for b in msg.blocks):
+        if any(b >= msg.memory.num_ids for b in msg.blocks):  # a donor's pool: its page ids
             return "block id beyond the descriptor"
         mine = set(msg.blocks)
         for held in self.leases.values():

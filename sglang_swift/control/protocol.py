@@ -57,8 +57,8 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
     """The donor memory a grant's blocks live in; the data plane exports it as a dict. A
     SwiftCache server lends its own KV pool: `layout` says how, and block ids are its page ids;
     with `ranks`, the pools of a TP donor's ranks (docs/integration.md "Tensor parallelism").
-    Without `layout` the memory is `num_blocks` blocks of `block_bytes` (the control channel's
-    own tests and benchmarks lend such a region, with no model behind it)."""
+    `total_bytes`, `block_bytes` and `num_blocks` are the region's size as its header states it
+    (one block of the whole region)."""
 
     kind: Annotated[str, msgspec.Meta(pattern="^(shm|cuda_ipc)$")]
     handle: Annotated[bytes, msgspec.Meta(max_length=4096)]
@@ -68,7 +68,7 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
     num_blocks: U64
     owner_pid: U64
     owner_uuid: Name
-    layout: PoolLayoutMsg | None = None
+    layout: PoolLayoutMsg
     # A TP donor's pool is one region per rank, each lending the same page ids: every rank's
     # descriptor (with its layout), rank 0's first. Empty: the one region above.
     ranks: Annotated[list[MemoryDescriptor], msgspec.Meta(max_length=64)] = []
@@ -83,18 +83,13 @@ class MemoryDescriptor(msgspec.Struct, frozen=True):
 
     @property
     def num_ids(self) -> int:
-        """How many block ids a grant may name: the pool's pages, or the region's blocks."""
-        if self.layout is None:
-            return self.num_blocks
+        """How many block ids a grant may name: the pool's pages."""
         return self.layout.padded_rows // self.layout.page_size
 
     def to_dict(self) -> dict:
-        """Plain values only (the layout as a dict; no `layout` key without one)."""
+        """Plain values only (the layout as a dict)."""
         out = msgspec.structs.asdict(self)
-        if self.layout is None:
-            del out["layout"]
-        else:
-            out["layout"] = msgspec.structs.asdict(self.layout)
+        out["layout"] = msgspec.structs.asdict(self.layout)
         if self.ranks:
             out["ranks"] = [r.to_dict() for r in self.ranks]
         else:

@@ -122,8 +122,8 @@ def map_pool(desc: Any, cuda_index: int | None = None) -> MappedPool:
     without the lease) when the region is gone, too small, or the descriptor has no layout."""
     raw = desc.get("layout") if isinstance(desc, dict) else getattr(desc, "layout", None)
     if raw is None:
-        raise MappingError("bad_descriptor", "the descriptor has no pool layout: it names a "
-                           "block arena, not a donor's own pool; map it with map_arena")
+        raise MappingError("bad_descriptor", "the descriptor has no pool layout: every lent "
+                           "region is a donor's KV pool, described by its layout")
     try:
         layout = PoolLayout.from_dict(raw)
     except ValueError as exc:

@@ -87,20 +87,19 @@ def _desc_get(desc, key):
 
 
 class SharedArena:
-    """A region of memory other processes can map: a header and `num_blocks` blocks of
-    `block_bytes` (a lending server's pool is one block holding the whole pool). It holds the
-    memory only; who owns each page is the donor's `DonorLedger` (control/ledger.py), which the
-    donor's agent keeps."""
+    """A region of `size_bytes` other processes can map, after a header: a lending server's KV
+    pool (`integration/shared_kv_pool.py`; its `PoolLayout` travels in the descriptor beside
+    it). It holds the memory only; who owns each page is the donor's `DonorLedger`
+    (control/ledger.py), which the donor's agent keeps. The header and descriptor keep the
+    region's size as one block of `size_bytes` (`block_bytes`, `num_blocks` == 1)."""
 
-    def __init__(
-        self, num_blocks: int, block_bytes: int, device: str = "cpu", name_prefix: str = "swift"
-    ):
-        if num_blocks <= 0 or block_bytes <= 0 or block_bytes % BLOCK_ALIGN_BYTES:
+    def __init__(self, size_bytes: int, device: str = "cpu", name_prefix: str = "swift"):
+        if size_bytes <= 0 or size_bytes % BLOCK_ALIGN_BYTES:
             raise ValueError(
-                f"an arena needs num_blocks > 0 and block_bytes a positive multiple of "
-                f"{BLOCK_ALIGN_BYTES}, got {num_blocks} x {block_bytes}; round the size up to "
-                f"BLOCK_ALIGN_BYTES"
+                f"a shared region needs a size that is a positive multiple of "
+                f"{BLOCK_ALIGN_BYTES} bytes, got {size_bytes}; round it up to BLOCK_ALIGN_BYTES"
             )
+        num_blocks, block_bytes = 1, size_bytes
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.device = torch.device(device)
         self.owner_uuid = str(uuid_mod.uuid4())
@@ -120,7 +119,7 @@ class SharedArena:
         else:
             raise ValueError(f"arena device must be cpu or cuda, got {device}")
         self.region[:HEADER_BYTES].copy_(header)
-        self.memory = self.region[HEADER_BYTES:].view(num_blocks, block_bytes)  # uint8 blocks
+        self.memory = self.region[HEADER_BYTES:]  # the region's bytes after the header (uint8)
         try:
             self._handle = self._make_handle()
         except BaseException:  # an export that fails leaves no shared name behind
@@ -194,7 +193,7 @@ class SharedArena:
 
 @dataclass
 class MappedArena:
-    """A borrower's view of a donor's region. `memory` is uint8 [num_blocks, block_bytes]."""
+    """A borrower's view of a donor's region. `memory` is its uint8 bytes after the header."""
 
     descriptor: dict
     memory: torch.Tensor
@@ -285,7 +284,7 @@ def map_arena(desc, cuda_index: int | None = None) -> MappedArena:
         raise MappingError(
             "unsupported", f"descriptor kind {d['kind']!r}; expected shm or cuda_ipc"
         )
-    mapped = MappedArena(d, region[HEADER_BYTES:].view(nb, bb), region, shm)
+    mapped = MappedArena(d, region[HEADER_BYTES:HEADER_BYTES + nb * bb], region, shm)
     h = mapped.header()
     problems = [
         f"{k}: header {h[k]!r} != descriptor {d[k]!r}"

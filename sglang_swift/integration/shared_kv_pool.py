@@ -62,7 +62,7 @@ def create_buffers_in_shared_region(orig: Callable[[Any], None], pool: Any) -> N
     layout = layout_of(pool, data_offset=0)
     size = -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
     try:  # the allocation and its export (shm name, CUDA IPC handle) can fail: serve anyway
-        arena = SharedArena(1, size, device=str(pool.device), name_prefix="swiftpool")
+        arena = SharedArena(size, device=str(pool.device), name_prefix="swiftpool")
     except Exception as exc:  # noqa: BLE001 - any failure here means "lend nothing"
         logger.warning("SwiftCache: this server's KV pool could not be placed in shareable "
                        "memory (%s: %s); it is built as usual and lends nothing",

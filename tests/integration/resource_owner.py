@@ -15,8 +15,9 @@ import os
 import signal
 import sys
 
+from benchmarks.peers.block_region import lend_blocks
 from sglang_swift.control import ControlAgent, ControlConfig, LeaseGranted
-from sglang_swift.dataplane.sharing import SharedArena, map_arena
+from sglang_swift.dataplane.sharing import map_arena
 
 
 def main() -> None:
@@ -27,8 +28,8 @@ def main() -> None:
     cfg = ControlConfig(args.role, rendezvous_dir=args.rendezvous_dir, heartbeat_interval_s=0.1)
     ready = {"pid": os.getpid()}
     if args.role == "donor":
-        arena = SharedArena(8, 512)
-        agent = ControlAgent(cfg, memory=arena.export()).start()
+        arena, descriptor = lend_blocks(8, 512)
+        agent = ControlAgent(cfg, memory=descriptor).start()
         agent.offer(range(8))
         ready["shm"] = arena.export()["handle"].decode()
     else:

@@ -180,7 +180,8 @@ def _authenticated_nonsense(rng: random.Random, secret: bytes, donor_epoch: int,
     """A peer holding the secret that joins properly, then sends well-formed nonsense:
     wrong geometry, foreign lease ids and blocks, unsolicited grants and reclaims."""
     codec = p.Codec(secret)
-    mem = p.MemoryDescriptor("shm", b"nope", "cpu", 1 << 20, 256, 4096, 1, "x")
+    mem = p.MemoryDescriptor("shm", b"nope", "cpu", 1 << 20, 1 << 20, 1, 1, "x",
+                             p.PoolLayoutMsg(1, 4096, 4096, 1, 64, 64, "float16", 1, 0))
     r = lambda: rng.randint(0, 64)  # noqa: E731
     blocks = lambda: [rng.randint(0, 1 << 20) for _ in range(rng.randint(0, 8))]  # noqa: E731
     makers = [

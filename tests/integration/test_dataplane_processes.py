@@ -68,7 +68,7 @@ def _pool_region(g, pages: int):
 
     rows = pages * g.page_size
     layout = PoolLayout(g, rows, rows)
-    return SharedArena(1, -(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES), layout
+    return SharedArena(-(-layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES), layout
 
 
 def donor_main() -> None:

@@ -9,15 +9,18 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+# a donor pool of 32 one-token pages of 256 bytes (one layer, K and V of 64 float16 each)
 MEM = dict(
     kind="shm",
     handle=b"arena",
     device="cpu",
     total_bytes=256 * 32,
-    block_bytes=256,
-    num_blocks=32,
+    block_bytes=256 * 32,
+    num_blocks=1,
     owner_pid=os.getpid(),
     owner_uuid="",
+    layout=dict(num_layers=1, rows=32, padded_rows=32, head_num=1, head_dim=64, v_head_dim=64,
+                dtype="float16", page_size=1, data_offset=0),
 )
 
 

@@ -58,15 +58,15 @@ def test_layer_spans_tile_the_page_in_order(g):
         g.span(0, "q")
 
 
-def test_region_blocks_are_aligned_or_refused():
-    """Invariant: a region's block size is a multiple of BLOCK_ALIGN_BYTES (the one alignment),
-    both where it is built and where a borrower maps it."""
+def test_region_size_is_aligned_or_refused():
+    """Invariant: a region's size is a multiple of BLOCK_ALIGN_BYTES (the one alignment), both
+    where it is built and where a borrower maps it."""
     assert BLOCK_ALIGN_BYTES == 512
     with pytest.raises(ValueError, match="multiple of 512"):
-        SharedArena(2, 1000)
-    donor = SharedArena(2, 1024)
+        SharedArena(1000)
+    donor = SharedArena(2048)
     try:
-        desc = {**donor.export(), "block_bytes": 1000, "num_blocks": 2, "total_bytes": 4096 + 2000}
+        desc = {**donor.export(), "block_bytes": 1000, "num_blocks": 1, "total_bytes": 4096 + 1000}
         with pytest.raises(MappingError) as err:
             map_arena(desc)
         assert err.value.reason == "bad_descriptor"
@@ -75,17 +75,19 @@ def test_region_blocks_are_aligned_or_refused():
 
 
 def test_export_descriptor_has_exactly_the_protocol_keys_and_maps():
-    """Invariant: export() gives exactly the protocol's descriptor keys, and a dict or an
-    object with those fields maps the same bytes."""
-    donor = SharedArena(3, 1024)
+    """Invariant: export() gives exactly the protocol's descriptor keys (the region's size as
+    one block), and a dict or an object with those fields maps the same bytes."""
+    donor = SharedArena(3 * 1024)
     try:
         desc = donor.export()
         assert tuple(sorted(desc)) == tuple(sorted(DESCRIPTOR_KEYS))
         assert desc["kind"] == "shm" and desc["device"] == "cpu"
         assert desc["total_bytes"] == 4096 + 3 * 1024
-        donor.memory[1].fill_(7)
+        assert (desc["num_blocks"], desc["block_bytes"]) == (1, 3 * 1024)
+        donor.memory[1024:2048].fill_(7)
         mapped = map_arena(desc)
-        assert mapped.memory.shape == (3, 1024) and int(mapped.memory[1, 5]) == 7
+        assert mapped.memory.shape == (3 * 1024,) and int(mapped.memory[1024 + 5]) == 7
+        assert int(mapped.memory[5]) == 0
 
         @dataclass
         class Desc:  # the control channel's MemoryDescriptor is an object with these fields
@@ -114,8 +116,8 @@ def _dead_pid() -> int:
     "change, reason",
     [
         ({"owner_uuid": "someone-else"}, "identity"),
-        ({"block_bytes": 512, "num_blocks": 6}, "identity"),
-        ({"block_bytes": 2048, "total_bytes": 4096 + 3 * 2048}, "size"),
+        ({"block_bytes": 1024, "num_blocks": 3}, "identity"),
+        ({"block_bytes": 6144, "total_bytes": 4096 + 6144}, "size"),
         ({"total_bytes": 999}, "bad_descriptor"),
         ({"kind": "rdma"}, "unsupported"),
         ({"handle": b"swift_no_such_segment"}, "not_found"),
@@ -125,7 +127,7 @@ def _dead_pid() -> int:
 def test_mapping_is_checked(change, reason):
     """Invariant: a descriptor that disagrees with the region (identity, size, kind, name,
     owner) is refused with the matching MappingError reason."""
-    donor = SharedArena(3, 1024)
+    donor = SharedArena(3 * 1024)
     try:
         desc = {**donor.export(), **change}
         if reason == "owner_dead":
@@ -139,7 +141,7 @@ def test_mapping_is_checked(change, reason):
 
 def test_missing_descriptor_keys_are_named():
     """Invariant: a descriptor without one of the protocol's keys is refused, naming it."""
-    donor = SharedArena(2, 1024)
+    donor = SharedArena(2 * 1024)
     try:
         desc = donor.export()
         del desc["owner_uuid"]
@@ -152,7 +154,7 @@ def test_missing_descriptor_keys_are_named():
 def test_revoked_region_is_an_expected_event():
     """Invariant: after revoke_export a mapped borrower sees the region dead (reason revoked)
     and no new mapping succeeds."""
-    donor = SharedArena(2, 1024)
+    donor = SharedArena(2 * 1024)
     try:
         desc = donor.export()
         mapped = map_arena(desc)
@@ -186,7 +188,7 @@ def test_cuda_ipc_descriptor_without_cuda_is_an_expected_failure():
     not a crash."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only refusal")
-    donor = SharedArena(2, 1024)
+    donor = SharedArena(2 * 1024)
     try:
         desc = {**donor.export(), "kind": "cuda_ipc", "handle": b""}
         with pytest.raises(MappingError) as err:

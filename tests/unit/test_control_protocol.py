@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from sglang_swift.control import protocol as p
 
 SECRET = b"s" * 32
-MEM = p.MemoryDescriptor("shm", b"arena", "cpu", 4096, 256, 16, 123, "donor:1")
+LAYOUT = p.PoolLayoutMsg(1, 16, 16, 1, 64, 64, "float16", 1, 0)  # 16 pages of 256 bytes
+MEM = p.MemoryDescriptor("shm", b"arena", "cpu", 4096, 4096, 1, 123, "donor:1", LAYOUT)
 
 SAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, "llama", "ipc:///tmp/x.sock", 42, 256, 16, "cuda:0", True),
@@ -51,24 +52,29 @@ def test_every_message_round_trips(msg):
     assert codec.decode(codec.encode(env)) == env
 
 
-def test_memory_descriptor_accepts_the_arena_dict():
-    """The data plane's arena exports a plain dict with exactly the descriptor's keys."""
+def test_memory_descriptor_is_a_pool_region_with_its_layout():
+    """Invariant: the data plane's export plus the pool's layout is exactly the descriptor
+    (a dict round-trips); block ids are the pool's pages; a region whose size fields overflow,
+    an unknown kind, or a descriptor without a layout is refused."""
     d = dict(
         kind="cuda_ipc",
         handle=b"\x01" * 64,
         device="cuda:1",
         total_bytes=1 << 20,
-        block_bytes=1 << 16,
-        num_blocks=16,
+        block_bytes=1 << 20,
+        num_blocks=1,
         owner_pid=1,
         owner_uuid="x",
+        layout=msgspec.structs.asdict(LAYOUT),
     )
     desc = p.MemoryDescriptor.coerce(d)
-    assert desc.to_dict() == d
+    assert desc.to_dict() == d and desc.num_ids == 16
     with pytest.raises(ValueError):
-        p.MemoryDescriptor.coerce(dict(d, num_blocks=17))  # overflows total_bytes
+        p.MemoryDescriptor.coerce(dict(d, num_blocks=2))  # overflows total_bytes
     with pytest.raises(msgspec.ValidationError):
         p.MemoryDescriptor.coerce(dict(d, kind="nvlink"))
+    with pytest.raises(msgspec.ValidationError, match="layout"):
+        p.MemoryDescriptor.coerce({k: v for k, v in d.items() if k != "layout"})
 
 
 @pytest.mark.parametrize(

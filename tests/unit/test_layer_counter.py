@@ -127,7 +127,7 @@ class Setup:
         rows = DONOR_PAGES * G.page_size
         self.layout = PoolLayout(G, rows, rows)
         size = -(-self.layout.data_bytes // BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
-        self.donor = SharedArena(1, size)
+        self.donor = SharedArena(size)
         self.packing = LeasePacking(G, self.layout, list(range(DONOR_PAGES - 1, -1, -1)))
         self.blocks = list(range(-(-n // G.page_size)))
         self.k = [torch.randn(32, 2, 8).to(G.dtype) for _ in range(G.num_layers)]

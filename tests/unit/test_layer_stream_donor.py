@@ -27,7 +27,7 @@ class Donor:
 
     def __init__(self, pages: int = 160):
         self.layout = pool_of(DONOR_PAGE, pages)
-        self.arena = SharedArena(1, -(-self.layout.data_bytes // 512) * 512)
+        self.arena = SharedArena(-(-self.layout.data_bytes // 512) * 512)
         self.arena.memory.view(-1).fill_(POISON)
         self.mapped = map_pool({**self.arena.export(), "layout": self.layout.to_dict()})
         self.up = True  # False: the donor is dead (or past its read deadline)

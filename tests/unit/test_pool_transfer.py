@@ -343,7 +343,7 @@ def test_a_donor_pool_mapped_from_its_descriptor_serves_a_lease():
     views use: what the borrower stores is what the donor's k_buffer / v_buffer hold."""
     donor_page, g = PAIRS["borrower_page_larger"]
     layout = pool_of(donor_page, 24)
-    arena = SharedArena(1, -(-layout.data_bytes // 512) * 512)
+    arena = SharedArena(-(-layout.data_bytes // 512) * 512)
     dk, dv = layout.views(arena.memory.view(-1))  # the donor server's own buffers
     mapped = None
     try:
