@@ -254,11 +254,11 @@ async def tiers_trace(http, replay_url: str, ids_url: str, convs, plan) -> dict:
     run (r) is replayed here through bench_tiers' own turn loop (`runner._turns`, streamed chat,
     no forced answers) on a server with run (r)'s busy arguments (`replay_url`); then every
     prompt, the history it sent, goes to the unlimited server (`ids_url`) for its token ids and
-    the greedy answer's (`return_token_ids`; a prompt (r) refused is still sent by the larger
-    ideal run). One record per (session, turn), turn by turn as bench_tiers sends them, with
-    what the replay's server did (`replay`: served, prompt and answer tokens) and whether the
-    unlimited server's answer agrees with the replay's (`answer_agrees`: the same text, or its
-    start where the replay's was cut; None where refused)."""
+    the greedy answer's (`return_token_ids`; a prompt (r) refused is still sent by the upper
+    bound's larger pool). One record per (session, turn), turn by turn as bench_tiers sends
+    them, with what the replay's server did (`replay`: served, prompt and answer tokens) and
+    whether the unlimited server's answer agrees with the replay's (`answer_agrees`: the same
+    text, or its start where the replay's was cut; None where refused)."""
     from benchmarks.tiers import runner
 
     records, histories = [], [[] for _ in convs]
@@ -438,12 +438,8 @@ def tiers_main(a: argparse.Namespace, argv) -> int:
         busy.stop()
         replay.stop()
     copy = copy_bandwidth(facts["busy"], facts["donor"], cfgs["busy"], cfgs["donor"])
-    lent = plan.lent_busy_tokens(facts["busy"], facts["donor"])
-    ideal_pool = plan.busy_pool + lent
-    own = (plan.busy_pool, plan.host_ratio)  # (h) and (s); (i) as plan.servers passes it
-    host = host_copy(facts["busy"], cfgs["busy"],
-                     {"h": own, "s": own,
-                      "i": (ideal_pool, float(f"{plan.host_tokens() / ideal_pool:.6f}"))})
+    own = (plan.busy_pool, plan.host_ratio)  # (h) and (s); the upper bound (u) has no host tier
+    host = host_copy(facts["busy"], cfgs["busy"], {"h": own, "s": own})
     models = {r: {"name": f.name, "layers": f.layers, "kv_bytes_per_token": f.kv_bytes_per_token,
                   "context_len": cfgs[r].get("max_position_embeddings")}
               for r, f in facts.items()}

@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ran")
     p.add_argument("--tiers", action="store_true",
                    help="--validate: bench_tiers' runs instead (stock, HiCache, HiCache + "
-                        "SwiftCache, the ideal) against its records, with the calibration of "
-                        "scripts/calibrate_cpu.py --bench tiers")
+                        "SwiftCache, the upper bound) against its records, with the "
+                        "calibration of scripts/calibrate_cpu.py --bench tiers")
     p.add_argument("--calibration-tiers", type=Path,
                    default=Path("runs/calibration/cpu_tiers.json"),
                    help="--validate --tiers: the JSON scripts/calibrate_cpu.py --bench tiers wrote")

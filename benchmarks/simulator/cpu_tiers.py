@@ -12,8 +12,11 @@ The runs (the busy `small` model; the `tiny` donor serves nothing but its burst)
      with no other copy moves to host where room can be made, as the live reclaim does); the
      donor lends the same blocks again before the next turn when the live run's donor did
      (`relent_after_burst`, in bench_tiers' pause after the burst), else nothing before the end
-  i  the ideal: HiCache with the lent busy tokens added to the device pool, the host tier as
-     big as in (h)
+  u  the upper bound: stock SGLang (no HiCache, no lower tier) whose ONE device pool holds the
+     busy device pool, the lent busy tokens and (s)'s host tier together (`upper_bound_pool`,
+     as `TierPlan.bound_pool` sizes it live); the donor's pool shrinks by what it lends
+A record of bench_tiers' older baseline run (i) (HiCache with the lent tokens added to its device
+pool) is not simulated: the live record must hold run (u).
 Every tier and rule is the live server's: radix_ext's `RadixTree` with
 `TreeConfig(cascade="down", donor_over_host=write_through and donor)` (`TreeCache` with
 `donor_to_host`, as the live CPU server builds it), the plan's write policy (`write_back` by
@@ -34,7 +37,8 @@ plan's device pool) gave them, so a prompt is the same in every run (scripts/cal
 --bench tiers replays run (r) through bench_tiers' turn loop). Each run's server applies SGLang's
 length rules for its own device pool (`served_tokens`): a prompt too long for the pool is
 refused (no first token, nothing cached) and the next request follows, and an answer is cut to
-what the pool leaves, so (r), (h) and (s) refuse and cut where the ideal's larger pool may not.
+what the pool leaves, so (r), (h) and (s) refuse and cut where the upper bound's larger pool
+may not.
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ from .cpu_node import (
 from .node import Node
 from .server import ModelServer, SimRequest
 
-RUNS = ("r", "h", "s", "i")
+RUNS = ("r", "h", "s", "u")
 NO_CONTEXT_LIMIT = 1 << 30  # a calibration without the model's context length
-NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "i": "ideal"}
+NAMES = {"r": "stock", "h": "hicache", "s": "hicache+swiftcache", "u": "upper bound"}
 RECLAIM_ALL = 1 << 40  # own pages asked back: more than any pool, so every lent block returns
 
 
@@ -102,17 +106,35 @@ def tiers_node(cal: dict) -> Node:
     return node
 
 
+def _lent(cal: dict, plan: dict) -> tuple[int, int]:
+    """(donor tokens lent, the same bytes in busy tokens): `TierPlan.lent_busy_tokens`."""
+    busy_kv = cal["models"]["busy"]["kv_bytes_per_token"]
+    donor_kv = cal["models"]["donor"]["kv_bytes_per_token"]
+    lent_donor = int(plan["donor_pool"] * plan["lend_fraction"])
+    return lent_donor, lent_donor * donor_kv // busy_kv
+
+
+def upper_bound_pool(cal: dict, plan: dict) -> int:
+    """Run (u)'s one device pool, as `TierPlan.bound_pool` sizes it live: the busy device pool,
+    the lent busy tokens and the host tier, the larger of SGLang's sizing (`host_pool_tokens`:
+    the ratio times the device pool, plus its padding token) and (s)'s host tier as measured
+    (the calibration's capacity for (s), what the live run reads from (s)'s metrics)."""
+    if plan.get("l3"):
+        raise ValueError("with L3 the upper bound's pool holds every history; the simulator "
+                         "has no storage tier: validate a run without --l3")
+    sglang_host = int(plan["busy_pool"] * plan["host_ratio"]) + 1
+    measured = cal["host_copy"]["capacity_tokens"]["s"]
+    return plan["busy_pool"] + _lent(cal, plan)[1] + max(sglang_host, measured)
+
+
 def run_pools(cal: dict, plan: dict, run: str) -> tuple[int, int, int]:
     """(busy device pool, busy host tier, donor pool) in tokens, as bench_tiers sizes run `run`."""
     if run not in RUNS:
         raise ValueError(f"unknown run {run!r}; the simulated runs are {RUNS}")
-    busy_kv = cal["models"]["busy"]["kv_bytes_per_token"]
-    donor_kv = cal["models"]["donor"]["kv_bytes_per_token"]
-    lent_donor = int(plan["donor_pool"] * plan["lend_fraction"])
-    lent = lent_donor * donor_kv // busy_kv  # TierPlan.lent_busy_tokens
-    host = 0 if run == "r" else cal["host_copy"]["capacity_tokens"]["i" if run == "i" else run]
-    if run == "i":
-        return plan["busy_pool"] + lent, host, plan["donor_pool"] - lent_donor
+    lent_donor = _lent(cal, plan)[0]
+    if run == "u":  # one stock pool, no host tier
+        return upper_bound_pool(cal, plan), 0, plan["donor_pool"] - lent_donor
+    host = 0 if run == "r" else cal["host_copy"]["capacity_tokens"][run]
     return plan["busy_pool"], host, plan["donor_pool"]
 
 

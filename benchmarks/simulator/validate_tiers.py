@@ -4,11 +4,14 @@ bench_tiers' saved records (`scripts/bench_tiers.py --out DIR` writes DIR/record
 
 Errors are relative, |simulated - live| / live, over the busy model's requests. The validation
 is only what the simulator does not share with the live code (validation_figures.py): HiCache's
-cached tokens, the TTFT P50 and P99 of every run (stock, hicache, hicache+swiftcache, ideal) and
-SwiftCache's hits by tier, each with its error; `within_20pct` holds per figure, P99 included,
-and `all_within_20pct` for all of them. The cached tokens of stock, SwiftCache and the ideal come
-from the same radix_ext code replaying the same trace: they are reported apart, as a
-consistency check. Nothing is tuned toward the live figures: the simulator reads only the
+cached tokens, the TTFT P50 and P99 of every run (stock, hicache, hicache+swiftcache, upper
+bound) and SwiftCache's hits by tier, each with its error; `within_20pct` holds per figure, P99
+included, and `all_within_20pct` for all of them. The cached tokens of stock, SwiftCache and the
+upper bound come from the same radix_ext code replaying the same trace: they are reported apart,
+as a consistency check. The upper bound (u) is one stock device pool of the busy device, lent
+and host tokens (cpu_tiers.upper_bound_pool); `upper_bound_pool_tokens` sets the simulated pool
+beside the one the live run used (from the calibration's host capacity, not from the live
+file). Nothing is tuned toward the live figures: the simulator reads only the
 calibration JSON; the live file gives the plan (which sizes and traffic) and the numbers to
 compare with.
 
@@ -46,6 +49,12 @@ def load_live(path: Path) -> dict:
     if "host_ratio" not in live["plan"]:
         raise ValueError(f"{path}: not a bench_tiers record file (its plan has no host_ratio; "
                          f"a bench_node file goes to `--validate` without --tiers)")
+    runs = live["records"]
+    if "i" in runs and "u" not in runs:
+        raise ValueError(f"{path}: made with bench_tiers' older baseline run (i), HiCache with "
+                         f"the lent tokens added to its device pool, which the simulator no "
+                         f"longer models; rerun `.venv/bin/python scripts/bench_tiers.py "
+                         f"--quick --out {path.parent}` for a record with the upper bound (u)")
     if live["plan"].get("l3"):
         raise ValueError(f"{path}: a run with L3 storage (--l3 {live['plan']['l3']}); the "
                          f"simulator has no storage tier: validate a run without --l3")
@@ -182,10 +191,18 @@ def validate(cal_path: Path, live_path: Path) -> dict:
                              "live": {r: v[0] for r, v in live["summary"].get("loadavg",
                                                                              {}).items()}},
             "write_policy": plan["write_policy"], "trace": trace_matches(live, sim),
+            "upper_bound_pool_tokens": bound_pool(live, sim),
             "trace_source": cal["trace"].get("source"),
             "trace_answers_agree": cal["trace"].get("answers_agree"),
             "runs": runs, "errors": errors, "swiftcache": swift, "figures": figures,
             **validation_figures.derive(figures, swift["hits_by_tier"])}
+
+
+def bound_pool(live: dict, sim: dict) -> dict:
+    """Run (u)'s one pool, live (its summary) and simulated, and whether they agree: where they
+    differ the simulation ran another upper bound than the live one."""
+    lv, sv = live["summary"].get("upper_bound_pool_tokens"), sim["u"]["pools"]["busy"]
+    return {"live": lv, "sim": sv, "equal": lv == sv}
 
 
 def _n(v, fmt="{:.0f}") -> str:
@@ -225,6 +242,9 @@ def format_tables(res: dict) -> str:
     lines.append("Requests with the live cached tokens exactly: "
                  + ", ".join(f"{n} {v}/{len(res['runs'][n]['requests'])}"
                              for n, v in same.items()))
+    bp = res["upper_bound_pool_tokens"]
+    lines.append(f"upper bound's one pool (device + lent + host tokens), live {bp['live']} | "
+                 f"simulated {bp['sim']}" + ("" if bp["equal"] else " DIFFERENT"))
     tr = res["trace"]
     lines.append(f"simulated workload = live workload: {tr['compared'] - len(tr['mismatched'])}/"
                  f"{tr['compared']} busy requests alike (served or refused as live; served: "
@@ -246,4 +266,5 @@ def summary_line(res: dict) -> dict:
             "live": res["live"], "calibration": res["calibration"],
             "calibration_date": res["calibration_date"],
             "trace_matches_live": not res["trace"]["mismatched"],
+            "upper_bound_pool_tokens": res["upper_bound_pool_tokens"],
             "refused_requests": res["trace"]["refused"]}

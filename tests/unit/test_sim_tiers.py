@@ -3,10 +3,11 @@ synthetic calibration: tiny pools, four conversations of three turns.
 
 Invariants: a host tier caches more than the device alone when histories outgrow the device;
 in (s) the donor's burst takes back every lent block once, what the donor tier held either moves
-to host or is lost, and no donor copy is left; the ideal's device pool is (h)'s plus the lent
-tokens with (h)'s host tier; a live file equal to the simulation validates with zero error; a
-file of another plan, with L3, or from bench_node is refused naming why; the calibration's host
-copy figures come from SGLang's host pool (its capacity, positive costs).
+to host or is lost, and no donor copy is left; the upper bound (u) is one stock pool of the
+device, lent and host tokens as `TierPlan.bound_pool` sizes it, with no lower tier; a live file
+equal to the simulation validates with zero error and the same bound pool; a file of another
+plan, with L3, from bench_node or with the older baseline run (i) is refused naming why; the
+calibration's host copy figures come from SGLang's host pool (its capacity, positive costs).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _cal() -> dict:
                        "donor": {"name": "tiny", "layers": 1, "kv_bytes_per_token": 2048}},
             "copy": {"load": FIT, "store": FIT},
             "host_copy": {"load": FIT, "store": FIT,
-                          "capacity_tokens": {"h": cap, "s": cap, "i": cap}},
+                          "capacity_tokens": {"h": cap, "s": cap}},
             "trace": {"busy": _trace()}}
 
 
@@ -62,7 +63,8 @@ def _live_from(sim: dict) -> dict:
     return {"plan": dict(PLAN), "records": recs,
             "summary": {"hits_by_tier": dict(s["hits_by_tier"], l3=0),
                         "rescued_tokens": s["rescued_tokens"],
-                        "recomputed_after_reclaim_tokens": 0}}
+                        "recomputed_after_reclaim_tokens": 0,
+                        "upper_bound_pool_tokens": sim["u"]["pools"]["busy"]}}
 
 
 def test_a_host_tier_keeps_what_the_device_cannot():
@@ -99,13 +101,32 @@ def test_a_donor_that_lent_again_after_its_burst_holds_the_last_turns_again():
     assert again["copied_tokens"]["device->donor"] > once["copied_tokens"]["device->donor"]
 
 
-def test_the_ideal_adds_the_lent_tokens_to_the_device_and_keeps_hicaches_host_tier():
+def test_the_upper_bound_is_one_stock_pool_of_device_lent_and_host_tokens():
+    """(u): device 48 + lent 32 + host (SGLang's 48 x 1.0 + 1 padding token, or the measured
+    capacity where larger), no host tier, the donor's pool less what it lends; its cached tokens
+    all come from that one pool, at least stock's. The older run (i) is no simulated run."""
     cal = _cal()
-    h, i = cpu_tiers.run_pools(cal, PLAN, "h"), cpu_tiers.run_pools(cal, PLAN, "i")
-    assert i[0] == h[0] + 32 and i[1] == h[1] and i[2] == PLAN["donor_pool"] - 128
+    assert cpu_tiers.run_pools(cal, PLAN, "u") == (48 + 32 + 49, 0, PLAN["donor_pool"] - 128)
+    from benchmarks.nodebench.plan import ModelFacts
+    from benchmarks.tiers.plan import TierPlan
+
+    keys = ("busy_pool", "host_ratio", "donor_pool", "lend_fraction")
+    live_plan = TierPlan(**{k: PLAN[k] for k in keys})
+    busy, donor = (ModelFacts(n, 2, kv, 0.0, 0) for n, kv in (("small", 8192), ("tiny", 2048)))
+    for cap in (48, 60):  # the live sizing, with (s)'s measured host tier as the live run reads it
+        big = copy.deepcopy(cal)
+        big["host_copy"]["capacity_tokens"]["s"] = cap
+        assert cpu_tiers.upper_bound_pool(big, PLAN) == live_plan.bound_pool(busy, donor, cap)
     assert cpu_tiers.run_pools(cal, PLAN, "r")[1] == 0
     with pytest.raises(ValueError, match="unknown run"):
-        cpu_tiers.run_pools(cal, PLAN, "t")
+        cpu_tiers.run_pools(cal, PLAN, "i")
+    with pytest.raises(ValueError, match="storage tier"):
+        cpu_tiers.upper_bound_pool(cal, dict(PLAN, l3="file"))
+    sim = cpu_tiers.simulate_tiers(cal, PLAN)
+    u = sim["u"]
+    assert u["hits_by_tier"]["host"] == u["hits_by_tier"]["donor"] == 0
+    assert u["lent_blocks"] == 0 and u["reclaims"] == 0
+    assert u["table"]["cached_tokens"] >= sim["r"]["table"]["cached_tokens"] > 0
 
 
 def test_a_live_file_equal_to_the_simulation_validates_with_zero_error(tmp_path):
@@ -117,9 +138,36 @@ def test_a_live_file_equal_to_the_simulation_validates_with_zero_error(tmp_path)
     assert all(f["error"] == 0 for f in res["validation"].values())
     assert res["all_within_20pct"] and all(res["within_20pct"].values())
     assert all(c["equal"] for c in res["consistency_check"].values())
+    assert "upper bound cached tokens" in res["consistency_check"]
+    assert "upper bound TTFT P99 (ms)" in res["validation"]
     assert not res["trace"]["mismatched"]
+    assert res["upper_bound_pool_tokens"] == {"live": 129, "sim": 129, "equal": True}
     assert "hicache+swiftcache" in validate_tiers.format_tables(res)
-    assert validate_tiers.summary_line(res)["bench"] == "tiers"
+    assert "DIFFERENT" not in validate_tiers.format_tables(res)
+    line = validate_tiers.summary_line(res)
+    assert line["bench"] == "tiers" and line["upper_bound_pool_tokens"]["equal"]
+
+
+def test_a_live_bound_pool_other_than_the_simulated_one_is_reported(tmp_path):
+    cal = _cal()
+    live = _live_from(cpu_tiers.simulate_tiers(cal, PLAN))
+    live["summary"]["upper_bound_pool_tokens"] = 140
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    (tmp_path / "records.json").write_text(json.dumps(live))
+    res = validate_tiers.validate(tmp_path / "cal.json", tmp_path / "records.json")
+    assert res["upper_bound_pool_tokens"] == {"live": 140, "sim": 129, "equal": False}
+    assert "live 140 | simulated 129 DIFFERENT" in validate_tiers.format_tables(res)
+
+
+def test_a_live_file_with_the_older_baseline_run_is_refused_naming_it(tmp_path):
+    """A bench_tiers record of the older baseline (i) and no (u): the simulator models only
+    the upper bound, so it says so instead of failing on a missing run."""
+    live = _live_from(cpu_tiers.simulate_tiers(_cal(), PLAN))
+    live["records"]["i"] = live["records"].pop("u")
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(live))
+    with pytest.raises(ValueError, match="older baseline run \\(i\\)"):
+        validate_tiers.load_live(path)
 
 
 def test_files_of_another_plan_with_l3_or_from_bench_node_are_refused(tmp_path):
@@ -155,8 +203,8 @@ def test_the_calibrations_host_copies_go_through_sglangs_host_pool():
     facts = ModelFacts("m", 2, 2 * 2 * 2 * 8 * 4, 0.0, 0)
     cfg = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
            "head_dim": 8}
-    out = calibrate_cpu.host_copy(facts, cfg, {"h": (64, 2.0), "i": (96, 1.0)})
-    assert out["capacity_tokens"]["h"] >= 128 and out["capacity_tokens"]["i"] >= 96
+    out = calibrate_cpu.host_copy(facts, cfg, {"h": (64, 2.0), "s": (96, 1.0)})
+    assert out["capacity_tokens"]["h"] >= 128 and out["capacity_tokens"]["s"] >= 96
     for kind in ("load", "store"):
         assert out[kind]["latency_s"] >= 0 and out[kind]["bytes_per_s"] > 0
     assert [p["tokens"] for p in out["points"]] == [16, 64, 256]

@@ -3,17 +3,19 @@
 - `calibrate_cpu.tiers_trace` replays run (r) through bench_tiers' turn loop
   (benchmarks/tiers/runner._turns) on a fake server with a small pool that cuts answers and
   refuses long prompts, as SGLang does; every traced prompt's token ids are then those of the
-  history bench_tiers' forced runs send (here run (i), a larger pool), not those of a replay of
+  history bench_tiers' forced runs send (here run (u), a larger pool), not those of a replay of
   the model's own uncut answers;
 - the simulated server applies SGLang 0.5.23's length rules (`cpu_tiers.served_tokens`, checked
   against SGLang's own code): a prompt too long for a run's pool is refused and the next request
-  follows, an answer is cut to what the pool leaves; the ideal's larger pool serves both;
+  follows, an answer is cut to what the pool leaves; the upper bound's larger pool (one stock
+  pool of device + lent + host tokens) serves both;
 - `validate_tiers.trace_matches` compares every run's requests with the live ones (served or
   refused, prompt and answer tokens) and names each difference;
 - the validation reports only figures the simulator does not share with the live code (HiCache's
   cached tokens, every run's TTFT P50 and P99, SwiftCache's hits by tier), P99 counting toward
-  the 20% target; the cached tokens of stock, SwiftCache and the ideal are a consistency check
-  apart; the checked-in record re-derives to the same split.
+  the 20% target; the cached tokens of stock, SwiftCache and the upper bound are a consistency
+  check apart; the checked-in record (made with the older baseline run (i)) re-derives to the
+  same split, its run labelled as that older baseline, never as the upper bound.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ async def fake_ids(http, url, messages, max_tokens):
 
 
 PLAN = SimpleNamespace(turns=4, max_tokens=12)
-POOL_R, POOL_I = 90, 256  # (r) cuts c2's second answer to 9 tokens, refuses three prompts
+POOL_R, POOL_U = 90, 256  # (r) cuts c2's second answer to 9 tokens, refuses three prompts
 
 
 def _convs():
@@ -89,7 +91,7 @@ def _convs():
 
 def test_the_trace_carries_the_prompts_bench_tiers_sends(monkeypatch):
     """Run (r) on its small pool cuts answers and refuses a prompt; the trace's prompt ids are
-    exactly those of the histories bench_tiers' forced runs send (here the ideal's larger pool,
+    exactly those of the histories bench_tiers' forced runs send (here the upper bound's pool,
     which serves them all), and differ from a replay of the model's own uncut answers."""
     monkeypatch.setattr(calibrate_cpu, "_ids", fake_ids)
     convs = _convs()
@@ -106,7 +108,7 @@ def test_the_trace_carries_the_prompts_bench_tiers_sends(monkeypatch):
     assert trace["answers_agree"] == f"{sum(r['served'] for r in replayed.values())}/" \
                                      f"{sum(r['served'] for r in replayed.values())}"
 
-    # bench_tiers itself: run (r), then a forced run (the ideal's pool) that records its prompts
+    # bench_tiers itself: run (r), then a forced run (the upper bound's pool) recording prompts
     async def bench(pool, forced, sent):
         monkeypatch.setattr(runner, "chat", fake_server(pool, sent))
         out, hist = [], [[] for _ in convs]
@@ -116,11 +118,11 @@ def test_the_trace_carries_the_prompts_bench_tiers_sends(monkeypatch):
 
     r = asyncio.run(bench(POOL_R, None, {}))
     forced = {(x.session, x.turn): x.text for x in r}
-    sent_i: dict = {}
-    i = asyncio.run(bench(POOL_I, forced, sent_i))
-    assert all(x.ttft is not None for x in i)
+    sent_u: dict = {}
+    u = asyncio.run(bench(POOL_U, forced, sent_u))
+    assert all(x.ttft is not None for x in u)
     for t in busy:
-        assert t["prompt_ids"] == tokenize(sent_i[(t["session"], t["turn"])])
+        assert t["prompt_ids"] == tokenize(sent_u[(t["session"], t["turn"])])
         if not t["replay"]["served"]:  # the history goes on with the refusal's empty answer
             assert forced[(t["session"], t["turn"])] == ""
     # the replay of the model's own uncut answers (what the calibration traced before) differs
@@ -136,12 +138,13 @@ def test_the_trace_carries_the_prompts_bench_tiers_sends(monkeypatch):
 
 def test_sglangs_length_rules():
     """The quick plan's case: 374 prompt tokens on a 384-token pool generate 8; 424 are refused
-    there and served whole by the ideal's pool; the limit is max_req_len - 5 = 378."""
+    there and served whole by the upper bound's pool (384 + 512 lent + 769 host = 1665); the
+    limit is max_req_len - 5 = 378."""
     assert cpu_tiers.served_tokens(374, 16, 384, 8192) == 8
     assert cpu_tiers.served_tokens(377, 16, 384, 8192) == 5
     assert cpu_tiers.served_tokens(378, 16, 384, 8192) is None
     assert cpu_tiers.served_tokens(424, 16, 384, 8192) is None
-    assert cpu_tiers.served_tokens(424, 16, 896, 8192) == 16
+    assert cpu_tiers.served_tokens(424, 16, 1665, 8192) == 16
     assert cpu_tiers.served_tokens(100, 16, 384, 104) is None  # the context length bounds too
 
 
@@ -205,7 +208,7 @@ def _cal() -> dict:
                        "donor": {"name": "tiny", "layers": 1, "kv_bytes_per_token": 2048}},
             "copy": {"load": FIT, "store": FIT},
             "host_copy": {"load": FIT, "store": FIT,
-                          "capacity_tokens": {"h": cap, "s": cap, "i": cap}},
+                          "capacity_tokens": {"h": cap, "s": cap}},
             "trace": {"busy": _trace()}}
 
 
@@ -223,10 +226,11 @@ def _live_from(sim: dict) -> dict:
     return {"plan": dict(SIM_PLAN), "records": recs,
             "summary": {"hits_by_tier": dict(s["hits_by_tier"], l3=0),
                         "rescued_tokens": s["rescued_tokens"],
-                        "recomputed_after_reclaim_tokens": 0}}
+                        "recomputed_after_reclaim_tokens": 0,
+                        "upper_bound_pool_tokens": sim["u"]["pools"]["busy"]}}
 
 
-def test_a_prompt_the_pool_refuses_is_skipped_and_the_ideal_serves_it():
+def test_a_prompt_the_pool_refuses_is_skipped_and_the_upper_bound_serves_it():
     cal = _cal()
     sim = cpu_tiers.simulate_tiers(cal, SIM_PLAN)
     for run in ("r", "h", "s"):
@@ -235,8 +239,8 @@ def test_a_prompt_the_pool_refuses_is_skipped_and_the_ideal_serves_it():
         assert len(recs) == 9 and recs[("c1", 3)].ttft is None
         assert recs[("c1", 3)].cached_tokens == 0
         assert all(r.ttft is not None for k, r in recs.items() if k != ("c1", 3))
-    assert sim["i"]["refused"] == []
-    assert all(r.ttft is not None and r.completion_tokens == 4 for r in sim["i"]["records"])
+    assert sim["u"]["refused"] == []
+    assert all(r.ttft is not None and r.completion_tokens == 4 for r in sim["u"]["records"])
 
 
 def test_an_answer_is_cut_to_what_the_pool_leaves():
@@ -246,7 +250,7 @@ def test_an_answer_is_cut_to_what_the_pool_leaves():
     cal = _cal()
     plan = dict(SIM_PLAN, busy_pool=47, max_tokens=8)
     cal["plan"], cal["trace"]["busy"] = plan, _trace(8)
-    cal["host_copy"]["capacity_tokens"] = {"h": 47, "s": 47, "i": 47}
+    cal["host_copy"]["capacity_tokens"] = {"h": 47, "s": 47}
     res = cpu_tiers.simulate_run(cal, plan, "r")
     recs = {(r.session, r.turn): r for r in res["records"]}
     assert recs[("c0", 3)].prompt_tokens == 40 and recs[("c0", 3)].completion_tokens == 5
@@ -265,22 +269,22 @@ def test_the_trace_check_compares_every_run_request_by_request(tmp_path):
     assert res["trace"]["refused"]["hicache"] == {"live": 1, "sim": 1}
     assert all(f["error"] == 0 for f in res["validation"].values())
     line = validate_tiers.summary_line(res)
-    assert line["trace_matches_live"] and line["refused_requests"]["ideal"]["sim"] == 0
+    assert line["trace_matches_live"] and line["refused_requests"]["upper bound"]["sim"] == 0
     assert "refused live | simulated" in validate_tiers.format_tables(res)
 
     other = copy.deepcopy(live)
     other["records"]["h"][0]["prompt_tokens"] += 1
     other["records"]["s"][-1]["ttft"] = None
-    served_i = next(r for r in other["records"]["i"] if r["session"] == "c1" and r["turn"] == 3)
-    served_i["completion_tokens"] = 3
+    served_u = next(r for r in other["records"]["u"] if r["session"] == "c1" and r["turn"] == 3)
+    served_u["completion_tokens"] = 3
     got = validate_tiers.trace_matches(other, sim)["mismatched"]
-    assert [m[0] for m in got] == ["h", "s", "i"]
+    assert [m[0] for m in got] == ["h", "s", "u"]
     assert [m[3] for m in got] == ["prompt_tokens", "served", "completion_tokens"]
 
 
-def _figures(p99_sim: float = 100.0, cached_s_sim: int = 50) -> dict:
+def _figures(p99_sim: float = 100.0, cached_s_sim: int = 50, bound: str = "upper bound") -> dict:
     runs = {}
-    for run in ("stock", "hicache", "hicache+swiftcache", "ideal"):
+    for run in ("stock", "hicache", "hicache+swiftcache", bound):
         runs[run] = {"cached_tokens": {"live": 50, "sim": 50},
                      "ttft_p50_ms": {"live": 50.0, "sim": 50.0},
                      "ttft_p99_ms": {"live": 100.0, "sim": 100.0}}
@@ -299,9 +303,11 @@ def test_only_independent_figures_validate_and_p99_counts_toward_the_target():
     assert ok["all_within_20pct"]
     assert set(ok["validation"]) == {
         "hicache cached tokens", *(f"{run} TTFT {p} (ms)" for run in
-                                   ("stock", "hicache", "hicache+swiftcache", "ideal")
+                                   ("stock", "hicache", "hicache+swiftcache", "upper bound")
                                    for p in ("P50", "P99")),
         *(f"hicache+swiftcache hits from {t} (tokens)" for t in ("device", "donor", "host"))}
+    assert "upper bound cached tokens" in ok["consistency_check"]
+    assert validation_figures.OLDER_BASELINE_NOTE not in validation_figures.format_table(ok)
     slow = validation_figures.derive(_figures(p99_sim=125.0), hits)
     assert not slow["all_within_20pct"]
     assert slow["within_20pct"] == {**ok["within_20pct"],
@@ -331,7 +337,24 @@ def test_the_checked_in_record_re_derives_from_its_own_figures():
     assert "hicache+swiftcache cached tokens" not in got["validation"]
     assert set(got["consistency_check"]) == {"stock cached tokens",
                                              "hicache+swiftcache cached tokens",
-                                             "ideal cached tokens"}
+                                             "ideal (older baseline) cached tokens"}
+    assert not any("upper bound" in n for n in [*got["validation"], *got["consistency_check"]])
+    assert validation_figures.OLDER_BASELINE_NOTE in validation_figures.format_table(got)
     assert len(got["within_20pct"]) == 1 + 2 * 4 + len(
         [t for t in set(result["hits_by_tier"]["live"]) | set(result["hits_by_tier"]["sim"])
          if result["hits_by_tier"]["live"].get(t, 0) or result["hits_by_tier"]["sim"].get(t, 0)])
+
+
+def test_an_older_records_ideal_is_labelled_the_older_baseline_never_the_upper_bound():
+    """Invariant: figures of the older run (i) keep their name with "(older baseline)" and the
+    table says what it was (HiCache with the lent tokens in its device pool, not an upper
+    bound); the same numbers under the upper bound's name give the upper bound's labels."""
+    hits = {"live": {"device": 100}, "sim": {"device": 100}}
+    old = validation_figures.derive(_figures(bound="ideal"), hits)
+    assert "ideal (older baseline) TTFT P99 (ms)" in old["validation"]
+    assert "ideal (older baseline) cached tokens" in old["consistency_check"]
+    table = validation_figures.format_table(old)
+    assert "not an upper bound" in table and "upper bound cached" not in table
+    new = validation_figures.derive(_figures(), hits)
+    assert [r["error"] for r in old["validation"].values()] == \
+        [r["error"] for r in new["validation"].values()]
