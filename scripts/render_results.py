@@ -96,6 +96,23 @@ def _sweep_curve(field_: str) -> Callable[[dict], Any]:
     return read
 
 
+def _when(marker: str, path: str) -> Callable[[dict], Any]:
+    """`path` read only from a result that holds `marker`: a key whose meaning depends on which
+    run the record compared against (the upper bound, or the older ideal run before it)."""
+    def read(result: dict) -> Any:
+        return key(path)(result) if marker in result else None
+    return read
+
+
+# What each record's comparison run was. The upper bound: stock SGLang, no hierarchy, ONE device
+# pool of the busy server's device, lent and host tokens. Records made before it compared against
+# an older "ideal" run instead; its figures keep that name and are never called an upper bound.
+UB = "upper bound (one stock pool of device + lent + host)"
+OLD_TIERS_IDEAL = ("older ideal baseline (i) (HiCache with the lent memory as device memory, "
+                   "not an upper bound)")
+OLD_LOOP_IDEAL = "older ideal run (stock SGLang with the lent memory added to its device pool)"
+NEWER, OLDER = "cached_vs_upper_bound", "cached_vs_ideal"  # which run a record compared with
+
 NODE = "python scripts/bench_node.py --quick"
 RECORDS: dict[str, RecordSpec] = {
     "demo": RecordSpec(
@@ -375,7 +392,10 @@ RECORDS: dict[str, RecordSpec] = {
                      key("swift_work_per_step.borrower_hits.total_ms"), readme=False)]),
     "bench_tiers_quick": RecordSpec(
         "The cache hierarchy: HiCache (h), HiCache with SwiftCache and a lending donor (s), the "
-        "ideal (i), stock (r) and a HiCache twin (t)",
+        "upper bound (u: stock SGLang, one device pool of device + lent + host tokens, no "
+        "hierarchy; records made before it hold the older ideal baseline (i) instead, HiCache "
+        "with the lent memory as device memory, not an upper bound), stock (r) and a HiCache "
+        "twin (t)",
         "hierarchy, device/donor/host (CPU)",
         "python scripts/bench_tiers.py --quick", "docs/hierarchy.md", {
             "identical": "every busy output of (s) equals stock SGLang's (r), request by "
@@ -383,14 +403,27 @@ RECORDS: dict[str, RecordSpec] = {
             "mismatches": "per run, busy outputs that differ from (r)'s",
             "cached_tokens": "per run, the busy model's prompt tokens served from cache",
             "cached_vs_hicache": "busy cached tokens, (s) / (h)",
-            "cached_vs_ideal": "busy cached tokens, (s) / (i)",
+            "cached_vs_upper_bound": f"busy cached tokens, (s) / {UB} (u); at most 1 unless "
+                                     "`upper_bound_exceeded` says why",
+            "hicache_cached_vs_upper_bound": "busy cached tokens, (h) / (u)",
+            "upper_bound_exceeded": "by how much and in which turns (s) cached more than (u), "
+                                    "and why; absent where it did not",
+            "upper_bound_pool_tokens": "(u)'s one device pool: the busy device pool, the lent "
+                                       "and the host tokens",
+            "empty_in_both": "per run, of its mismatches the busy requests neither it nor (r) "
+                             "answered (a prompt longer than both pools allow): not compared",
+            "cached_vs_ideal": f"older records: busy cached tokens, (s) / the {OLD_TIERS_IDEAL}",
             "ttft_p50_ms": "per run, the busy requests' TTFT P50 (ms)",
             "ttft_p99_ms": "per run, the busy requests' TTFT P99 (ms)",
             "ttft_p50_vs_hicache": "busy TTFT P50, (s) / (h)",
             "ttft_p99_vs_hicache": "busy TTFT P99, (s) / (h)",
             "ttft_p50_noise": "busy TTFT P50, twin (t) / (h): what two identical runs differ by",
             "ttft_p99_noise": "busy TTFT P99, twin (t) / (h)",
-            "ttft_p99_ideal_vs_hicache": "busy TTFT P99, (i) / (h)",
+            "ttft_p50_vs_upper_bound": "busy TTFT P50, (s) / (u)",
+            "ttft_p99_vs_upper_bound": "busy TTFT P99, (s) / (u)",
+            "ttft_p99_upper_bound_vs_hicache": "busy TTFT P99, (u) / (h)",
+            "ttft_p99_ideal_vs_hicache": "older records: busy TTFT P99, the older ideal baseline "
+                                         "(i) / (h)",
             "hits_by_tier": "(s)'s busy cached tokens by the tier they came from",
             "recomputed_after_reclaim_tokens": "tokens in (s)'s donor tier when the burst "
                                                "reclaimed every lent page that a later request "
@@ -419,11 +452,16 @@ RECORDS: dict[str, RecordSpec] = {
             "total_wall_s": "seconds the benchmark ran",
         }, [Headline("identical", key("identical")),
             Headline("cached tokens (s) / HiCache", key("cached_vs_hicache")),
-            Headline("cached tokens (s) / ideal", key("cached_vs_ideal")),
+            Headline(f"cached tokens (s) / {UB}", key("cached_vs_upper_bound"),
+                     if_present=True),
+            Headline(f"cached tokens (s) / {OLD_TIERS_IDEAL}", key("cached_vs_ideal"),
+                     if_present=True),
             Headline("recomputed after the reclaim (tokens)",
                      key("recomputed_after_reclaim_tokens")),
             Headline("TTFT P99 (s) / HiCache", key("ttft_p99_vs_hicache")),
-            Headline("twin / HiCache, TTFT P99 (noise floor)", key("ttft_p99_noise"))]),
+            Headline("twin / HiCache, TTFT P99 (noise floor)", key("ttft_p99_noise")),
+            Headline(f"TTFT P99 (s) / {UB}", key("ttft_p99_vs_upper_bound"), readme=False,
+                     if_present=True)]),
 }
 
 RECORDS["bench_tiers_quick"].keys.update({
@@ -451,21 +489,40 @@ RECORDS["bench_node_quick_tp2"] = replace(
           "busy_tp": "the busy servers' --tp (each rank one core; pools are per rank, in "
                      "tokens, as SGLang sizes them with --max-total-tokens)"})
 RECORDS["bench_node_closed_loop"] = RecordSpec(
-    "The node benchmark's closed loop: stock, SwiftCache, the ideal and its twin under SGLang "
-    "bench_multiturn's load (clients, rounds, request and output lengths, max parallel)",
+    "The node benchmark's closed loop: stock, SwiftCache, the upper bound (stock SGLang, one "
+    "device pool of the busy pool, the loan and HiCache's host tokens, no hierarchy; records "
+    "made before it hold the older ideal run instead, stock SGLang with the lent memory added to "
+    "its device pool) and its twin under SGLang bench_multiturn's load (clients, rounds, request "
+    "and output lengths, max parallel)",
     "closed loop, borrowed vs local memory (CPU)",
     "python scripts/bench_node.py --closed-loop", "docs/node_bench.md", {
         "identical": "every SwiftCache answer equals stock SGLang's, request by request",
         "mismatches": "per run, answers that differ from stock's",
         "cached_tokens": "per run, the busy model's prompt tokens served from cache",
-        "cached_vs_ideal": "cached tokens, SwiftCache / ideal",
-        "closed_loop_ttft_avg_vs_ideal": "mean TTFT, SwiftCache / ideal",
-        "closed_loop_ttft_p90_vs_ideal": "TTFT P90, SwiftCache / ideal",
-        "closed_loop_ttft_p99_vs_ideal": "TTFT P99, SwiftCache / ideal",
-        "closed_loop_ttft_avg_noise": "mean TTFT, ideal twin / ideal: the noise floor",
-        "closed_loop_ttft_p99_noise": "TTFT P99, ideal twin / ideal",
-        "stock_ttft_avg_vs_ideal": "mean TTFT, stock / ideal",
-        "stock_ttft_p99_vs_ideal": "TTFT P99, stock / ideal",
+        "cached_vs_upper_bound": f"cached tokens, SwiftCache / {UB}; at most 1 unless "
+                                 "`upper_bound_exceeded` says why",
+        "closed_loop_ttft_avg_vs_upper_bound": "mean TTFT, SwiftCache / upper bound",
+        "closed_loop_ttft_p90_vs_upper_bound": "TTFT P90, SwiftCache / upper bound",
+        "closed_loop_ttft_p99_vs_upper_bound": "TTFT P99, SwiftCache / upper bound",
+        "stock_ttft_avg_vs_upper_bound": "mean TTFT, stock / upper bound",
+        "stock_ttft_p99_vs_upper_bound": "TTFT P99, stock / upper bound",
+        "upper_bound_pool": "the upper bound's one busy pool (tokens)",
+        "upper_bound_exceeded": "by how much SwiftCache cached more than the upper bound, and "
+                                "why; absent where it did not",
+        "unlimited_cache_tokens": "cached tokens a cache that never evicts would serve on the "
+                                  "same traffic (no size or eviction order serves more)",
+        "cached_vs_unlimited_cache": "cached tokens, SwiftCache / that unlimited cache",
+        "cached_vs_ideal": f"older records: cached tokens, SwiftCache / the {OLD_LOOP_IDEAL}",
+        "closed_loop_ttft_avg_vs_ideal": "older records: mean TTFT, SwiftCache / older ideal "
+                                         "run",
+        "closed_loop_ttft_p90_vs_ideal": "older records: TTFT P90, SwiftCache / older ideal run",
+        "closed_loop_ttft_p99_vs_ideal": "older records: TTFT P99, SwiftCache / older ideal run",
+        "closed_loop_ttft_avg_noise": "mean TTFT, the comparison run's twin / it (the upper "
+                                      "bound; in older records the older ideal run): the noise "
+                                      "floor",
+        "closed_loop_ttft_p99_noise": "TTFT P99, the same twin / it",
+        "stock_ttft_avg_vs_ideal": "older records: mean TTFT, stock / older ideal run",
+        "stock_ttft_p99_vs_ideal": "older records: TTFT P99, stock / older ideal run",
         "ttft_ms": "per run, TTFT mean, P50, P90, P99 (ms)",
         "history_vs_busy_pool": "the clients' histories at the end over the busy pool",
         "prompt_tokens": "prompt tokens of all requests (stock run)",
@@ -481,15 +538,24 @@ RECORDS["bench_node_closed_loop"] = RecordSpec(
         "hicache_ratio": "HiCache's host tier in every run's busy server, as a multiple of the "
                          "base busy pool (0: no HiCache)",
     }, [Headline("identical", key("identical")),
-        Headline("cached tokens / ideal", key("cached_vs_ideal")),
-        Headline("mean TTFT / ideal", key("closed_loop_ttft_avg_vs_ideal")),
-        Headline("TTFT P99 / ideal", key("closed_loop_ttft_p99_vs_ideal")),
-        Headline("ideal twin / ideal, mean TTFT (noise floor)",
-                 key("closed_loop_ttft_avg_noise"))])
+        Headline(f"cached tokens / {UB}", key("cached_vs_upper_bound"), if_present=True),
+        Headline("mean TTFT / upper bound", key("closed_loop_ttft_avg_vs_upper_bound"),
+                 if_present=True),
+        Headline("TTFT P99 / upper bound", key("closed_loop_ttft_p99_vs_upper_bound"),
+                 if_present=True),
+        Headline("upper bound twin / upper bound, mean TTFT (noise floor)",
+                 _when(NEWER, "closed_loop_ttft_avg_noise"), if_present=True),
+        Headline(f"cached tokens / {OLD_LOOP_IDEAL}", key("cached_vs_ideal"), if_present=True),
+        Headline("mean TTFT / older ideal run", key("closed_loop_ttft_avg_vs_ideal"),
+                 if_present=True),
+        Headline("TTFT P99 / older ideal run", key("closed_loop_ttft_p99_vs_ideal"),
+                 if_present=True),
+        Headline("older ideal run's twin / it, mean TTFT (noise floor)",
+                 _when(OLDER, "closed_loop_ttft_avg_noise"), if_present=True)])
 RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
-    "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the ideal and a "
-    "HiCache twin at each, the clients' histories from half to four times HiCache's device "
-    "pool plus host tier",
+    "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the upper bound "
+    "(older records: the older ideal run) and a HiCache twin at each, the clients' histories "
+    "from half to four times HiCache's device pool plus host tier",
     "closed loop by multiple of HiCache's capacity (CPU)",
     "python scripts/bench_node.py --closed-loop --busy-pool 512 --hicache-ratio 2 "
     "--sweep-clients 3,6,12,24", "docs/node_bench.md", {
@@ -499,6 +565,10 @@ RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
                                      "device pool plus host tier (HiCache's capacity)",
         "sweep.cached_tokens": "per system, the busy model's prompt tokens served from cache",
         "sweep.cached_vs_stock": "cached tokens, SwiftCache / HiCache",
+        "sweep.cached_vs_upper_bound": f"cached tokens, SwiftCache / {UB} (newer records)",
+        "sweep.upper_bound_exceeded": "SwiftCache above the upper bound: by how much, and why",
+        "sweep.cached_vs_unlimited_cache": "cached tokens, SwiftCache / a cache that never "
+                                           "evicts (newer records)",
         "sweep.ttft_avg_ms": "per system, mean TTFT (ms)",
         "sweep.ttft_p99_ms": "per system, TTFT P99 (ms)",
         "sweep.ttft_p99_reduction_vs_stock": "1 - SwiftCache's TTFT P99 / HiCache's",
@@ -515,7 +585,9 @@ RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
                  _sweep_curve("ttft_p99_reduction_vs_stock")),
         Headline("HiCache twin / HiCache, TTFT P99, by multiple (noise floor)",
                  _sweep_curve("ttft_p99_twin_vs_stock")),
-        Headline("cached tokens / HiCache by multiple", _sweep_curve("cached_vs_stock"))])
+        Headline("cached tokens / HiCache by multiple", _sweep_curve("cached_vs_stock")),
+        Headline("cached tokens / upper bound by multiple",
+                 _sweep_curve("cached_vs_upper_bound"), if_present=True)])
 RECORDS["bench_tiers_l3_wt_quick"] = replace(
     RECORDS["bench_tiers_l3_quick"],
     title="The cache hierarchy with L3 under HiCache's default write policy: every HiCache run "
@@ -524,8 +596,8 @@ RECORDS["bench_tiers_l3_wt_quick"] = replace(
     command="python scripts/bench_tiers.py --quick --l3 file --write-policy write_through")
 RECORDS["simulate_validate_tiers"] = RecordSpec(
     "The simulator against a live bench_tiers run: stock, HiCache, HiCache + SwiftCache and the "
-    "ideal simulated with this CPU's measured costs and bench_tiers' own prompts, beside the "
-    "live records",
+    "upper bound (records made before it: the older ideal baseline (i)) simulated with this "
+    "CPU's measured costs and bench_tiers' own prompts, beside the live records",
     "simulated vs live, hierarchy (CPU)",
     'bash -c "python scripts/bench_tiers.py --quick && python scripts/calibrate_cpu.py --bench '
     'tiers && python scripts/simulate.py --validate --tiers"', "docs/simulation.md", {
@@ -539,20 +611,21 @@ RECORDS["simulate_validate_tiers"] = RecordSpec(
                         "cached tokens and TTFT P50 within 20%: the page shows it re-derived",
         "all_within_20pct": "every validation figure within 20%",
         "largest_error": "the validation figure furthest from live, and its error",
-        "consistency_check": "not validation: the cached tokens of (r), (s) and (i), live and "
-                             "simulated, from the same radix_ext code replaying the same trace "
-                             "(equal expected)",
+        "consistency_check": "not validation: the cached tokens of (r), (s) and (u) (older "
+                             "records: (i)), live and simulated, from the same radix_ext code "
+                             "replaying the same trace (equal expected)",
         "cached_tokens_error": "older runs: abs(simulated - live) / live busy cached tokens, mean "
                                "of (h) and (s) ((s)'s half is the consistency check, not "
                                "validation)",
         "ttft_p50_error": "older runs: the same for the busy requests' TTFT P50",
         "ttft_p99_error": "older runs: the same for TTFT P99",
         "per_run": "older runs: the three errors per run (stock, hicache, hicache+swiftcache, "
-                   "ideal), consistency and validation figures mixed",
+                   "ideal: the older baseline (i)), consistency and validation figures "
+                   "mixed",
         "per_run.stock": "(r)'s errors: cached tokens, TTFT P50, TTFT P99",
         "per_run.hicache": "(h)'s errors",
         "per_run.hicache+swiftcache": "(s)'s errors",
-        "per_run.ideal": "(i)'s errors",
+        "per_run.ideal": f"(i)'s errors: the {OLD_TIERS_IDEAL}",
         "figures": "per run, live and simulated cached tokens, TTFT P50 and P99 (ms)",
         "hits_by_tier": "(s)'s cached tokens by tier, live (metrics) and simulated",
         "rescued_tokens": "tokens (s)'s reclaim moved from donor pages into host, live and "
@@ -565,6 +638,7 @@ RECORDS["simulate_validate_tiers"] = RecordSpec(
                               "and answer tokens",
         "refused_requests": "per run, busy prompts the server refused as longer than its pool "
                             "allows, live and simulated",
+        "upper_bound_pool_tokens": "(u)'s one pool, live and simulated, and whether they agree",
     }, [Headline("validation figures within 20% of live, TTFT P99 included",
                  lambda r: _count_true(r.get("within_20pct"))),
         Headline("largest validation error", lambda r: _largest(r.get("largest_error"))),
@@ -895,6 +969,7 @@ class Figure:
     record: str
     label: str
     read: Callable[[dict], Any]
+    if_present: bool = False  # left out where the record lacks it (one kind of record only)
 
 
 # The columns, each with the mechanism it tests.
@@ -965,6 +1040,19 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
             Figure("bench_node_quick", "SwiftCache / stock", key("busy_cached_ratio")),
             Figure("bench_node_closed_loop_sweep", "closed loop, SwiftCache / HiCache by "
                    "multiple", _sweep_curve("cached_vs_stock"))]}),
+    (f"against an {UB}: no placement of the same memory caches more (under SGLang's LRU)",
+     "not stated", {
+        "live CPU": [
+            Figure("bench_tiers_quick", "cached tokens, SwiftCache / upper bound",
+                   key("cached_vs_upper_bound"), if_present=True),
+            Figure("bench_tiers_quick", "TTFT P99, SwiftCache / upper bound",
+                   key("ttft_p99_vs_upper_bound"), if_present=True),
+            Figure("bench_node_closed_loop", "closed loop, cached tokens, SwiftCache / upper "
+                   "bound", key("cached_vs_upper_bound"), if_present=True),
+            Figure("bench_node_closed_loop", "closed loop, TTFT P99, SwiftCache / upper bound",
+                   key("closed_loop_ttft_p99_vs_upper_bound"), if_present=True),
+            Figure("bench_node_closed_loop", "upper bound twin / upper bound (noise floor)",
+                   _when(NEWER, "closed_loop_ttft_p99_noise"), if_present=True)]}),
     ("against the ideal (the lent memory as the busy model's own device memory)", "not stated", {
         "simulated, capacity regime": [
             Figure("simulate_grid_seeds", "ideal goodput / HiCache, chosen cell, 3 seeds",
@@ -973,14 +1061,14 @@ COMPARISON: list[tuple[str, str, dict[str, list]]] = [
             Figure("simulate_closed_loop", "the ideal's P99 TTFT reduction vs HiCache by multiple",
                    _closed_loop_curve("p99_ttft_reduction_vs_hicache", "ideal"))],
         "live CPU": [
-            Figure("bench_tiers_quick", "cached tokens, SwiftCache / ideal",
-                   key("cached_vs_ideal")),
-            Figure("bench_node_closed_loop", "closed loop, cached tokens, SwiftCache / ideal",
-                   key("cached_vs_ideal")),
-            Figure("bench_node_closed_loop", "closed loop, TTFT P99, SwiftCache / ideal",
-                   key("closed_loop_ttft_p99_vs_ideal")),
-            Figure("bench_node_closed_loop", "ideal twin / ideal (noise floor)",
-                   key("closed_loop_ttft_p99_noise"))]}),
+            Figure("bench_tiers_quick", f"cached tokens, SwiftCache / {OLD_TIERS_IDEAL}",
+                   key("cached_vs_ideal"), if_present=True),
+            Figure("bench_node_closed_loop", f"closed loop, cached tokens, SwiftCache / "
+                   f"{OLD_LOOP_IDEAL}", key("cached_vs_ideal"), if_present=True),
+            Figure("bench_node_closed_loop", "closed loop, TTFT P99, SwiftCache / older ideal "
+                   "run", key("closed_loop_ttft_p99_vs_ideal"), if_present=True),
+            Figure("bench_node_closed_loop", "older ideal run's twin / it (noise floor)",
+                   _when(OLDER, "closed_loop_ttft_p99_noise"), if_present=True)]}),
     ("longest context", "up to 3.98x", {
         "simulated, capacity regime": [
             Figure("simulate_long_context_sweep", "LWM-Text-1M, best configuration",
@@ -1024,13 +1112,15 @@ def comparison_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
                 if isinstance(f, str):
                     parts.append(f)
                     continue
+                rec = records.get(f.record)
+                if f.if_present and (rec is None or f.read(rec["result"]) is None):
+                    continue
                 if f.record not in cited:
                     cited.append(f.record)
-                rec = records.get(f.record)
                 value = NOT_RECORDED if rec is None else f"`{fmt(f.read(rec['result']))}`"
                 parts.append(f"{f.label}: {value} ([{f.record}]({link_prefix}{f.record}.json), "
                              f"{mark(rec)})")
-            cells.append("<br>".join(parts))
+            cells.append("<br>".join(parts) or NOT_RECORDED)
         rows.append(f"| {claim} | " + " | ".join(cells) + " |")
     rows += ["", "Commands of the records cited:", ""]
     for name in cited:

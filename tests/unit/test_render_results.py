@@ -244,3 +244,86 @@ def test_a_new_record_carries_the_product_tree_it_ran_on(tmp_path, monkeypatch):
     assert rec["result"] == {"x": 1}
     assert rec["product_tree"] == rr.product_tree() and len(rec["product_tree"]) == 12
     assert rec["product_uncommitted"] == (rr.product_tree() != rr.product_tree("HEAD"))
+
+
+def _rec(name: str, result: dict) -> dict:
+    return {"name": name, "command": f"python {name}", "started_utc": "2030-01-02 03:04",
+            "commit": "abc1234", "uncommitted_changes": False, "machine": {"cpus": 2},
+            "load_average_before": [0.5, 0.4, 0.3], "load_average_after": [1.5, 1.0, 0.5],
+            "wall_s": 1.0, "result": result}
+
+
+UPPER_TIERS = {"identical": True, "cached_vs_hicache": 2.0, "cached_vs_upper_bound": 0.875,
+               "hicache_cached_vs_upper_bound": 0.4, "ttft_p50_vs_upper_bound": 1.25,
+               "ttft_p99_vs_upper_bound": 1.5, "ttft_p99_upper_bound_vs_hicache": 0.75,
+               "upper_bound_pool_tokens": 1665, "upper_bound_exceeded": None,
+               "empty_in_both": {"h": 1, "s": 1, "u": 0, "t": 1}}
+IDEAL_TIERS = {"identical": True, "cached_vs_hicache": 2.0, "cached_vs_ideal": 1.11,
+               "ttft_p99_ideal_vs_hicache": 1.117}
+UPPER_LOOP = {"identical": True, "cached_vs_upper_bound": 0.9375,
+              "closed_loop_ttft_avg_vs_upper_bound": 1.05,
+              "closed_loop_ttft_p90_vs_upper_bound": 1.1,
+              "closed_loop_ttft_p99_vs_upper_bound": 1.125, "closed_loop_ttft_avg_noise": 1.025,
+              "closed_loop_ttft_p99_noise": 1.05, "stock_ttft_avg_vs_upper_bound": 1.3,
+              "stock_ttft_p99_vs_upper_bound": 1.4, "upper_bound_pool": 1536,
+              "unlimited_cache_tokens": 2000, "cached_vs_unlimited_cache": 0.9,
+              "upper_bound_exceeded": None}
+IDEAL_LOOP = {"identical": True, "cached_vs_ideal": 1.0, "closed_loop_ttft_avg_vs_ideal": 0.9868,
+              "closed_loop_ttft_p99_vs_ideal": 1.005, "closed_loop_ttft_avg_noise": 1.114,
+              "closed_loop_ttft_p99_noise": 1.074}
+
+
+def _pages(r, tiers: dict, loop: dict) -> str:
+    records = {"bench_tiers_quick": _rec("bench_tiers_quick", tiers),
+               "bench_node_closed_loop": _rec("bench_node_closed_loop", loop)}
+    return "\n".join([*r.headline_rows(records, ""), *r.summary_rows(records, ""),
+                      *r.comparison_rows(records, ""),
+                      r.record_section("bench_tiers_quick", records),
+                      r.record_section("bench_node_closed_loop", records)])
+
+
+def test_a_record_with_the_upper_bound_renders_it_by_name():
+    """Invariant: the new keys render under labels that say what the bound is (one stock pool
+    of device + lent + host), each described, and no figure of such a record is labelled as
+    the older ideal run."""
+    r = _renderer()
+    page = _pages(r, UPPER_TIERS, UPPER_LOOP)
+    ub = "upper bound (one stock pool of device + lent + host)"
+    assert f"| cached tokens (s) / {ub} | `0.875` |" in page
+    assert f"| cached tokens / {ub} | `0.9375` |" in page
+    assert "| TTFT P99 / upper bound | `1.125` |" in page
+    assert "| upper bound twin / upper bound, mean TTFT (noise floor) | `1.025` |" in page
+    assert "closed loop, cached tokens, SwiftCache / upper bound: `0.9375`" in page
+    for k in UPPER_TIERS:
+        assert f"| `{k}` |" in page, k
+    assert "(not described)" not in page
+    assert "older ideal" not in page.split("against the ideal")[0]  # headlines, summaries
+    assert "| older ideal run's twin" not in page
+
+
+def test_an_older_record_keeps_its_ideal_figures_never_called_an_upper_bound():
+    """Invariant: a record made with the older ideal run shows its figures labelled as that
+    older baseline (for bench_tiers: not an upper bound); no headline or comparison figure of
+    it is labelled as the upper bound, and the upper bound's row says it is not yet recorded."""
+    r = _renderer()
+    page = _pages(r, IDEAL_TIERS, IDEAL_LOOP)
+    assert ("| cached tokens (s) / older ideal baseline (i) (HiCache with the lent memory as "
+            "device memory, not an upper bound) | `1.11` |") in page
+    assert "| cached tokens / older ideal run (stock SGLang with the lent memory added to its " \
+           "device pool) | `1.0` |" in page
+    assert "| older ideal run's twin / it, mean TTFT (noise floor) | `1.114` |" in page
+    headlines = page.split("| claim |")[0]
+    assert "/ upper bound" not in headlines and "upper bound twin" not in headlines
+    bound_row = next(line for line in page.splitlines() if line.startswith("| against an upper"))
+    assert bound_row.endswith(f"| {r.NOT_RECORDED} | none ran |")
+    assert "(not described)" not in page
+
+
+def test_the_readme_calls_nothing_an_upper_bound_that_was_not_one():
+    """Invariant: no README figure reads a key of the older ideal run, and any README figure
+    named an upper bound reads an upper-bound key."""
+    r = _renderer()
+    for _, f in r.README_FIGURES:
+        probe = {**IDEAL_TIERS, **IDEAL_LOOP}
+        assert "upper bound" not in f.label or f.read(probe) is None, f.label
+        assert "ideal" not in f.label.lower(), f.label
