@@ -200,9 +200,10 @@ def validate(cal_path: Path, live_path: Path) -> dict:
 
 def bound_pool(live: dict, sim: dict) -> dict:
     """Run (u)'s one pool, live (its summary) and simulated, and whether they agree: where they
-    differ the simulation ran another upper bound than the live one."""
+    differ the simulation ran another upper bound than the live one (None: the live summary
+    does not say)."""
     lv, sv = live["summary"].get("upper_bound_pool_tokens"), sim["u"]["pools"]["busy"]
-    return {"live": lv, "sim": sv, "equal": lv == sv}
+    return {"live": lv, "sim": sv, "equal": None if lv is None else lv == sv}
 
 
 def _n(v, fmt="{:.0f}") -> str:
@@ -244,7 +245,7 @@ def format_tables(res: dict) -> str:
                              for n, v in same.items()))
     bp = res["upper_bound_pool_tokens"]
     lines.append(f"upper bound's one pool (device + lent + host tokens), live {bp['live']} | "
-                 f"simulated {bp['sim']}" + ("" if bp["equal"] else " DIFFERENT"))
+                 f"simulated {bp['sim']}" + (" DIFFERENT" if bp["equal"] is False else ""))
     tr = res["trace"]
     lines.append(f"simulated workload = live workload: {tr['compared'] - len(tr['mismatched'])}/"
                  f"{tr['compared']} busy requests alike (served or refused as live; served: "

@@ -157,6 +157,11 @@ def test_a_live_bound_pool_other_than_the_simulated_one_is_reported(tmp_path):
     res = validate_tiers.validate(tmp_path / "cal.json", tmp_path / "records.json")
     assert res["upper_bound_pool_tokens"] == {"live": 140, "sim": 129, "equal": False}
     assert "live 140 | simulated 129 DIFFERENT" in validate_tiers.format_tables(res)
+    del live["summary"]["upper_bound_pool_tokens"]  # a summary that does not say: not a mismatch
+    (tmp_path / "records.json").write_text(json.dumps(live))
+    res = validate_tiers.validate(tmp_path / "cal.json", tmp_path / "records.json")
+    assert res["upper_bound_pool_tokens"]["equal"] is None
+    assert "DIFFERENT" not in validate_tiers.format_tables(res)
 
 
 def test_a_live_file_with_the_older_baseline_run_is_refused_naming_it(tmp_path):
