@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 POLL_S = 0.05  # the original's wait while max_parallel requests are in flight
-# the per-request times SGLang puts in meta_info (--enable-metrics), kept as they come
-META_TIMES = ("request_received_ts", "queue_time", "forward_entry_time", "prefill_finished_time",
-              "first_token_latency", "response_sent_to_client_ts")
+# what SGLang puts in meta_info per request, kept as it comes: its times (--enable-metrics) and
+# how often the request was retracted (taken out of a decode batch for room, then run again)
+META_KEYS = ("request_received_ts", "queue_time", "forward_entry_time", "prefill_finished_time",
+             "first_token_latency", "response_sent_to_client_ts", "num_retractions")
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ async def ask(url: str, body: dict, turn: Turn) -> None:
                     turn.rid = meta.get("id", turn.rid)
                     turn.prompt_tokens = meta.get("prompt_tokens", turn.prompt_tokens) or 0
                     turn.cached_tokens = meta.get("cached_tokens", turn.cached_tokens) or 0
-                    turn.meta.update({k: meta[k] for k in META_TIMES if k in meta})
+                    turn.meta.update({k: meta[k] for k in META_KEYS if k in meta})
     except Exception as exc:  # noqa: BLE001 - reported; the run stops on it
         turn.error = f"{type(exc).__name__}: {exc}"
 

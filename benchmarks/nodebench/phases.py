@@ -46,6 +46,8 @@ def timeline(turn: dict, forwards: list[dict], loads: dict[str, dict]) -> dict:
             t["queued"] = meta["forward_entry_time"] - meta["queue_time"]
     if "prefill_finished_time" in meta:
         t["prefilled"] = meta["prefill_finished_time"]
+    if meta.get("num_retractions"):  # its queue_time then adds up every wait, so `queued` is
+        t["retractions"] = meta["num_retractions"]  # earlier than its first arrival there
     fwd = prefill_forward(forwards, t.get("admitted"), t.get("prefilled"))
     if fwd is not None:
         t["forward_start"], t["forward_end"] = fwd["start"], fwd["end"]
