@@ -96,12 +96,9 @@ class Device:
         self.emulated = EmulatedDevice() if emulate else None
         self.torch = torch.device("cpu" if emulate else "cuda:0")
         self.lane_device = self.emulated or self.torch
-        self._streams: list = []
 
     def stream(self, name: str):
-        s = self.emulated.Stream(name) if self.emulated else torch.cuda.Stream(self.torch)
-        self._streams.append(s)
-        return s
+        return self.emulated.Stream(name) if self.emulated else torch.cuda.Stream(self.torch)
 
     def use(self, stream):
         return self.emulated.stream(stream) if self.emulated else torch.cuda.stream(stream)
@@ -240,13 +237,12 @@ class Borrower:
     def store(self) -> bool:
         return self.engine.begin_store(self.src, self.blocks, allocator_slots=True).wait(600).ok
 
-    def begin_load(self, counter, seal=True):
+    def begin_load(self, counter):
         from sglang_swift.integration.layer_fan_in import BatchLayerCounter
 
         fan = BatchLayerCounter(counter)
         handle = self.engine.begin_load(self.dst, self.blocks, fan, allocator_slots=True)
-        if seal:
-            fan.seal()
+        fan.seal()
         return fan, handle
 
     def wrong_bytes(self) -> int:

@@ -78,11 +78,11 @@ def key(path: str) -> Callable[[dict], Any]:
     return read
 
 
-def of(num: str, den: str) -> Callable[[dict], Any]:
-    """`num/den` read from two keys, e.g. identical outputs of all compared."""
+def of(num: str, den: str, sep: str = "/") -> Callable[[dict], Any]:
+    """`num/den` read from two keys, e.g. identical outputs of all compared (`sep` between)."""
     def read(result: dict) -> Any:
         a, b = key(num)(result), key(den)(result)
-        return None if a is None or b is None else f"{a}/{b}"
+        return None if a is None or b is None else f"{a}{sep}{b}"
 
     return read
 
@@ -1209,13 +1209,6 @@ def _with_noise(value: str, noise: str) -> Callable[[dict], Any]:
     return read
 
 
-def _both(first: str, second: str) -> Callable[[dict], Any]:
-    def read(result: dict) -> Any:
-        a, b = key(first)(result), key(second)(result)
-        return None if a is None or b is None else f"{a}, {b}"
-    return read
-
-
 # The README's one table: (where the figure comes from, the figure). Every figure of every record
 # is in docs/results.md; these are the ones a user asks about first.
 README_FIGURES: list[tuple[str, Figure]] = [
@@ -1232,7 +1225,7 @@ README_FIGURES: list[tuple[str, Figure]] = [
     ("live CPU", Figure("bench_tiers_quick", "TTFT P99 with a host tier, SwiftCache / HiCache",
                         _with_noise("ttft_p99_vs_hicache", "ttft_p99_noise"))),
     ("live CPU", Figure("chaos_quick", "wrong tokens, hangs under faults",
-                        _both("wrong_tokens", "hangs"))),
+                        of("wrong_tokens", "hangs", sep=", "))),
     ("live CPU", Figure("bench_context_quick", "longest context / stock, equal local KV memory",
                         key("max_context_ratio"))),
     ("live CPU", Figure("bench_overlap_quick", "scheduler wait per donor load, P99 (ms)",

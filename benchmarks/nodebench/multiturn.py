@@ -27,11 +27,12 @@ final `meta_info` (`--enable-metrics`: `request_received_ts`, `queue_time`,
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ..loadgen.client import _sse_events
 
 POLL_S = 0.05  # the original's wait while max_parallel requests are in flight
 # what SGLang puts in meta_info per request, kept as it comes: its times (--enable-metrics) and
@@ -142,22 +143,6 @@ class Turn:
     error: str | None = None
 
 
-async def _sse(resp: Any):
-    """(perf_counter at arrival, event) per `data:` line, until [DONE]."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        now = time.perf_counter()
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            line = line.strip()
-            if line.startswith(b"data:"):
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield now, json.loads(data)
-
-
 def payload(prompt: str, output_length: int) -> dict:
     """The original's request body (`gen_payload`)."""
     return {"text": prompt, "stream": True, "lora_path": "", "return_logprob": False,
@@ -178,7 +163,7 @@ async def ask(url: str, body: dict, turn: Turn) -> None:
                 if resp.status != 200:
                     turn.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                     return
-                async for now, ev in _sse(resp):
+                async for now, ev in _sse_events(resp):
                     if ev.get("text") and turn.ttft is None:
                         turn.ttft = now - start
                     turn.text = ev.get("text", turn.text)

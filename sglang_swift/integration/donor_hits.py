@@ -112,8 +112,6 @@ def follow_forward(device: Any, tp_worker: Any) -> None:
     """Order this server's copy lanes after the stream its model's forward runs on (touch point
     FORWARD_STREAM; docs/streaming.md "Ordering against SGLang's forward stream"). A CPU pool
     has no such stream: its lanes are host threads, ordered by the scheduler thread itself."""
-    import torch
-
     from ..dataplane import streams
 
     runner = getattr(tp_worker, "model_runner", None)

@@ -50,6 +50,7 @@ import torch
 from radix_ext import slot_runs
 from radix_ext.residency import DONOR, HOST
 
+from ..dataplane import streams
 from .copies import runs_by_lease, start_copy
 from .debug_seam import OBSERVERS
 from .layer_fan_in import BatchLayerCounter
@@ -268,7 +269,7 @@ class StreamingLoads:
         pid = fan.update_producer()
         for load, _ in hosted:
             load.parts.add(pid)
-        stream = torch.cuda.current_stream() if self.host_kv.device.type == "cuda" else None
+        stream = streams.current_stream(self.host_kv.device)  # None on a CPU pool
         try:
             self.stats["host_loaded_tokens"] += self.host_kv.load_copies(
                 [c for _, c in hosted], lambda layer: fan.complete(layer, pid, stream=stream))
