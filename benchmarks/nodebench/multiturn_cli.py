@@ -5,9 +5,13 @@ Servers (the busy model `small`, all up for the whole benchmark, started side by
 - `stock`       stock SGLang, a `--busy-pool`-token pool;
 - `swiftcache`  a borrower with the same pool, and its donor (`tiny`, `--donor-pool` tokens,
   lending `--lend-fraction` of them: `NodePlan.planned_loan` busy tokens), which serves nothing;
+- `swiftcache_stream`  SwiftCache streaming layers from donor pages (`--swiftcache-layer-stream
+  donor`, resident fraction `--stream-resident-fraction`) with the stock pool's local KV memory
+  (`stream_plan`), and its own donor lending the store's streamed pages (about the same loan);
 - `ideal`       stock SGLang whose one pool holds the busy pool and the loan;
 - `ideal_twin`  the ideal again: the noise floor of a ratio against the ideal.
-For every client count and seed the four take turns (the order rotated by one each time), each
+`--modes` leaves out either SwiftCache server. For every client count and seed the servers take
+turns (the order rotated by one each time), each
 after a `/flush_cache` and a second's pause (as the original between rates). Every busy server
 writes its forward passes and the borrower its batch loads to OUT (the debug seam's traces), so
 each request gets a timeline (`phases.timeline`).
@@ -17,7 +21,8 @@ Per client count, the last line's JSON has, as means over the seeds and for the 
 (SwiftCache / the ideal), `twin_ttft_avg_vs_ideal`, `twin_ttft_p99_vs_ideal` (the twin / the
 ideal), their spreads over the seeds (max - min), and `slowest_phase_p99` (SwiftCache's
 sequential phase with the largest P99, beside stock's P99 of it) and
-`phase_p99_excess_vs_stock` (the phase whose P99 exceeds stock's by the most).
+`phase_p99_excess_vs_stock` (the phase whose P99 exceeds stock's by the most). The same keys
+prefixed `stream_` are those of `swiftcache_stream`.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ import os
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..instruments import instruments_env
 from ..instruments.work import breakdown, read_work
+from ..layer_stream.context_servers import donor_reads, wait_store_on_donor
 from ..loadgen.stats import pct
 from ..tools.demo import wait_for_lease
 from ..tools.local_server import start_all
@@ -41,20 +47,62 @@ from . import phases
 from .closed_loop import SWIFT_STATS
 from .multiturn import Prompts, Workload, drive
 from .observe import parse_metrics
-from .plan import ModelFacts, NodePlan, RunSpec
+from .plan import COMMON_ARGS, HEARTBEAT_ARGS, ModelFacts, NodePlan, RunSpec
 from .runner import bench_server
 
-SYSTEMS = ("stock", "swiftcache", "ideal", "ideal_twin")
-RATIOS = ("ttft_p99_vs_stock", "ttft_avg_vs_ideal", "ttft_p99_vs_ideal",
-          "twin_ttft_avg_vs_ideal", "twin_ttft_p99_vs_ideal")
+SYSTEMS = ("stock", "swiftcache", "swiftcache_stream", "ideal", "ideal_twin")
+MODES = ("swiftcache", "swiftcache_stream")
+PREFIX = {"swiftcache": "", "swiftcache_stream": "stream_"}  # of each mode's keys
+SWIFT_RATIOS = ("ttft_p99_vs_stock", "ttft_avg_vs_ideal", "ttft_p99_vs_ideal")
+TWIN_RATIOS = ("twin_ttft_avg_vs_ideal", "twin_ttft_p99_vs_ideal")
+STREAM_DEPTH = 2
+STREAM_STATS = ("stream_rows_loaded", "stream_rows_from_donor", "stream_rows_saved")
 
 
-def specs(plan: NodePlan, loan: int, lent: int) -> dict[str, RunSpec]:
+@dataclass(frozen=True)
+class StreamPlan:
+    """`swiftcache_stream`'s pool: the largest whose local KV memory (resident rows of every
+    layer, STREAM_DEPTH staging layers for the rest) is at most the stock pool's, and a donor
+    that lends every streamed page of its store."""
+
+    tokens: int  # --max-total-tokens
+    resident: int  # resident slots (every layer local)
+    streamed: int  # streamed slots: store pages placed on the donor (one-token pages)
+    donor_pool: int  # the donor's pool: its lend fraction of it holds the streamed pages
+
+
+def stream_plan(plan: NodePlan, busy: ModelFacts, donor: ModelFacts,
+                fraction: float) -> StreamPlan:
+    from ..layer_stream.context_bench import Setup
+    from ..layer_stream.context_resident import ResidentPlan
+
+    setup = Setup(pool=plan.busy_pool, layers=busy.layers, depth=STREAM_DEPTH, out_tokens=0,
+                  chunk=0, decode_steps=0, repeats=0)
+    row = busy.kv_bytes_per_token // (2 * busy.layers)  # one layer's K row of one token
+    rp = ResidentPlan.fit(setup, fraction, row)
+    streamed = rp.tokens + 1 - rp.resident
+    need = -(-streamed * busy.kv_bytes_per_token // donor.kv_bytes_per_token)
+    if plan.lent_donor_tokens < int(plan.donor_pool * plan.lend_fraction):
+        raise ValueError("the stream donor is sized by its lend fraction; the reclaim "
+                         f"watermark {plan.reclaim_watermark} leaves it less")
+    return StreamPlan(rp.tokens, rp.resident, streamed, int(need / plan.lend_fraction) + 64)
+
+
+def specs(plan: NodePlan, loan: int, lent: int, stream: StreamPlan) -> dict[str, RunSpec]:
     ideal = plan.busy_pool + loan
     return {"stock": RunSpec("a", "stock", plan.busy_pool, plan.donor_pool, False),
             "swiftcache": RunSpec("b", "swiftcache", plan.busy_pool, plan.donor_pool, True),
+            "swiftcache_stream": RunSpec("s", "swiftcache_stream", stream.tokens,
+                                         stream.donor_pool, True),
             "ideal": RunSpec("c", "ideal", ideal, plan.donor_pool - lent, False),
             "ideal_twin": RunSpec("t", "ideal_twin", ideal, plan.donor_pool - lent, False)}
+
+
+def stream_args(rendezvous: str, fraction: float) -> list[str]:
+    return [*COMMON_ARGS, *HEARTBEAT_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
+            "--swiftcache-layer-stream", "donor",
+            "--swiftcache-layer-stream-depth", str(STREAM_DEPTH),
+            "--swiftcache-layer-stream-resident-fraction", str(fraction)]
 
 
 def _read_lines(path: Path, start: int) -> tuple[list[dict], int]:
@@ -83,17 +131,21 @@ class Bench:
     """The servers, their trace files and what each run read from them."""
 
     def __init__(self, plan: NodePlan, busy_model: Path, donor_model: Path, out: Path,
-                 loan: int, lent: int, max_borrow: int):
+                 loan: int, lent: int, max_borrow: int, stream: StreamPlan,
+                 systems: tuple[str, ...], fraction: float):
         self.out = out
+        self.systems = systems
         self.rendezvous = tempfile.mkdtemp(prefix="multiturn-")
-        self.specs = specs(plan, loan, lent)
+        self.stream_rendezvous = tempfile.mkdtemp(prefix="multiturn-stream-")
+        self.specs = {k: v for k, v in specs(plan, loan, lent, stream).items() if k in systems}
         self.busy = {}
+        self.donors = []
         self.traces: dict[str, dict[str, Path]] = {}
         self.offsets: dict[Path, int] = {}
         for name, spec in self.specs.items():
-            srv = bench_server(busy_model, spec, "busy", spec.busy_pool,
-                               spec.busy_args(plan, self.rendezvous, max_borrow), plan, out,
-                               False)
+            args = (stream_args(self.stream_rendezvous, fraction) if name == "swiftcache_stream"
+                    else spec.busy_args(plan, self.rendezvous, max_borrow))
+            srv = bench_server(busy_model, spec, "busy", spec.busy_pool, args, plan, out, False)
             paths = {"forward": out / f"{name}-busy.forward.jsonl",
                      "loads": out / f"{name}-busy.loads.jsonl"}
             for p in paths.values():
@@ -101,16 +153,26 @@ class Bench:
             srv.env = instruments_env(srv.env, forward_trace=str(paths["forward"].resolve()),
                                       load_trace=str(paths["loads"].resolve()))
             self.busy[name], self.traces[name] = srv, paths
-        sw = self.specs["swiftcache"]
-        self.donor = bench_server(donor_model, sw, "donor", sw.donor_pool,
-                                  sw.donor_args(plan, self.rendezvous), plan, out, False)
+        for name, rendezvous in (("swiftcache", self.rendezvous),
+                                 ("swiftcache_stream", self.stream_rendezvous)):
+            if name in self.specs:
+                sw = self.specs[name]
+                self.donors.append(bench_server(donor_model, sw, "donor", sw.donor_pool,
+                                                sw.donor_args(plan, rendezvous), plan, out,
+                                                False))
 
-    def start(self) -> None:
-        start_all([*self.busy.values(), self.donor])
-        wait_for_lease(self.rendezvous, timeout_s=300)
+    def start(self) -> dict:
+        """Start every server; wait for the borrower's lease and the stream store's pages on
+        its donor. Returns what the stream server placed."""
+        start_all([*self.busy.values(), *self.donors])
+        if "swiftcache" in self.specs:
+            wait_for_lease(self.rendezvous, timeout_s=300)
+        if "swiftcache_stream" in self.specs:
+            return wait_store_on_donor(self.busy["swiftcache_stream"])
+        return {}
 
     def stop(self) -> None:
-        for srv in [*self.busy.values(), self.donor]:
+        for srv in [*self.busy.values(), *self.donors]:
             srv.stop()
 
     def _new_lines(self, path: Path) -> list[dict]:
@@ -124,6 +186,7 @@ class Bench:
         for p in self.traces[name].values():
             self._new_lines(p)  # what came before this run is not its
         swift = name == "swiftcache"
+        rows0 = donor_reads(srv.log_text()) if name == "swiftcache_stream" else 0
         stats0 = _swift_stats(srv.base_url) if swift else {}
         work0 = read_work(srv.base_url, settle=True) if swift else None
         load_before = os.getloadavg()
@@ -136,6 +199,8 @@ class Bench:
             s1 = _swift_stats(srv.base_url)
             stats = {k: s1.get(k, 0) - stats0.get(k, 0) for k in s1}
             stats["swiftcache_borrowed_tokens"] = s1.get("swiftcache_borrowed_tokens")
+        if name == "swiftcache_stream":  # its store's reads from donor pages (its log's stats)
+            stats["stream_rows_from_donor"] = donor_reads(srv.log_text()) - rows0
         work = breakdown(work0, read_work(srv.base_url, settle=True), len(turns),
                          "request") if swift else None
         fwd = [{"start": f["end_unix"] - f["wall_ms"] / 1e3, "end": f["end_unix"],
@@ -167,47 +232,69 @@ def run_summary(run: dict) -> dict:
 
 
 def point(runs: dict[str, dict]) -> dict:
-    """One client count and seed: the four runs' summaries and the ratios."""
+    """One client count and seed: the runs' summaries and each SwiftCache mode's ratios (its
+    keys prefixed by PREFIX)."""
     s = {name: run_summary(run) for name, run in runs.items()}
-    st, sw, ide, tw = (s[n] for n in SYSTEMS)
-    out = {"runs": s,
-           "ttft_p99_vs_stock": sw["ttft_p99_ms"] / st["ttft_p99_ms"],
-           "ttft_avg_vs_ideal": sw["ttft_avg_ms"] / ide["ttft_avg_ms"],
-           "ttft_p99_vs_ideal": sw["ttft_p99_ms"] / ide["ttft_p99_ms"],
-           "twin_ttft_avg_vs_ideal": tw["ttft_avg_ms"] / ide["ttft_avg_ms"],
-           "twin_ttft_p99_vs_ideal": tw["ttft_p99_ms"] / ide["ttft_p99_ms"]}
-    slow = phases.slowest_phase(sw["phases"])
-    if slow is not None:
-        slow["stock_p99_ms"] = (st["phases"].get(slow["phase"]) or {}).get("p99")
-    out["slowest_phase_p99"] = slow
-    out["phase_p99_excess_vs_stock"] = phases.largest_excess(sw["phases"], st["phases"])
-    out["swift_stats"] = runs["swiftcache"]["stats"]
-    out["swift_work_per_request"] = runs["swiftcache"]["work"]
+    st, ide, tw = s["stock"], s["ideal"], s["ideal_twin"]
+    out: dict = {"runs": s,
+                 "twin_ttft_avg_vs_ideal": tw["ttft_avg_ms"] / ide["ttft_avg_ms"],
+                 "twin_ttft_p99_vs_ideal": tw["ttft_p99_ms"] / ide["ttft_p99_ms"]}
+    for mode in MODES:
+        if mode not in s:
+            continue
+        sw, pre = s[mode], PREFIX[mode]
+        out[pre + "ttft_p99_vs_stock"] = sw["ttft_p99_ms"] / st["ttft_p99_ms"]
+        out[pre + "ttft_avg_vs_ideal"] = sw["ttft_avg_ms"] / ide["ttft_avg_ms"]
+        out[pre + "ttft_p99_vs_ideal"] = sw["ttft_p99_ms"] / ide["ttft_p99_ms"]
+        slow = phases.slowest_phase(sw["phases"])
+        if slow is not None:
+            slow["stock_p99_ms"] = (st["phases"].get(slow["phase"]) or {}).get("p99")
+        out[pre + "slowest_phase_p99"] = slow
+        out[pre + "phase_p99_excess_vs_stock"] = phases.largest_excess(sw["phases"],
+                                                                       st["phases"])
+        out[pre + "swift_stats"] = runs[mode]["stats"]
+        out[pre + "swift_work_per_request"] = runs[mode]["work"]
     return out
+
+
+def point_keys(p: dict) -> list[str]:
+    """The ratio and phase keys of one point, for its progress line."""
+    return [k for k in p if k.endswith(("_vs_stock", "_vs_ideal", "slowest_phase_p99"))]
 
 
 def over_seeds(points: list[dict]) -> dict:
     """Means over the seeds, the worst seed (the largest ratio) and the spread (max - min)."""
     out: dict = {"seeds": len(points)}
-    for key in RATIOS:
-        vals = [p[key] for p in points]
-        out[key] = {"mean": sum(vals) / len(vals), "worst": max(vals),
-                    "spread": max(vals) - min(vals)}
-    slow = [p["slowest_phase_p99"] for p in points if p["slowest_phase_p99"]]
+    for mode in (m for m in MODES if PREFIX[m] + "ttft_avg_vs_ideal" in points[0]):
+        out.update(_mode_over_seeds(points, PREFIX[mode]))
+    for key in TWIN_RATIOS:
+        out[key] = _spread([p[key] for p in points])
+    return out
+
+
+def _spread(vals: list[float]) -> dict:
+    return {"mean": sum(vals) / len(vals), "worst": max(vals), "spread": max(vals) - min(vals)}
+
+
+def _mode_over_seeds(points: list[dict], pre: str) -> dict:
+    out: dict = {pre + k: _spread([p[pre + k] for p in points]) for k in SWIFT_RATIOS}
+    slow = [p[pre + "slowest_phase_p99"] for p in points if p[pre + "slowest_phase_p99"]]
     if slow:
         worst = max(slow, key=lambda x: x["p99_ms"])
         by: dict[str, list[float]] = {}
         for x in slow:
             by.setdefault(x["phase"], []).append(x["p99_ms"])
         name = max(by, key=lambda k: sum(by[k]) / len(points))
-        out["slowest_phase_p99"] = {"mean": {"phase": name,
-                                             "p99_ms": sum(by[name]) / len(by[name]),
-                                             "seeds": len(by[name])},
-                                    "worst": worst}
-    excess = [p["phase_p99_excess_vs_stock"] for p in points if p["phase_p99_excess_vs_stock"]]
+        out[pre + "slowest_phase_p99"] = {"mean": {"phase": name,
+                                                   "p99_ms": sum(by[name]) / len(by[name]),
+                                                   "seeds": len(by[name])},
+                                          "worst": worst}
+    excess = [p[pre + "phase_p99_excess_vs_stock"] for p in points
+              if p[pre + "phase_p99_excess_vs_stock"]]
     if excess:
-        out["phase_p99_excess_vs_stock"] = {"per_seed": [x["phase"] for x in excess],
-                                            "worst": max(excess, key=lambda x: x["excess_ms"])}
+        out[pre + "phase_p99_excess_vs_stock"] = {
+            "per_seed": [x["phase"] for x in excess],
+            "worst": max(excess, key=lambda x: x["excess_ms"])}
     return out
 
 
@@ -227,8 +314,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--busy-pool", type=int, default=1024)
     ap.add_argument("--donor-pool", type=int, default=16384)
     ap.add_argument("--lend-fraction", type=float, default=0.5)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="the SwiftCache servers to run (default both: swiftcache, "
+                         "swiftcache_stream)")
+    ap.add_argument("--stream-resident-fraction", type=float, default=0.5,
+                    help="swiftcache_stream's --swiftcache-layer-stream-resident-fraction")
     ap.add_argument("--out", type=Path, default=Path("runs/multiturn"))
     args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: one or both of {', '.join(MODES)}, not {args.modes!r}")
+    args.systems = tuple(s for s in SYSTEMS if s in modes or s not in MODES)
     args.client_counts = [int(x) for x in (args.clients or ("8,16" if args.quick else "8,16,32"))
                           .split(",") if x]
     args.seed_list = [int(x) for x in (args.seeds or ("1,2" if args.quick else "1,2,3"))
@@ -254,14 +350,17 @@ def main(argv: list[str] | None = None) -> int:
                     request_rate=args.request_rate, distribution=args.distribution,
                     ready_queue_policy=args.ready_queue_policy)
     args.out.mkdir(parents=True, exist_ok=True)
+    stream = stream_plan(plan, busy, donor, args.stream_resident_fraction)
     bench = Bench(plan, busy_model, donor_model, args.out, loan, lent,
-                  plan.lendable_busy_tokens(busy, donor))
+                  plan.lendable_busy_tokens(busy, donor), stream, args.systems,
+                  args.stream_resident_fraction)
     print(f"pools: busy {plan.busy_pool}, SwiftCache's loan {loan} busy tokens ({lent} donor "
-          f"tokens), ideal {plan.busy_pool + loan}; load {asdict(base)}", flush=True)
+          f"tokens), ideal {plan.busy_pool + loan}; streamed {asdict(stream)}; load "
+          f"{asdict(base)}", flush=True)
     detail: dict = {}
     summary: dict = {}
     try:
-        bench.start()
+        placed = bench.start()
         turn = 0
         for n in args.client_counts:
             points = []
@@ -269,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 load = replace(base, clients=n, seed=seed)
                 prompts = Prompts.build(load, tok.vocab_size, tok.num_special_tokens_to_add(),
                                         tok.decode)
-                order = SYSTEMS[turn % 4:] + SYSTEMS[:turn % 4]
+                k = turn % len(args.systems)
+                order = args.systems[k:] + args.systems[:k]
                 turn += 1
                 runs = {}
                 for name in order:
@@ -279,19 +379,19 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['prompt_tokens']}, TTFT avg {r['ttft_avg_ms']:.0f} ms, P90 "
                           f"{r['ttft_p90_ms']:.0f}, P99 {r['ttft_p99_ms']:.0f}; load "
                           f"{r['loadavg'][:3]} -> {r['loadavg'][3:]}", flush=True)
-                p = point({k: runs[k] for k in SYSTEMS})
+                p = point(runs)
                 p.update(clients=n, seed=seed, order=list(order))
                 points.append(p)
                 detail[f"{n}-{seed}"] = {"point": p, "runs": runs}
                 (args.out / "multiturn.json").write_text(json.dumps(detail, indent=1))
                 print(f"[{n} clients, seed {seed}] " + json.dumps(
-                    {k: p[k] for k in (*RATIOS, "slowest_phase_p99",
-                                       "phase_p99_excess_vs_stock")}), flush=True)
+                    {k: p[k] for k in point_keys(p)}), flush=True)
             summary[str(n)] = over_seeds(points)
     finally:
         bench.stop()
     summary.update(load=asdict(base), pools={"busy": plan.busy_pool, "loan": loan,
-                                             "ideal": plan.busy_pool + loan},
+                                             "ideal": plan.busy_pool + loan,
+                                             "stream": {**asdict(stream), **placed}},
                    wall_s=round(time.monotonic() - started), quick=args.quick,
                    device=f"CPU only ({os.cpu_count()} cores)")
     print(json.dumps(summary, sort_keys=True), flush=True)

@@ -194,6 +194,38 @@ def test_point_ratios_mean_exactly_what_their_names_say():
     assert seeds["ttft_avg_vs_ideal"]["spread"] == pytest.approx(1.75 / 0.75 - 1.0)
 
 
+def test_stream_mode_gets_its_own_prefixed_ratios():
+    runs = {"stock": _run([1.0, 2.0]), "swiftcache": _run([1.0, 2.5]),
+            "swiftcache_stream": _run([0.5, 1.5]), "ideal": _run([0.5, 1.0]),
+            "ideal_twin": _run([0.5, 2.0])}
+    p = multiturn_cli.point(runs)
+    assert p["stream_ttft_avg_vs_ideal"] == pytest.approx(1.0 / 0.75)
+    assert p["ttft_avg_vs_ideal"] == pytest.approx(1.75 / 0.75)
+    only_stream = multiturn_cli.point({k: v for k, v in runs.items() if k != "swiftcache"})
+    assert "ttft_avg_vs_ideal" not in only_stream and "stream_ttft_avg_vs_ideal" in only_stream
+    seeds = multiturn_cli.over_seeds([only_stream, only_stream])
+    assert seeds["stream_ttft_avg_vs_ideal"]["spread"] == 0.0 and "ttft_avg_vs_ideal" not in seeds
+
+
+def test_stream_pool_fits_the_stock_pools_local_memory():
+    from benchmarks.nodebench.plan import ModelFacts, NodePlan
+
+    small = ModelFacts("small", layers=8, kv_bytes_per_token=8 * 2 * 512,
+                       matmul_flops_per_token=1, attn_flops_per_context_token=1)
+    tiny = ModelFacts("tiny", layers=4, kv_bytes_per_token=2048, matmul_flops_per_token=1,
+                      attn_flops_per_context_token=1)
+    plan = NodePlan(busy_pool=1024, donor_pool=16384)
+    sp = multiturn_cli.stream_plan(plan, small, tiny, 0.5)
+    local_rows = 8 * sp.resident + multiturn_cli.STREAM_DEPTH * sp.streamed
+    assert local_rows <= 8 * (1024 + 1) and sp.tokens > 2 * 1024  # more context, same memory
+    lent_tiny_tokens = int(sp.donor_pool * plan.lend_fraction)
+    assert lent_tiny_tokens * 2048 >= sp.streamed * 8 * 1024  # the donor lends every page
+    with pytest.raises(SystemExit):
+        multiturn_cli.parse(["--modes", "hicache"])
+    assert multiturn_cli.parse(["--modes", "swiftcache_stream"]).systems == (
+        "stock", "swiftcache_stream", "ideal", "ideal_twin")
+
+
 def test_quick_runs_8_and_16_clients():
     args = multiturn_cli.parse(["--quick"])
     assert args.client_counts == [8, 16] and args.seed_list == [1, 2]
