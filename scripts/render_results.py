@@ -552,6 +552,50 @@ RECORDS["bench_node_closed_loop"] = RecordSpec(
                  if_present=True),
         Headline("older ideal run's twin / it, mean TTFT (noise floor)",
                  _when(OLDER, "closed_loop_ttft_avg_noise"), if_present=True)])
+
+def _multiturn_keys() -> dict[str, str]:
+    keys = {}
+    for n in ("8", "16", "32"):
+        for pre, who in (("", "SwiftCache (donor tier)"),
+                         ("stream_", "SwiftCache streaming from donor pages")):
+            keys[f"{n}.{pre}ttft_p99_vs_stock"] = (
+                f"{n} clients: TTFT P99, {who} / stock at the same local KV memory; mean, "
+                "worst and spread (max - min) over the seeds")
+            keys[f"{n}.{pre}ttft_avg_vs_ideal"] = f"{n} clients: mean TTFT, {who} / ideal"
+            keys[f"{n}.{pre}ttft_p99_vs_ideal"] = f"{n} clients: TTFT P99, {who} / ideal"
+            keys[f"{n}.{pre}slowest_phase_p99"] = (
+                f"{n} clients: {who}'s sequential phase with the largest P99 (mean over the "
+                "seeds, and the worst seed beside stock's P99 of it)")
+        keys[f"{n}.twin_ttft_avg_vs_ideal"] = f"{n} clients: mean TTFT, ideal twin / ideal " \
+                                              "(the noise floor)"
+        keys[f"{n}.twin_ttft_p99_vs_ideal"] = f"{n} clients: TTFT P99, ideal twin / ideal"
+    keys.update({
+        "pools": "tokens: stock's and the donor-tier borrower's pool, its loan, the ideal's one "
+                 "pool (pool + loan); the streaming server's pool, resident and streamed slots, "
+                 "its donor's pool and the store pages placed on it",
+        "load": "bench_multiturn's options (clients and seed per point)",
+        "wall_s": "seconds the benchmark ran",
+    })
+    return keys
+
+
+RECORDS["bench_multiturn_quick"] = RecordSpec(
+    "SGLang bench_multiturn's traffic (random ready queue, Poisson arrivals, 2 requests in "
+    "flight, 5 rounds, 64-token questions and answers): stock with a 1024-token pool, "
+    "SwiftCache with the same pool and a donor tier, SwiftCache streaming layers from donor "
+    "pages with the same local KV memory, the ideal (one pool of the pool and the loan) and its "
+    "twin; 8 and 16 clients, seeds 1 and 2",
+    "bench_multiturn traffic, TTFT (CPU)",
+    "python scripts/bench_multiturn.py --quick", "docs/node_bench.md", _multiturn_keys(),
+    [Headline("16 clients, TTFT P99, streaming from donor pages / stock (mean of seeds)",
+              key("16.stream_ttft_p99_vs_stock.mean")),
+     Headline("16 clients, mean TTFT, streaming / ideal (mean of seeds)",
+              key("16.stream_ttft_avg_vs_ideal.mean")),
+     Headline("16 clients, mean TTFT, ideal twin / ideal (noise floor)",
+              key("16.twin_ttft_avg_vs_ideal.mean")),
+     Headline("16 clients, TTFT P99, donor tier / stock (mean of seeds)",
+              key("16.ttft_p99_vs_stock.mean"), readme=False)])
+
 RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
     "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the upper bound "
     "(older records: the older ideal run) and a HiCache twin at each, the clients' histories "
@@ -1224,6 +1268,13 @@ README_FIGURES: list[tuple[str, Figure]] = [
                                              "HiCache", key("cached_vs_hicache"))),
     ("live CPU", Figure("bench_tiers_quick", "TTFT P99 with a host tier, SwiftCache / HiCache",
                         _with_noise("ttft_p99_vs_hicache", "ttft_p99_noise"))),
+    ("live CPU", Figure("bench_multiturn_quick", "bench_multiturn, 16 clients, TTFT P99 / stock, "
+                                                 "streaming from donor pages",
+                        key("16.stream_ttft_p99_vs_stock.mean"))),
+    ("live CPU", Figure("bench_multiturn_quick", "bench_multiturn, 16 clients, mean TTFT / "
+                                                 "ideal, streaming",
+                        _with_noise("16.stream_ttft_avg_vs_ideal.mean",
+                                    "16.twin_ttft_avg_vs_ideal.mean"))),
     ("live CPU", Figure("chaos_quick", "wrong tokens, hangs under faults",
                         of("wrong_tokens", "hangs", sep=", "))),
     ("live CPU", Figure("bench_context_quick", "longest context / stock, equal local KV memory",
