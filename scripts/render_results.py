@@ -1272,7 +1272,7 @@ README_FIGURES: list[tuple[str, Figure]] = [
                                                  "streaming from donor pages",
                         key("16.stream_ttft_p99_vs_stock.mean"))),
     ("live CPU", Figure("bench_multiturn_quick", "bench_multiturn, 16 clients, mean TTFT / "
-                                                 "ideal, streaming",
+                                                 "stock with the loan in its pool, streaming",
                         _with_noise("16.stream_ttft_avg_vs_ideal.mean",
                                     "16.twin_ttft_avg_vs_ideal.mean"))),
     ("live CPU", Figure("chaos_quick", "wrong tokens, hangs under faults",
