@@ -1,11 +1,18 @@
-"""What a borrower needs before it copies into a donor's own pool: the donor's pool mapped from
-its descriptor, and its own pool's page as a `KVGeometry`, refused when it cannot be shared.
+"""What a pool lease needs of the two pools: the donor's pool mapped from its descriptor, the
+page a lending pool offers, and the borrower's own pool's page as a `KVGeometry`, each refused
+with the reason when it cannot take part.
 
-Both sides of a pool lease are SGLang `MHATokenToKVPool`s: per layer one K and one V tensor
-`[rows, heads, dim]`, NHD, rows contiguous. Pools of another kind are refused with the reason
-(`why_pool_unshareable`): MLA keeps one latent buffer per layer, not K and V; quantized pools
-keep scales beside their buffers that a byte copy would leave behind; HND / AITER / page-major
-layouts put a page's rows elsewhere; and the dtype must be one the copies support.
+Lending is bytes: a donor lends pages of whatever buffers it can give back on demand, described
+by their bytes per row per layer (`PoolLayout`): an NHD `MHATokenToKVPool` (K and V rows, any
+dtype the copies move: fp8 KV is stored as uint8), or an `MLATokenToKVPool` (one latent buffer
+per layer, `LatentGeometry`). A hybrid pool's full-attention part is an `MHATokenToKVPool` and
+is placed like one; SwiftCache's tree does not serve hybrid models yet, so they are refused
+before (integration/backend.py). A borrower's pages are copied as K and V rows into its own
+`MHATokenToKVPool`, so a borrower's pool must be one (`why_pool_unshareable`).
+Refused, with the reason (`why_pool_cannot_lend`, `why_pool_unshareable`): pools keeping scales
+beside their rows (FP4, MXFP8 KV: a byte copy of the rows would leave the scales behind), DSA
+pools (an indexer buffer beside the latent one), HND / AITER / page-major layouts (a page's rows
+elsewhere), and dtypes the copies do not support.
 SGLang is never imported here: pools are recognized by their attributes and class names.
 """
 
@@ -19,17 +26,26 @@ import torch
 from swift_kernels import KVGeometry
 from swift_kernels.geometry import dtype_name
 
-from .pool_layout import PoolLayout
+from .pool_layout import LatentGeometry, PoolLayout
 from .sharing import MappedArena, MappingError, map_arena
 
-# SGLang pool classes (0.5.23) a byte copy of k_buffer / v_buffer cannot serve, and why.
-_REFUSED_POOLS = {
-    "MLATokenToKVPool": "an MLA pool keeps one latent KV buffer per layer, not K and V",
+_SCALES = ("keeps {what} scales in buffers beside its rows (--kv-cache-dtype {dtype}): a byte "
+           "copy of the rows would leave them behind")
+# SGLang pool classes (0.5.23) whose rows are not all a lease can move, and why.
+_REFUSED_TO_LEND = {
+    "MHATokenToKVPoolFP4": _SCALES.format(what="FP4 block", dtype="fp4_e2m1 / nvfp4"),
+    "MLATokenToKVPoolFP4": _SCALES.format(what="FP4 block", dtype="fp4_e2m1 / nvfp4"),
+    "MHATokenToKVPoolMXFP8": _SCALES.format(what="MXFP8 block", dtype="mxfp8"),
+    "DSATokenToKVPool": "a DSA pool keeps an indexer buffer beside its latent KV",
     "MHATokenToKOnlyPool": "a K-only pool has no V buffers",
-    "MHATokenToKVPoolFP4": "an FP4 pool keeps scales beside its buffers",
-    "MHATokenToKVPoolMXFP8": "an MXFP8 pool keeps scales beside its buffers",
+    "MiniMaxSparseKVPool": "a sparse pool keeps more than the rows of one KV pool",
+}
+# ... and those that lend but whose pages a borrower cannot keep its own rows in (yet)
+_REFUSED_TO_BORROW = {
+    **_REFUSED_TO_LEND,
+    "MLATokenToKVPool": ("an MLA pool keeps one latent KV buffer per layer: it lends its pages, "
+                         "but a borrower's copies move K and V rows (MLA borrowing is not built)"),
     "HybridLinearKVPool": "a hybrid linear-attention pool is not one MHA pool",
-    "MiniMaxSparseKVPool": "a sparse pool is not one MHA pool",
 }
 
 
@@ -38,18 +54,77 @@ class UnshareablePool(ValueError):
     do (run the server without SwiftCache lending or borrowing)."""
 
 
-def why_pool_unshareable(pool: Any) -> str | None:
-    """None when `pool` is an NHD MHA pool of a supported dtype; else the reason it is not."""
+def _refused(pool: Any, table: dict[str, str]) -> str | None:
     for cls in type(pool).__mro__:
-        if cls.__name__ in _REFUSED_POOLS:
-            return f"{type(pool).__name__}: {_REFUSED_POOLS[cls.__name__]}"
+        if cls.__name__ in table:
+            return f"{type(pool).__name__}: {table[cls.__name__]}"
+    return None
+
+
+def why_pool_unshareable(pool: Any) -> str | None:
+    """None when `pool` can keep a borrower's rows (an NHD MHA pool of a supported dtype);
+    else the reason it cannot."""
+    reason = _refused(pool, _REFUSED_TO_BORROW)
+    if reason is not None:
+        return reason
     if not isinstance(getattr(pool, "k_buffer", None), list) or not isinstance(
             getattr(pool, "v_buffer", None), list):
         return (f"{type(pool).__name__} has no per-layer k_buffer / v_buffer lists (not an MHA "
-                f"pool; MLA and other pools cannot be shared)")
+                f"pool; a borrower keeps its rows as K and V)")
     if getattr(pool, "k_scale_buffer", None) is not None:
-        return f"{type(pool).__name__} keeps KV scales beside its buffers (quantized KV)"
+        return (f"{type(pool).__name__} keeps KV scales beside its buffers (quantized KV, "
+                f"{_dtype_of(pool)}): a byte copy of the rows would leave them behind")
     return why_layout_unshareable(pool)
+
+
+def why_pool_cannot_lend(pool: Any) -> str | None:
+    """None when a donor can lend pages of `pool`: an NHD MHA pool, or an MLA pool's latent
+    buffers, of a dtype the copies move, with nothing kept beside its rows; else the reason."""
+    reason = _refused(pool, _REFUSED_TO_LEND)
+    if reason is not None:
+        return reason
+    if _is_latent(pool):
+        if getattr(pool, "use_dsa", False) or getattr(pool, "kv_scale_buffer", None) is not None:
+            return (f"{type(pool).__name__} keeps a DSA indexer or KV scales beside its latent "
+                    f"buffers ({_dtype_of(pool)})")
+        return _dtype_problem(pool)
+    return why_pool_unshareable(pool)
+
+
+def lending_page(pool: Any, page_size: int | None = None) -> KVGeometry | LatentGeometry:
+    """The page a donor lends of `pool` (one TP rank): its KVGeometry, or for an MLA pool a
+    LatentGeometry. Raises UnshareablePool naming the problem."""
+    reason = why_pool_cannot_lend(pool)
+    if reason is None and _is_latent(pool):
+        return LatentGeometry(pool.layer_num, pool.kv_buffer[0].shape[-1],
+                              dtype_name(pool.store_dtype), page_size or pool.page_size)
+    if reason is None:
+        return pool_geometry(pool, page_size)
+    raise UnshareablePool(f"this server's KV pool cannot be lent: {reason}; run it without "
+                          f"SwiftCache lending")
+
+
+def pool_device(pool: Any) -> torch.device:
+    """The device a pool's buffers are on (K buffers, or an MLA pool's latent ones)."""
+    buffers = pool.kv_buffer if _is_latent(pool) else pool.k_buffer
+    return buffers[0].device
+
+
+def _is_latent(pool: Any) -> bool:
+    return isinstance(getattr(pool, "kv_buffer", None), list) and not hasattr(pool, "k_buffer")
+
+
+def _dtype_of(pool: Any) -> str:
+    dtype, store = getattr(pool, "dtype", None), getattr(pool, "store_dtype", None)
+    return f"KV dtype {dtype}, stored as {store}" if dtype != store else f"KV dtype {dtype}"
+
+
+def _dtype_problem(pool: Any) -> str | None:
+    try:
+        dtype_name(pool.store_dtype)
+    except ValueError as exc:
+        return f"{_dtype_of(pool)}: the copies do not support it: {exc}"
+    return None
 
 
 def why_layout_unshareable(pool: Any) -> str | None:
@@ -60,16 +135,13 @@ def why_layout_unshareable(pool: Any) -> str | None:
         return f"KV cache layout {layout!r} (SwiftCache shares only the NHD layout)"
     if getattr(pool, "post_capture_active", False):
         return "post-capture KV backing (CUDA VMM) is on"
-    try:
-        dtype_name(pool.store_dtype)
-    except ValueError as exc:
-        return f"KV dtype the copies do not support: {exc}"
-    return None
+    return _dtype_problem(pool)
 
 
 def pool_geometry(pool: Any, page_size: int | None = None) -> KVGeometry:
     """The page of SGLang pool `pool` (one TP rank) as a KVGeometry, `page_size` tokens per page
-    (default: the pool's own). Raises UnshareablePool naming the problem, e.g. an MLA pool."""
+    (default: the pool's own): what a borrower keeps in donor pages. Raises UnshareablePool
+    naming the problem, e.g. an MLA pool."""
     reason = why_pool_unshareable(pool)
     if reason is None:
         geometry = KVGeometry(pool.layer_num, pool.head_num, pool.head_dim,

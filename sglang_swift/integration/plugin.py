@@ -17,8 +17,8 @@ Every target touched is an entry of `touchpoints.py`; a process registers only w
   `Scheduler.run_batch` when it borrows or has a host tier (the loads its batch queued start,
   and after the forward the requests whose load failed are aborted: SGLang 0.5.23 drives its
   own layer-wise loads this way only for HiCache and the external linker); AROUND
-  `MHATokenToKVPool._create_buffers_normal` when it lends (the pool
-  in shareable memory, `shared_kv_pool.py`); the layer stream cache's hooks
+  `MHATokenToKVPool._create_buffers_normal` and `MLATokenToKVPool._create_buffers` when it
+  lends (the pool in shareable memory, `shared_kv_pool.py`); the layer stream cache's hooks
   (`layer_stream/hooks.py`) when it streams layers;
 - where the debug seam has a forward observer (`debug_seam.py`, benchmarks only): AROUND the
   model forward.
@@ -273,9 +273,13 @@ def server_hooks(config: SwiftConfig | None,
         if config.borrows or config.host_tier:
             hooks += [(tp.BATCH_BUILT, _after_batch_built), (tp.BATCH_RAN, _after_batch_ran)]
         if config.lends:
-            from .shared_kv_pool import create_buffers_in_shared_region
+            from .shared_kv_pool import (
+                create_buffers_in_shared_region,
+                create_latent_buffers_in_shared_region,
+            )
 
-            hooks.append((tp.KV_POOL_BUFFERS, create_buffers_in_shared_region))
+            hooks += [(tp.KV_POOL_BUFFERS, create_buffers_in_shared_region),
+                      (tp.KV_POOL_LATENT_BUFFERS, create_latent_buffers_in_shared_region)]
         if config.streams_layers:
             from ..layer_stream import hooks as ls
 

@@ -53,6 +53,7 @@ from ..control import (
 )
 from ..dataplane import pool_geometry
 from ..dataplane.borrowing import Borrowing
+from ..dataplane.pool_lease import lending_page, pool_device
 from .debug_seam import OBSERVERS
 from .lending import NoLender, PoolLender, own_demand_tokens
 from .reclaim_loss import ReclaimLoss
@@ -103,9 +104,13 @@ class SwiftRuntime:
         self.allocator = allocator
         self.tree = tree
         self.model = model
-        # refuses pools that cannot share (MLA, quantized scales, non-NHD) with the reason
-        self.geometry = pool_geometry(kv_pool, page_size)
-        self.device = kv_pool.k_buffer[0].device
+        # the page it lends or keeps in donor pages, refused with the reason when it cannot (a
+        # borrower keeps K/V rows: MHA pools; a donor lends whatever rows it can give back: MHA
+        # or MLA; scales beside the rows, non-NHD layouts: neither)
+        self.geometry = (pool_geometry(kv_pool, page_size)
+                         if config.borrows or config.streams_from_donor
+                         else lending_page(kv_pool, page_size))
+        self.device = pool_device(kv_pool)
         name = os.path.basename(model.rstrip("/")) or "model"
         self.agent_id = agent_id or f"{name}-{os.getpid()}"
         if tp is not None:

@@ -209,6 +209,7 @@ SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+MLA_POOL = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool"
 ALLOCATOR = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
 INTEGRATION = "sglang_swift.integration"
 
@@ -331,6 +332,15 @@ KV_POOL_BUFFERS = TouchPoint(
     "the pool is SGLang's own: the server lends nothing (its log says why)",
     "sglang_swift.integration.shared_kv_pool",
     (Check(How.LEADING_PARAMS, names=("self",)),),
+    versions=SGLANG_0_5_23)
+KV_POOL_LATENT_BUFFERS = TouchPoint(
+    f"{MLA_POOL}._create_buffers", Kind.AROUND,
+    "a lending server's MLA KV pool (one latent buffer per layer, `kv_buffer`, rows of "
+    "`kv_cache_dim`) is allocated in shareable memory (servers that lend)",
+    "the pool is SGLang's own: the server lends nothing (its log says why)",
+    "sglang_swift.integration.shared_kv_pool",
+    (Check(How.LEADING_PARAMS, names=("self",)),
+     Check(How.SOURCE, names=("kv_buffer", "kv_cache_dim", "self.size + self.page_size"))),
     versions=SGLANG_0_5_23)
 
 FORWARD_STREAM = TouchPoint(
@@ -596,7 +606,8 @@ HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
 ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
-    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, REQ_TREE_LOCK, KV_POOL_BUFFERS, FORWARD_STREAM,
+    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, REQ_TREE_LOCK, KV_POOL_BUFFERS,
+    KV_POOL_LATENT_BUFFERS, FORWARD_STREAM,
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     STORAGE_BACKEND, STORAGE_CONFIG, STORAGE_PAGE_RULES, STORAGE_INTERFACE, STORAGE_KEYS,
     SCHEDULER_PREFETCH,

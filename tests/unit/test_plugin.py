@@ -257,7 +257,8 @@ def test_each_process_registers_only_what_its_server_uses():
     assert added(streamed) == {p.target for p in (
         tp.SCHEDULER_STEP, tp.CONFIG_FROM_BUDGET, tp.BUILD_MHA_POOL, tp.BUILD_ALLOCATOR,
         tp.MODEL_FORWARD, tp.VALIDATE_INPUT)}
-    assert added(lending) == {tp.SCHEDULER_STEP.target, tp.KV_POOL_BUFFERS.target}
+    assert added(lending) == {tp.SCHEDULER_STEP.target, tp.KV_POOL_BUFFERS.target,
+                              tp.KV_POOL_LATENT_BUFFERS.target}
     assert added(borrowing) == {tp.SCHEDULER_STEP.target, tp.BATCH_BUILT.target,
                                 tp.BATCH_RAN.target}
     seam = (tp.MODEL_FORWARD.target, "AROUND", "sglang_swift.integration.debug_seam.around_forward")

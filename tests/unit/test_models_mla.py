@@ -1,0 +1,230 @@
+"""An MLA donor lends pages of its latent KV pool, with SGLang's own MLATokenToKVPool on CPU.
+
+A donor's pool is described to borrowers by the bytes of a row per layer (`PoolLayout`): an MLA
+pool has one latent buffer per layer (`LatentGeometry`, rows of kv_lora_rank + qk_rope_head_dim
+elements, no V rows). The plugin's hook places those buffers in one shared region with SGLang's
+shapes; a borrower of any supported shape (an MHA pool, bf16 or fp8) keeps its rows in the lent
+pages and gets them back byte-identical, nothing outside the lent pages is written, and a
+reclaim fences exactly the blocks on the pages taken back, through the live agents too.
+An MLA pool does not borrow (a borrower's copies move K and V rows), and MLA pools keeping more
+than the latent rows (DSA's indexer) do not lend: both refused with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radix_ext import DONOR, RadixTree
+from sglang_swift.config import CONFIG_ENV, SwiftConfig
+from sglang_swift.control.protocol import PoolLayoutMsg
+from sglang_swift.dataplane import UnshareablePool, make_layer_counter
+from sglang_swift.dataplane.pool_layout import LatentGeometry, PoolLayout
+from sglang_swift.dataplane.pool_lease import (
+    lending_page,
+    pool_device,
+    pool_geometry,
+    why_pool_cannot_lend,
+)
+from sglang_swift.integration.runtime import SwiftRuntime
+from sglang_swift.integration.shared_kv_pool import shared_region_of
+from swift_kernels import K, V
+from tests.unit.test_models_fp8 import (
+    LENDING,
+    PAGE,
+    lend_round_trip,
+    mha_pool,
+    raw,
+    write_kv,
+)
+
+LORA, ROPE = 16, 8  # latent row: 24 elements
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lending_hooks():
+    from tests.unit.test_runtime import apply_lending_hooks
+
+    apply_lending_hooks()
+
+
+def mla_pool(dtype, monkeypatch, lend: bool, size: int = 124, page: int = PAGE, **kw):
+    """SGLang's MLATokenToKVPool; `lend`: built as a lending server's scheduler builds it."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    if lend:
+        monkeypatch.setenv(CONFIG_ENV, LENDING.to_json())
+    pool = MLATokenToKVPool(size=size, page_size=page, dtype=dtype, kv_lora_rank=LORA,
+                            qk_rope_head_dim=ROPE, layer_num=3, device="cpu",
+                            enable_memory_saver=False, **kw)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    return pool
+
+
+def fill_latent(pool, seed: int, pages=None) -> None:
+    """Latent rows (of `pages`, default every slot) written as SGLang's MLA store writes them:
+    values of the pool's dtype in its storage dtype, into `kv_buffer[layer][slots]`."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, page = pool.size + pool.page_size, pool.page_size
+    loc = (torch.arange(rows) if pages is None else
+           torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages]))
+    for buf in pool.kv_buffer:
+        values = (torch.randn(loc.numel(), 1, LORA + ROPE, generator=gen) * 3).to(pool.dtype)
+        buf[loc] = values.view(pool.store_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_an_mla_donors_latent_buffers_are_one_shared_region_described_in_bytes(dtype,
+                                                                                monkeypatch):
+    """Invariant: a lending MLA server's latent buffers keep SGLang's shapes and live in one
+    shared region at `PoolLayout.chunk_offset(page, layer, K)` (no V rows); the layout travels
+    as the wire's flat fields (one head of the latent width, v_head_dim 0) and comes back
+    equal; a server that does not lend keeps SGLang's own buffers."""
+    pool = mla_pool(dtype, monkeypatch, lend=True)
+    arena, layout = shared_region_of(pool)
+    store = "uint8" if dtype == torch.float8_e4m3fn else "bfloat16"
+    assert layout.geometry == LatentGeometry(3, LORA + ROPE, store, PAGE) == lending_page(pool)
+    assert layout.latent and layout.chunk_bytes(V) == 0
+    assert pool.kv_buffer[0].shape == (124 + PAGE, 1, LORA + ROPE)
+    assert pool_device(pool) == torch.device("cpu")
+    fill_latent(pool, seed=1)
+    region = arena.memory.view(-1)
+    for page in (0, 7, 31):
+        for layer in range(3):
+            off = layout.chunk_offset(page, layer, K)
+            assert torch.equal(region[off: off + layout.chunk_bytes(K)],
+                               raw(pool.kv_buffer[layer][page * PAGE:(page + 1) * PAGE]))
+    wire = layout.to_dict()
+    assert (wire["head_num"], wire["head_dim"], wire["v_head_dim"]) == (1, LORA + ROPE, 0)
+    assert PoolLayout.from_dict(PoolLayoutMsg(**wire)) == layout
+    with pytest.raises(ValueError, match="head_num 1"):
+        PoolLayout.from_dict({**wire, "head_num": 2})
+    arena.close()
+    assert shared_region_of(mla_pool(dtype, monkeypatch, lend=False)) is None
+
+
+@pytest.mark.parametrize("mine, theirs", [
+    (torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.bfloat16),
+    (torch.bfloat16, torch.float8_e4m3fn)], ids=["bf16-into-bf16", "fp8-into-bf16",
+                                                  "bf16-into-fp8"])
+def test_a_borrowers_rows_in_an_mla_donors_pages_come_back_identical(mine, theirs, monkeypatch):
+    """Invariant: an MHA borrower's rows stored in an MLA donor's lent latent pages come back
+    byte-identical, no byte of the donor's own pages (its latent rows) changes, and a reclaim
+    refuses exactly the blocks on the pages taken back while the rest still load identical."""
+    donor = mla_pool(theirs, monkeypatch, lend=True)
+    borrower = mha_pool(mine, monkeypatch, lend=False, size=124, layer_num=5, head_num=1,
+                        head_dim=16)
+    fill_latent(donor, seed=2)
+    write_kv(borrower, seed=3)
+    lent = [8, 2, 30, 5, 12, 21, 3, 16, 27, 10, 1, 19, 24, 7, 29, 14, 22, 6, 17, 26]
+    lend_round_trip(donor, borrower, lent_pages=lent,
+                    reclaimed_pages=[30, 12],
+                    scribble=lambda pages: fill_latent(donor, seed=4, pages=pages))
+    shared_region_of(donor)[0].close()
+
+
+def test_mla_pools_borrow_nothing_and_dsa_pools_lend_nothing_with_the_reason(monkeypatch):
+    """Invariant: an MLA pool is refused as a borrower's pool (its copies move K and V rows),
+    naming MLA; an MLA pool with a DSA indexer beside its latent rows lends nothing and says
+    so, at the hook (built as SGLang's own) and when its page is asked for."""
+    pool = mla_pool(torch.bfloat16, monkeypatch, lend=False)
+    with pytest.raises(UnshareablePool, match="MLA.*latent.*not built"):
+        pool_geometry(pool)
+    assert why_pool_cannot_lend(pool) is None
+    dsa = mla_pool(torch.bfloat16, monkeypatch, lend=True, use_dsa=True)
+    assert shared_region_of(dsa) is None
+    assert "DSA" in why_pool_cannot_lend(dsa)
+    with pytest.raises(UnshareablePool, match="cannot be lent.*DSA"):
+        lending_page(dsa)
+
+
+SLOTS = 64
+BORROWER_SHAPE = dict(layer_num=5, head_num=1, head_dim=16)
+
+
+def _runtime(tmp_path, monkeypatch, name, pool, allocator, **cfg) -> SwiftRuntime:
+    config = SwiftConfig(enabled=True, rendezvous_dir=str(tmp_path / "rv"),
+                         heartbeat_interval_s=0.05, heartbeat_timeout_s=2.0, **cfg)
+    return SwiftRuntime(config, model=name, kv_pool=pool, allocator=allocator,
+                        tree=RadixTree(config.tree_config(1)), page_size=1, agent_id=name)
+
+
+def _allocator(pool):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    return TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", pool, need_sort=False)
+
+
+def test_an_mla_donor_lends_and_reclaims_through_live_agents(tmp_path, monkeypatch):
+    """Invariant (the reclaim guarantee, an MLA donor): its latent pages leave its allocator
+    when lent, an fp8 MHA borrower's demoted prefix loads back bit-identical from them, and
+    when the donor's own traffic needs them every page comes back into its allocator only
+    after the borrower acknowledged, with the borrower's tree holding no donor block."""
+    from tests.unit.test_runtime import _copy, _pump_until
+
+    donor_pool = mla_pool(torch.bfloat16, monkeypatch, lend=True, size=SLOTS, page=1)
+    fill_latent(donor_pool, seed=5)
+    borrower_pool = mha_pool(torch.float8_e4m3fn, monkeypatch, lend=False, size=SLOTS, page=1,
+                             **BORROWER_SHAPE)
+    write_kv(borrower_pool, seed=6)
+    donor = _runtime(tmp_path, monkeypatch, "mla-donor", donor_pool, _allocator(donor_pool),
+                     role="donor", lend_fraction=0.5)
+    borrower = _runtime(tmp_path, monkeypatch, "fp8-borrower", borrower_pool,
+                        _allocator(borrower_pool), role="borrower", max_borrow_blocks=16)
+    assert isinstance(donor.geometry, LatentGeometry)
+    donor.start()
+    borrower.start()
+    try:
+        _pump_until((donor, borrower), lambda: borrower.tree.donor.capacity_tokens() > 0)
+        assert donor.lent_tokens == 32 and donor.allocator.available_size() == 32
+        tree = borrower.tree
+        slots = list(range(1, 9))
+        expect = [raw(k[1:9]).clone() for k in borrower_pool.k_buffer]
+        tree.insert(list(range(100, 108)), slots)
+        (ticket,) = tree.evict_device(8).stores
+        assert ticket.dst_tier == DONOR
+        dst = ticket.transfer.dst
+        assert _copy(borrower, (dst.donor, dst.lease), ticket.src.indices, dst.blocks)
+        tree.complete_store(ticket)
+        m = tree.match(list(range(100, 108)))
+        assert m.load_len == 8
+        load = tree.begin_load_back(m.last_node, list(range(30, 38)))
+        (c,) = load.copies
+        counter = make_layer_counter(BORROWER_SHAPE["layer_num"])
+        assert _copy(borrower, (c.src.donor, c.src.lease), c.dst.indices, c.src.blocks, counter)
+        assert tree.complete_load_back(load).ok
+        for layer, want in enumerate(expect):
+            assert torch.equal(raw(borrower_pool.k_buffer[layer][30:38]), want)
+        own = donor.allocator.alloc(donor.allocator.available_size())  # its own burst
+        assert own is not None
+        _pump_until((donor, borrower), lambda: donor.lent_tokens == 0)
+        assert borrower.stats["reclaims"] > 0 and tree.tier_size(DONOR) == 0
+        assert donor.allocator.available_size() == 32  # every lent page back, after the ack
+        tree.check_integrity()
+        donor.lender.check_integrity()
+    finally:
+        borrower.stop()
+        donor.stop()
+        shared_region_of(donor_pool)[0].close()
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("is_hybrid_swa", "hybrid sliding-window attention \\(its SWA layers keep a second KV pool"),
+    ("is_hybrid_ssm", "hybrid SSM/mamba layers \\(each request's recurrent state"),
+    ("is_dsa", "DSA attention \\(an indexer cache")])
+def test_start_up_refusals_name_the_attention_type_and_the_reason(flag, needle):
+    """Invariant: a model kind the tree does not serve is refused at start-up naming its
+    attention, the model type and why."""
+    from types import SimpleNamespace as NS
+
+    from sglang_swift.integration.backend import attention_kind, create_swift_tree_cache
+
+    hf = NS(model_type="m", architectures=["MForCausalLM"])
+    ctx = NS(model_config=NS(hf_config=hf), params=NS(eviction_policy="lru"), tp_size=1,
+             **{flag: True})
+    with pytest.raises(ValueError, match=f"{needle}.*model type 'm' \\(MForCausalLM\\)"):
+        create_swift_tree_cache(ctx, SwiftConfig(enabled=True))
+    plain = NS(model_config=NS(hf_config=hf))
+    assert attention_kind(plain) == "MHA/GQA attention"
+    hf.kv_lora_rank = 512
+    assert attention_kind(plain) == "MLA attention"
