@@ -33,6 +33,30 @@ def model_kind(ctx: Any) -> str:
     return f"model type {kind!r} ({archs})"
 
 
+def attention_kind(ctx: Any) -> str:
+    """The attention the server's model uses, as SGLang's build context and config say it."""
+    hf = getattr(getattr(ctx, "model_config", None), "hf_config", None)
+    for name, on in (("hybrid sliding-window", getattr(ctx, "is_hybrid_swa", False)),
+                     ("hybrid SSM/linear", getattr(ctx, "is_hybrid_ssm", False)),
+                     ("DSA (sparse MLA)", getattr(ctx, "is_dsa", False)),
+                     ("MLA", getattr(hf, "kv_lora_rank", None) is not None)):
+        if on:
+            return f"{name} attention"
+    return "MHA/GQA attention"
+
+
+# the model kinds the tree refuses, and why (each a pool or state beside the one KV pool whose
+# slots the tree holds; SGLang serves them with trees of their own)
+HYBRID_REFUSALS = (
+    ("is_hybrid_swa", "hybrid sliding-window attention (its SWA layers keep a second KV pool "
+                      "with its own eviction, which the tree does not track)"),
+    ("is_hybrid_ssm", "hybrid SSM/mamba layers (each request's recurrent state lives in a "
+                      "state pool the tree does not track)"),
+    ("is_dsa", "DSA attention (an indexer cache beside the latent KV, which the tree does not "
+               "track)"),
+)
+
+
 def _identity(server_args: Any) -> tuple[str, str, bool]:
     """(model, agent id, --enable-metrics) of the server: the agent id names the model's
     directory and the port, as `ctl status` shows it."""
@@ -59,12 +83,9 @@ def tp_problems(ctx: Any, config: Any) -> list[str]:
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's
     TreeCacheBuildContext."""
-    unsupported = [name for name, on in (
-        ("hybrid sliding-window attention", getattr(ctx, "is_hybrid_swa", False)),
-        ("hybrid SSM/mamba layers", getattr(ctx, "is_hybrid_ssm", False)),
-        ("DSA attention", getattr(ctx, "is_dsa", False)),
-        (HICACHE_DIRECT, getattr(ctx, "enable_hierarchical_cache", False)),
-    ) if on]
+    unsupported = [why for flag, why in HYBRID_REFUSALS if getattr(ctx, flag, False)]
+    if getattr(ctx, "enable_hierarchical_cache", False):
+        unsupported.append(HICACHE_DIRECT)
     params = ctx.params
     if (getattr(params, "eviction_policy", "lru") or "lru").lower() != "lru":
         unsupported.append(f"--radix-eviction-policy {params.eviction_policy} (SwiftCache orders "
@@ -73,8 +94,9 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
         unsupported.append("KV cache events (not emitted by SwiftCache's tree yet)")
     unsupported += tp_problems(ctx, config)
     if unsupported:
-        raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)}. Drop "
-                         f"those options or run without --enable-swiftcache.")
+        raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)} "
+                         f"({model_kind(ctx)}, {attention_kind(ctx)}). Drop those options or "
+                         f"run without --enable-swiftcache.")
     from .build import build_cache
     from .tp_sync import tp_group_of
 
@@ -108,8 +130,8 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                             tp_worker=ctx.tp_worker, host_kv=host_kv, storage=storage,
                             enable_metrics=metrics, tp=tp)
     except UnshareablePool as exc:  # a server that lends or borrows shares its pool's pages
-        raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)}: "
-                         f"{exc}") from None
+        raise ValueError(f"SwiftCache cannot lend or borrow KV memory for {model_kind(ctx)} "
+                         f"with {attention_kind(ctx)}: {exc}") from None
     logger.info("SwiftCache: radix_ext tree (page_size=%d, eviction=%s, host tier %d tokens, "
                 "runtime %s)", params.page_size, cache.tree_config.eviction,
                 cache.tree_config.host_capacity, "on" if cache.runtime is not None else "off")
