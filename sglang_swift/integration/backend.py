@@ -80,6 +80,19 @@ def tp_problems(ctx: Any, config: Any) -> list[str]:
     return problems
 
 
+def host_tier_problems(params: Any, config: Any) -> list[str]:
+    """A host tier copies K and V rows of one MHA pool (SGLang's MHA host pool): refused, with
+    the reason, on a pool of another kind (an MLA pool's latent rows)."""
+    allocator = getattr(params, "token_to_kv_pool_allocator", None)
+    if not config.host_tier or allocator is None:
+        return []
+    pool = allocator.get_kvcache()
+    if isinstance(getattr(pool, "k_buffer", None), list):
+        return []
+    return [f"a host tier (--enable-hierarchical-cache) on {type(pool).__name__}: SwiftCache's "
+            f"host tier copies the K and V rows of an MHA pool (SGLang's MHA host pool)"]
+
+
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's
     TreeCacheBuildContext."""
@@ -93,6 +106,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     if getattr(params, "enable_kv_cache_events", False):
         unsupported.append("KV cache events (not emitted by SwiftCache's tree yet)")
     unsupported += tp_problems(ctx, config)
+    unsupported += host_tier_problems(params, config)
     if unsupported:
         raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)} "
                          f"({model_kind(ctx)}, {attention_kind(ctx)}). Drop those options or "

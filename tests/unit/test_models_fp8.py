@@ -240,3 +240,25 @@ def test_scaled_kv_formats_are_refused_naming_the_kv_dtype_and_the_reason():
             lending_page(pool)
         with pytest.raises(UnshareablePool, match="scales"):
             pool_geometry(pool)
+
+
+@pytest.mark.parametrize("layout, io", [("layer_first", "kernel"), ("page_first", "kernel"),
+                                        ("page_first_direct", "direct")])
+def test_an_fp8_pools_host_tier_returns_its_rows_byte_identical(layout, io, monkeypatch):
+    """Invariant: the host tier (SGLang's host pool over an fp8 device pool) stores and loads
+    fp8 KV as its uint8 bytes, unchanged."""
+    from sglang_swift.integration.host_tier import HostKV
+
+    pool = mha_pool(torch.float8_e4m3fn, monkeypatch, lend=False, size=64, page=1)
+    write_kv(pool, seed=8)
+    host = HostKV(pool, ratio=2.0, size_gb=0, layout=layout, io_backend=io, page_size=1)
+    src, slots, dst = torch.arange(3, 19), torch.arange(40, 56), torch.arange(20, 36)
+    want = [(raw(k[src]).clone(), raw(v[src]).clone())
+            for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    host.store(src, slots)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.fill_(POISON)
+    for layer in range(pool.layer_num):
+        host.load_layer(slots, dst, layer)
+        assert torch.equal(raw(pool.k_buffer[layer][dst]), want[layer][0])
+        assert torch.equal(raw(pool.v_buffer[layer][dst]), want[layer][1])

@@ -228,3 +228,21 @@ def test_start_up_refusals_name_the_attention_type_and_the_reason(flag, needle):
     assert attention_kind(plain) == "MHA/GQA attention"
     hf.kv_lora_rank = 512
     assert attention_kind(plain) == "MLA attention"
+
+
+def test_a_host_tier_on_an_mla_pool_is_refused_naming_the_pool_and_the_reason(monkeypatch):
+    """Invariant: SwiftCache's host tier copies K and V rows of an MHA pool; a server whose pool
+    is MLA asking for one is refused at start-up with the reason and its attention, not
+    failed inside SGLang's host pool."""
+    from types import SimpleNamespace as NS
+
+    from sglang_swift.integration.backend import create_swift_tree_cache
+
+    pool = mla_pool(torch.bfloat16, monkeypatch, lend=False)
+    hf = NS(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=LORA)
+    ctx = NS(model_config=NS(hf_config=hf), tp_size=1,
+             params=NS(eviction_policy="lru", token_to_kv_pool_allocator=NS(
+                 get_kvcache=lambda: pool)))
+    with pytest.raises(ValueError, match="host tier .* on MLATokenToKVPool: .*K and V rows.*"
+                                         "deepseek_v2.*MLA attention"):
+        create_swift_tree_cache(ctx, SwiftConfig(enabled=True, host_tier=True))
