@@ -246,3 +246,40 @@ def test_a_host_tier_on_an_mla_pool_is_refused_naming_the_pool_and_the_reason(mo
     with pytest.raises(ValueError, match="host tier .* on MLATokenToKVPool: .*K and V rows.*"
                                          "deepseek_v2.*MLA attention"):
         create_swift_tree_cache(ctx, SwiftConfig(enabled=True, host_tier=True))
+
+
+def latent_donor(pages: int = 160):
+    """test_layer_stream_donor's donor with an MLA donor's layout: one latent buffer per layer,
+    rows of 16 float32 (192 B a page over 3 layers, as that test's K/V donor page)."""
+    from sglang_swift.dataplane import SharedArena
+    from sglang_swift.dataplane.pool_lease import map_pool
+    from tests.unit.test_layer_stream_donor import Donor
+    from tests.unit.test_pool_transfer import POISON as FILL
+
+    class LatentDonor(Donor):
+        def __init__(self):
+            self.layout = PoolLayout(LatentGeometry(3, 16, "float32", 1), rows=pages,
+                                     padded_rows=pages)
+            self.arena = SharedArena(-(-self.layout.data_bytes // 512) * 512)
+            self.arena.memory.view(-1).fill_(FILL)
+            self.mapped = map_pool({**self.arena.export(), "layout": self.layout.to_dict()})
+            self.up, self.leases = True, 0
+
+    return LatentDonor()
+
+
+@pytest.mark.parametrize("order", ["write-first", "read-first"])
+def test_a_streaming_server_reads_from_an_mla_donors_pages_through_a_reclaim(order):
+    """Invariant: the layer stream cache's store kept in an MLA donor's latent pages reads what
+    SGLang's own pool reads through a reclaim mid-forward and a dead donor, with reads served
+    from the donor's memory while it held pages (test_layer_stream_donor's check, this
+    donor)."""
+    from tests.unit.test_layer_stream_donor import (
+        test_reclaim_and_dead_donor_mid_forward_leave_every_read_unchanged as check,
+    )
+
+    donor = latent_donor()
+    try:
+        check(donor, order, shuffle_slots=True, max_runs=4)
+    finally:
+        donor.close()
