@@ -137,6 +137,9 @@ class LayerStreamKVPool(MHATokenToKVPool):
             first_row=self.resident_rows)
         self._holds: list[int | None] = [None] * depth  # layer each staging buffer holds now
         self._ready: list[object] = [None] * depth  # the lane's marker for that load
+        # the marker of the write-through that last read each staging buffer's new rows: the
+        # next write into that buffer (a later layer's, or the next forward's) waits for it
+        self._saving: list[object] = [None] * depth
         self._read: SlotSet | None = None  # slots the running forward reads; None: no forward
         self._entered: int | None = None
         self._saved: set[int] = set()
@@ -194,6 +197,9 @@ class LayerStreamKVPool(MHATokenToKVPool):
         return half, half
 
     def _clear_buffers(self):
+        if getattr(self, "_lane", None) is not None:
+            self._lane.drain()
+            self._lane.close()
         super()._clear_buffers()
         self._stages, self._layer_bufs, self._views, self.layer_store = [], [], None, None
 
@@ -265,12 +271,15 @@ class LayerStreamKVPool(MHATokenToKVPool):
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         local = layer_id - self.start_layer
         self._stream_in(local)
+        stage = local % self.settings.depth
+        pending, self._saving[stage] = self._saving[stage], None
+        self._lane.wait(pending)  # the rows a queued write-through still reads are not replaced
         super().set_kv_buffer(layer, loc_info, cache_k, cache_v, k_scale, v_scale,
                               layer_id_override, dcp_kv_mask)
         loc, _, _ = unwrap_write_loc(loc_info)
         written, buf, store = self._slots_of(loc), self._layer_bufs[local], self.layer_store
         if written.count:  # resident rows are where SGLang wrote them
-            self._lane.run(lambda: store.save(local, written, buf))
+            self._saving[stage] = self._lane.run(lambda: store.save(local, written, buf))
         self._saved.add(local)
 
     def _slots_of(self, loc: torch.Tensor) -> SlotSet:

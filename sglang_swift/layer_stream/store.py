@@ -10,34 +10,46 @@ It moves rows between itself and a staging buffer of the same shape:
 
 Both are enqueued on a `CopyLane`: on a GPU a side stream that first waits for the compute
 stream (so a staging buffer is never refilled while attention still reads it) and whose event
-the compute stream waits on before reading what was loaded; on CPU they run at once, in order.
-The store never decides what to copy or when; `pool.py` does.
+the compute stream waits on before reading what was loaded; on CPU the data plane's copy worker
+(`dataplane.streams.CpuLane`), whose future the forward thread waits on. Either way the copies
+of layer l+1 run while layer l computes, in the order they were issued. The store never decides
+what to copy or when; `pool.py` does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 
 import torch
+
+from ..dataplane.streams import CpuLane
 
 
 class CopyLane:
     """Orders copies after the compute stream's past work and before its future reads.
 
-    `run(fn)` runs `fn` (which enqueues copies) and returns a marker; `wait(marker)` makes the
-    compute stream wait for it. On CPU, `fn` has finished when `run` returns (marker None)."""
+    `run(fn)` enqueues `fn` (which issues copies) and returns a marker; `wait(marker)` makes the
+    compute side wait for it; `drain()` blocks the host until everything enqueued has run. On a
+    GPU `fn` enqueues on a side stream and the marker is an event the compute stream waits on,
+    device side. On CPU `fn` runs on one worker thread (`CpuLane`), in order, while the forward
+    thread computes: the marker is its future, and the forward thread is the compute stream,
+    so whatever it issued before `run` has already happened. A copy that raised raises at its
+    `wait` or at the next `drain`: a forward never reads rows a failed copy left behind."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._worker = None if self.cuda else CpuLane(name="swift-stream-copy")
+        self._last: cf.Future | None = None  # CPU: the newest job; jobs run in order
+        self._failed: BaseException | None = None  # CPU: the first copy that raised
         self.busy_s = 0.0  # thread CPU time spent issuing (on CPU: doing) copies
 
     def run(self, fn) -> object:
-        t0 = time.thread_time()
         if not self.cuda:
-            fn()
-            self.busy_s += time.thread_time() - t0
-            return None
+            self._last = self._worker.submit(self._timed, fn)
+            return self._last
+        t0 = time.thread_time()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             fn()
@@ -46,15 +58,41 @@ class CopyLane:
         self.busy_s += time.thread_time() - t0
         return marker
 
-    @staticmethod
-    def wait(marker: object) -> None:
-        if marker is not None:
+    def _timed(self, fn) -> None:
+        t0 = time.thread_time()
+        try:
+            fn()
+        except BaseException as exc:
+            self._failed = self._failed or exc
+            raise
+        finally:
+            self.busy_s += time.thread_time() - t0  # only the worker adds on CPU
+
+    def wait(self, marker: object) -> None:
+        if isinstance(marker, cf.Future):
+            marker.exception()  # waits; a failure of this or an earlier copy raises below
+            self._raise_failed()
+        elif marker is not None:
             torch.cuda.current_stream().wait_event(marker)
 
     def drain(self) -> None:
         """Block the host until every enqueued copy finished (before host code reads the store)."""
         if self.cuda:
             self.stream.synchronize()
+        elif self._last is not None:
+            self._last.exception()  # jobs run in order: the newest done means all are
+            self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        """A write-through nobody waits for may have failed: the store then lacks rows, so every
+        later wait says so instead of letting a forward read them."""
+        if self._failed is not None:
+            raise RuntimeError("SwiftCache layer streaming: a copy of KV rows failed; the "
+                               "store no longer holds every row") from self._failed
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
 
 class HostLayerStore:

@@ -282,3 +282,42 @@ def test_the_allocator_hands_out_resident_slots_first(page_size):
     again = alloc.alloc(8)
     assert int(again.max()) < 16, again
     assert alloc.available_size() == 64 - 40 + 8 + 20 - 8
+
+
+def _slow_saves(pool, delay_s: float) -> None:
+    """The pool's write-throughs take `delay_s` each before copying (a slow copy engine)."""
+    import time
+
+    store = pool.layer_store
+    save = store.save
+
+    def slow(layer, slots, stage):
+        time.sleep(delay_s)
+        save(layer, slots, stage)
+
+    store.save = slow
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_queued_write_through_reads_its_own_layers_rows(depth):
+    """Copies run on the lane's worker, later than they are issued; a prefill that reads nothing
+    streamed waits for no load, yet the next layer sharing its staging buffer must not overwrite
+    rows a queued write-through has still to copy (else the store keeps the wrong layer's KV and
+    every later read of it is wrong)."""
+    twin = Twin(depth, 64, seed=1, shuffle_slots=False)
+    _slow_saves(twin.streamed, 0.02)
+    twin.forward({0: 12}, "write-first")      # nothing read: no load to wait for
+    twin.forward({0: 1}, "write-first")       # reads the prefill's rows back from the store
+    twin.forward({0: 1}, "read-first")
+
+
+def test_a_failed_write_through_fails_the_next_wait_not_a_later_read():
+    twin = Twin(2, 64, seed=2, shuffle_slots=False)
+    store = twin.streamed.layer_store
+
+    def broken(layer, slots, stage):
+        raise OSError("host memory gone")
+
+    store.save = broken
+    with pytest.raises(RuntimeError, match="a copy of KV rows failed"):
+        twin.forward({0: 8}, "write-first")
