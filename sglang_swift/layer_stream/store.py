@@ -10,45 +10,51 @@ It moves rows between itself and a staging buffer of the same shape:
 
 Both are enqueued on a `CopyLane`: on a GPU a side stream that first waits for the compute
 stream (so a staging buffer is never refilled while attention still reads it) and whose event
-the compute stream waits on before reading what was loaded; on CPU the data plane's copy worker
-(`dataplane.streams.CpuLane`), whose future the forward thread waits on. Either way the copies
-of layer l+1 run while layer l computes, in the order they were issued. The store never decides
-what to copy or when; `pool.py` does.
+the compute stream waits on before reading what was loaded (on the emulated device the same,
+later, on its stream thread); on CPU they run at once, in order. The store never decides what
+to copy or when; `pool.py` does.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import time
 
 import torch
 
-from ..dataplane.streams import CpuLane
+from ..dataplane.emulated import EmulatedDevice
 
 
 class CopyLane:
     """Orders copies after the compute stream's past work and before its future reads.
 
     `run(fn)` enqueues `fn` (which issues copies) and returns a marker; `wait(marker)` makes the
-    compute side wait for it; `drain()` blocks the host until everything enqueued has run. On a
-    GPU `fn` enqueues on a side stream and the marker is an event the compute stream waits on,
-    device side. On CPU `fn` runs on one worker thread (`CpuLane`), in order, while the forward
-    thread computes: the marker is its future, and the forward thread is the compute stream,
-    so whatever it issued before `run` has already happened. A copy that raised raises at its
-    `wait` or at the next `drain`: a forward never reads rows a failed copy left behind."""
+    compute side wait for it; `drain()` blocks the host until everything enqueued has run.
+    - A GPU: `fn` enqueues on a side stream that first waits for the compute stream; the marker
+      is an event the compute stream waits on, device side.
+    - The emulated device (`dataplane.emulated.EmulatedDevice`, what CI runs the GPU protocol
+      on): `fn` runs later, in order, on the device's stream thread; the marker is an event the
+      forward thread (the compute stream of a CPU forward) waits on. A copy that raised fails
+      the next wait or drain with the reason, never a later read.
+    - A CPU: `fn` runs at once, in the forward thread (marker None). A copy worker was measured
+      slower here: the forward thread's CPU time per decode step did not fall while the worker
+      copied, and the step waited for the worker (docs/layer_stream.md)."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._worker = None if self.cuda else CpuLane(name="swift-stream-copy")
-        self._last: cf.Future | None = None  # CPU: the newest job; jobs run in order
-        self._failed: BaseException | None = None  # CPU: the first copy that raised
-        self.busy_s = 0.0  # thread CPU time spent issuing (on CPU: doing) copies
+    def __init__(self, device):
+        self.emulated = device if isinstance(device, EmulatedDevice) else None
+        self.cuda = self.emulated is None and torch.device(device).type == "cuda"
+        if self.emulated is not None:
+            self.stream = self.emulated.Stream("layer-stream-copy")
+        else:
+            self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.busy_s = 0.0  # thread CPU time spent issuing (CPU, emulated: doing) copies
 
     def run(self, fn) -> object:
+        if self.emulated is not None:
+            self.stream.launch(lambda: self._timed(fn))
+            return self.emulated.Event().record(self.stream)
         if not self.cuda:
-            self._last = self._worker.submit(self._timed, fn)
-            return self._last
+            self._timed(fn)
+            return None
         t0 = time.thread_time()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
@@ -62,37 +68,35 @@ class CopyLane:
         t0 = time.thread_time()
         try:
             fn()
-        except BaseException as exc:
-            self._failed = self._failed or exc
-            raise
         finally:
-            self.busy_s += time.thread_time() - t0  # only the worker adds on CPU
+            self.busy_s += time.thread_time() - t0
 
     def wait(self, marker: object) -> None:
-        if isinstance(marker, cf.Future):
-            marker.exception()  # waits; a failure of this or an earlier copy raises below
+        if marker is None:
+            return
+        if self.emulated is not None:
+            marker.synchronize()  # the CPU forward is its own compute stream
             self._raise_failed()
-        elif marker is not None:
+        else:
             torch.cuda.current_stream().wait_event(marker)
 
     def drain(self) -> None:
         """Block the host until every enqueued copy finished (before host code reads the store)."""
-        if self.cuda:
+        if self.stream is not None:
             self.stream.synchronize()
-        elif self._last is not None:
-            self._last.exception()  # jobs run in order: the newest done means all are
+        if self.emulated is not None:
             self._raise_failed()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.drain()
 
     def _raise_failed(self) -> None:
         """A write-through nobody waits for may have failed: the store then lacks rows, so every
         later wait says so instead of letting a forward read them."""
-        if self._failed is not None:
+        if self.emulated.errors:
             raise RuntimeError("SwiftCache layer streaming: a copy of KV rows failed; the "
-                               "store no longer holds every row") from self._failed
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+                               "store no longer holds every row") from self.emulated.errors[0]
 
 
 class HostLayerStore:

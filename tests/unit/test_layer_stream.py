@@ -284,6 +284,19 @@ def test_the_allocator_hands_out_resident_slots_first(page_size):
     assert alloc.available_size() == 64 - 40 + 8 + 20 - 8
 
 
+@pytest.fixture
+def emulated_lane(monkeypatch):
+    """Streamed pools built inside the test copy on the emulated device: every copy runs later
+    than it is issued, on the device's stream thread, as on a GPU's side stream."""
+    from sglang_swift.dataplane.emulated import EmulatedDevice
+    from sglang_swift.layer_stream import pool as pool_module
+    from sglang_swift.layer_stream.store import CopyLane
+
+    device = EmulatedDevice("layer-stream")
+    monkeypatch.setattr(pool_module, "CopyLane", lambda _device: CopyLane(device))
+    return device
+
+
 def _slow_saves(pool, delay_s: float) -> None:
     """The pool's write-throughs take `delay_s` each before copying (a slow copy engine)."""
     import time
@@ -299,11 +312,27 @@ def _slow_saves(pool, delay_s: float) -> None:
 
 
 @pytest.mark.parametrize("depth", [2, 3])
-def test_a_queued_write_through_reads_its_own_layers_rows(depth):
-    """Copies run on the lane's worker, later than they are issued; a prefill that reads nothing
-    streamed waits for no load, yet the next layer sharing its staging buffer must not overwrite
-    rows a queued write-through has still to copy (else the store keeps the wrong layer's KV and
-    every later read of it is wrong)."""
+@pytest.mark.parametrize("order", ["write-first", "read-first"])
+def test_the_gpu_protocol_on_an_emulated_device_reads_what_the_stock_pool_reads(
+        emulated_lane, depth, order):
+    """The same forwards as above with every copy completing later than issued (the GPU's
+    ordering: markers, the forward waiting on the layer it reads)."""
+    twin = Twin(depth, 64, seed=depth, shuffle_slots=False)
+    assert twin.streamed._lane.emulated is emulated_lane
+    twin.forward({0: 10}, order)
+    twin.share_prefix(1, 0, 5)
+    twin.forward({1: 6, 0: 1}, order)
+    for _ in range(3):
+        twin.forward({0: 1, 1: 1}, order)
+    assert not emulated_lane.errors
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_queued_write_through_reads_its_own_layers_rows(emulated_lane, depth):
+    """Copies complete later than they are issued; a prefill that reads nothing streamed waits
+    for no load, yet the next layer sharing its staging buffer must not overwrite rows a queued
+    write-through has still to copy (else the store keeps the wrong layer's KV and every later
+    read of it is wrong)."""
     twin = Twin(depth, 64, seed=1, shuffle_slots=False)
     _slow_saves(twin.streamed, 0.02)
     twin.forward({0: 12}, "write-first")      # nothing read: no load to wait for
@@ -311,7 +340,7 @@ def test_a_queued_write_through_reads_its_own_layers_rows(depth):
     twin.forward({0: 1}, "read-first")
 
 
-def test_a_failed_write_through_fails_the_next_wait_not_a_later_read():
+def test_a_failed_write_through_fails_the_next_wait_not_a_later_read(emulated_lane):
     twin = Twin(2, 64, seed=2, shuffle_slots=False)
     store = twin.streamed.layer_store
 
