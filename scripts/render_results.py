@@ -399,8 +399,12 @@ RECORDS: dict[str, RecordSpec] = {
         "hierarchy, device/donor/host (CPU)",
         "python scripts/bench_tiers.py --quick", "docs/hierarchy.md", {
             "identical": "every busy output of (s) equals stock SGLang's (r), request by "
-                         "request (greedy)",
-            "mismatches": "per run, busy outputs that differ from (r)'s",
+                         "request (greedy, token ids), over the requests compared (at least "
+                         "one); records before `compared` counted a request empty in both as "
+                         "a difference",
+            "mismatches": "per run, compared busy outputs that differ from (r)'s (records "
+                          "before `compared`: also those empty in both)",
+            "compared": "per run, the busy requests it or (r) answered",
             "cached_tokens": "per run, the busy model's prompt tokens served from cache",
             "cached_vs_hicache": "busy cached tokens, (s) / (h)",
             "cached_vs_upper_bound": f"busy cached tokens, (s) / {UB} (u); at most 1 unless "
@@ -410,8 +414,8 @@ RECORDS: dict[str, RecordSpec] = {
                                     "and why; absent where it did not",
             "upper_bound_pool_tokens": "(u)'s one device pool: the busy device pool, the lent "
                                        "and the host tokens",
-            "empty_in_both": "per run, of its mismatches the busy requests neither it nor (r) "
-                             "answered (a prompt longer than both pools allow): not compared",
+            "empty_in_both": "per run, the busy requests neither it nor (r) answered (a "
+                             "prompt longer than both pools allow): not compared",
             "cached_vs_ideal": f"older records: busy cached tokens, (s) / the {OLD_TIERS_IDEAL}",
             "ttft_p50_ms": "per run, the busy requests' TTFT P50 (ms)",
             "ttft_p99_ms": "per run, the busy requests' TTFT P99 (ms)",

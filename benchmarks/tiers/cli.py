@@ -4,13 +4,14 @@ the keys. The last line printed is the JSON summary; `--out` keeps every request
 
 Summary keys:
 - `identical`: every busy output of (s) equals stock SGLang's (r), greedy, request by request,
-  in its token ids; `mismatches`: per run, the busy outputs that differ from (r)'s, an answer
-  empty in both counting as a difference (nothing was compared): the upper bound (u) differs
-  where its larger pool serves what the plan's `busy_pool` cannot (a prompt longer than the pool
-  is refused with an empty answer, an answer stops where the pool is full), and any HiCache run
-  could differ at a float near-tie (its cached prefixes change the prefill's arithmetic);
-  `empty_in_both`: of those, per run, the requests neither it nor (r) answered (a prompt longer
-  than both pools allow: not compared, so not a match);
+  in its token ids, over the requests compared (at least one); `compared`: per run, the
+  requests that it or (r) answered; `empty_in_both`: per run, the requests neither it nor (r)
+  answered (a prompt longer than both pools allow): not compared, so neither a match nor a
+  difference; `mismatches`: per run, the compared outputs that differ from (r)'s: the upper
+  bound (u) differs where its larger pool serves what the plan's `busy_pool` cannot (a prompt
+  longer than the pool is refused with an empty answer, an answer stops where the pool is full),
+  and any HiCache run could differ at a float near-tie (its cached prefixes change the
+  prefill's arithmetic);
 - `cached_tokens`: per run, prompt tokens the busy server served from cache (any tier);
   `cached_vs_hicache` = (s) / (h); `cached_vs_upper_bound` = (s) / (u), at most 1 unless
   something is wrong: above 1, `upper_bound_exceeded` says by how much, in which turns, and
@@ -91,12 +92,15 @@ def upper_bound_exceeded(cached: dict, by_turn: dict) -> dict | None:
 
 def summarize(plan, results: dict, busy: ModelFacts) -> dict:
     ref = {(r.session, r.turn): r.output_ids for r in results["r"].records}
-    mismatches = {run: sum(1 for r in res.records
-                           if not same_output(r.output_ids, ref.get((r.session, r.turn))))
-                  for run, res in results.items() if run != "r"}
     empty_in_both = {run: sum(1 for r in res.records
                               if not r.output_ids and not ref.get((r.session, r.turn)))
                      for run, res in results.items() if run != "r"}
+    mismatches = {run: sum(1 for r in res.records
+                           if not same_output(r.output_ids, ref.get((r.session, r.turn))))
+                  - empty_in_both[run]
+                  for run, res in results.items() if run != "r"}
+    compared = {run: len(res.records) - empty_in_both[run]
+                for run, res in results.items() if run != "r"}
     cached = {run: sum(r.cached_tokens or 0 for r in res.records) for run, res in results.items()}
     ttft = {run: [r.ttft * 1e3 for r in res.records if r.ttft is not None]
             for run, res in results.items()}
@@ -108,8 +112,8 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
         by_turn[run] = turns
     p50 = {run: pct(v, 50) for run, v in ttft.items()}
     p99 = {run: pct(v, 99) for run, v in ttft.items()}
-    out = {"identical": mismatches.get("s") == 0, "mismatches": mismatches,
-           "empty_in_both": empty_in_both,
+    out = {"identical": mismatches.get("s") == 0 and compared.get("s", 0) > 0,
+           "mismatches": mismatches, "compared": compared, "empty_in_both": empty_in_both,
            "cached_tokens": cached, "cached_by_turn": by_turn,
            "cached_vs_hicache": _ratio(cached.get("s"), cached.get("h")),
            "cached_vs_upper_bound": _ratio(cached.get("s"), cached.get("u")),

@@ -82,10 +82,23 @@ def test_swiftcache_above_the_upper_bound_is_reported_with_its_cause():
     assert "eviction order" in over["why"] and "bug" in over["why"]
 
 
-def test_identity_is_on_token_ids_and_two_empty_answers_are_a_mismatch():
+def test_identity_is_on_token_ids_and_two_empty_answers_are_not_compared():
     runs = {"r": (0, 0), "h": (0, 0), "s": (0, 0), "u": (0, 0), "t": (0, 0)}
     s = cli.summarize(TierPlan(turns=2), _results(runs, {"s": [1, 9]}), BUSY)
     assert s["identical"] is False and s["mismatches"]["s"] == 1
     empty = cli.summarize(TierPlan(turns=2), _results(runs, {"r": [], "s": []}), BUSY)
-    assert empty["identical"] is False and empty["mismatches"]["s"] == 1
     assert empty["empty_in_both"]["s"] == 1 and empty["empty_in_both"]["h"] == 0
+    assert empty["mismatches"]["s"] == 0 and empty["compared"]["s"] == 1  # the other turn
+    assert empty["identical"] is True and empty["mismatches"]["h"] == 1  # h answered, r not
+    one_sided = cli.summarize(TierPlan(turns=2), _results(runs, {"s": []}), BUSY)
+    assert one_sided["identical"] is False and one_sided["mismatches"]["s"] == 1
+
+
+def test_nothing_compared_is_not_identical():
+    runs = {"r": (0, 0), "h": (0, 0), "s": (0, 0), "u": (0, 0), "t": (0, 0)}
+    res = _results(runs)
+    for run in res.values():
+        for r in run.records:
+            r.output_ids = []  # every request refused by every server
+    none = cli.summarize(TierPlan(turns=2), res, BUSY)
+    assert none["compared"]["s"] == 0 and none["identical"] is False
