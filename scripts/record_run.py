@@ -30,7 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "records"
-OUTPUTS = ("docs/records", "docs/img")  # what runs write into the tree
+# what runs write into the tree, and the pages rendered from it (refresh_records.sh renders)
+OUTPUTS = ("docs/records", "docs/img", "README.md", "docs/results.md")
 PRODUCT = ("sglang_swift", "radix_ext", "swift_kernels", "pyproject.toml")  # what users install
 
 

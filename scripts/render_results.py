@@ -579,6 +579,8 @@ def _multiturn_keys() -> dict[str, str]:
                  "its donor's pool and the store pages placed on it",
         "load": "bench_multiturn's options (clients and seed per point)",
         "wall_s": "seconds the benchmark ran",
+        "quick": "whether it ran --quick (8 and 16 clients, seeds 1 and 2)",
+        "device": "where it ran",
     })
     return keys
 
