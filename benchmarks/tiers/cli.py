@@ -95,12 +95,12 @@ def summarize(plan, results: dict, busy: ModelFacts) -> dict:
     empty_in_both = {run: sum(1 for r in res.records
                               if not r.output_ids and not ref.get((r.session, r.turn)))
                      for run, res in results.items() if run != "r"}
-    mismatches = {run: sum(1 for r in res.records
-                           if not same_output(r.output_ids, ref.get((r.session, r.turn))))
-                  - empty_in_both[run]
-                  for run, res in results.items() if run != "r"}
     compared = {run: len(res.records) - empty_in_both[run]
                 for run, res in results.items() if run != "r"}
+    mismatches = {run: sum(1 for r in res.records
+                           if not same_output(r.output_ids, ref.get((r.session, r.turn))))
+                  - empty_in_both[run]  # same_output counts an answer empty in both as differing
+                  for run, res in results.items() if run != "r"}
     cached = {run: sum(r.cached_tokens or 0 for r in res.records) for run, res in results.items()}
     ttft = {run: [r.ttft * 1e3 for r in res.records if r.ttft is not None]
             for run, res in results.items()}
