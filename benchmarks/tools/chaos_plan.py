@@ -26,7 +26,8 @@ FAULT_KINDS = ("freeze", "idle", "burst", "kill", "restart")
 STEP_KINDS = ("traffic", *FAULT_KINDS)
 BORROWER = "borrower"
 COUNTERS = ("revoked_tokens", "lost_leases", "reclaims", "refused_loads", "refused_stores",
-            "loads_failed", "leases", "loaded_tokens", "stored_tokens")  # swiftcache_<name>_total
+            "loads_failed", "loads_requeued", "leases", "loaded_tokens",
+            "stored_tokens")  # swiftcache_<name>_total
 TIER_GAUGE = "donor_tier_tokens"  # swiftcache_donor_tier_tokens: the borrower's data at stake
 DATA_FAULTS = ("freeze", "idle", "burst", "kill")  # faults that test what happens to that data
 FREEZE_MARGIN_S = 5.0  # a freeze ends at least this long before a peer could be declared dead
@@ -190,7 +191,8 @@ COPY_FAULT_KINDS = ("burst", "kill")  # steps in which a copy may be refused or 
 
 
 def load_may_fail(step: Step) -> bool:
-    """Whether a donor load may fail in `step` (its request answered 503): a reclaim fences the
+    """Whether a donor load may fail in `step` (its request requeued or answered 503): a
+    reclaim fences the
     pages (burst), a dead donor's lease is not readable (kill), and a borrower stopped in a
     forward finds the batch's load deadline (wall clock) passed when it resumes (freeze of
     the borrower). Anywhere else a failed load is a load that missed its deadline unprovoked."""
@@ -206,9 +208,10 @@ def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
     - lost leases: each kill of a donor the borrower borrowed from cost it a lease; nothing else
       did;
     - refused copies: loads and stores are refused only in a burst or kill step;
-    - failed loads: every 503 the client got for a failed donor load is one failed load on the
-      borrower (`swiftcache_loads_failed_total`), step by step, and the reverse; they happen
-      only where `load_may_fail`;
+    - failed loads: every failed load on the borrower (`swiftcache_loads_failed_total`) is
+      either a request sent back to the waiting queue (`swiftcache_loads_requeued_total`) or a
+      503 its client got, step by step, and every such 503 is one; they happen only where
+      `load_may_fail`;
     - donor tier used: the borrower loaded tokens back from donor memory at all."""
     checks: dict[str, str] = {}
     final = records[-1].after if records else {}
@@ -240,10 +243,10 @@ def consistency(records: list[StepRecord], leases_seen: int) -> dict[str, str]:
     checks["refused_copies"] = "; ".join(bad)
     bad = []
     for i, rec in enumerate(records):
-        failed = rec.delta("loads_failed")
-        if failed != rec.load_503s:
+        failed, requeued = rec.delta("loads_failed"), rec.delta("loads_requeued")
+        if failed != requeued + rec.load_503s:
             bad.append(f"step {i} {rec.step.label()}: {failed:g} loads failed on the borrower, "
-                       f"{rec.load_503s} answered 503")
+                       f"{requeued:g} requests requeued and {rec.load_503s} answered 503")
         elif failed > 0 and not load_may_fail(rec.step):
             bad.append(f"step {i} {rec.step.label()}: {failed:g} loads failed (past the "
                        "batch's deadline?) with no fault to explain it")

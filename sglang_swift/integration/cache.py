@@ -65,12 +65,12 @@ logger = logging.getLogger(__name__)
 STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
-                "loads_failed", "load_retries", "loads_declined", "hits_unreadable",
-                "stores_started", "exchanges", "exchanged_tokens", "exchanges_failed",
-                "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens", "donor_hit_tokens",
-                "rescued_tokens", "spilled_tokens", "recomputed_after_reclaim_tokens",
-                "l3_written_pages",
-                "l3_fetched_tokens", "l3_failures")
+                "loads_failed", "loads_requeued", "load_retries", "loads_declined",
+                "hits_unreadable", "stores_started", "exchanges", "exchanged_tokens",
+                "exchanges_failed", "host_stored_tokens", "host_loaded_tokens", "host_hit_tokens",
+                "donor_hit_tokens", "rescued_tokens", "spilled_tokens",
+                "recomputed_after_reclaim_tokens", "l3_written_pages", "l3_fetched_tokens",
+                "l3_failures")
 # a tree without a runtime (no lending or borrowing) but with a host tier counts these itself
 LOCAL_STATS = ("stored_tokens", "loaded_tokens", "refused_loads", "refused_stores")
 
@@ -136,6 +136,8 @@ class SwiftRadixCache(RadixCache):
         leases and reclaims; with TP also at once when rank 0's agent woke the loop for them
         (`loop_wake.py`: an idle scheduler asleep in SGLang's poll runs this step at once)."""
         self.work.loops += 1
+        if scheduler is not None:
+            self.donor_hits.requeue(scheduler)
         self.donor_hits.poll()
         self.storage_hits.poll()
         runtime = self.control

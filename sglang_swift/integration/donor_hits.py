@@ -101,6 +101,9 @@ class NoDonorHits:
     def batch_ran(self, scheduler: Any, batch: Any) -> None:
         pass
 
+    def requeue(self, scheduler: Any) -> None:
+        pass
+
     def poll(self) -> None:
         pass
 
@@ -134,6 +137,7 @@ class DonorHits:
         from ..dataplane import make_layer_counter
         from .demotion import Demotions
         from .layer_fan_in import TimedLayerCounter
+        from .load_retry import LoadRetries
         from .streaming import StreamingLoads
 
         if tp_worker is None:
@@ -155,6 +159,7 @@ class DonorHits:
                                     wait_budget=lambda tokens: LOAD_WAIT_FLOOR_S + (
                                         tokens * token_bytes / LOAD_MIN_BYTES_PER_S),
                                     host_kv=host_kv)
+        self.retries = LoadRetries(stats)
         self.demotions = Demotions(seat, runtime, stats, host_kv=host_kv, storage=storage)
         self.slots = DemotingSlots(seat.slots, self.demotions)
         self._owned_load = False  # the last init_load_back gave the request a tree-owned prefix
@@ -170,8 +175,14 @@ class DonorHits:
         self.loads.start(batch)
 
     def batch_ran(self, scheduler: Any, batch: Any) -> None:
-        """A batch's forward ran: drop the output of requests whose load failed."""
+        """A batch's forward ran: drop the output of requests whose load failed, and send
+        those that can run again back towards the waiting queue (`load_retry.py`)."""
         self.loads.settle(scheduler, batch)
+        self.retries.take(scheduler, batch, self.loads.take_failed())
+
+    def requeue(self, scheduler: Any) -> None:
+        """Before the next batch is chosen: retried requests re-enter the waiting queue."""
+        self.retries.requeue(scheduler)
 
     def poll(self) -> None:
         """Close finished copies (every scheduler loop)."""

@@ -25,8 +25,11 @@ COUNTERS = {  # SwiftRuntime.stats key -> (metric name, help)
     "lost_leases": ("swiftcache_lost_leases", "leases lost to a dead or departed donor"),
     # streaming loads and asynchronous demotion (integration/streaming.py, demotion.py)
     "loads_started": ("swiftcache_loads_started", "donor loads started under a forward pass"),
-    "loads_failed": ("swiftcache_loads_failed", "donor loads that failed; their requests were "
-                     "aborted before any output"),
+    "loads_failed": ("swiftcache_loads_failed", "donor loads that failed; their output was "
+                     "dropped, and their requests ran again (swiftcache_loads_requeued) or were "
+                     "aborted"),
+    "loads_requeued": ("swiftcache_loads_requeued", "failed donor loads whose request went "
+                       "back to the waiting queue and ran again from the tiers below"),
     "load_retries": ("swiftcache_load_retries", "load admissions retried while room was still "
                      "being demoted (0: stores settle in the eviction)"),
     "loads_declined": ("swiftcache_loads_declined", "donor hits recomputed at admission (the "

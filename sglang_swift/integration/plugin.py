@@ -15,8 +15,9 @@ Every target touched is an entry of `touchpoints.py`; a process registers only w
   BEFORE `Scheduler.get_next_batch_to_run` when it lends, borrows or has a host tier (control
   events and finished copies once per loop); AFTER `Scheduler.get_new_batch_prefill` and
   `Scheduler.run_batch` when it borrows or has a host tier (the loads its batch queued start,
-  and after the forward the requests whose load failed are aborted: SGLang 0.5.23 drives its
-  own layer-wise loads this way only for HiCache and the external linker); AROUND
+  and after the forward the requests whose load failed run again (`load_retry.py`) or are
+  aborted: SGLang 0.5.23 drives its own layer-wise loads this way only for HiCache and the
+  external linker); AROUND
   `MHATokenToKVPool._create_buffers_normal` and `MLATokenToKVPool._create_buffers` when it
   lends (the pool in shareable memory, `shared_kv_pool.py`); the layer stream cache's hooks
   (`layer_stream/hooks.py`) when it streams layers;
@@ -230,8 +231,9 @@ def _after_batch_built(plan: Any, scheduler: Any, *a: Any, **kw: Any) -> None:
 
 
 def _after_batch_ran(result: Any, scheduler: Any, *a: Any, **kw: Any) -> None:
-    """A batch's forward ran: a SwiftCache borrower aborts the requests whose load failed,
-    before SGLang processes their output."""
+    """A batch's forward ran: a SwiftCache borrower drops the output of the requests whose
+    load failed, before SGLang processes it, and sends them back to the queue (or aborts
+    them)."""
     hook = getattr(getattr(scheduler, "tree_cache", None), "swift_batch_ran", None)
     if hook is not None:
         hook(scheduler, a[0] if a else kw["batch"])

@@ -18,23 +18,24 @@ unified_cache_linker.py`), driven through the plugin's scheduler hooks:
    worker hands it to the counter before the forward, and each attention layer waits in the
    pool's buffer getter for that layer only;
 3. after the forward (`settle`, after `Scheduler.run_batch`): a request whose copy failed (donor
-   gone, read deadline passed, pages reclaimed) is finished with an abort before its output is used
-   and never inserts its KV; the others keep theirs. "Failed" includes a copy whose bytes were
-   checked after they landed and found invalid (donor gone, lease epoch changed, blocks fenced
-   since the copy began): on CPU the copy thread checks each layer before releasing it; on a GPU
-   `InFlightCopy.confirm` checks here, once the copy's marker event has passed. An exchange's
-   ticket settles here too, once its copy has stopped writing: completed, or dropped on both
-   sides with its request aborted (`_drop_exchange`). Load tickets close once
-   the copies are finished (`poll`, every step): until then the donor nodes stay pinned, so their
-   pages are neither dropped nor reused by another store.
+   gone, read deadline passed, pages reclaimed) has its output dropped and never inserts its KV;
+   where it can, it then goes back to the waiting queue instead of failing (`load_retry.py`),
+   else it is finished with an abort; the others keep theirs. "Failed" includes a copy whose
+   bytes were checked after they landed and found invalid (donor gone, lease epoch changed,
+   blocks fenced since the copy began): on CPU the copy thread checks each layer before
+   releasing it; on a GPU `InFlightCopy.confirm` checks here, once the copy's marker event has
+   passed. An exchange's ticket settles here too, once its copy has stopped writing: completed,
+   or dropped on both sides with its request's output dropped (`_drop_exchange`). Load tickets
+   close once the copies are finished (`poll`, every step): until then the donor nodes stay
+   pinned, so their pages are neither dropped nor reused by another store.
 
 The scheduler thread never waits for a copy here; `stats["load_wait_s"]` counts the exceptions
 (stopping a copy the forward went past: at most the layer being copied; on a GPU, a copy still
 running when its batch settles, waited for before its bytes are judged), `stats["layer_wait_s"]`
 the time attention waited for a layer inside the forward (`TimedLayerCounter`). That wait ends
 at the batch's deadline, `wait_budget(tokens)` after the batch started: the copies still running
-then fail and their requests are aborted, so a copy that never finishes costs its requests, not
-the server.
+then fail and their requests run again, so a copy that never finishes costs its requests a
+second prefill, not the server.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ class StreamingLoads:
         self._wait_mark = self._store_mark = 0.0
         self._running: dict[int, BatchLoad] = {}  # id(batch) -> its load
         self._closing: list[BatchLoad] = []
+        # requests whose load failed, with their skip_radix_cache_insert before: taken after
+        # their batch's forward (load_retry.py), which may send them back to the waiting queue
+        self.failed: list[tuple[Any, bool]] = []
 
     # ---- 1. admission -----------------------------------------------------------------------
     def queue(self, req: Any, ticket: Any, device: Any) -> None:
@@ -257,7 +261,7 @@ class StreamingLoads:
             for _, copy in entry.copies:
                 copy.abort("the cache was reset")
                 copy.release()
-        self._queued, self._running, self._closing = [], {}, []
+        self._queued, self._running, self._closing, self.failed = [], {}, [], []
         self._private.clear()
 
     # ---- internals ---------------------------------------------------------------------------
@@ -316,12 +320,19 @@ class StreamingLoads:
         self.cache.slots.free(self.cache.tree.abort_exchange(t, free_hit_slots=False))
         self.stats["exchanges_failed"] += 1
 
+    def take_failed(self) -> list[tuple[Any, bool]]:
+        """The requests whose load failed since the last call (see `failed`)."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def _fail_request(self, scheduler: Any, req: Any, reason: str) -> None:
         """Finish `req` with an abort before its output is used, as SGLang does for a failed
-        external-linker load; its KV never reaches the tree."""
+        external-linker load; its KV never reaches the tree. `load_retry.LoadRetries` then
+        turns the abort into a second run where it can."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         self.stats["loads_failed"] += 1
+        self.failed.append((req, req.skip_radix_cache_insert))  # load_retry.LoadRetries.take
         req.skip_radix_cache_insert = True
         req.discard_output_reason = FINISH_ABORT(
             f"SwiftCache: loading the cached prefix from a donor failed ({reason}); "

@@ -293,8 +293,8 @@ BATCH_BUILT = TouchPoint(
     versions=SGLANG_0_5_23)
 BATCH_RAN = TouchPoint(
     f"{SCHEDULER}.run_batch", Kind.AFTER,
-    "after a forward, a borrower aborts the requests whose load failed before their output "
-    "is used (servers that borrow)",
+    "after a forward, a borrower drops the output of the requests whose load failed before "
+    "it is used, and sends them back to the queue or aborts them (servers that borrow)",
     "a request whose donor load failed would answer from unloaded KV", f"{INTEGRATION}.plugin",
     versions=SGLANG_0_5_23)
 RUN_BATCH_SIGNATURE = TouchPoint(
@@ -312,6 +312,29 @@ PENDING_CHUNKED_ABORT = TouchPoint(
     f"{INTEGRATION}.streaming",
     (Check(How.SOURCE, f"{SCHEDULER}.process_pending_chunked_abort",
            ("_pending_chunked_abort_req",)),),
+    versions=SGLANG_0_5_23)
+RETRY_RELEASE = TouchPoint(
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req", Kind.EXTENSION,
+    "a request whose donor load failed is released as SGLang retracts a decode request (its KV "
+    "row freed without entering the tree, its prefix match and lock reset, marked retracted so "
+    "the result processor skips its output), to run again instead of answering 503",
+    "a failed load's request leaks its KV row or its output is used",
+    f"{INTEGRATION}.load_retry",
+    (Check(How.LEADING_PARAMS, names=("self", "idx", "remaing_req_count", "offload_kv")),
+     Check(How.SOURCE, "sglang.srt.managers.schedule_batch.release_req",
+           ("release_kv_cache", "reset_for_retract"))),
+    versions=SGLANG_0_5_23)
+RETRY_REQUEUE = TouchPoint(
+    f"{SCHEDULER}._add_request_to_queue", Kind.PRIVATE_CALL,
+    "a retried request leaves `last_batch` and `running_batch` before get_next_batch_to_run "
+    "merges them and, once no result in `result_queue` holds it, re-enters the waiting queue "
+    "as SGLang re-queues a retracted request",
+    "a retried request decodes without KV, or never runs again",
+    f"{INTEGRATION}.load_retry",
+    (Check(How.LEADING_PARAMS, names=("self", "req", "is_retracted")),
+     Check(How.SOURCE, f"{SCHEDULER}.get_next_batch_to_run",
+           ("last_batch.filter_batch", "running_batch.merge_batch")),
+     Check(How.SOURCE, f"{SCHEDULER}.event_loop_overlap", ("result_queue", "batch.copy()"))),
     versions=SGLANG_0_5_23)
 REQ_TREE_LOCK = TouchPoint(
     "sglang.srt.managers.schedule_batch.Req.lock", Kind.PRIVATE_WRITE,
@@ -606,8 +629,8 @@ HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
 ALL: tuple[TouchPoint, ...] = (
     ADD_CLI_ARGS, OPTION_STRINGS, FROM_CLI_ARGS, CPU_DEFAULTS, RESOLUTION_STATE,
     REGISTER_BACKEND, RADIX_CACHE, SCHEDULER_STEP, OWN_DEMAND, BATCH_BUILT, BATCH_RAN,
-    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, REQ_TREE_LOCK, KV_POOL_BUFFERS,
-    KV_POOL_LATENT_BUFFERS, FORWARD_STREAM,
+    RUN_BATCH_SIGNATURE, PENDING_CHUNKED_ABORT, RETRY_RELEASE, RETRY_REQUEUE, REQ_TREE_LOCK,
+    KV_POOL_BUFFERS, KV_POOL_LATENT_BUFFERS, FORWARD_STREAM,
     STEP_MARK, HICACHE_FLAG, HOST_POOL_CLASS, HOST_POOL_TRANSFERS, HOST_INDEX_RULE,
     STORAGE_BACKEND, STORAGE_CONFIG, STORAGE_PAGE_RULES, STORAGE_INTERFACE, STORAGE_KEYS,
     SCHEDULER_PREFETCH,

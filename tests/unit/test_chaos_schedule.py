@@ -113,22 +113,29 @@ def test_consistency_accepts_what_the_faults_explain():
         "failed_loads": "", "donor_tier_used": ""}
 
 
-def test_failed_loads_match_the_503s_and_happen_only_where_a_fault_explains_them():
-    """Each failed donor load on the borrower is one 503 the client got in the same step: a
-    frozen borrower or a kill may explain one; a failed load the client never saw, a 503 the
-    borrower did not count, or a failed load in plain traffic or a donor's freeze is named."""
+def test_failed_loads_match_the_requeues_and_503s_and_happen_only_where_a_fault_explains_them():
+    """Each failed donor load on the borrower is one request requeued or one 503 the client got
+    in the same step: a frozen borrower or a kill may explain one; a failed load neither
+    requeued nor seen by the client, a 503 the borrower did not count, or a failed load in plain
+    traffic or a donor's freeze is named."""
     ok = [_rec("freeze", BORROWER, after={"loads_failed": 1}, load_503s=1),
           _rec("kill", "donor0", {"loads_failed": 1}, {"loads_failed": 2, "lost_leases": 1},
-               leases_from_target=1, load_503s=1)]
+               leases_from_target=1, load_503s=1),
+          _rec("burst", "donor0", {"loads_failed": 2, "lost_leases": 1},
+               {"loads_failed": 4, "loads_requeued": 2, "lost_leases": 1, "reclaims": 1},
+               leases_from_target=1, target_reclaims=1)]
     assert consistency(ok, leases_seen=1)["failed_loads"] == ""
     bad = [_rec("traffic", after={"loads_failed": 1}, load_503s=1),
            _rec("freeze", "donor0", after={"loads_failed": 1}, load_503s=1),
            _rec("freeze", BORROWER, after={"loads_failed": 1}),
-           _rec("kill", "donor0", load_503s=2)]
+           _rec("kill", "donor0", load_503s=2),
+           _rec("traffic", after={"loads_failed": 1, "loads_requeued": 1})]
     checks = consistency(bad, leases_seen=1)["failed_loads"]
-    assert checks.count("no fault to explain it") == 2
-    assert "step 2 freeze borrower: 1 loads failed on the borrower, 0 answered 503" in checks
-    assert "step 3 kill donor0: 0 loads failed on the borrower, 2 answered 503" in checks
+    assert checks.count("no fault to explain it") == 3
+    assert ("step 2 freeze borrower: 1 loads failed on the borrower, 0 requests requeued and 0 "
+            "answered 503") in checks
+    assert ("step 3 kill donor0: 0 loads failed on the borrower, 0 requests requeued and 2 "
+            "answered 503") in checks
 
 
 def test_ask_tells_a_failed_donor_load_from_other_http_errors():
@@ -168,7 +175,8 @@ def test_consistency_names_each_contradiction():
     assert "reclaims without a burst" in checks["reclaims"]
     assert "none counted lost" in checks["lost_leases"]
     assert "1 loads" in checks["refused_copies"]
-    assert "0 loads failed on the borrower, 1 answered 503" in checks["failed_loads"]
+    assert "0 loads failed on the borrower, 0 requests requeued and 1 answered 503" in \
+        checks["failed_loads"]
     assert "< 3 leases seen" in checks["leases"]
     assert checks["donor_tier_used"]
 

@@ -119,10 +119,11 @@ def test_factory_builds_radix_ext_with_the_configured_policy():
     {"params": {"eviction_policy": "lfu"}}, {"params": {"enable_kv_cache_events": True}},
 ])
 def test_factory_refuses_what_the_tree_cannot_do_with_the_fix(overrides):
+    from sglang_swift.config import SwiftConfig
     from sglang_swift.integration.backend import create_swift_tree_cache
 
     with pytest.raises(ValueError, match="run without --enable-swiftcache"):
-        create_swift_tree_cache(_ctx(**overrides), object())
+        create_swift_tree_cache(_ctx(**overrides), SwiftConfig())
 
 
 def test_hicache_through_the_backend_alone_is_refused_with_the_flag_to_use():
@@ -130,10 +131,11 @@ def test_hicache_through_the_backend_alone_is_refused_with_the_flag_to_use():
     --enable-swiftcache (the launcher takes HiCache's options and clears SGLang's flag); a
     scheduler that still has SGLang's flag on was started with --radix-cache-backend swiftcache
     alone, and is told to use --enable-swiftcache."""
+    from sglang_swift.config import SwiftConfig
     from sglang_swift.integration.backend import create_swift_tree_cache
 
     with pytest.raises(ValueError) as refused:
-        create_swift_tree_cache(_ctx(enable_hierarchical_cache=True), object())
+        create_swift_tree_cache(_ctx(enable_hierarchical_cache=True), SwiftConfig())
     text = str(refused.value)
     assert "--enable-hierarchical-cache" in text and "--enable-swiftcache" in text
     assert "host tier" in text and "not needed" not in text
