@@ -1,0 +1,194 @@
+"""The whole hierarchy of a borrower, device -> donor pages -> host -> L3, on real CPU servers,
+with two of SGLang's storage backends below the host tier: `file` and Mooncake's store (its
+master started here, over TCP on 127.0.0.1).
+
+Invariants:
+- while the donor lends, a multi-turn replay keeps evicted prefixes in donor pages and its
+  outputs are stock SGLang's, token for token (up to float near-ties, `harness.same_greedy`);
+- a donor burst takes every lent page back; under write_back the borrower moves those prefixes
+  into its host tier before it acknowledges; the next turns are stock's;
+- prefixes that reached host were written to L3; after /flush_cache (device and host emptied,
+  nothing in donor pages) the same conversations are fetched from L3 (the server's own
+  `swiftcache_l3_fetched_tokens_total`) and the outputs are still stock's.
+
+Mooncake runs where `mooncake-transfer-engine-non-cuda` and its `libibverbs.so.1` are installed
+(`bash scripts/setup_mooncake.sh`); elsewhere that case skips and says what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from integration.harness import LocalServer, free_port, metric, wait_for
+
+pytestmark = pytest.mark.integration
+
+MOONCAKE_SEGMENT = 256 << 20  # bytes the borrower gives the store: far more than it writes
+
+
+def mooncake_missing() -> str | None:
+    """Why Mooncake cannot run here, or None."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        if ctypes.util.find_library("ibverbs") is None:
+            return f"Mooncake's store needs libibverbs.so.1 even over TCP ({e})"
+        return f"mooncake-transfer-engine-non-cuda is not installed ({e})"
+    if _master_binary() is None:
+        return "mooncake_master is not on PATH nor beside this Python"
+    return None
+
+
+def _master_binary() -> str | None:
+    beside = Path(sys.executable).parent / "mooncake_master"
+    return str(beside) if beside.exists() else shutil.which("mooncake_master")
+
+
+class MooncakeMaster:
+    """Mooncake's master with its HTTP metadata server, on 127.0.0.1 and free ports."""
+
+    def __init__(self, log_path: Path):
+        self.rpc_port, self.meta_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> MooncakeMaster:
+        cmd = [_master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+               "--enable_http_metadata_server=1", "--http_metadata_server_host=127.0.0.1",
+               f"--http_metadata_server_port={self.meta_port}", "--metrics_host=127.0.0.1",
+               f"--metrics_port={self.metrics_port}"]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self._listening(), 30, "Mooncake's master to listen")
+        return self
+
+    def _listening(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited: {self.log_path.read_text()[-2000:]}")
+        import socket
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.rpc_port)) == 0
+
+    def extra_config(self) -> dict:
+        return {"master_server_address": f"127.0.0.1:{self.rpc_port}",
+                "metadata_server": f"http://127.0.0.1:{self.meta_port}/metadata",
+                "protocol": "tcp", "device_name": "", "global_segment_size": MOONCAKE_SEGMENT,
+                "local_buffer_size": 64 << 20, "local_hostname": "127.0.0.1",
+                "prefetch_threshold": 16}
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def _flush(server: LocalServer) -> None:
+    import asyncio
+
+    import aiohttp
+
+    from benchmarks.loadgen.client import flush_when_idle
+
+    async def run():
+        async with aiohttp.ClientSession() as http:
+            await flush_when_idle(http, server.base_url, 60.0)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path, backend):
+    from integration.test_donation_e2e import (
+        DONOR_POOL,
+        SMALL_POOL,
+        _args,
+        _check,
+        _donor_burst,
+        _replay,
+    )
+
+    from benchmarks.tools.demo import wait_for_lease
+    from benchmarks.tools.tiny_model import ensure_tiny_model
+    from benchmarks.workloads.sharegpt import load_conversations
+
+    if backend == "mooncake" and (why := mooncake_missing()):
+        pytest.skip(why)
+    small_model = ensure_tiny_model(shape="small")
+    convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
+    with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
+                     extra_args=["--enable-cache-report", "--dtype", "float32"],
+                     log_path=tmp_path / "stock.log") as stock:
+        ref = _replay(stock, convs, 3)
+        ref_tail = _replay(stock, convs, 4)
+
+    with _store(backend, tmp_path) as extra:
+        rendezvous = str(tmp_path / "rv")
+        donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL,
+                            log_path=tmp_path / "donor.log",
+                            extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction",
+                                             "0.5", "--swiftcache-reclaim-watermark", "0.5",
+                                             "--swiftcache-relend-cooldown-s", "600",
+                                             "--enable-metrics"))
+        tiers = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
+                 "write_back", "--hicache-mem-layout", "page_first",  # Mooncake: MHA pages
+                 "--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy",
+                 "wait_complete", "--hicache-storage-backend-extra-config", json.dumps(extra)]
+        borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL,
+                               log_path=tmp_path / "borrower.log",
+                               extra_args=_args(rendezvous, "borrower", "--enable-metrics",
+                                                "--swiftcache-max-borrow-blocks", "1500",
+                                                *tiers))
+        with donor, borrower:
+            wait_for_lease(rendezvous, timeout_s=90)
+            got = _replay(borrower, convs, 3, forced=ref)
+            _check(got, ref)
+            in_donor = wait_for(lambda: metric(borrower, "swiftcache_donor_tier_tokens"), 30,
+                                "prefixes kept in the donor tier")
+            _donor_burst(donor)  # its own traffic takes every lent page back
+            rescued = wait_for(lambda: metric(borrower, "swiftcache_rescued_tokens_total"), 30,
+                               "the borrower to move the reclaimed prefixes into host memory")
+            assert (metric(borrower, "swiftcache_revoked_tokens_total") or 0) == 0
+            _check(_replay(borrower, convs, 4, forced=ref_tail), ref_tail)
+            written = wait_for(lambda: metric(borrower, "swiftcache_l3_written_pages_total"), 30,
+                               f"pages written to {backend}")
+            time.sleep(1.0)  # the last writes' acknowledgements
+            _flush(borrower)  # device and host emptied; the store keeps its pages
+            assert not metric(borrower, "swiftcache_donor_tier_tokens")
+            again = _replay(borrower, convs, 4, forced=ref_tail)
+            fetched = wait_for(lambda: metric(borrower, "swiftcache_l3_fetched_tokens_total"),
+                               30, f"tokens fetched from {backend}")
+            assert borrower.proc.poll() is None, borrower.log_tail()
+        _check(again, ref_tail)
+        print(f"{backend}: donor tier {in_donor} tokens, rescued {rescued} into host, "
+              f"{written} pages written to L3, {fetched} tokens fetched after the flush")
+
+
+class _store:
+    """The backend's extra config, with whatever it needs running for the test's length."""
+
+    def __init__(self, backend: str, tmp_path: Path):
+        self.backend, self.tmp_path = backend, tmp_path
+        self.master: MooncakeMaster | None = None
+
+    def __enter__(self) -> dict:
+        if self.backend == "file":
+            store = self.tmp_path / "l3"
+            store.mkdir()
+            return {"file_storage_path": str(store), "prefetch_threshold": 16}
+        self.master = MooncakeMaster(self.tmp_path / "mooncake_master.log").__enter__()
+        return self.master.extra_config()
+
+    def __exit__(self, *exc) -> None:
+        if self.master is not None:
+            self.master.__exit__(*exc)
