@@ -602,6 +602,23 @@ RECORDS["bench_multiturn_quick"] = RecordSpec(
      Headline("16 clients, TTFT P99, donor tier / stock (mean of seeds)",
               key("16.ttft_p99_vs_stock.mean"), readme=False)])
 
+RECORDS["bench_multiturn"] = replace(
+    RECORDS["bench_multiturn_quick"],
+    title=RECORDS["bench_multiturn_quick"].title.replace("8 and 16 clients, seeds 1 and 2",
+                                                         "8, 16 and 32 clients, seeds 1 to 3"),
+    short="bench_multiturn traffic, TTFT, 3 seeds (CPU)",
+    command="python scripts/bench_multiturn.py",
+    headlines=[Headline(f"{n} clients, {what}", key(f"{n}.{k}"), readme=False)
+               for n in ("8", "16", "32")
+               for what, k in (("TTFT P99, streaming / stock, worst seed",
+                                "stream_ttft_p99_vs_stock.worst"),
+                               ("mean TTFT, streaming / ideal (mean of seeds)",
+                                "stream_ttft_avg_vs_ideal.mean"),
+                               ("TTFT P99, streaming / ideal (mean of seeds)",
+                                "stream_ttft_p99_vs_ideal.mean"),
+                               ("mean TTFT, ideal twin / ideal (noise floor)",
+                                "twin_ttft_avg_vs_ideal.mean"))])
+
 RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
     "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the upper bound "
     "(older records: the older ideal run) and a HiCache twin at each, the clients' histories "

@@ -63,6 +63,24 @@ MODEL_SHAPES = {
                   num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                   vocab_size=VOCAB_SIZE, max_position_embeddings=8192),
 }
+# MLA (DeepSeek-V2's attention, `DeepseekV2ForCausalLM`): one 576-wide latent row per token and
+# layer (kv_lora_rank 512 + rope 64, DeepSeek-V2's own widths), 4 layers, hidden 128, dense MLPs
+# (first_k_dense_replace = layers; the MoE fields are required by the config but unused).
+MLA_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                 vocab_size=VOCAB_SIZE, max_position_embeddings=8192, first_k_dense_replace=4,
+                 moe_layer_freq=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                 moe_intermediate_size=64)
+MODEL_SHAPES["mla"] = MLA_SHAPE
+# SGLang's CPU RoPE for DeepSeek models takes DeepSeek's YaRN only; factor 1 leaves the plain RoPE
+MLA_ROPE = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 1.0,
+            "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+# SGLang's CPU engine serves this model with `--attention-backend triton` under TRITON_INTERPRET=1
+# (its torch_native backend reads the latent rows where DeepSeek's prefill without a cached prefix
+# passes K and V of the heads' width, and `intel_amx` needs AMX)
+MLA_SERVER_ARGS = ("--attention-backend", "triton")
 MODEL_SHAPE = MODEL_SHAPES["tiny"]
 STAMP = "swiftcache_build.json"
 # The weights' recipe; a build stamped with another (or none) is rebuilt.
@@ -106,6 +124,9 @@ def build_model(out: Path, tokenizer, seed: int, shape: str = "tiny") -> None:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    if shape == "mla":
+        _build_mla(out, tokenizer)
+        return
     config = LlamaConfig(
         **MODEL_SHAPES[shape], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -117,6 +138,31 @@ def build_model(out: Path, tokenizer, seed: int, shape: str = "tiny") -> None:
     model = LlamaForCausalLM(config).eval()
     sensitize(model)
     model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                     do_sample=False).save_pretrained(out)
+
+
+def _build_mla(out: Path, tokenizer) -> None:
+    """The `mla` shape: DeepSeek-V2's attention at a tiny size, weights scaled as `sensitize`
+    scales a Llama's (layer l's attention output by ATTN_OUT_GROWTH ** l, the attention logits
+    by QK_SCALE squared, through the query projection)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
+
+    config = DeepseekV2Config(
+        **MLA_SHAPE, rope_parameters=dict(MLA_ROPE), rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
+        initializer_range=0.25)
+    model = DeepseekV2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.o_proj.weight.mul_(ATTN_OUT_GROWTH ** i)
+            layer.self_attn.q_proj.weight.mul_(QK_SCALE ** 2)
+    model.save_pretrained(out, safe_serialization=True)
+    saved = json.loads((out / "config.json").read_text())
+    saved.update(moe_layer_freq=MLA_SHAPE["moe_layer_freq"], rope_parameters=dict(MLA_ROPE))
+    (out / "config.json").write_text(json.dumps(saved, indent=2))  # fields SGLang reads
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                      do_sample=False).save_pretrained(out)
 
@@ -188,7 +234,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # the repository'
 
 
 def model_dir(shape: str) -> Path:
-    return ARTIFACTS / f"{shape}-llama"
+    return ARTIFACTS / ("tiny-mla" if shape == "mla" else f"{shape}-llama")
 
 
 DEFAULT_DIR = model_dir("tiny")
