@@ -79,6 +79,27 @@ def _check(got: list[dict], want: list[dict]) -> None:
 DONOR_POOL = 4096
 
 
+def _lending_donor(model, rendezvous: str, log_path, *extra: str,
+                   pool: int = DONOR_POOL) -> LocalServer:
+    """A donor that lends up to half of its pool and keeps the other half free for its own
+    traffic (so a burst of its own takes every lent page back), lending nothing again for ten
+    minutes after a reclaim."""
+    return LocalServer(model, max_total_tokens=pool, log_path=log_path,
+                       extra_args=_args(rendezvous, "donor", *extra,
+                                        "--swiftcache-lend-fraction", "0.5",
+                                        "--swiftcache-reclaim-watermark", "0.5",
+                                        "--swiftcache-relend-cooldown-s", "600",
+                                        "--enable-metrics"))
+
+
+def _stock_replays(model, convs, log_path, *turns: int) -> list[list[dict]]:
+    """Stock SGLang's answers on `model` with the borrower's pool, replayed for each of `turns`."""
+    with LocalServer(model, swiftcache=False, max_total_tokens=SMALL_POOL,
+                     extra_args=["--enable-cache-report", "--dtype", "float32"],
+                     log_path=log_path) as stock:
+        return [_replay(stock, convs, n) for n in turns]
+
+
 def _capacity(rendezvous: str, role_model: str) -> dict:
     """The `capacity` a server reports through `ctl status --json` (its own tokens)."""
     try:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from integration.harness import LocalServer, free_port, metric, wait_for
+from integration.test_hicache_cpu import flush
 
 pytestmark = pytest.mark.integration
 
@@ -93,29 +94,16 @@ class MooncakeMaster:
         self._log.close()
 
 
-def _flush(server: LocalServer) -> None:
-    import asyncio
-
-    import aiohttp
-
-    from benchmarks.loadgen.client import flush_when_idle
-
-    async def run():
-        async with aiohttp.ClientSession() as http:
-            await flush_when_idle(http, server.base_url, 60.0)
-
-    asyncio.run(run())
-
-
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
 def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path, backend):
     from integration.test_donation_e2e import (
-        DONOR_POOL,
         SMALL_POOL,
         _args,
         _check,
         _donor_burst,
+        _lending_donor,
         _replay,
+        _stock_replays,
     )
 
     from benchmarks.tools.demo import wait_for_lease
@@ -126,20 +114,11 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
         pytest.skip(why)
     small_model = ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
-                     extra_args=["--enable-cache-report", "--dtype", "float32"],
-                     log_path=tmp_path / "stock.log") as stock:
-        ref = _replay(stock, convs, 3)
-        ref_tail = _replay(stock, convs, 4)
+    ref, ref_tail = _stock_replays(small_model, convs, tmp_path / "stock.log", 3, 4)
 
     with _store(backend, tmp_path) as extra:
         rendezvous = str(tmp_path / "rv")
-        donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL,
-                            log_path=tmp_path / "donor.log",
-                            extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction",
-                                             "0.5", "--swiftcache-reclaim-watermark", "0.5",
-                                             "--swiftcache-relend-cooldown-s", "600",
-                                             "--enable-metrics"))
+        donor = _lending_donor(tiny_model, rendezvous, tmp_path / "donor.log")
         tiers = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
                  "write_back", "--hicache-mem-layout", "page_first",  # Mooncake: MHA pages
                  "--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy",
@@ -163,7 +142,7 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
             written = wait_for(lambda: metric(borrower, "swiftcache_l3_written_pages_total"), 30,
                                f"pages written to {backend}")
             time.sleep(1.0)  # the last writes' acknowledgements
-            _flush(borrower)  # device and host emptied; the store keeps its pages
+            flush(borrower)  # device and host emptied; the store keeps its pages
             assert not metric(borrower, "swiftcache_donor_tier_tokens")
             again = _replay(borrower, convs, 4, forced=ref_tail)
             fetched = wait_for(lambda: metric(borrower, "swiftcache_l3_fetched_tokens_total"),

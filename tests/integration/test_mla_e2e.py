@@ -40,7 +40,9 @@ def test_an_mla_donor_lends_to_a_gqa_borrower_and_serves_like_stock(tmp_path):
         _args,
         _capacity,
         _check,
+        _lending_donor,
         _replay,
+        _stock_replays,
     )
 
     from benchmarks.tools.demo import wait_for_lease
@@ -49,23 +51,15 @@ def test_an_mla_donor_lends_to_a_gqa_borrower_and_serves_like_stock(tmp_path):
 
     mla, small = ensure_tiny_model(shape="mla"), ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    stock_args = ["--enable-cache-report", "--dtype", "float32"]
-    with LocalServer(small, swiftcache=False, max_total_tokens=SMALL_POOL, extra_args=stock_args,
-                     log_path=tmp_path / "stock.log") as stock:
-        ref = _replay(stock, convs, 3)
-        ref_tail = _replay(stock, convs, 4)
+    ref, ref_tail = _stock_replays(small, convs, tmp_path / "stock.log", 3, 4)
     with LocalServer(mla, swiftcache=False, max_total_tokens=DONOR_POOL,
-                     extra_args=[*stock_args, *MLA_SERVER_ARGS],
+                     extra_args=["--enable-cache-report", "--dtype", "float32", *MLA_SERVER_ARGS],
                      log_path=tmp_path / "stock-mla.log") as stock_mla:
         ref_burst = _burst(stock_mla)
 
     rendezvous = str(tmp_path / "rv")
-    donor = LocalServer(mla, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
-                        extra_args=_args(rendezvous, "donor", *MLA_SERVER_ARGS,
-                                         "--swiftcache-lend-fraction", "0.5",
-                                         "--swiftcache-reclaim-watermark", "0.5",
-                                         "--swiftcache-relend-cooldown-s", "600",
-                                         "--enable-metrics"))
+    donor = _lending_donor(mla, rendezvous, tmp_path / "donor.log", *MLA_SERVER_ARGS,
+                           pool=DONOR_POOL)
     borrower = LocalServer(small, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
                            extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                             "--swiftcache-max-borrow-blocks", "1500"))
