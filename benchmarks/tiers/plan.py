@@ -21,9 +21,10 @@ user's think time; (s)'s donor lends again inside that pause (`relent_after_burs
 Every HiCache run uses the same `--hicache-write-policy`, `write_back` unless `--write-policy`
 says otherwise (SwiftCache's host tier receives a prefix when it leaves the device; (h) does the
 same, so the runs differ only in the tiers). With `--l3 file` every HiCache run also has
-SGLang's `file` storage backend below its host tier, each run its own empty store; note that
-stock HiCache starts an L3 prefetch only from a host-backed (or root) prefix, so under
-write_back a request whose prefix begins on the device is not looked up in storage.
+SGLang's `file` storage backend below its host tier, each run its own store, emptied before it
+starts (`l3_args`); note that stock HiCache starts an L3 prefetch only from a host-backed (or
+root) prefix, so under write_back a request whose prefix begins on the device is not looked up
+in storage.
 """
 
 from __future__ import annotations
@@ -105,12 +106,16 @@ class Server:
 
 
 def l3_args(plan: TierPlan, store: Path | None) -> tuple:
-    """SGLang's storage backend below a HiCache run's host tier, in its own directory."""
+    """SGLang's storage backend below a HiCache run's host tier, in its own directory, emptied
+    first: HiCache keys pages by their tokens, so pages an earlier run of the same traffic left
+    there (a second benchmark with the same `--out`) would be hits this run did not earn."""
     if plan.l3 is None:
         return ()
     import json
+    import shutil
 
-    store.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
     extra = {"file_storage_path": str(store), "prefetch_threshold": 16}
     return ("--hicache-storage-backend", plan.l3, "--hicache-storage-prefetch-policy",
             "wait_complete", "--hicache-storage-backend-extra-config", json.dumps(extra))

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.loadgen.client import RequestRecord
 from benchmarks.nodebench.plan import ModelFacts
 from benchmarks.tiers import cli
-from benchmarks.tiers.plan import RUNS, TierPlan, servers
+from benchmarks.tiers.plan import RUNS, TierPlan, l3_args, servers
 
 BUSY = ModelFacts("small", 8, 8192, 1, 1)
 DONOR = ModelFacts("tiny", 4, 2048, 1, 1)
@@ -39,6 +39,17 @@ def test_with_l3_the_bound_holds_every_history():
     plan = TierPlan(l3="file")
     assert plan.bound_pool(BUSY, DONOR, history_tokens=5000) == 5000 + 384
     assert plan.bound_pool(BUSY, DONOR, history_tokens=10) == 384 + 512 + 769
+
+
+def test_each_run_starts_with_an_empty_l3_store(tmp_path):
+    """Pages an earlier benchmark left in the store would be hits this run did not earn."""
+    store = tmp_path / "l3-s"
+    store.mkdir()
+    (store / "left_by_an_earlier_run.bin").write_bytes(b"kv")
+    args = l3_args(TierPlan(l3="file"), store)
+    assert store.is_dir() and not any(store.iterdir())
+    assert args[:2] == ("--hicache-storage-backend", "file") and str(store) in args[-1]
+    assert l3_args(TierPlan(), store) == ()
 
 
 def _rec(session, turn, ids, cached, ttft=0.1, prompt=50, completion=4):
