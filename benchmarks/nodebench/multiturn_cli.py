@@ -127,6 +127,26 @@ def _swift_stats(url: str) -> dict:
         return parse_metrics(r.read().decode(errors="replace"), SWIFT_STATS)
 
 
+QUIET_LOAD_PER_CPU = 0.75  # a 1-minute load average below this per CPU counts as quiet
+QUIET_WAIT_S = 240.0
+
+
+def wait_until_quiet(limit: float | None = None, max_s: float = QUIET_WAIT_S,
+                     loadavg=os.getloadavg, sleep=time.sleep, clock=time.monotonic) -> float:
+    """Wait until the machine's 1-minute load average is below `limit` (default
+    QUIET_LOAD_PER_CPU per CPU), at most `max_s` seconds: starting seven servers loads two
+    cores for a minute or more, and the runs right after would measure that. Returns the load
+    it stopped at (printed, with the wait)."""
+    limit = limit if limit is not None else QUIET_LOAD_PER_CPU * (os.cpu_count() or 1)
+    t0 = clock()
+    while loadavg()[0] >= limit and clock() - t0 < max_s:
+        sleep(2.0)
+    load = loadavg()[0]
+    print(f"settled {clock() - t0:.0f} s after start-up: load average {load:.2f} "
+          f"(quiet below {limit:.2f})", flush=True)
+    return load
+
+
 class Bench:
     """The servers, their trace files and what each run read from them."""
 
@@ -361,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {}
     try:
         placed = bench.start()
+        wait_until_quiet()  # the servers' start-up load would fall on the first runs only
         turn = 0
         for n in args.client_counts:
             points = []

@@ -231,3 +231,20 @@ def test_quick_runs_8_and_16_clients():
     assert args.client_counts == [8, 16] and args.seed_list == [1, 2]
     full = multiturn_cli.parse([])
     assert full.client_counts == [8, 16, 32] and full.seed_list == [1, 2, 3]
+
+
+def test_the_runs_wait_for_the_servers_start_up_load_to_pass():
+    """The load falls as a 1-minute average does; the wait ends below the limit, or at the
+    longest wait if it never gets there."""
+    loads, now, slept = iter([9.9, 6.0, 3.1, 1.2, 1.2]), [0.0], []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    got = multiturn_cli.wait_until_quiet(1.5, 60.0, loadavg=lambda: (next(loads), 0, 0),
+                                         sleep=sleep, clock=lambda: now[0])
+    assert got == 1.2 and len(slept) == 3
+    stuck = multiturn_cli.wait_until_quiet(1.5, 10.0, loadavg=lambda: (5.0, 0, 0),
+                                           sleep=sleep, clock=lambda: now[0])
+    assert stuck == 5.0 and now[0] <= 6.0 + 10.0 + 2.0
