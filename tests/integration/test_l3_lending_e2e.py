@@ -20,9 +20,11 @@ from __future__ import annotations
 import ctypes.util
 import json
 import shutil
+import socket
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,46 +54,50 @@ def _master_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mooncake_master")
 
 
-class MooncakeMaster:
-    """Mooncake's master with its HTTP metadata server, on 127.0.0.1 and free ports."""
+@contextmanager
+def mooncake_master(log_path: Path) -> Iterator[dict]:
+    """Mooncake's master with its HTTP metadata server, on 127.0.0.1 and free ports, for the
+    length of the block; yields a borrower's `--hicache-storage-backend-extra-config`."""
+    rpc, meta, metrics = free_port(), free_port(), free_port()
+    cmd = [_master_binary(), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+           "--enable_http_metadata_server=1", "--http_metadata_server_host=127.0.0.1",
+           f"--http_metadata_server_port={meta}", "--metrics_host=127.0.0.1",
+           f"--metrics_port={metrics}"]
 
-    def __init__(self, log_path: Path):
-        self.rpc_port, self.meta_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> MooncakeMaster:
-        cmd = [_master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-               "--enable_http_metadata_server=1", "--http_metadata_server_host=127.0.0.1",
-               f"--http_metadata_server_port={self.meta_port}", "--metrics_host=127.0.0.1",
-               f"--metrics_port={self.metrics_port}"]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        wait_for(lambda: self._listening(), 30, "Mooncake's master to listen")
-        return self
-
-    def _listening(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited: {self.log_path.read_text()[-2000:]}")
-        import socket
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited: {log_path.read_text()[-2000:]}")
         with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", self.rpc_port)) == 0
+            return s.connect_ex(("127.0.0.1", rpc)) == 0
 
-    def extra_config(self) -> dict:
-        return {"master_server_address": f"127.0.0.1:{self.rpc_port}",
-                "metadata_server": f"http://127.0.0.1:{self.meta_port}/metadata",
-                "protocol": "tcp", "device_name": "", "global_segment_size": MOONCAKE_SEGMENT,
-                "local_buffer_size": 64 << 20, "local_hostname": "127.0.0.1",
-                "prefetch_threshold": 16}
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+            wait_for(listening, 30, "Mooncake's master to listen")
+            yield {"master_server_address": f"127.0.0.1:{rpc}",
+                   "metadata_server": f"http://127.0.0.1:{meta}/metadata", "protocol": "tcp",
+                   "device_name": "", "global_segment_size": MOONCAKE_SEGMENT,
+                   "local_buffer_size": 64 << 20, "local_hostname": "127.0.0.1",
+                   "prefetch_threshold": 16}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def _store(backend: str, tmp_path: Path) -> Iterator[dict]:
+    """The backend's extra config, with whatever it needs running for the block."""
+    if backend == "mooncake":
+        with mooncake_master(tmp_path / "mooncake_master.log") as extra:
+            yield extra
+        return
+    store = tmp_path / "l3"
+    store.mkdir()
+    yield {"file_storage_path": str(store), "prefetch_threshold": 16}
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
@@ -141,8 +147,7 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
             _check(_replay(borrower, convs, 4, forced=ref_tail), ref_tail)
             written = wait_for(lambda: metric(borrower, "swiftcache_l3_written_pages_total"), 30,
                                f"pages written to {backend}")
-            time.sleep(1.0)  # the last writes' acknowledgements
-            flush(borrower)  # device and host emptied; the store keeps its pages
+            flush(borrower)  # writes in flight drained; device and host emptied; L3 keeps them
             assert not metric(borrower, "swiftcache_donor_tier_tokens")
             again = _replay(borrower, convs, 4, forced=ref_tail)
             fetched = wait_for(lambda: metric(borrower, "swiftcache_l3_fetched_tokens_total"),
@@ -151,23 +156,3 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
         _check(again, ref_tail)
         print(f"{backend}: donor tier {in_donor} tokens, rescued {rescued} into host, "
               f"{written} pages written to L3, {fetched} tokens fetched after the flush")
-
-
-class _store:
-    """The backend's extra config, with whatever it needs running for the test's length."""
-
-    def __init__(self, backend: str, tmp_path: Path):
-        self.backend, self.tmp_path = backend, tmp_path
-        self.master: MooncakeMaster | None = None
-
-    def __enter__(self) -> dict:
-        if self.backend == "file":
-            store = self.tmp_path / "l3"
-            store.mkdir()
-            return {"file_storage_path": str(store), "prefetch_threshold": 16}
-        self.master = MooncakeMaster(self.tmp_path / "mooncake_master.log").__enter__()
-        return self.master.extra_config()
-
-    def __exit__(self, *exc) -> None:
-        if self.master is not None:
-            self.master.__exit__(*exc)
