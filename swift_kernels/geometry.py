@@ -4,10 +4,13 @@ the runtime.
 It describes any model's page (one TP rank): layers, KV heads, head dim, V head dim, dtype and
 tokens per page. Local KV (SGLang's MHATokenToKVPool) keeps per layer one K tensor
 `[rows, num_kv_heads, head_dim]` and one V tensor `[rows, num_kv_heads, v_head_dim]`, indexed by
-token slot. A page's image in the byte stream of a pool lease is layer-major; for each layer l:
+token slot. An MLA pool (SGLang's MLATokenToKVPool) keeps one latent buffer per layer,
+`[rows, 1, kv_lora_rank + qk_rope_head_dim]`: a **latent** page, one head of that width as its K
+rows and no V rows (`v_head_dim` 0, `KVGeometry.latent`). A page's image in the byte stream of a
+pool lease is layer-major; for each layer l:
 
     K[l]: [page_size, num_kv_heads, head_dim]     then
-    V[l]: [page_size, num_kv_heads, v_head_dim]
+    V[l]: [page_size, num_kv_heads, v_head_dim]   (nothing for a latent page)
 
 so (layer l, K or V) of a page is one contiguous byte run, `span(l, kv)`, and a page takes
 `page_bytes`; where those bytes land in a donor's pool is `LeasePacking`
@@ -46,8 +49,9 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """Shape of one model's (one TP rank's) KV cache as SGLang's MHATokenToKVPool holds it, and
-    the byte layout of one page of it. Immutable; `dtype` may be given by name."""
+    """Shape of one model's (one TP rank's) KV cache as SGLang's MHATokenToKVPool holds it (or
+    its MLATokenToKVPool: `v_head_dim` 0, see `latent`), and the byte layout of one page of it.
+    Immutable; `dtype` may be given by name."""
 
     num_layers: int
     num_kv_heads: int
@@ -60,8 +64,35 @@ class KVGeometry:
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
         for name in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim", "page_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVGeometry.{name} must be a positive int, got {value!r}")
+            least, what = (0, "an int >= 0") if name == "v_head_dim" else (1, "a positive int")
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"KVGeometry.{name} must be {what}, got {value!r}")
+        if self.v_head_dim == 0 and self.num_kv_heads != 1:
+            raise ValueError(f"a latent page (v_head_dim 0: one buffer per layer) has one head, "
+                             f"got num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def latent_page(cls, num_layers: int, latent_dim: int, dtype: str | torch.dtype,
+                    page_size: int) -> KVGeometry:
+        """The page of a pool keeping one `[rows, 1, latent_dim]` buffer per layer (SGLang's
+        MLATokenToKVPool: latent_dim = kv_lora_rank + qk_rope_head_dim)."""
+        return cls(num_layers, 1, latent_dim, 0, dtype, page_size)
+
+    @property
+    def latent(self) -> bool:
+        """One buffer per layer, K rows only (an MLA pool's latent rows)."""
+        return self.v_head_dim == 0
+
+    @property
+    def latent_dim(self) -> int:
+        if not self.latent:
+            raise ValueError(f"{self} keeps K and V rows, not one latent row")
+        return self.head_dim
+
+    @property
+    def halves(self) -> tuple[int, ...]:
+        """The buffers a layer has: (K, V), or (K,) for a latent page."""
+        return (K,) if self.latent else (K, V)
 
     # ---- one token ---------------------------------------------------------------------------
     @property
@@ -104,7 +135,8 @@ class KVGeometry:
 
     def elem_span(self, layer: int, kv: str) -> tuple[int, int]:
         """(first element, element count) of layer `layer`'s K or V rows within a page, counted
-        in `dtype` elements; K and V of a layer are back to back."""
+        in `dtype` elements; K and V of a layer are back to back (V: no elements on a latent
+        page)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is outside this geometry's {self.num_layers} layers")
         k_elems = self.page_size * self.k_row_elems

@@ -64,6 +64,19 @@ PATCHES = (
                "re-implementation",
                "device->host copy of all layers; same kernels",
                "as cpu_load_per_layer"),
+    Patch("cpu_mla_load_per_layer",
+               "sglang.srt.mem_cache.pool_host.mla:MLATokenToKVPoolHost.load_to_device_per_layer",
+               "re-implementation",
+               "host->device copy of one layer of an MLA host pool (one latent buffer per layer); "
+               "the kernels it calls exist only for CUDA/HIP/XPU/NPU",
+               "its signature, the host layouts (init_kv_buffer), or kv_buffer/"
+               "device_kv_buffers/_buffer_index_by_layer/_host_layer_by_controller change"),
+    Patch("cpu_mla_backup_all_layers",
+               "sglang.srt.mem_cache.pool_host.mla:MLATokenToKVPoolHost."
+               "backup_from_device_all_layer",
+               "re-implementation",
+               "device->host copy of all layers of an MLA host pool; same kernels",
+               "as cpu_mla_load_per_layer"),
     Patch("cpu_l2_streams", "sglang.srt.mem_cache.l2_transfer:device_module",
                "class swap",
                "the L2 transfer streams/events; torch.cpu.Stream has no synchronize",
@@ -87,7 +100,14 @@ _EXPECTED_PARAMS = {
     "cpu_backup_all_layers": ("self", "device_pool", "host_indices", "device_indices",
                               "io_backend"),
     "cpu_startup_check": ("self", "mem_pool_host", "io_backend"),
+    "cpu_mla_load_per_layer": ("self", "device_pool", "host_indices", "device_indices",
+                               "layer_id", "io_backend", "is_draft"),
+    "cpu_mla_backup_all_layers": ("self", "device_pool", "host_indices", "device_indices",
+                                  "io_backend"),
 }
+# stand-ins of one host pool class: checked per pool in use (`check_host_pools`), not required of
+# every server (the MLA host pool's module is imported only where SGLang needs it)
+_PER_POOL = ("cpu_mla_load_per_layer", "cpu_mla_backup_all_layers")
 # io backend -> host layouts whose copies are stood in (stock SGLang serves the same pairs on GPU)
 SUPPORTED = {"kernel": ("layer_first", "page_first", "page_head"),
              "direct": ("layer_first", "page_first_direct")}
@@ -141,6 +161,46 @@ def cpu_backup_from_device_all_layer(self, device_pool, host_indices, device_ind
                          self.page_size)
 
 
+def _mla_slots(pool, layer_id: int):
+    """(host layer, device latent buffer) of controller layer `layer_id` of MLA host pool
+    `pool`, as SGLang's own MLA copies address them."""
+    return (pool._host_layer_by_controller[layer_id],
+            pool.device_kv_buffers[pool._buffer_index_by_layer[layer_id]])
+
+
+def _check_mla(pool, io_backend: str) -> None:
+    check_pair(io_backend, pool.layout)
+    if getattr(pool, "dcp_size", 1) != 1 or not pool.device_kv_buffers:
+        raise ValueError("HiCache on SGLang's CPU engine copies an MLA host pool over one "
+                         "packed latent buffer per layer, without decode context parallelism")
+
+
+def cpu_mla_load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id,
+                                     io_backend, *, is_draft: bool = False):
+    """Stand-in for MLATokenToKVPoolHost.load_to_device_per_layer (same contract)."""
+    if not is_draft and layer_id not in self._target_layer_indices:
+        return
+    from .hicache_ops import load_layer
+
+    _check_mla(self, io_backend)
+    host_layer, device = _mla_slots(self, layer_id)
+    load_layer(self.kv_buffer, device, self.layout, host_layer, host_indices, device_indices,
+               self.page_size)
+
+
+def cpu_mla_backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
+                                         io_backend):
+    """Stand-in for MLATokenToKVPoolHost.backup_from_device_all_layer (same contract): every
+    target layer, then the draft layers, as SGLang's copies run them."""
+    from .hicache_ops import backup_layer
+
+    _check_mla(self, io_backend)
+    for layer_id in self._buffer_index_by_layer:
+        host_layer, device = _mla_slots(self, layer_id)
+        backup_layer(self.kv_buffer, device, self.layout, host_layer, host_indices,
+                     device_indices, self.page_size)
+
+
 # -- start-up check -----------------------------------------------------------------------------
 def host_pools(mem_pool_host) -> list:
     """The host pools behind a controller's `mem_pool_host` (a HostPoolGroup or one pool)."""
@@ -151,7 +211,8 @@ def host_pools(mem_pool_host) -> list:
 def check_host_pools(mem_pool_host, io_backend: str) -> str:
     """Raise (what to do) unless every host pool is copied by the stand-ins; returns the layouts
     in use, for the log line."""
-    missing = [p.name for p in PATCHES if p.name not in _state["installed"]]
+    missing = [p.name for p in PATCHES
+               if p.name not in _state["installed"] and p.name not in _PER_POOL]
     if missing:
         problems = "; ".join(f"{name}: {_state['failed'].get(name, 'target never imported')}"
                              for name in missing)
@@ -165,7 +226,7 @@ def check_host_pools(mem_pool_host, io_backend: str) -> str:
         if getattr(cls.load_to_device_per_layer, MARK, None) is None or \
                 getattr(cls.backup_from_device_all_layer, MARK, None) is None:
             raise ValueError(
-                f"HiCache on SGLang's CPU engine copies plain MHA KV host pools only; this "
+                f"HiCache on SGLang's CPU engine copies plain MHA and MLA KV host pools only; this "
                 f"model needs {cls.__module__}.{cls.__name__}, which has no CPU copy. Run it "
                 "without --enable-hierarchical-cache on the CPU engine.")
         check_pair(io_backend, pool.layout)
@@ -219,6 +280,8 @@ _MAKERS = {
     "cpu_l2_streams": _cpu_device_module,
     "cpu_layer_events": _cpu_device_module,
     "cpu_startup_check": _checked_controller_init,
+    "cpu_mla_load_per_layer": lambda original: cpu_mla_load_to_device_per_layer,
+    "cpu_mla_backup_all_layers": lambda original: cpu_mla_backup_from_device_all_layer,
 }
 TARGET_MODULES = tuple(dict.fromkeys(p.target.split(":")[0] for p in PATCHES))
 

@@ -48,6 +48,7 @@ from . import (
     unlink_descriptor,
 )
 from .pool_layout import PoolLayout
+from .pool_lease import pool_buffers
 from .rank_map import donor_ranks_of, merged_revokes, shape_of, sub_lease_id
 from .streams import make_lane
 
@@ -113,7 +114,8 @@ class Borrowing:
         self._mapped: dict[str, Any] = {}  # donor pool owner_uuid -> MappedPool
         self._layouts: dict[str, Any] = {}  # donor agent id -> its pool layout (from a grant)
         self._donor_ranks_n: dict[str, int] = {}  # donor agent id -> its TP ranks (a grant's)
-        device = kv_pool.k_buffer[0].device
+        self._buffers = pool_buffers(kv_pool)  # (K, V) per layer; an MLA pool: latent, none
+        device = self._buffers[0][0].device
         # CPU: one copy thread for every lease; GPU: each engine makes a lane for its peer device
         self._lane = make_lane(device) if device.type == "cpu" else None
         self._pending = False
@@ -246,13 +248,13 @@ class Borrowing:
                 if memory.kind == "cuda_ipc":  # the donor's GPU by UUID, and peer access
                     from .cuda_ipc import check_reachable
 
-                    index = check_reachable(memory.device, self.kv_pool.k_buffer[0].device)
+                    index = check_reachable(memory.device, self._buffers[0][0].device)
                 mapped = self._map(memory, index)
                 packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks),
                                        shard=shard)
                 key = LeaseKey(ev.key.donor, ev.key.epoch, sub_lease_id(ev.key.lease_id, j))
-                engine = PoolTransferEngine(packing, mapped.region, self.kv_pool.k_buffer,
-                                            self.kv_pool.v_buffer, liveness=mapped.alive,
+                engine = PoolTransferEngine(packing, mapped.region, *self._buffers,
+                                            liveness=mapped.alive,
                                             read_deadline=deadline, lane=self._lane,
                                             lease_epoch=self._epoch_reader(key))
                 built.append(BorrowedLease(key, list(ev.blocks), packing, engine))

@@ -4,9 +4,10 @@ The rule ("pack"; docs/dataplane.md "Lending the donor's own pool" has a worked 
 - The donor pages granted under one lease, in grant order (`Grant.blocks`), each contribute
   their 2 x L_d chunks (for layer 0..L_d-1: the page's K chunk, then its V chunk) to one ordered
   byte **stream** of n x D bytes, D = L_d x (K chunk + V chunk) bytes.
-- Borrower block b (one borrower page: all its layers, K and V, B = `geometry.page_bytes`
-  bytes) is stream bytes [b x B, (b+1) x B); inside it (layer l, K/V) sits where the borrower's
-  `KVGeometry.span(l, K|V)` says. A piece may straddle donor chunks and donor pages.
+- Borrower block b (one borrower page: all its layers, K and V, or a latent page's one row per
+  layer; B = `geometry.page_bytes` bytes) is stream bytes [b x B, (b+1) x B); inside it
+  (layer l, K/V) sits where the borrower's `KVGeometry.span(l, K|V)` says. A piece may
+  straddle donor chunks and donor pages.
 - The lease holds floor(n x D / B) borrower blocks, numbered 0.. in stream order (these are the
   lease-local block indices the borrower's tree uses); the tail, n x D mod B < B bytes, is unused.
 - Copies move **units** of u = gcd(K chunk, V chunk, borrower K piece, borrower V piece, the
@@ -42,14 +43,15 @@ from .pool_layout import PoolLayout
 class CopyPlan:
     """Index tensors of one transfer, built once (`LeasePacking.plan`) and used by every layer.
 
-    `local[h]`: unit rows of a borrower layer buffer (K or V viewed as [rows, unit]) in the order
-    of `stream[h]`: the stream unit rows of layer 0's piece; layer l's are `stream[h] + l x
-    layer_step`, which `LeasePacking.donor_units` turns into unit rows of the donor's region."""
+    `local[h]`: unit rows of a borrower layer buffer (K or V viewed as [rows, unit]; a latent
+    page has K only, so one entry each) in the order of `stream[h]`: the stream unit rows of
+    layer 0's piece; layer l's are `stream[h] + l x layer_step`, which
+    `LeasePacking.donor_units` turns into unit rows of the donor's region."""
 
     unit: int  # bytes per unit row in this transfer
     layer_step: int  # borrower layer bytes / unit
-    local: tuple[torch.Tensor, torch.Tensor]
-    stream: tuple[torch.Tensor, torch.Tensor]
+    local: tuple[torch.Tensor, ...]
+    stream: tuple[torch.Tensor, ...]
     page_aligned: bool  # whole borrower pages, each one aligned run of slots (coarse units)
     # donor unit rows of every layer, `[layers, units]` per half: filled by the first layer the
     # copy moves (`PoolTransferEngine`, on the copy's own thread and stream), read by the rest
@@ -189,7 +191,7 @@ class LeasePacking:
                            and (slots.view(-1, P) == first[:, None] + torch.arange(P)).all())
         unit = self.unit if aligned else math.gcd(self.unit, *rows)
         local, stream = [], []
-        for h in (K, V):
+        for h in g.halves:
             piece_start = self.shard_offset + g.span(0, h)[0]
             if aligned:
                 per = P * rows[h] // unit  # units per page piece

@@ -10,7 +10,7 @@ borrower. It is layer-major, with SGLang's shapes:
 
 An `MHATokenToKVPool` is K rows `[heads, head_dim]` then V rows `[heads, v_head_dim]`
 (`KVGeometry`); an `MLATokenToKVPool` keeps one latent buffer per layer, rows
-`[1, kv_lora_rank + qk_rope_head_dim]` (`LatentGeometry`: K rows only, `v_row_bytes` 0).
+`[1, kv_lora_rank + qk_rope_head_dim]` (a latent `KVGeometry`: K rows only, `v_row_bytes` 0).
 
 so the K bytes of pool page `p` in layer `l` start at
 `data_offset + l * layer_stride + p * page_size * k_row_bytes` and are contiguous for one page
@@ -18,9 +18,9 @@ so the K bytes of pool page `p` in layer `l` start at
 SGLang's fused `(2, padded_rows, H, D)` allocation per layer. Every address is O(1) arithmetic:
 no per-layer or per-block table travels to the borrower, only this record.
 
-The page's shape is `geometry` (a `KVGeometry`, or a `LatentGeometry`); this record adds only
-where the pool's rows sit in its region. On the wire (`control.protocol.PoolLayoutMsg`) it is the
-flat field list of `to_dict()` (a latent page: one head of `latent_dim`, `v_head_dim` 0);
+The page's shape is `geometry` (a `KVGeometry`); this record adds only where the pool's rows sit
+in its region. On the wire (`control.protocol.PoolLayoutMsg`) it is the flat field list of
+`to_dict()` (a latent page: one head of the latent width, `v_head_dim` 0);
 `from_dict()` converts back (a dict or the message struct).
 """
 
@@ -34,7 +34,7 @@ from swift_kernels import KVGeometry
 from swift_kernels.geometry import K, V, dtype_name
 from swift_kernels.geometry import dtype_from_name as dtype_of
 
-__all__ = ["KVGeometry", "LatentGeometry", "PoolLayout", "dtype_name", "dtype_of"]
+__all__ = ["KVGeometry", "PoolLayout", "dtype_name", "dtype_of"]
 
 # The wire's flat field names (PoolLayoutMsg) -> this record (the page's shape as a KVGeometry).
 _GEOMETRY_FIELDS = {"num_layers": "num_layers", "head_num": "num_kv_heads",
@@ -45,43 +45,11 @@ WIRE_FIELDS = ("num_layers", "rows", "padded_rows", "head_num", "head_dim", "v_h
 
 
 @dataclass(frozen=True)
-class LatentGeometry:
-    """One page of a pool that keeps one buffer per layer, `[rows, 1, latent_dim]` (SGLang's
-    MLATokenToKVPool: latent_dim = kv_lora_rank + qk_rope_head_dim): as a lending pool's page,
-    K rows of `latent_dim` elements and no V rows. Only a donor's page: a borrower's page is a
-    `KVGeometry`."""
-
-    num_layers: int
-    latent_dim: int
-    dtype: torch.dtype
-    page_size: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", dtype_of(self.dtype))
-        for name in ("num_layers", "latent_dim", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LatentGeometry.{name} must be a positive int, got {value!r}")
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def k_row_elems(self) -> int:
-        return self.latent_dim
-
-    @property
-    def v_row_elems(self) -> int:
-        return 0
-
-
-@dataclass(frozen=True)
 class PoolLayout:
     """The byte layout of one server's KV pool region; see the module docstring.
 
     `geometry` is one page of the pool (`KVGeometry`: layers, KV heads, head dims, dtype, page
-    size; or `LatentGeometry`: one latent buffer per layer); `rows`
+    size; a latent one for one buffer per layer); `rows`
     the token slots SGLang uses (size + page_size), `padded_rows` those rounded up to whole
     pages, `data_offset` the bytes from the region start to layer 0."""
 
@@ -91,9 +59,8 @@ class PoolLayout:
     data_offset: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.geometry, (KVGeometry, LatentGeometry)):
-            raise ValueError(f"PoolLayout.geometry must be a KVGeometry or a LatentGeometry, "
-                             f"got {self.geometry!r}")
+        if not isinstance(self.geometry, KVGeometry):
+            raise ValueError(f"PoolLayout.geometry must be a KVGeometry, got {self.geometry!r}")
         for name in ("rows", "padded_rows"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"PoolLayout.{name} must be > 0, got {getattr(self, name)}")
@@ -116,7 +83,7 @@ class PoolLayout:
     @property
     def latent(self) -> bool:
         """One buffer per layer (no V rows): an MLA pool."""
-        return isinstance(self.geometry, LatentGeometry)
+        return self.geometry.latent
 
     @property
     def v_offset(self) -> int:
@@ -154,10 +121,8 @@ class PoolLayout:
         """The flat wire fields (`PoolLayoutMsg`'s names), plain values only; a latent page is
         one head of `latent_dim` with `v_head_dim` 0."""
         g = self.geometry
-        heads = (1, g.latent_dim, 0) if self.latent else (g.num_kv_heads, g.head_dim,
-                                                          g.v_head_dim)
         return {"num_layers": g.num_layers, "rows": self.rows, "padded_rows": self.padded_rows,
-                "head_num": heads[0], "head_dim": heads[1], "v_head_dim": heads[2],
+                "head_num": g.num_kv_heads, "head_dim": g.head_dim, "v_head_dim": g.v_head_dim,
                 "dtype": dtype_name(g.dtype), "page_size": g.page_size,
                 "data_offset": self.data_offset}
 
@@ -172,13 +137,7 @@ class PoolLayout:
         if missing or extra:
             raise ValueError(f"bad pool layout {data!r}: missing {missing}, unknown {extra}")
         try:
-            if values["v_head_dim"] == 0:  # one latent buffer per layer
-                if values["head_num"] != 1:
-                    raise ValueError("a latent page (v_head_dim 0) has head_num 1")
-                geometry = LatentGeometry(values["num_layers"], values["head_dim"],
-                                          values["dtype"], values["page_size"])
-            else:
-                geometry = KVGeometry(**{g: values[w] for w, g in _GEOMETRY_FIELDS.items()})
+            geometry = KVGeometry(**{g: values[w] for w, g in _GEOMETRY_FIELDS.items()})
             return cls(geometry, values["rows"], values["padded_rows"], values["data_offset"])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad pool layout {data!r}: {exc}") from None

@@ -5,10 +5,11 @@ with the reason when it cannot take part.
 Lending is bytes: a donor lends pages of whatever buffers it can give back on demand, described
 by their bytes per row per layer (`PoolLayout`): an NHD `MHATokenToKVPool` (K and V rows, any
 dtype the copies move: fp8 KV is stored as uint8), or an `MLATokenToKVPool` (one latent buffer
-per layer, `LatentGeometry`). A hybrid pool's full-attention part is an `MHATokenToKVPool` and
-is placed like one; SwiftCache's tree does not serve hybrid models yet, so they are refused
-before (integration/backend.py). A borrower's pages are copied as K and V rows into its own
-`MHATokenToKVPool`, so a borrower's pool must be one (`why_pool_unshareable`).
+per layer, a latent `KVGeometry`). A hybrid pool's full-attention part is an `MHATokenToKVPool`
+and is placed like one; SwiftCache's tree does not serve hybrid models yet, so they are refused
+before (integration/backend.py). A borrower's pages are copied as the rows of its own pool, K
+and V rows of an `MHATokenToKVPool` or the latent rows of an `MLATokenToKVPool`
+(`pool_geometry`, `pool_buffers`).
 Refused, with the reason (`why_pool_cannot_lend`, `why_pool_unshareable`): pools keeping scales
 beside their rows (FP4, MXFP8 KV: a byte copy of the rows would leave the scales behind), DSA
 pools (an indexer buffer beside the latent one), HND / AITER / page-major layouts (a page's rows
@@ -26,7 +27,7 @@ import torch
 from swift_kernels import KVGeometry
 from swift_kernels.geometry import dtype_name
 
-from .pool_layout import LatentGeometry, PoolLayout
+from .pool_layout import PoolLayout
 from .sharing import MappedArena, MappingError, map_arena
 
 _SCALES = ("keeps {what} scales in buffers beside its rows (--kv-cache-dtype {dtype}): a byte "
@@ -43,8 +44,6 @@ _REFUSED_TO_LEND = {
 # ... and those that lend but whose pages a borrower cannot keep its own rows in (yet)
 _REFUSED_TO_BORROW = {
     **_REFUSED_TO_LEND,
-    "MLATokenToKVPool": ("an MLA pool keeps one latent KV buffer per layer: it lends its pages, "
-                         "but a borrower's copies move K and V rows (MLA borrowing is not built)"),
     "HybridLinearKVPool": "a hybrid linear-attention pool is not one MHA pool",
 }
 
@@ -62,11 +61,13 @@ def _refused(pool: Any, table: dict[str, str]) -> str | None:
 
 
 def why_pool_unshareable(pool: Any) -> str | None:
-    """None when `pool` can keep a borrower's rows (an NHD MHA pool of a supported dtype);
-    else the reason it cannot."""
+    """None when `pool` can keep a borrower's rows (an NHD MHA pool, or SGLang's plain MLA pool,
+    of a supported dtype); else the reason it cannot."""
     reason = _refused(pool, _REFUSED_TO_BORROW)
     if reason is not None:
         return reason
+    if _is_latent(pool):
+        return _latent_problem(pool)
     if not isinstance(getattr(pool, "k_buffer", None), list) or not isinstance(
             getattr(pool, "v_buffer", None), list):
         return (f"{type(pool).__name__} has no per-layer k_buffer / v_buffer lists (not an MHA "
@@ -84,30 +85,48 @@ def why_pool_cannot_lend(pool: Any) -> str | None:
     if reason is not None:
         return reason
     if _is_latent(pool):
-        if getattr(pool, "use_dsa", False) or getattr(pool, "kv_scale_buffer", None) is not None:
-            return (f"{type(pool).__name__} keeps a DSA indexer or KV scales beside its latent "
-                    f"buffers ({_dtype_of(pool)})")
-        return _dtype_problem(pool)
+        return _latent_problem(pool)
     return why_pool_unshareable(pool)
 
 
-def lending_page(pool: Any, page_size: int | None = None) -> KVGeometry | LatentGeometry:
-    """The page a donor lends of `pool` (one TP rank): its KVGeometry, or for an MLA pool a
-    LatentGeometry. Raises UnshareablePool naming the problem."""
+def _latent_problem(pool: Any) -> str | None:
+    if getattr(pool, "use_dsa", False) or getattr(pool, "kv_scale_buffer", None) is not None:
+        return (f"{type(pool).__name__} keeps a DSA indexer or KV scales beside its latent "
+                f"buffers ({_dtype_of(pool)})")
+    return _dtype_problem(pool)
+
+
+def lending_page(pool: Any, page_size: int | None = None) -> KVGeometry:
+    """The page a donor lends of `pool` (one TP rank): its KVGeometry (latent for an MLA pool).
+    Raises UnshareablePool naming the problem."""
     reason = why_pool_cannot_lend(pool)
-    if reason is None and _is_latent(pool):
-        return LatentGeometry(pool.layer_num, pool.kv_buffer[0].shape[-1],
-                              dtype_name(pool.store_dtype), page_size or pool.page_size)
     if reason is None:
-        return pool_geometry(pool, page_size)
+        return _page_of(pool, page_size)
     raise UnshareablePool(f"this server's KV pool cannot be lent: {reason}; run it without "
                           f"SwiftCache lending")
 
 
+def _page_of(pool: Any, page_size: int | None) -> KVGeometry:
+    page = page_size or pool.page_size
+    if _is_latent(pool):
+        return KVGeometry.latent_page(pool.layer_num, pool.kv_buffer[0].shape[-1],
+                                      dtype_name(pool.store_dtype), page)
+    return KVGeometry(pool.layer_num, pool.head_num, pool.head_dim,
+                      getattr(pool, "v_head_dim", pool.head_dim), dtype_name(pool.store_dtype),
+                      page)
+
+
+def pool_buffers(pool: Any) -> tuple[list, list]:
+    """`pool`'s per-layer buffers as (K, V) lists: an MHA pool's K and V buffers, or an MLA
+    pool's latent buffers and no V buffers."""
+    if _is_latent(pool):
+        return list(pool.kv_buffer), []
+    return list(pool.k_buffer), list(pool.v_buffer)
+
+
 def pool_device(pool: Any) -> torch.device:
     """The device a pool's buffers are on (K buffers, or an MLA pool's latent ones)."""
-    buffers = pool.kv_buffer if _is_latent(pool) else pool.k_buffer
-    return buffers[0].device
+    return pool_buffers(pool)[0][0].device
 
 
 def _is_latent(pool: Any) -> bool:
@@ -140,13 +159,11 @@ def why_layout_unshareable(pool: Any) -> str | None:
 
 def pool_geometry(pool: Any, page_size: int | None = None) -> KVGeometry:
     """The page of SGLang pool `pool` (one TP rank) as a KVGeometry, `page_size` tokens per page
-    (default: the pool's own): what a borrower keeps in donor pages. Raises UnshareablePool
-    naming the problem, e.g. an MLA pool."""
+    (default: the pool's own): what a borrower keeps in donor pages (latent for an MLA pool).
+    Raises UnshareablePool naming the problem, e.g. a pool keeping scales beside its rows."""
     reason = why_pool_unshareable(pool)
     if reason is None:
-        geometry = KVGeometry(pool.layer_num, pool.head_num, pool.head_dim,
-                              getattr(pool, "v_head_dim", pool.head_dim),
-                              dtype_name(pool.store_dtype), page_size or pool.page_size)
+        geometry = _page_of(pool, page_size)
         reason = _buffer_problem(pool, geometry)
         if reason is None:
             return geometry
@@ -155,14 +172,17 @@ def pool_geometry(pool: Any, page_size: int | None = None) -> KVGeometry:
 
 
 def _buffer_problem(pool: Any, g: KVGeometry) -> str | None:
-    if len(pool.k_buffer) != g.num_layers or len(pool.v_buffer) != g.num_layers:
-        return f"{len(pool.k_buffer)} K / {len(pool.v_buffer)} V buffers for {g.num_layers} layers"
-    for k, v in zip(pool.k_buffer, pool.v_buffer):
-        if (k.dim(), k.shape[1:], v.shape[1:]) != (3, (g.num_kv_heads, g.head_dim),
-                                                   (g.num_kv_heads, g.v_head_dim)):
-            return f"buffers K {tuple(k.shape)} / V {tuple(v.shape)} are not NHD {g}"
-        if not (k.is_contiguous() and v.is_contiguous()):
-            return "a layer's K or V buffer is not contiguous (rows must be back to back)"
+    ks, vs = pool_buffers(pool)
+    if len(ks) != g.num_layers or len(vs) != (0 if g.latent else g.num_layers):
+        return f"{len(ks)} K / {len(vs)} V buffers for {g.num_layers} layers"
+    want = (g.num_kv_heads, g.head_dim)
+    for buf in ks:
+        if (buf.dim(), buf.shape[1:]) != (3, want) or not buf.is_contiguous():
+            return f"a layer's buffer {tuple(buf.shape)} is not a contiguous NHD buffer of {g}"
+    for buf in vs:
+        if (buf.dim(), buf.shape[1:]) != (3, (g.num_kv_heads, g.v_head_dim)) or \
+                not buf.is_contiguous():
+            return f"a layer's V buffer {tuple(buf.shape)} is not a contiguous NHD buffer of {g}"
     return None
 
 

@@ -2,8 +2,9 @@
 
 `resolve_backend` picks the row-copy path for a pair of devices, `unit_rows` views flat bytes as
 rows of the widest word the pointers allow, `index_to_device` moves an index tensor to the lane
-that reads it, and `check_buffers` validates a borrower's per-layer K / V buffers against its
-geometry. Shared by the pool-lease engine and the layer stream's donor lease.
+that reads it, and `check_buffers` validates a borrower's per-layer buffers (K and V, or an MLA
+pool's latent ones) against its geometry. Shared by the pool-lease engine and the layer stream's
+donor lease.
 """
 
 from __future__ import annotations
@@ -77,18 +78,21 @@ def unit_rows(flat: torch.Tensor, unit: int, align: int, max_width: int = 16) ->
 
 
 def check_buffers(g, k_buffers, v_buffers) -> None:
-    if len(k_buffers) != g.num_layers or len(v_buffers) != g.num_layers:
-        raise ValueError(f"the borrower's geometry has {g.num_layers} layers, got "
-                         f"{len(k_buffers)} K and {len(v_buffers)} V buffers")
+    """ValueError unless `k_buffers` / `v_buffers` are the per-layer NHD buffers of `g` (a latent
+    page: its latent buffers, and no V buffers), contiguous, all on one device."""
+    want_v = 0 if g.latent else g.num_layers
+    if len(k_buffers) != g.num_layers or len(v_buffers) != want_v:
+        raise ValueError(f"the borrower's geometry has {g.num_layers} layers and {want_v} V "
+                         f"buffers, got {len(k_buffers)} K and {len(v_buffers)} V buffers")
     k0 = k_buffers[0]
-    for layer, (k, v) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-        want = ((k0.shape[0], g.num_kv_heads, g.head_dim), (k0.shape[0], g.num_kv_heads,
-                                                            g.v_head_dim))
-        if (tuple(k.shape), tuple(v.shape)) != want or {k.dtype, v.dtype} != {g.dtype}:
-            raise ValueError(f"layer {layer}: buffers {k.dtype} K {tuple(k.shape)} / V "
-                             f"{tuple(v.shape)} do not match {g} with {k0.shape[0]} rows")
-        if not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError(f"layer {layer}: K and V must be contiguous NHD buffers")
-        if k.device != k0.device or v.device != k0.device:
-            raise ValueError(f"layer {layer}'s buffers are on {k.device} / {v.device}, layer "
-                             f"0's on {k0.device}; every layer must be on one device")
+    shapes = ((k_buffers, g.head_dim, "K"), (v_buffers, g.v_head_dim, "V"))
+    for buffers, dim, name in shapes:
+        for layer, buf in enumerate(buffers):
+            if tuple(buf.shape) != (k0.shape[0], g.num_kv_heads, dim) or buf.dtype != g.dtype:
+                raise ValueError(f"layer {layer}: {name} buffer {buf.dtype} {tuple(buf.shape)} "
+                                 f"does not match {g} with {k0.shape[0]} rows")
+            if not buf.is_contiguous():
+                raise ValueError(f"layer {layer}: {name} must be a contiguous NHD buffer")
+            if buf.device != k0.device:
+                raise ValueError(f"layer {layer}'s {name} buffer is on {buf.device}, layer 0's "
+                                 f"K on {k0.device}; every layer must be on one device")

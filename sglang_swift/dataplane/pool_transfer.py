@@ -53,7 +53,7 @@ from concurrent.futures import Future
 import torch
 
 import swift_kernels as sk
-from swift_kernels import K, V
+from swift_kernels import K
 
 from .copy_fence import CopyFence
 from .packing import CopyPlan, LeasePacking
@@ -66,7 +66,8 @@ _here = threading.local()  # per thread: the staging buffer of the stores it run
 
 class PoolTransferEngine:
     """Copies for one pool lease: `k_buffers[l]` / `v_buffers[l]` are the borrower's SGLang pool
-    (NHD `[rows, heads, dim]`, contiguous, as `packing.borrower` says), `region` the donor's pool
+    (NHD `[rows, heads, dim]`, contiguous, as `packing.borrower` says; a latent page: an MLA
+    pool's latent buffers, and no V buffers), `region` the donor's pool
     bytes as mapped (`MappedPool.region`), `packing` the lease's `LeasePacking`."""
 
     def __init__(self, packing: LeasePacking, region: torch.Tensor, k_buffers, v_buffers, *,
@@ -410,7 +411,8 @@ class PoolTransferEngine:
                 every = torch.cat([stream + n * plan.layer_step for n in range(num_layers)])
                 units = self.packing.donor_units(every, plan.unit)
                 plan.donor_rows.append(units.view(num_layers, -1))
-        for half, local in ((K, k_rows[layer]), (V, v_rows[layer])):
+        for half in self.packing.borrower.halves:
+            local = (k_rows if half == K else v_rows)[layer]
             yield local, plan.local[half], donor, plan.donor_rows[half][layer]
 
     def _copy_layer(self, plan: CopyPlan, layer: int, store: bool,

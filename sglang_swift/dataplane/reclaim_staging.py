@@ -135,8 +135,9 @@ def read_blocks(engine: Any, blocks: list[int],
     dev = engine.local_device
     ks = [torch.empty(rows, g.num_kv_heads, g.head_dim, dtype=g.dtype, device=dev)
           for _ in range(g.num_layers)]
-    vs = [torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
-          for _ in range(g.num_layers)]
+    vs = [] if g.latent else [  # a latent page (an MLA pool's rows) has no V rows
+        torch.empty(rows, g.num_kv_heads, g.v_head_dim, dtype=g.dtype, device=dev)
+        for _ in range(g.num_layers)]
     reader = PoolTransferEngine(engine.packing, engine.region, ks, vs, lane=engine.lane,
                                 liveness=engine.liveness, lease_epoch=engine.lease_epoch,
                                 read_deadline=lambda: min(engine.read_deadline(), deadline))
@@ -148,8 +149,8 @@ def read_blocks(engine: Any, blocks: list[int],
 
 def gather_rows(copies: list, rows: dict, page: int) -> tuple[list, list]:
     """The staged rows of `copies` (`(DonorResidency, tokens)` pairs, in order), one `[n, ...]`
-    tensor per layer for K and for V; `rows` maps a block to its (`Staged`, position), as
-    `ReclaimStaging.take` returns it."""
+    tensor per layer for K and for V (none for V of a latent page); `rows` maps a block to its
+    (`Staged`, position), as `ReclaimStaging.take` returns it."""
     n = 0
     picks: dict[int, list] = {}  # id(part) -> (position in the result, row in the part)
     parts: dict[int, Staged] = {}
@@ -166,7 +167,7 @@ def gather_rows(copies: list, rows: dict, page: int) -> tuple[list, list]:
         part = parts[pid]
         at = torch.tensor([a for a, _ in pairs])
         src = torch.tensor([b for _, b in pairs])
-        for layer in range(len(ks)):
-            ks[layer][at] = part.k[layer][src]
-            vs[layer][at] = part.v[layer][src]
+        for mine, theirs in ((ks, part.k), (vs, part.v)):  # no V rows: an MLA pool's
+            for layer, rows_of_part in enumerate(theirs):
+                mine[layer][at] = rows_of_part[src]
     return ks, vs

@@ -77,20 +77,25 @@ def tp_problems(ctx: Any, config: Any) -> list[str]:
     problems = []
     if config.streams_layers:
         problems.append(LAYER_STREAM_TP.format(tp=tp_size))
+    if config.borrows and attention_kind(ctx) == "MLA attention":
+        problems.append(f"borrowing with --tp {tp_size} on MLA attention (every rank holds the "
+                        f"same latent rows: each would keep its own copy in donor pages)")
     return problems
 
 
 def host_tier_problems(params: Any, config: Any) -> list[str]:
-    """A host tier copies K and V rows of one MHA pool (SGLang's MHA host pool): refused, with
-    the reason, on a pool of another kind (an MLA pool's latent rows)."""
+    """A host tier copies the rows of one MHA pool (SGLang's MHA host pool) or of SGLang's
+    plain MLA pool (its MLA host pool): refused, with the reason, on a pool of another kind."""
     allocator = getattr(params, "token_to_kv_pool_allocator", None)
     if not config.host_tier or allocator is None:
         return []
     pool = allocator.get_kvcache()
-    if isinstance(getattr(pool, "k_buffer", None), list):
+    plain_mla = type(pool).__name__ == "MLATokenToKVPool" and not getattr(pool, "use_dsa", False)
+    if isinstance(getattr(pool, "k_buffer", None), list) or plain_mla:
         return []
     return [f"a host tier (--enable-hierarchical-cache) on {type(pool).__name__}: SwiftCache's "
-            f"host tier copies the K and V rows of an MHA pool (SGLang's MHA host pool)"]
+            f"host tier copies the rows of an MHA pool or of a plain MLA pool (SGLang's MHA "
+            f"and MLA host pools)"]
 
 
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:

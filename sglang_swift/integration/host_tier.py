@@ -3,11 +3,12 @@
 With `--enable-hierarchical-cache`, a SwiftCache server keeps the prefixes it evicts from the
 device in this order: donor pages while a lease has room (a borrower), then host memory. The host
 memory is SGLang's host pool class for the server's device pool (`get_mha_host_pool_cls`:
-`MHATokenToKVPoolHost` and its variants), sized by `--hicache-ratio` / `--hicache-size`, laid out
-by `--hicache-mem-layout`, and every byte moves through its own transfer methods
-(`backup_from_device_all_layer`, `load_to_device_per_layer`) with `--hicache-io-backend`: on a GPU
-SGLang's kernels, in the CPU venv the stand-ins of `cpu_compat/hicache.py`. The tree's `HostTier`
-books the pool's token slots 0 .. capacity-1; the pool's own allocator stays unused.
+`MHATokenToKVPoolHost` and its variants; `MLATokenToKVPoolHost` for an MLA pool), sized by
+`--hicache-ratio` / `--hicache-size`, laid out by `--hicache-mem-layout`, and every byte moves
+through its own transfer methods (`backup_from_device_all_layer`, `load_to_device_per_layer`)
+with `--hicache-io-backend`: on a GPU SGLang's kernels, in the CPU venv the stand-ins of
+`cpu_compat/hicache.py`. The tree's `HostTier` books the pool's token slots 0 .. capacity-1; the
+pool's own allocator stays unused.
 
 With `--tp > 1` every rank builds its own host pool over its own device pool (its shard of the
 KV heads) and books the same slots in its tree: the trees are identical, so every store, load and
@@ -127,16 +128,25 @@ class HostKV:
             cpu_hicache.check_pair(io_backend, layout)
         infos = kv_pool.get_device_pool_infos()
         if len(infos) != 1:
-            raise ValueError(f"SwiftCache's host tier serves one MHA device pool; this server's "
-                             f"KV cache has {len(infos)} pools")
+            raise ValueError(f"SwiftCache's host tier serves one MHA or MLA device pool; this "
+                             f"server's KV cache has {len(infos)} pools")
         info = infos[0].buffer_info
-        cls = get_mha_host_pool_cls(info)
+        # an MLA pool (one latent buffer per layer) is mirrored by SGLang's MLA host pool
+        self.latent = not hasattr(kv_pool, "k_buffer")
+        if self.latent:
+            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+            cls = MLATokenToKVPoolHost
+            shape = dict(target_layer_num=kv_pool.layer_num,
+                         override_kv_cache_dim=kv_pool.kv_cache_dim)
+        else:
+            cls = get_mha_host_pool_cls(info)
+            shape = dict(write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
         self.kv_pool = kv_pool
         self.io_backend = io_backend
         self.pool = cls(info, ratio, size_gb, page_size, layout,
                         device_capacity_tokens=kv_pool.size, start_layer=kv_pool.start_layer,
-                        end_layer=kv_pool.end_layer,
-                        write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None))
+                        end_layer=kv_pool.end_layer, **shape)
         self.capacity = self.pool.size
         self.page_size = page_size
         self.spill_slots: torch.Tensor | None = None  # reserve_spill's slots, outside the tier
@@ -235,15 +245,16 @@ class HostKV:
         return self.spill_slots
 
     def write_rows(self, host_slots: torch.Tensor, k_rows: list, v_rows: list) -> None:
-        """Write token rows (per layer, `[n, heads, dim]` on any device) into `host_slots`,
-        through the pool's per-layer views of its buffer (ROW_LAYOUTS only): how a donor
-        page's content reaches host memory when the donor takes the page back."""
-        buf = self.pool.kv_buffer
+        """Write token rows (per layer, `[n, heads, dim]` on any device; an MLA pool's latent
+        rows as `k_rows` and no `v_rows`) into `host_slots`, through the pool's per-layer views
+        of its buffer (ROW_LAYOUTS only): how a donor page's content reaches host memory when
+        the donor takes the page back."""
+        buf = self.pool.kv_buffer  # MHA: [K or V, ...]; MLA: the latent rows alone
+        parts = ((buf, k_rows),) if self.latent else ((buf[0], k_rows), (buf[1], v_rows))
         idx = host_slots.to("cpu")
-        for layer, (k, v) in enumerate(zip(k_rows, v_rows)):
-            for half, rows in ((0, k), (1, v)):
-                view = buf[half, layer] if self.pool.layout == "layer_first" \
-                    else buf[half, :, layer]
+        for part, per_layer in parts:
+            for layer, rows in enumerate(per_layer):
+                view = part[layer] if self.pool.layout == "layer_first" else part[:, layer]
                 view.index_copy_(0, idx, rows.to("cpu", view.dtype))
 
     @property

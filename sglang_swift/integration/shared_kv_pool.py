@@ -23,7 +23,7 @@ import os
 from typing import Any, Callable
 
 from ..config import CONFIG_ENV, SwiftConfig
-from ..dataplane.pool_layout import KVGeometry, LatentGeometry, PoolLayout, dtype_name
+from ..dataplane.pool_layout import KVGeometry, PoolLayout, dtype_name
 from ..dataplane.pool_lease import why_layout_unshareable
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ def layout_of(pool: Any, data_offset: int) -> PoolLayout:
     rows = pool.size + pool.page_size
     padded = -(-rows // pool.page_size) * pool.page_size
     if hasattr(pool, "kv_cache_dim"):
-        geometry = LatentGeometry(pool.layer_num, pool.kv_cache_dim,
-                                  dtype_name(pool.store_dtype), pool.page_size)
+        geometry = KVGeometry.latent_page(pool.layer_num, pool.kv_cache_dim,
+                                          dtype_name(pool.store_dtype), pool.page_size)
     else:
         geometry = KVGeometry(pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim,
                               dtype_name(pool.store_dtype), pool.page_size)

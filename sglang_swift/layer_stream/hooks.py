@@ -112,6 +112,11 @@ def around_config_from_budget(orig, configurator, budget_bytes, *args, **kwargs)
     config = stream_config()
     if config is None or configurator.is_draft_worker:
         return orig(configurator, budget_bytes, *args, **kwargs)
+    if getattr(configurator, "use_mla_backend", False):
+        raise ValueError("SwiftCache layer streaming streams the K and V rows of an MHA pool; "
+                         "this server's model has MLA attention (one latent buffer per layer, "
+                         "SGLang's MLATokenToKVPool), which is not streamed. Drop "
+                         "--swiftcache-layer-stream.")
     from .pool import StreamSettings
 
     layers = configurator.layer_info.num_effective_layers

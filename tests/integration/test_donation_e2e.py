@@ -92,10 +92,11 @@ def _lending_donor(model, rendezvous: str, log_path, *extra: str,
                                         "--enable-metrics"))
 
 
-def _stock_replays(model, convs, log_path, *turns: int) -> list[list[dict]]:
+def _stock_replays(model, convs, log_path, *turns: int, pool: int = SMALL_POOL,
+                   extra: tuple[str, ...] = ()) -> list[list[dict]]:
     """Stock SGLang's answers on `model` with the borrower's pool, replayed for each of `turns`."""
-    with LocalServer(model, swiftcache=False, max_total_tokens=SMALL_POOL,
-                     extra_args=["--enable-cache-report", "--dtype", "float32"],
+    with LocalServer(model, swiftcache=False, max_total_tokens=pool,
+                     extra_args=["--enable-cache-report", "--dtype", "float32", *extra],
                      log_path=log_path) as stock:
         return [_replay(stock, convs, n) for n in turns]
 

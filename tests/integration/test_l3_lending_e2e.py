@@ -1,6 +1,7 @@
 """The whole hierarchy of a borrower, device -> donor pages -> host -> L3, on real CPU servers,
 with two of SGLang's storage backends below the host tier: `file` and Mooncake's store (its
-master started here, over TCP on 127.0.0.1).
+master started here, over TCP on 127.0.0.1); the borrower serves the GQA `small` model (K and V
+rows) or the MLA `tiny-mla` (one latent row per token and layer, SGLang's MLA host pool).
 
 Invariants:
 - while the donor lends, a multi-turn replay keeps evicted prefixes in donor pages and its
@@ -29,7 +30,10 @@ from pathlib import Path
 
 import pytest
 from integration.harness import LocalServer, free_port, metric, wait_for
+from integration.test_donation_e2e import SMALL_POOL
 from integration.test_hicache_cpu import flush
+
+from benchmarks.tools.tiny_model import MLA_SERVER_ARGS
 
 pytestmark = pytest.mark.integration
 
@@ -100,10 +104,20 @@ def _store(backend: str, tmp_path: Path) -> Iterator[dict]:
     yield {"file_storage_path": str(store), "prefetch_threshold": 16}
 
 
-@pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path, backend):
+# the borrower's model: its pool, the server options SGLang's CPU engine serves it with, and a
+# replay (conversations, characters per message, turns before and after the reclaim) whose
+# histories overflow that pool; the MLA model's interpreted Triton kernels want short prompts
+BORROWERS = {
+    "small": dict(pool=SMALL_POOL, extra=(), convs=5, chars=200, turns=(3, 4)),
+    "mla": dict(pool=256, extra=MLA_SERVER_ARGS, convs=3, chars=120, turns=(2, 3)),
+}
+
+
+@pytest.mark.parametrize("shape, backend", [("small", "file"), ("small", "mooncake"),
+                                            ("mla", "file")])
+def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path, shape,
+                                                             backend):
     from integration.test_donation_e2e import (
-        SMALL_POOL,
         _args,
         _check,
         _donor_burst,
@@ -118,9 +132,13 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
 
     if backend == "mooncake" and (why := mooncake_missing()):
         pytest.skip(why)
-    small_model = ensure_tiny_model(shape="small")
-    convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    ref, ref_tail = _stock_replays(small_model, convs, tmp_path / "stock.log", 3, 4)
+    spec = BORROWERS[shape]
+    model = ensure_tiny_model(shape=shape)
+    first, then = spec["turns"]
+    convs = load_conversations(spec["convs"], min_turns=then,
+                               max_chars_per_message=spec["chars"])
+    ref, ref_tail = _stock_replays(model, convs, tmp_path / "stock.log", first, then,
+                                   pool=spec["pool"], extra=spec["extra"])
 
     with _store(backend, tmp_path) as extra:
         rendezvous = str(tmp_path / "rv")
@@ -129,14 +147,14 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
                  "write_back", "--hicache-mem-layout", "page_first",  # Mooncake: MHA pages
                  "--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy",
                  "wait_complete", "--hicache-storage-backend-extra-config", json.dumps(extra)]
-        borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL,
+        borrower = LocalServer(model, max_total_tokens=spec["pool"],
                                log_path=tmp_path / "borrower.log",
                                extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                                 "--swiftcache-max-borrow-blocks", "1500",
-                                                *tiers))
+                                                *spec["extra"], *tiers))
         with donor, borrower:
             wait_for_lease(rendezvous, timeout_s=90)
-            got = _replay(borrower, convs, 3, forced=ref)
+            got = _replay(borrower, convs, first, forced=ref)
             _check(got, ref)
             in_donor = wait_for(lambda: metric(borrower, "swiftcache_donor_tier_tokens"), 30,
                                 "prefixes kept in the donor tier")
@@ -144,15 +162,15 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
             rescued = wait_for(lambda: metric(borrower, "swiftcache_rescued_tokens_total"), 30,
                                "the borrower to move the reclaimed prefixes into host memory")
             assert (metric(borrower, "swiftcache_revoked_tokens_total") or 0) == 0
-            _check(_replay(borrower, convs, 4, forced=ref_tail), ref_tail)
+            _check(_replay(borrower, convs, then, forced=ref_tail), ref_tail)
             written = wait_for(lambda: metric(borrower, "swiftcache_l3_written_pages_total"), 30,
                                f"pages written to {backend}")
             flush(borrower)  # writes in flight drained; device and host emptied; L3 keeps them
             assert not metric(borrower, "swiftcache_donor_tier_tokens")
-            again = _replay(borrower, convs, 4, forced=ref_tail)
+            again = _replay(borrower, convs, then, forced=ref_tail)
             fetched = wait_for(lambda: metric(borrower, "swiftcache_l3_fetched_tokens_total"),
                                30, f"tokens fetched from {backend}")
             assert borrower.proc.poll() is None, borrower.log_tail()
         _check(again, ref_tail)
-        print(f"{backend}: donor tier {in_donor} tokens, rescued {rescued} into host, "
+        print(f"{shape} on {backend}: donor tier {in_donor} tokens, rescued {rescued} into host, "
               f"{written} pages written to L3, {fetched} tokens fetched after the flush")

@@ -2,12 +2,13 @@
 tokens, for every layer of the borrower's model.
 
 Real SGLang CPU servers: a donor on the tiny model lending half its pool, and a borrower on the
-small model (8 layers) whose pool holds one probe prompt or one filler prompt, not both, started
+small model (8 layers, K and V rows) or on `tiny-mla` (4 layers, one latent row per token and
+layer) whose pool holds one probe prompt or one filler prompt, not both, started
 with the test-only fault `SWIFTCACHE_FAULT_DONOR_ROW` (`sglang_swift/integration/debug_seam.py`).
 Each round asks a probe (computed from scratch), then a filler that evicts the probe into donor
 memory, then the probe again (its prefix loaded back from the donor). For the probe of round L
-the fault overwrites, right after the store, layer L's K and V row of the probe's token ROW in
-the donor's bytes; one more probe is stored untouched. Invariants:
+the fault overwrites, right after the store, layer L's K and V row (the latent row) of the
+probe's token ROW in the donor's bytes; one more probe is stored untouched. Invariants:
 - the fault fired once per layer, changed bytes only in the row it names, and no other;
 - each reloaded probe took its prefix, the corrupted row included, from the cache;
 - the untouched probe's tokens after the reload equal its first answer (`same_greedy`: token
@@ -28,11 +29,12 @@ from integration.harness import LocalServer, output_ids, same_greedy
 
 from benchmarks.tools.demo import wait_for_lease
 from benchmarks.tools.local_server import start_all
-from benchmarks.tools.tiny_model import MODEL_SHAPES, ensure_tiny_model
+from benchmarks.tools.tiny_model import MLA_SERVER_ARGS, MODEL_SHAPES, ensure_tiny_model
 from sglang_swift.integration.debug_seam import FAULT_ENV
 
 pytestmark = pytest.mark.integration
-LAYERS = MODEL_SHAPES["small"]["num_hidden_layers"]
+# the borrower's model, and what SGLang's CPU engine serves it with (tiny_model.py)
+BORROWERS = {"small": (), "mla": MLA_SERVER_ARGS}
 POOL = 256  # the borrower's device pool: a filler (231 tokens) leaves no room for a probe
 PROBE, FILLER, NEW_TOKENS = 48, 230, 32
 ROW = 20  # the probe token whose row the fault overwrites
@@ -59,10 +61,11 @@ def _prompt(rng: random.Random, first: int, n: int) -> list[int]:
     return [first] + [rng.randrange(10, 1800) for _ in range(n - 1)]
 
 
-def test_one_wrong_donor_row_in_any_layer_changes_the_tokens(tiny_model, tmp_path):
-    small_model = ensure_tiny_model(shape="small")
+@pytest.mark.parametrize("shape", sorted(BORROWERS))
+def test_one_wrong_donor_row_in_any_layer_changes_the_tokens(shape, tiny_model, tmp_path):
+    borrower_model = ensure_tiny_model(shape=shape)
     rng = random.Random(0)
-    targets = {1900 + layer: layer for layer in range(LAYERS)}
+    targets = {1900 + layer: layer for layer in range(MODEL_SHAPES[shape]["num_hidden_layers"])}
     report = tmp_path / "fault.jsonl"
     fault = {"targets": [[tok, layer] for tok, layer in targets.items()], "row": ROW,
              "report": str(report)}
@@ -70,9 +73,9 @@ def test_one_wrong_donor_row_in_any_layer_changes_the_tokens(tiny_model, tmp_pat
     donor = LocalServer(tiny_model, max_total_tokens=4096, log_path=tmp_path / "donor.log",
                         extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction",
                                          "0.5"))
-    borrower = LocalServer(small_model, max_total_tokens=POOL, log_path=tmp_path / "b.log",
+    borrower = LocalServer(borrower_model, max_total_tokens=POOL, log_path=tmp_path / "b.log",
                            env={**os.environ, FAULT_ENV: json.dumps(fault)},
-                           extra_args=_args(rendezvous, "borrower",
+                           extra_args=_args(rendezvous, "borrower", *BORROWERS[shape],
                                             "--swiftcache-max-borrow-blocks", "1500"))
     try:
         start_all([donor, borrower])

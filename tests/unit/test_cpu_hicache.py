@@ -173,14 +173,15 @@ def test_install_is_idempotent(sglang_pools):
     """A second install or apply changes nothing: one finder, the same objects in place."""
     import sglang.srt.managers.cache_controller as controller
     import sglang.srt.mem_cache.pool_host.mha as mha
+    import sglang.srt.mem_cache.pool_host.mla as mla
 
     before = (mha.MHATokenToKVPoolHost.load_to_device_per_layer, controller.device_module,
-              controller.HiCacheController.__init__)
+              controller.HiCacheController.__init__, mla.MLATokenToKVPoolHost.__dict__.copy())
     hicache.install()
     hicache.install()
-    assert hicache.apply_to_module(mha) == [] and hicache.apply_to_module(controller) == []
+    assert [hicache.apply_to_module(m) for m in (mha, controller, mla)] == [[], [], []]
     after = (mha.MHATokenToKVPoolHost.load_to_device_per_layer, controller.device_module,
-             controller.HiCacheController.__init__)
+             controller.HiCacheController.__init__, mla.MLATokenToKVPoolHost.__dict__.copy())
     assert before == after and controller.device_module is CpuDeviceModule
     assert sum(isinstance(f, hicache.PostImportFinder) for f in sys.meta_path) == 1
     assert all(hicache.installed(p.name) for p in hicache.PATCHES)

@@ -59,6 +59,46 @@ def test_a_store_and_a_load_through_sglangs_host_pool_return_the_rows(layout, io
         assert torch.equal(pool.v_buffer[layer][dst], want[layer][1])
 
 
+def _mla_device_pool(size: int = SLOTS):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(size=size, page_size=1, dtype=torch.float32, kv_lora_rank=16,
+                            qk_rope_head_dim=8, layer_num=LAYERS, device="cpu",
+                            enable_memory_saver=False, start_layer=0, end_layer=LAYERS - 1)
+    for buf in pool.kv_buffer:
+        buf.copy_(torch.randn_like(buf))
+    return pool
+
+
+@pytest.mark.parametrize("layout,io", SERVED)
+def test_an_mla_pools_latent_rows_go_through_sglangs_mla_host_pool_and_back(layout, io):
+    """Invariant: an MLA device pool's host tier is SGLang's MLA host pool; a store then a load
+    return its latent rows bit for bit, and rows a reclaim writes by layer (`write_rows`, the
+    row layouts) load back as written."""
+    from sglang_swift.integration.host_tier import ROW_LAYOUTS
+
+    pool = _mla_device_pool()
+    host = _host(pool, layout, io)
+    assert host.latent and type(host.pool).__name__ == "MLATokenToKVPoolHost"
+    assert host.token_bytes == LAYERS * 24 * 4 and host.capacity >= 2 * SLOTS
+    src, slots, dst = torch.arange(3, 19), torch.arange(40, 56), torch.arange(20, 36)
+    want = [pool.kv_buffer[layer][src].clone() for layer in range(LAYERS)]
+    host.store(src, slots)
+    for buf in pool.kv_buffer:
+        buf.zero_()
+    for layer in range(LAYERS):
+        host.load_layer(slots, dst, layer)
+        assert torch.equal(pool.kv_buffer[layer][dst], want[layer])
+        assert not pool.kv_buffer[layer][:20].any()  # nothing outside the slots named
+    if layout not in ROW_LAYOUTS:
+        return
+    rescued = [torch.randn(4, 1, 24) for _ in range(LAYERS)]
+    host.write_rows(torch.arange(60, 64), rescued, [])
+    for layer in range(LAYERS):
+        host.load_layer(torch.arange(60, 64), torch.arange(4, 8), layer)
+        assert torch.equal(pool.kv_buffer[layer][4:8], rescued[layer])
+
+
 class Rig:
     """A SwiftRadixCache with a host tier and no control channel, on SGLang's real pools."""
 

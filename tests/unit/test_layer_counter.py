@@ -282,7 +282,7 @@ def test_revoked_region_mid_load_fails_the_remaining_layers():
 
 @pytest.mark.parametrize(
     "problem, message",
-    [("layers", "geometry has 4 layers"), ("heads", "do not match"), ("dtype", "layer 3: ")],
+    [("layers", "geometry has 4 layers"), ("heads", "does not match"), ("dtype", "layer 3: ")],
 )
 def test_engine_rejects_mismatched_buffers_before_copying(problem, message):
     """Invariant: buffers that do not match the borrower's geometry are refused, naming the

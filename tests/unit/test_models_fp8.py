@@ -23,6 +23,7 @@ from sglang_swift.dataplane.pool_layout import PoolLayout
 from sglang_swift.dataplane.pool_lease import (
     lending_page,
     map_pool,
+    pool_buffers,
     pool_geometry,
     why_pool_cannot_lend,
 )
@@ -110,8 +111,8 @@ def lend_round_trip(donor_pool, borrower_pool, lent_pages, reclaimed_pages, scri
         g = pool_geometry(borrower_pool)
         packing = LeasePacking(g, mapped.layout, lent_pages)
         assert packing.num_blocks >= 3, packing
-        engine = PoolTransferEngine(packing, mapped.region, borrower_pool.k_buffer,
-                                    borrower_pool.v_buffer, liveness=mapped.alive)
+        engine = PoolTransferEngine(packing, mapped.region, *pool_buffers(borrower_pool),
+                                    liveness=mapped.alive)
         try:
             _round_trip(engine, packing, mapped, donor_pool, borrower_pool, reclaimed_pages,
                         scribble)
@@ -135,15 +136,15 @@ def _round_trip(engine, packing, mapped, donor_pool, borrower_pool, reclaimed, s
     assert engine.store_here(slots, blocks).ok
     assert torch.equal(region[~mask], before[~mask]), "a store wrote outside the lent pages"
     assert not torch.equal(region[mask], before[mask])
-    want_k = [raw(k[slots]).clone() for k in borrower_pool.k_buffer]
-    want_v = [raw(v[slots]).clone() for v in borrower_pool.v_buffer]
+    buffers = [b for half in pool_buffers(borrower_pool) for b in half]  # K, V or latent rows
+    want = [raw(b[slots]).clone() for b in buffers]
     want_read = [borrower_pool.get_key_buffer(layer)[slots].clone() for layer in range(layers)]
-    for buf in borrower_pool.k_buffer + borrower_pool.v_buffer:
+    for buf in buffers:
         buf.view(torch.uint8)[slots] = POISON
     assert _load(engine, slots, blocks, layers).ok
+    for buf, expected in zip(buffers, want, strict=True):
+        assert torch.equal(raw(buf[slots]), expected)
     for layer in range(layers):
-        assert torch.equal(raw(borrower_pool.k_buffer[layer][slots]), want_k[layer])
-        assert torch.equal(raw(borrower_pool.v_buffer[layer][slots]), want_v[layer])
         read = borrower_pool.get_key_buffer(layer)[slots]  # what attention reads, as its dtype
         assert read.dtype == borrower_pool.dtype and torch.equal(raw(read), raw(want_read[layer]))
     # reclaim: the donor takes pages back; the borrower fences the blocks they touch first
@@ -161,13 +162,12 @@ def _round_trip(engine, packing, mapped, donor_pool, borrower_pool, reclaimed, s
         assert not _load(engine, slots[i * PAGE:(i + 1) * PAGE], blocks[i:i + 1], layers).ok
     kept = [at[b] for b in range(nblocks) if b not in set(lost)]
     sel = torch.cat([slots[i * PAGE:(i + 1) * PAGE] for i in kept])
-    for buf in borrower_pool.k_buffer + borrower_pool.v_buffer:
+    for buf in buffers:
         buf.view(torch.uint8)[sel] = POISON
     assert _load(engine, sel, blocks[kept], layers).ok
-    for layer in range(layers):
-        rows = torch.cat([torch.arange(i * PAGE, (i + 1) * PAGE) for i in kept])
-        want = want_k[layer].view(len(slots), -1)[rows].reshape(-1)
-        assert torch.equal(raw(borrower_pool.k_buffer[layer][sel]), want)
+    rows = torch.cat([torch.arange(i * PAGE, (i + 1) * PAGE) for i in kept])
+    for buf, rows_before in zip(buffers, want, strict=True):
+        assert torch.equal(raw(buf[sel]), rows_before.view(len(slots), -1)[rows].reshape(-1))
 
 
 def mha_scribble(pool, seed: int):

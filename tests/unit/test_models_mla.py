@@ -1,13 +1,14 @@
-"""An MLA donor lends pages of its latent KV pool, with SGLang's own MLATokenToKVPool on CPU.
+"""MLA pools on both sides of a pool lease, with SGLang's own MLATokenToKVPool on CPU.
 
 A donor's pool is described to borrowers by the bytes of a row per layer (`PoolLayout`): an MLA
-pool has one latent buffer per layer (`LatentGeometry`, rows of kv_lora_rank + qk_rope_head_dim
-elements, no V rows). The plugin's hook places those buffers in one shared region with SGLang's
-shapes; a borrower of any supported shape (an MHA pool, bf16 or fp8) keeps its rows in the lent
-pages and gets them back byte-identical, nothing outside the lent pages is written, and a
-reclaim fences exactly the blocks on the pages taken back, through the live agents too.
-An MLA pool does not borrow (a borrower's copies move K and V rows), and MLA pools keeping more
-than the latent rows (DSA's indexer) do not lend: both refused with the reason.
+pool has one latent buffer per layer (a latent `KVGeometry`, rows of kv_lora_rank +
+qk_rope_head_dim elements, no V rows). The plugin's hook places those buffers in one shared
+region with SGLang's shapes; a borrower of any supported shape (an MHA pool, bf16 or fp8, or an
+MLA pool) keeps its rows in the lent pages and gets them back byte-identical, nothing outside
+the lent pages is written, and a reclaim fences exactly the blocks on the pages taken back,
+through the live agents too. An MLA borrower's page is its latent rows, kept in an MHA or an MLA
+donor's lent pages alike. MLA pools keeping more than the latent rows (DSA's indexer) neither
+lend nor borrow: refused with the reason.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ from radix_ext import DONOR, RadixTree
 from sglang_swift.config import CONFIG_ENV, SwiftConfig
 from sglang_swift.control.protocol import PoolLayoutMsg
 from sglang_swift.dataplane import UnshareablePool, make_layer_counter
-from sglang_swift.dataplane.pool_layout import LatentGeometry, PoolLayout
+from sglang_swift.dataplane.pool_layout import PoolLayout
 from sglang_swift.dataplane.pool_lease import (
     lending_page,
+    pool_buffers,
     pool_device,
     pool_geometry,
     why_pool_cannot_lend,
+    why_pool_unshareable,
 )
 from sglang_swift.integration.runtime import SwiftRuntime
 from sglang_swift.integration.shared_kv_pool import shared_region_of
-from swift_kernels import K, V
+from swift_kernels import K, KVGeometry, V
 from tests.unit.test_models_fp8 import (
     LENDING,
     PAGE,
@@ -83,7 +86,8 @@ def test_an_mla_donors_latent_buffers_are_one_shared_region_described_in_bytes(d
     pool = mla_pool(dtype, monkeypatch, lend=True)
     arena, layout = shared_region_of(pool)
     store = "uint8" if dtype == torch.float8_e4m3fn else "bfloat16"
-    assert layout.geometry == LatentGeometry(3, LORA + ROPE, store, PAGE) == lending_page(pool)
+    assert layout.geometry == KVGeometry.latent_page(3, LORA + ROPE, store, PAGE) \
+        == lending_page(pool) == pool_geometry(pool)
     assert layout.latent and layout.chunk_bytes(V) == 0
     assert pool.kv_buffer[0].shape == (124 + PAGE, 1, LORA + ROPE)
     assert pool_device(pool) == torch.device("cpu")
@@ -97,7 +101,7 @@ def test_an_mla_donors_latent_buffers_are_one_shared_region_described_in_bytes(d
     wire = layout.to_dict()
     assert (wire["head_num"], wire["head_dim"], wire["v_head_dim"]) == (1, LORA + ROPE, 0)
     assert PoolLayout.from_dict(PoolLayoutMsg(**wire)) == layout
-    with pytest.raises(ValueError, match="head_num 1"):
+    with pytest.raises(ValueError, match="latent page.*one head"):
         PoolLayout.from_dict({**wire, "head_num": 2})
     arena.close()
     assert shared_region_of(mla_pool(dtype, monkeypatch, lend=False)) is None
@@ -123,19 +127,50 @@ def test_a_borrowers_rows_in_an_mla_donors_pages_come_back_identical(mine, their
     shared_region_of(donor)[0].close()
 
 
-def test_mla_pools_borrow_nothing_and_dsa_pools_lend_nothing_with_the_reason(monkeypatch):
-    """Invariant: an MLA pool is refused as a borrower's pool (its copies move K and V rows),
-    naming MLA; an MLA pool with a DSA indexer beside its latent rows lends nothing and says
-    so, at the hook (built as SGLang's own) and when its page is asked for."""
+@pytest.mark.parametrize("donor_kind", ["mha", "mla"])
+@pytest.mark.parametrize("mine", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_an_mla_borrowers_latent_rows_in_a_donors_pages_come_back_identical(mine, donor_kind,
+                                                                            monkeypatch):
+    """Invariant: an MLA borrower's latent rows (its page: one row per layer, no V rows) stored
+    in an MHA or an MLA donor's lent pages come back byte-identical into poisoned slots, SGLang's
+    MLA reads see the same values, nothing outside the lent pages is written, and a reclaim
+    refuses exactly the blocks on the pages taken back."""
+    from tests.unit.test_models_fp8 import mha_scribble
+
+    borrower = mla_pool(mine, monkeypatch, lend=False, size=400)  # a block per donor page or more
+    fill_latent(borrower, seed=7)
+    g = pool_geometry(borrower)
+    assert g.latent and g.halves == (K,) and g.page_bytes == 3 * PAGE * (LORA + ROPE) * (
+        borrower.kv_buffer[0].element_size())
+    ks, vs = pool_buffers(borrower)
+    assert ks == borrower.kv_buffer and vs == []
+    if donor_kind == "mla":
+        donor = mla_pool(torch.bfloat16, monkeypatch, lend=True)
+        fill_latent(donor, seed=8)
+        scribble = lambda pages: fill_latent(donor, seed=9, pages=pages)  # noqa: E731
+    else:
+        donor = mha_pool(torch.bfloat16, monkeypatch, lend=True, size=124)
+        write_kv(donor, seed=8)
+        scribble = mha_scribble(donor, seed=9)
+    lent = [8, 2, 30, 5, 12, 21, 3, 16, 27, 10, 1, 19, 24, 7, 29, 14, 22, 6, 17, 26]
+    lend_round_trip(donor, borrower, lent_pages=lent, reclaimed_pages=[30, 12],
+                    scribble=scribble)
+    shared_region_of(donor)[0].close()
+
+
+def test_dsa_pools_neither_lend_nor_borrow_and_say_why(monkeypatch):
+    """Invariant: an MLA pool with a DSA indexer beside its latent rows lends nothing and keeps
+    no borrower's rows, and says so, at the hook (built as SGLang's own) and when its page is
+    asked for; SGLang's plain MLA pool does both."""
     pool = mla_pool(torch.bfloat16, monkeypatch, lend=False)
-    with pytest.raises(UnshareablePool, match="MLA.*latent.*not built"):
-        pool_geometry(pool)
-    assert why_pool_cannot_lend(pool) is None
+    assert why_pool_cannot_lend(pool) is None and why_pool_unshareable(pool) is None
     dsa = mla_pool(torch.bfloat16, monkeypatch, lend=True, use_dsa=True)
     assert shared_region_of(dsa) is None
-    assert "DSA" in why_pool_cannot_lend(dsa)
+    assert "DSA" in why_pool_cannot_lend(dsa) and "DSA" in why_pool_unshareable(dsa)
     with pytest.raises(UnshareablePool, match="cannot be lent.*DSA"):
         lending_page(dsa)
+    with pytest.raises(UnshareablePool, match="cannot be shared.*DSA"):
+        pool_geometry(dsa)
 
 
 SLOTS = 64
@@ -155,23 +190,30 @@ def _allocator(pool):
     return TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", pool, need_sort=False)
 
 
-def test_an_mla_donor_lends_and_reclaims_through_live_agents(tmp_path, monkeypatch):
+@pytest.mark.parametrize("borrower_kind", ["fp8-mha", "mla"])
+def test_an_mla_donor_lends_and_reclaims_through_live_agents(borrower_kind, tmp_path,
+                                                             monkeypatch):
     """Invariant (the reclaim guarantee, an MLA donor): its latent pages leave its allocator
-    when lent, an fp8 MHA borrower's demoted prefix loads back bit-identical from them, and
-    when the donor's own traffic needs them every page comes back into its allocator only
-    after the borrower acknowledged, with the borrower's tree holding no donor block."""
+    when lent, a borrower's demoted prefix (an fp8 MHA borrower's K and V rows, or an MLA
+    borrower's latent rows) loads back bit-identical from them, and when the donor's own
+    traffic needs them every page comes back into its allocator only after the borrower
+    acknowledged, with the borrower's tree holding no donor block."""
     from tests.unit.test_runtime import _copy, _pump_until
 
     donor_pool = mla_pool(torch.bfloat16, monkeypatch, lend=True, size=SLOTS, page=1)
     fill_latent(donor_pool, seed=5)
-    borrower_pool = mha_pool(torch.float8_e4m3fn, monkeypatch, lend=False, size=SLOTS, page=1,
-                             **BORROWER_SHAPE)
-    write_kv(borrower_pool, seed=6)
+    if borrower_kind == "mla":
+        borrower_pool = mla_pool(torch.float32, monkeypatch, lend=False, size=SLOTS, page=1)
+        fill_latent(borrower_pool, seed=6)
+    else:
+        borrower_pool = mha_pool(torch.float8_e4m3fn, monkeypatch, lend=False, size=SLOTS,
+                                 page=1, **BORROWER_SHAPE)
+        write_kv(borrower_pool, seed=6)
     donor = _runtime(tmp_path, monkeypatch, "mla-donor", donor_pool, _allocator(donor_pool),
                      role="donor", lend_fraction=0.5)
-    borrower = _runtime(tmp_path, monkeypatch, "fp8-borrower", borrower_pool,
+    borrower = _runtime(tmp_path, monkeypatch, f"{borrower_kind}-borrower", borrower_pool,
                         _allocator(borrower_pool), role="borrower", max_borrow_blocks=16)
-    assert isinstance(donor.geometry, LatentGeometry)
+    assert donor.geometry.latent and borrower.geometry.latent == (borrower_kind == "mla")
     donor.start()
     borrower.start()
     try:
@@ -179,7 +221,8 @@ def test_an_mla_donor_lends_and_reclaims_through_live_agents(tmp_path, monkeypat
         assert donor.lent_tokens == 32 and donor.allocator.available_size() == 32
         tree = borrower.tree
         slots = list(range(1, 9))
-        expect = [raw(k[1:9]).clone() for k in borrower_pool.k_buffer]
+        buffers = [b for half in pool_buffers(borrower_pool) for b in half]
+        expect = [raw(b[1:9]).clone() for b in buffers]
         tree.insert(list(range(100, 108)), slots)
         (ticket,) = tree.evict_device(8).stores
         assert ticket.dst_tier == DONOR
@@ -190,11 +233,11 @@ def test_an_mla_donor_lends_and_reclaims_through_live_agents(tmp_path, monkeypat
         assert m.load_len == 8
         load = tree.begin_load_back(m.last_node, list(range(30, 38)))
         (c,) = load.copies
-        counter = make_layer_counter(BORROWER_SHAPE["layer_num"])
+        counter = make_layer_counter(borrower_pool.layer_num)
         assert _copy(borrower, (c.src.donor, c.src.lease), c.dst.indices, c.src.blocks, counter)
         assert tree.complete_load_back(load).ok
-        for layer, want in enumerate(expect):
-            assert torch.equal(raw(borrower_pool.k_buffer[layer][30:38]), want)
+        for buf, want in zip(buffers, expect, strict=True):
+            assert torch.equal(raw(buf[30:38]), want)
         own = donor.allocator.alloc(donor.allocator.available_size())  # its own burst
         assert own is not None
         _pump_until((donor, borrower), lambda: donor.lent_tokens == 0)
@@ -230,22 +273,29 @@ def test_start_up_refusals_name_the_attention_type_and_the_reason(flag, needle):
     assert attention_kind(plain) == "MLA attention"
 
 
-def test_a_host_tier_on_an_mla_pool_is_refused_naming_the_pool_and_the_reason(monkeypatch):
-    """Invariant: SwiftCache's host tier copies K and V rows of an MHA pool; a server whose pool
-    is MLA asking for one is refused at start-up with the reason and its attention, not
-    failed inside SGLang's host pool."""
+def test_a_host_tier_serves_a_plain_mla_pool_and_refuses_one_with_more_beside_its_rows(
+        monkeypatch):
+    """Invariant: SwiftCache's host tier serves SGLang's plain MLA pool (its MLA host pool); an
+    MLA pool keeping more beside its latent rows (DSA's indexer) asking for one is refused at
+    start-up naming the pool and the reason, with the model's attention, not failed inside
+    SGLang's host pool."""
     from types import SimpleNamespace as NS
 
-    from sglang_swift.integration.backend import create_swift_tree_cache
+    from sglang_swift.integration.backend import create_swift_tree_cache, host_tier_problems
 
-    pool = mla_pool(torch.bfloat16, monkeypatch, lend=False)
+    config = SwiftConfig(enabled=True, host_tier=True)
+
+    def params(pool):
+        return NS(eviction_policy="lru", token_to_kv_pool_allocator=NS(get_kvcache=lambda: pool))
+
+    assert host_tier_problems(params(mla_pool(torch.bfloat16, monkeypatch, lend=False)),
+                              config) == []
+    dsa = mla_pool(torch.bfloat16, monkeypatch, lend=False, use_dsa=True)
     hf = NS(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=LORA)
-    ctx = NS(model_config=NS(hf_config=hf), tp_size=1,
-             params=NS(eviction_policy="lru", token_to_kv_pool_allocator=NS(
-                 get_kvcache=lambda: pool)))
-    with pytest.raises(ValueError, match="host tier .* on MLATokenToKVPool: .*K and V rows.*"
+    ctx = NS(model_config=NS(hf_config=hf), tp_size=1, params=params(dsa))
+    with pytest.raises(ValueError, match="host tier .* on MLATokenToKVPool: .*plain MLA pool.*"
                                          "deepseek_v2.*MLA attention"):
-        create_swift_tree_cache(ctx, SwiftConfig(enabled=True, host_tier=True))
+        create_swift_tree_cache(ctx, config)
 
 
 def latent_donor(pages: int = 160):
@@ -258,7 +308,7 @@ def latent_donor(pages: int = 160):
 
     class LatentDonor(Donor):
         def __init__(self):
-            self.layout = PoolLayout(LatentGeometry(3, 16, "float32", 1), rows=pages,
+            self.layout = PoolLayout(KVGeometry.latent_page(3, 16, "float32", 1), rows=pages,
                                      padded_rows=pages)
             self.arena = SharedArena(-(-self.layout.data_bytes // 512) * 512)
             self.arena.memory.view(-1).fill_(FILL)
@@ -283,3 +333,30 @@ def test_a_streaming_server_reads_from_an_mla_donors_pages_through_a_reclaim(ord
         check(donor, order, shuffle_slots=True, max_runs=4)
     finally:
         donor.close()
+
+
+def test_an_mla_borrower_with_tp_and_a_streamed_mla_pool_are_refused_naming_mla(monkeypatch):
+    """Invariant: what an MLA server does not do is refused at start-up naming MLA and why:
+    borrowing with --tp > 1 (every rank holds the same latent rows) and the layer stream cache
+    (it streams an MHA pool's K and V rows), before any memory is sized for it."""
+    from types import SimpleNamespace as NS
+
+    from sglang_swift.config import CONFIG_ENV
+    from sglang_swift.integration.backend import create_swift_tree_cache
+    from sglang_swift.layer_stream.hooks import around_config_from_budget
+
+    hf = NS(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=512)
+    ctx = NS(model_config=NS(hf_config=hf), params=NS(eviction_policy="lru"), tp_size=2)
+    borrower = SwiftConfig(enabled=True, role="borrower", max_borrow_blocks=8)
+    with pytest.raises(ValueError, match="borrowing with --tp 2 on MLA attention.*same latent "
+                                         "rows.*\\(model type 'deepseek_v2'.*MLA attention\\)"):
+        create_swift_tree_cache(ctx, borrower)
+    monkeypatch.setenv(CONFIG_ENV, SwiftConfig(enabled=True, layer_stream="host").to_json())
+    sized = []
+    configurator = NS(is_draft_worker=False, use_mla_backend=True)
+    with pytest.raises(ValueError, match="MLA attention.*not streamed"):
+        around_config_from_budget(lambda *a, **k: sized.append(a), configurator, 1 << 30)
+    assert sized == []
+    configurator.use_mla_backend = False  # the same call sizes an MHA model's streamed pool
+    with pytest.raises(AttributeError):  # (this stand-in has no layer_info past the check)
+        around_config_from_budget(lambda *a, **k: sized.append(a), configurator, 1 << 30)

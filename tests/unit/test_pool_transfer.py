@@ -328,7 +328,7 @@ def test_transfers_are_validated_before_anything_moves():
     counter = CpuLayerCounter(lease.g.num_layers)
     with pytest.raises(ValueError, match="one slot twice"):
         engine.begin_load(torch.zeros(2 * P, dtype=torch.int64), [0, 1], counter)
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="does not match"):
         lease.engine([t.float() for t in lease.k], lease.v)
     with pytest.raises(ValueError, match="layers"):
         lease.engine(lease.k[:-1], lease.v[:-1])
@@ -377,15 +377,17 @@ def test_a_donor_pool_mapped_from_its_descriptor_serves_a_lease():
 
 
 def test_pools_that_cannot_be_shared_are_refused_with_the_reason():
-    """Invariant: MLA pools, non-NHD layouts and unsupported dtypes are refused naming which and
-    why; an NHD MHA pool of a supported dtype gives its KVGeometry."""
+    """Invariant: non-NHD layouts and unsupported dtypes are refused naming which and why; an
+    NHD MHA pool of a supported dtype gives its KVGeometry, an MLA pool its latent one."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     mla = MLATokenToKVPool(size=16, page_size=4, dtype=torch.bfloat16, kv_lora_rank=8,
                            qk_rope_head_dim=4, layer_num=2, device="cpu",
                            enable_memory_saver=False)
-    assert "MLA" in why_pool_unshareable(mla)
-    with pytest.raises(UnshareablePool, match="MLA"):
+    assert why_pool_unshareable(mla) is None
+    assert pool_geometry(mla) == KVGeometry(2, 1, 12, 0, "bfloat16", 4)
+    mla.store_dtype = torch.float64
+    with pytest.raises(UnshareablePool, match="dtype"):
         pool_geometry(mla)
     mha = MHATokenToKVPool(size=16, page_size=4, dtype=torch.float16, head_num=2, head_dim=8,
                            layer_num=3, device="cpu", enable_memory_saver=False)
@@ -465,7 +467,7 @@ def test_a_borrower_that_cannot_read_a_donor_releases_its_grant_and_never_asks_i
                                   avoid_donor=lambda d: calls.append(("avoid", d)))
     b = Borrowing.__new__(Borrowing)
     b.agent, b._pending, b._failures, b._retry_at, b.tp = agent, True, 0, 0.0, None
-    b.kv_pool = types.SimpleNamespace(k_buffer=[torch.zeros(1)])
+    b._buffers = ([torch.zeros(1)], [])  # the borrower's pool: K buffers on the CPU
     b.leases = {}
     key = types.SimpleNamespace(donor="big-gpu1", lease_id=3, epoch=1)
     memory = types.SimpleNamespace(kind="cuda_ipc", device="cuda:1@GPU-bbbb")
