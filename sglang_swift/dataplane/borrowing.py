@@ -48,7 +48,7 @@ from . import (
     unlink_descriptor,
 )
 from .pool_layout import PoolLayout
-from .pool_lease import pool_buffers
+from .pool_lease import pool_buffers, pool_device
 from .rank_map import donor_ranks_of, merged_revokes, shape_of, sub_lease_id
 from .streams import make_lane
 
@@ -115,7 +115,7 @@ class Borrowing:
         self._layouts: dict[str, Any] = {}  # donor agent id -> its pool layout (from a grant)
         self._donor_ranks_n: dict[str, int] = {}  # donor agent id -> its TP ranks (a grant's)
         self._buffers = pool_buffers(kv_pool)  # (K, V) per layer; an MLA pool: latent, none
-        device = self._buffers[0][0].device
+        self._device = device = pool_device(kv_pool)
         # CPU: one copy thread for every lease; GPU: each engine makes a lane for its peer device
         self._lane = make_lane(device) if device.type == "cpu" else None
         self._pending = False
@@ -248,7 +248,7 @@ class Borrowing:
                 if memory.kind == "cuda_ipc":  # the donor's GPU by UUID, and peer access
                     from .cuda_ipc import check_reachable
 
-                    index = check_reachable(memory.device, self._buffers[0][0].device)
+                    index = check_reachable(memory.device, self._device)
                 mapped = self._map(memory, index)
                 packing = LeasePacking(self.geometry, mapped.layout, list(ev.blocks),
                                        shard=shard)

@@ -28,22 +28,19 @@ from swift_kernels import KVGeometry
 from swift_kernels.geometry import dtype_name
 
 from .pool_layout import PoolLayout
+from .pool_rows import check_buffers
 from .sharing import MappedArena, MappingError, map_arena
 
 _SCALES = ("keeps {what} scales in buffers beside its rows (--kv-cache-dtype {dtype}): a byte "
            "copy of the rows would leave them behind")
-# SGLang pool classes (0.5.23) whose rows are not all a lease can move, and why.
-_REFUSED_TO_LEND = {
+# SGLang pool classes (0.5.23) whose rows are not all a lease can move, and why (either role).
+_REFUSED = {
     "MHATokenToKVPoolFP4": _SCALES.format(what="FP4 block", dtype="fp4_e2m1 / nvfp4"),
     "MLATokenToKVPoolFP4": _SCALES.format(what="FP4 block", dtype="fp4_e2m1 / nvfp4"),
     "MHATokenToKVPoolMXFP8": _SCALES.format(what="MXFP8 block", dtype="mxfp8"),
     "DSATokenToKVPool": "a DSA pool keeps an indexer buffer beside its latent KV",
     "MHATokenToKOnlyPool": "a K-only pool has no V buffers",
     "MiniMaxSparseKVPool": "a sparse pool keeps more than the rows of one KV pool",
-}
-# ... and those that lend but whose pages a borrower cannot keep its own rows in (yet)
-_REFUSED_TO_BORROW = {
-    **_REFUSED_TO_LEND,
     "HybridLinearKVPool": "a hybrid linear-attention pool is not one MHA pool",
 }
 
@@ -53,21 +50,33 @@ class UnshareablePool(ValueError):
     do (run the server without SwiftCache lending or borrowing)."""
 
 
-def _refused(pool: Any, table: dict[str, str]) -> str | None:
+def _refused(pool: Any) -> str | None:
     for cls in type(pool).__mro__:
-        if cls.__name__ in table:
-            return f"{type(pool).__name__}: {table[cls.__name__]}"
+        if cls.__name__ in _REFUSED:
+            return f"{type(pool).__name__}: {_REFUSED[cls.__name__]}"
     return None
 
 
 def why_pool_unshareable(pool: Any) -> str | None:
     """None when `pool` can keep a borrower's rows (an NHD MHA pool, or SGLang's plain MLA pool,
     of a supported dtype); else the reason it cannot."""
-    reason = _refused(pool, _REFUSED_TO_BORROW)
-    if reason is not None:
-        return reason
-    if _is_latent(pool):
-        return _latent_problem(pool)
+    return _refused(pool) or _rows_problem(pool)
+
+
+def why_pool_cannot_lend(pool: Any) -> str | None:
+    """None when a donor can lend pages of `pool`: an NHD MHA pool, or an MLA pool's latent
+    buffers, of a dtype the copies move, with nothing kept beside its rows; else the reason.
+    The pools a donor lends are the pools a borrower keeps its rows in."""
+    return why_pool_unshareable(pool)
+
+
+def _rows_problem(pool: Any) -> str | None:
+    """What keeps a byte copy of `pool`'s rows from being all of its KV (either role)."""
+    if is_latent_pool(pool):
+        if getattr(pool, "use_dsa", False) or getattr(pool, "kv_scale_buffer", None) is not None:
+            return (f"{type(pool).__name__} keeps a DSA indexer or KV scales beside its latent "
+                    f"buffers ({_dtype_of(pool)})")
+        return _dtype_problem(pool)
     if not isinstance(getattr(pool, "k_buffer", None), list) or not isinstance(
             getattr(pool, "v_buffer", None), list):
         return (f"{type(pool).__name__} has no per-layer k_buffer / v_buffer lists (not an MHA "
@@ -78,22 +87,10 @@ def why_pool_unshareable(pool: Any) -> str | None:
     return why_layout_unshareable(pool)
 
 
-def why_pool_cannot_lend(pool: Any) -> str | None:
-    """None when a donor can lend pages of `pool`: an NHD MHA pool, or an MLA pool's latent
-    buffers, of a dtype the copies move, with nothing kept beside its rows; else the reason."""
-    reason = _refused(pool, _REFUSED_TO_LEND)
-    if reason is not None:
-        return reason
-    if _is_latent(pool):
-        return _latent_problem(pool)
-    return why_pool_unshareable(pool)
-
-
-def _latent_problem(pool: Any) -> str | None:
-    if getattr(pool, "use_dsa", False) or getattr(pool, "kv_scale_buffer", None) is not None:
-        return (f"{type(pool).__name__} keeps a DSA indexer or KV scales beside its latent "
-                f"buffers ({_dtype_of(pool)})")
-    return _dtype_problem(pool)
+def plain_mla_pool(pool: Any) -> bool:
+    """SGLang's own MLATokenToKVPool with nothing beside its latent rows (not a subclass, no DSA
+    indexer): the MLA pool the shared placement and the host tier serve."""
+    return type(pool).__name__ == "MLATokenToKVPool" and not getattr(pool, "use_dsa", False)
 
 
 def lending_page(pool: Any, page_size: int | None = None) -> KVGeometry:
@@ -108,7 +105,7 @@ def lending_page(pool: Any, page_size: int | None = None) -> KVGeometry:
 
 def _page_of(pool: Any, page_size: int | None) -> KVGeometry:
     page = page_size or pool.page_size
-    if _is_latent(pool):
+    if is_latent_pool(pool):
         return KVGeometry.latent_page(pool.layer_num, pool.kv_buffer[0].shape[-1],
                                       dtype_name(pool.store_dtype), page)
     return KVGeometry(pool.layer_num, pool.head_num, pool.head_dim,
@@ -119,7 +116,7 @@ def _page_of(pool: Any, page_size: int | None) -> KVGeometry:
 def pool_buffers(pool: Any) -> tuple[list, list]:
     """`pool`'s per-layer buffers as (K, V) lists: an MHA pool's K and V buffers, or an MLA
     pool's latent buffers and no V buffers."""
-    if _is_latent(pool):
+    if is_latent_pool(pool):
         return list(pool.kv_buffer), []
     return list(pool.k_buffer), list(pool.v_buffer)
 
@@ -129,7 +126,8 @@ def pool_device(pool: Any) -> torch.device:
     return pool_buffers(pool)[0][0].device
 
 
-def _is_latent(pool: Any) -> bool:
+def is_latent_pool(pool: Any) -> bool:
+    """One latent buffer per layer and no K / V buffers (an MLA pool)."""
     return isinstance(getattr(pool, "kv_buffer", None), list) and not hasattr(pool, "k_buffer")
 
 
@@ -172,17 +170,10 @@ def pool_geometry(pool: Any, page_size: int | None = None) -> KVGeometry:
 
 
 def _buffer_problem(pool: Any, g: KVGeometry) -> str | None:
-    ks, vs = pool_buffers(pool)
-    if len(ks) != g.num_layers or len(vs) != (0 if g.latent else g.num_layers):
-        return f"{len(ks)} K / {len(vs)} V buffers for {g.num_layers} layers"
-    want = (g.num_kv_heads, g.head_dim)
-    for buf in ks:
-        if (buf.dim(), buf.shape[1:]) != (3, want) or not buf.is_contiguous():
-            return f"a layer's buffer {tuple(buf.shape)} is not a contiguous NHD buffer of {g}"
-    for buf in vs:
-        if (buf.dim(), buf.shape[1:]) != (3, (g.num_kv_heads, g.v_head_dim)) or \
-                not buf.is_contiguous():
-            return f"a layer's V buffer {tuple(buf.shape)} is not a contiguous NHD buffer of {g}"
+    try:
+        check_buffers(g, *pool_buffers(pool))
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

@@ -89,9 +89,10 @@ def host_tier_problems(params: Any, config: Any) -> list[str]:
     allocator = getattr(params, "token_to_kv_pool_allocator", None)
     if not config.host_tier or allocator is None:
         return []
+    from ..dataplane.pool_lease import plain_mla_pool
+
     pool = allocator.get_kvcache()
-    plain_mla = type(pool).__name__ == "MLATokenToKVPool" and not getattr(pool, "use_dsa", False)
-    if isinstance(getattr(pool, "k_buffer", None), list) or plain_mla:
+    if isinstance(getattr(pool, "k_buffer", None), list) or plain_mla_pool(pool):
         return []
     return [f"a host tier (--enable-hierarchical-cache) on {type(pool).__name__}: SwiftCache's "
             f"host tier copies the rows of an MHA pool or of a plain MLA pool (SGLang's MHA "

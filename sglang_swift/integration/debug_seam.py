@@ -166,7 +166,7 @@ class DonorRowFault:
         ks = [k.clone() for k in before.k]
         vs = [v.clone() for v in before.v]
         gen = torch.Generator().manual_seed(1000 * layer + self.row)
-        for half in (ks, vs) if vs else (ks,):  # a latent page (an MLA pool) has no V rows
+        for half in filter(None, (ks, vs)):  # a latent page (an MLA pool) has no V rows
             r = half[layer][at]
             scale = float(r.float().pow(2).mean().sqrt())
             half[layer][at] = (torch.randn(r.shape, generator=gen) * scale).to(r.dtype)
@@ -189,7 +189,7 @@ class DonorRowFault:
                 elsewhere += int(diff[mask].sum())
         out.update(block=int(block), changed_bytes=changed, changed_elsewhere_bytes=elsewhere,
                    row_bytes=sum(int(half[layer][at].numel() * half[layer].element_size())
-                                 for half in (before.k, before.v) if half))
+                                 for half in filter(None, (before.k, before.v))))
         self._write(out)
 
     def _write(self, out: dict) -> None:

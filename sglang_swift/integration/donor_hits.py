@@ -135,7 +135,7 @@ class DonorHits:
     def __init__(self, seat: Any, runtime: Any, stats: dict, *, kv_pool: Any, tp_worker: Any,
                  storage: Any, host_kv: Any = None):
         from ..dataplane import make_layer_counter
-        from ..dataplane.pool_lease import pool_buffers
+        from ..dataplane.pool_lease import pool_buffers, pool_device
         from .demotion import Demotions
         from .layer_fan_in import TimedLayerCounter
         from .load_retry import LoadRetries
@@ -144,13 +144,14 @@ class DonorHits:
         if tp_worker is None:
             raise ValueError("a borrowing SwiftCache server needs SGLang's tp worker to register "
                              "its layer counter; build the cache through the backend factory")
-        ks, vs = pool_buffers(kv_pool)  # an MLA pool: its latent buffers, and no V
+        device = pool_device(kv_pool)
         self.counter = TimedLayerCounter(make_layer_counter(
-            kv_pool.layer_num, ks[0].device, timeout_s=LOAD_WAIT_FLOOR_S))
+            kv_pool.layer_num, device, timeout_s=LOAD_WAIT_FLOOR_S))
         kv_pool.register_layer_transfer_counter(self.counter)
         tp_worker.register_hicache_layer_transfer_counter(self.counter)
-        follow_forward(ks[0].device, tp_worker)
-        token_bytes = sum(buf[0].numel() * buf.element_size() for buf in (*ks, *vs))
+        follow_forward(device, tp_worker)
+        token_bytes = sum(buf[0].numel() * buf.element_size()  # an MLA pool: no V buffers
+                          for half in pool_buffers(kv_pool) for buf in half)
         self.seat = seat
         self.runtime = runtime
         self.stats = stats

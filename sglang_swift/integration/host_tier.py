@@ -123,6 +123,7 @@ class HostKV:
         from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
         from ..cpu_compat import hicache as cpu_hicache
+        from ..dataplane.pool_lease import is_latent_pool
 
         if cpu_hicache.cpu_engine_active():  # the CPU copies serve the pairs a GPU serves
             cpu_hicache.check_pair(io_backend, layout)
@@ -132,7 +133,7 @@ class HostKV:
                              f"server's KV cache has {len(infos)} pools")
         info = infos[0].buffer_info
         # an MLA pool (one latent buffer per layer) is mirrored by SGLang's MLA host pool
-        self.latent = not hasattr(kv_pool, "k_buffer")
+        self.latent = is_latent_pool(kv_pool)
         if self.latent:
             from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 

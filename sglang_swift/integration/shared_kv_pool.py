@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from ..config import CONFIG_ENV, SwiftConfig
 from ..dataplane.pool_layout import KVGeometry, PoolLayout, dtype_name
-from ..dataplane.pool_lease import why_layout_unshareable
+from ..dataplane.pool_lease import plain_mla_pool, why_layout_unshareable
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def create_latent_buffers_in_shared_region(orig: Callable[[Any], None], pool: An
 
 
 def _why_latent_unplaced(pool: Any) -> str | None:
-    if type(pool).__name__ != "MLATokenToKVPool" or getattr(pool, "use_dsa", False):
+    if not plain_mla_pool(pool):
         return (f"{type(pool).__name__} keeps more than one latent buffer per layer (a DSA "
                 f"indexer, or scales)")
     if getattr(pool, "kv_cache_dim", None) != pool.kv_lora_rank + pool.qk_rope_head_dim:

@@ -467,7 +467,7 @@ def test_a_borrower_that_cannot_read_a_donor_releases_its_grant_and_never_asks_i
                                   avoid_donor=lambda d: calls.append(("avoid", d)))
     b = Borrowing.__new__(Borrowing)
     b.agent, b._pending, b._failures, b._retry_at, b.tp = agent, True, 0, 0.0, None
-    b._buffers = ([torch.zeros(1)], [])  # the borrower's pool: K buffers on the CPU
+    b._device = torch.device("cpu")  # the borrower's pool is on the CPU
     b.leases = {}
     key = types.SimpleNamespace(donor="big-gpu1", lease_id=3, epoch=1)
     memory = types.SimpleNamespace(kind="cuda_ipc", device="cuda:1@GPU-bbbb")
