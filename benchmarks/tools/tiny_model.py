@@ -73,6 +73,16 @@ MLA_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  moe_layer_freq=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                  moe_intermediate_size=64)
 MODEL_SHAPES["mla"] = MLA_SHAPE
+# Hybrid sliding-window attention (`MellumForCausalLM`, SGLang's `SWAKVPool`): full and 64-token
+# window layers alternating, 4 layers, hidden 128, 2 KV heads of 32, dense MLPs (the MoE fields
+# are required by the config but unused); query and key RMS-normalised per head, as Qwen3's.
+SWA_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 layer_types=["full_attention", "sliding_attention"] * 2,
+                 mlp_layer_types=["dense"] * 4, sliding_window=64, num_local_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=64,
+                 vocab_size=VOCAB_SIZE, max_position_embeddings=8192)
+MODEL_SHAPES["swa"] = SWA_SHAPE
 # SGLang's CPU RoPE for DeepSeek models takes DeepSeek's YaRN only; factor 1 leaves the plain RoPE
 MLA_ROPE = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 1.0,
             "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -127,6 +137,9 @@ def build_model(out: Path, tokenizer, seed: int, shape: str = "tiny") -> None:
     if shape == "mla":
         _build_mla(out, tokenizer)
         return
+    if shape == "swa":
+        _build_swa(out, tokenizer)
+        return
     config = LlamaConfig(
         **MODEL_SHAPES[shape], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -149,11 +162,7 @@ def _build_mla(out: Path, tokenizer) -> None:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
 
-    config = DeepseekV2Config(
-        **MLA_SHAPE, rope_parameters=dict(MLA_ROPE), rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
-        initializer_range=0.25)
+    config = DeepseekV2Config(**MLA_SHAPE, rope_parameters=dict(MLA_ROPE), **_common(tokenizer))
     model = DeepseekV2ForCausalLM(config).eval()
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
@@ -163,6 +172,34 @@ def _build_mla(out: Path, tokenizer) -> None:
     saved = json.loads((out / "config.json").read_text())
     saved.update(moe_layer_freq=MLA_SHAPE["moe_layer_freq"], rope_parameters=dict(MLA_ROPE))
     (out / "config.json").write_text(json.dumps(saved, indent=2))  # fields SGLang reads
+    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                     do_sample=False).save_pretrained(out)
+
+
+def _common(tokenizer) -> dict:
+    """The config fields every shape shares: float32 weights, the chat tokens, the wide init."""
+    return dict(rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                torch_dtype="float32", initializer_range=0.25)
+
+
+def _build_swa(out: Path, tokenizer) -> None:
+    """The `swa` shape: hybrid sliding-window attention at a tiny size, weights scaled as
+    `sensitize` scales a Llama's (layer l's attention output by ATTN_OUT_GROWTH ** l; the
+    attention logits by QK_SCALE squared, through the per-head query and key norms, which
+    would undo a scaled projection)."""
+    import torch
+    from transformers import GenerationConfig, MellumConfig, MellumForCausalLM
+
+    config = MellumConfig(**SWA_SHAPE, **_common(tokenizer))
+    model = MellumForCausalLM(config).eval()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.o_proj.weight.mul_(ATTN_OUT_GROWTH ** i)
+            layer.self_attn.q_norm.weight.mul_(QK_SCALE)
+            layer.self_attn.k_norm.weight.mul_(QK_SCALE)
+    model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                      do_sample=False).save_pretrained(out)
 
@@ -234,7 +271,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # the repository'
 
 
 def model_dir(shape: str) -> Path:
-    return ARTIFACTS / ("tiny-mla" if shape == "mla" else f"{shape}-llama")
+    return ARTIFACTS / (f"tiny-{shape}" if shape in ("mla", "swa") else f"{shape}-llama")
 
 
 DEFAULT_DIR = model_dir("tiny")

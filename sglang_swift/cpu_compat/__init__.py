@@ -2,7 +2,7 @@
 
 Active only in the CPU venv that scripts/setup_cpu.sh creates (its `.pth` runs `site_hook`), or
 where the project asks for it explicitly (`cpu_env()`, `activate_in_process()`); never on a GPU
-install. Five pieces (facts measured in shared/notes/cpu-serving.md):
+install. Six pieces (facts measured in shared/notes/cpu-serving.md):
 
 1. `engine_choice`: SGLang needs SGLANG_USE_CPU_ENGINE=1 before its modules import, or it takes
    GPU code paths. When `sglang` is first imported, the CPU engine is chosen if `accelerator` finds
@@ -19,6 +19,9 @@ install. Five pieces (facts measured in shared/notes/cpu-serving.md):
 5. `hicache`: CPU stand-ins for the CUDA-only pieces of HiCache (`--enable-hierarchical-cache`):
    unpinned host pools, torch index copies for the host<->device transfers, immediate streams and
    events; patched into SGLang's HiCache modules as they are imported, on the CPU engine only.
+6. `window_reads`: SGLang's CPU attention backend reads a hybrid sliding-window model's window
+   layers at full-pool slots; the stand-in reads them at their window-pool slots (installed with
+   the HiCache stand-ins, on the CPU engine only).
 
 `cpu_env()` and `activate_in_process()` force the CPU engine explicitly (the demo, tests, scripts
 that predate the automatic choice); the automatic path needs neither.

@@ -17,7 +17,9 @@ puts a meta-path finder in place that acts when a patched SGLang module has just
 and patches it only when SGLang's CPU engine is on (SGLANG_USE_CPU_ENGINE=1, decided at
 `import sglang`). Patches are named, idempotent, checked against the pinned SGLang (a mismatch is
 reported loudly and that patch is skipped; HiCache then refuses to start on the CPU engine), and
-logged once, when a HiCache controller starts. PATCHES lists every touch point as data.
+logged once, when a HiCache controller starts. PATCHES lists every touch point as data; it also
+holds the one CPU-engine patch outside HiCache, through the same machinery: the CPU attention
+backend's reads of sliding-window layers (`window_reads.py`).
 
 This module is imported at every interpreter start of the CPU venv: nothing heavy at the top.
 """
@@ -85,6 +87,20 @@ PATCHES = (
                "class swap",
                "LayerLoadingEvent events and the consumer wait, one kind with the L2 events",
                "as cpu_l2_streams, for LayerLoadingEvent/LayerDoneCounter"),
+    Patch("cpu_window_reads_extend",
+               "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend."
+               "forward_extend",
+               "hook AROUND",
+               "a sliding-window layer's rows read at its window-pool slots (the CPU backend "
+               "reads them at full-pool slots: window_reads.py)",
+               "TorchNativeAttnBackend stops reading req_to_token_pool.req_to_token per request "
+               "run, or SWAKVPool's layers_mapping/full_to_swa_index_mapping change"),
+    Patch("cpu_window_reads_decode",
+               "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend."
+               "forward_decode",
+               "hook AROUND",
+               "as cpu_window_reads_extend, for decode",
+               "as cpu_window_reads_extend"),
     Patch("cpu_startup_check",
                "sglang.srt.managers.cache_controller:HiCacheController.__init__",
                "hook BEFORE",
@@ -104,10 +120,14 @@ _EXPECTED_PARAMS = {
                                "layer_id", "io_backend", "is_draft"),
     "cpu_mla_backup_all_layers": ("self", "device_pool", "host_indices", "device_indices",
                                   "io_backend"),
+    "cpu_window_reads_extend": ("self", "q", "k", "v", "layer", "forward_batch"),
+    "cpu_window_reads_decode": ("self", "q", "k", "v", "layer", "forward_batch"),
 }
 # stand-ins of one host pool class: checked per pool in use (`check_host_pools`), not required of
-# every server (the MLA host pool's module is imported only where SGLang needs it)
+# every server (the MLA host pool's module is imported only where SGLang needs it); and the CPU
+# attention backend's window reads, which HiCache does not need
 _PER_POOL = ("cpu_mla_load_per_layer", "cpu_mla_backup_all_layers")
+_NOT_HICACHE = ("cpu_window_reads_extend", "cpu_window_reads_decode")
 # io backend -> host layouts whose copies are stood in (stock SGLang serves the same pairs on GPU)
 SUPPORTED = {"kernel": ("layer_first", "page_first", "page_head"),
              "direct": ("layer_first", "page_first_direct")}
@@ -212,7 +232,8 @@ def check_host_pools(mem_pool_host, io_backend: str) -> str:
     """Raise (what to do) unless every host pool is copied by the stand-ins; returns the layouts
     in use, for the log line."""
     missing = [p.name for p in PATCHES
-               if p.name not in _state["installed"] and p.name not in _PER_POOL]
+               if p.name not in _state["installed"]
+               and p.name not in _PER_POOL + _NOT_HICACHE]
     if missing:
         problems = "; ".join(f"{name}: {_state['failed'].get(name, 'target never imported')}"
                              for name in missing)
@@ -272,6 +293,12 @@ def _cpu_device_module(original):
     return CpuDeviceModule
 
 
+def _window_reads(original):
+    from .window_reads import window_reads
+
+    return window_reads(original)
+
+
 # name -> how the replacement is made from the original
 _MAKERS = {
     "unpinned_host_pool": _unpinned_host_pool_init,
@@ -282,6 +309,8 @@ _MAKERS = {
     "cpu_startup_check": _checked_controller_init,
     "cpu_mla_load_per_layer": lambda original: cpu_mla_load_to_device_per_layer,
     "cpu_mla_backup_all_layers": lambda original: cpu_mla_backup_from_device_all_layer,
+    "cpu_window_reads_extend": _window_reads,
+    "cpu_window_reads_decode": _window_reads,
 }
 TARGET_MODULES = tuple(dict.fromkeys(p.target.split(":")[0] for p in PATCHES))
 

@@ -4,7 +4,8 @@
 SGLang's prefix-cache interface), through `build.build_cache`, with a `SwiftRuntime` when the
 server lends or borrows and the host tier and L3 HiCache's options ask for. Tree configuration
 comes from `SwiftConfig`; model kinds and options the tree does not handle yet fail here, at
-start-up, with the fix.
+start-up, with the fix. A hybrid sliding-window or linear model keeps SGLang's own tree and
+may lend (`hybrid_donor.py`).
 """
 
 from __future__ import annotations
@@ -45,16 +46,10 @@ def attention_kind(ctx: Any) -> str:
     return "MHA/GQA attention"
 
 
-# the model kinds the tree refuses, and why (each a pool or state beside the one KV pool whose
-# slots the tree holds; SGLang serves them with trees of their own)
-HYBRID_REFUSALS = (
-    ("is_hybrid_swa", "hybrid sliding-window attention (its SWA layers keep a second KV pool "
-                      "with its own eviction, which the tree does not track)"),
-    ("is_hybrid_ssm", "hybrid SSM/mamba layers (each request's recurrent state lives in a "
-                      "state pool the tree does not track)"),
-    ("is_dsa", "DSA attention (an indexer cache beside the latent KV, which the tree does not "
-               "track)"),
-)
+# the model kind the tree refuses, and why: a pool beside the one KV pool whose slots the tree
+# holds (hybrid sliding-window and linear models: `hybrid_donor.refusals`, per role)
+DSA_REFUSAL = ("DSA attention (an indexer cache beside the latent KV, which the tree does not "
+               "track)")
 
 
 def _identity(server_args: Any) -> tuple[str, str, bool]:
@@ -102,7 +97,11 @@ def host_tier_problems(params: Any, config: Any) -> list[str]:
 def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     """Factory registered as radix cache backend `swiftcache`; `ctx` is SGLang's
     TreeCacheBuildContext."""
-    unsupported = [why for flag, why in HYBRID_REFUSALS if getattr(ctx, flag, False)]
+    from .hybrid_donor import is_hybrid
+
+    if is_hybrid(ctx) and not getattr(ctx, "is_dsa", False):
+        return _hybrid_tree_cache(ctx, config)
+    unsupported = [DSA_REFUSAL] if getattr(ctx, "is_dsa", False) else []
     if getattr(ctx, "enable_hierarchical_cache", False):
         unsupported.append(HICACHE_DIRECT)
     params = ctx.params
@@ -114,9 +113,7 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
     unsupported += tp_problems(ctx, config)
     unsupported += host_tier_problems(params, config)
     if unsupported:
-        raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)} "
-                         f"({model_kind(ctx)}, {attention_kind(ctx)}). Drop those options or "
-                         f"run without --enable-swiftcache.")
+        _refuse(ctx, unsupported)
     from .build import build_cache
     from .tp_sync import tp_group_of
 
@@ -156,3 +153,29 @@ def create_swift_tree_cache(ctx: Any, config: Any) -> Any:
                 "runtime %s)", params.page_size, cache.tree_config.eviction,
                 cache.tree_config.host_capacity, "on" if cache.runtime is not None else "off")
     return cache
+
+
+def _refuse(ctx: Any, unsupported: list[str]) -> None:
+    raise ValueError(f"SwiftCache's tree does not support: {'; '.join(unsupported)} "
+                     f"({model_kind(ctx)}, {attention_kind(ctx)}). Drop those options or "
+                     f"run without --enable-swiftcache.")
+
+
+def _hybrid_tree_cache(ctx: Any, config: Any) -> Any:
+    """A hybrid sliding-window or linear model: SGLang's own tree for it, lending pages of its
+    full-attention pool when the server lends (`hybrid_donor.py`); what it cannot do refused."""
+    from ..dataplane import UnshareablePool
+    from .hybrid_donor import create_lending_hybrid_cache, refusals
+
+    unsupported = refusals(ctx, config)
+    if getattr(ctx, "enable_hierarchical_cache", False):
+        unsupported.append(HICACHE_DIRECT)
+    if unsupported:
+        _refuse(ctx, unsupported)
+    model, agent_id, metrics = _identity(ctx.server_args)
+    try:
+        return create_lending_hybrid_cache(ctx, config, model=model, agent_id=agent_id,
+                                           enable_metrics=metrics)
+    except UnshareablePool as exc:
+        raise ValueError(f"SwiftCache cannot lend KV memory for {model_kind(ctx)} with "
+                         f"{attention_kind(ctx)}: {exc}") from None

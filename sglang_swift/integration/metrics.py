@@ -174,6 +174,8 @@ def tier_tokens(tree: Any) -> dict[str, int]:
     in donor memory and in the host tier, and the host tier's size; 0 for a tier it lacks."""
     from radix_ext import DONOR, HOST
 
+    if tree is None:  # a server on SGLang's own tree (a hybrid donor) keeps no lower tiers
+        return {"donor_tier_tokens": 0, "host_tier_tokens": 0, "host_capacity_tokens": 0}
     return {"donor_tier_tokens": tree.tier_size(DONOR) if tree.donor is not None else 0,
             "host_tier_tokens": tree.tier_size(HOST) if tree.host is not None else 0,
             "host_capacity_tokens": tree.host.capacity_tokens() if tree.host is not None else 0}

@@ -138,6 +138,7 @@ class SwiftRuntime:
         self.lender: PoolLender | NoLender = NoLender()  # a PoolLender once `start` lends
         self.borrowing: Any = NoBorrowing(self.agent)
         self._peers_present = False  # as of the last pump
+        self._own_evictable: Callable[[], int] | None = None  # `start(evictable=)`
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
@@ -148,10 +149,13 @@ class SwiftRuntime:
             self.borrowing = StoreLeases.for_pool(kv_pool, agent=self.agent, stats=self.stats)
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self, make_room: Callable[[int], int] | None = None) -> "SwiftRuntime":
+    def start(self, make_room: Callable[[int], int] | None = None,
+              evictable: Callable[[], int] | None = None) -> "SwiftRuntime":
         """Start the agent and, for a donor, lending; `make_room(tokens)` evicts that many tokens
         of the server's own cache (returns those evicted) to lend idle cached room (None: the
-        lender counts only free pages, `PoolLender`)."""
+        lender counts only free pages, `PoolLender`), and `evictable()` is the part of that
+        cache it may evict (default: the tree's evictable tokens)."""
+        self._own_evictable = evictable
         if self.config.lends:
             shared = shared_region_of(self.kv_pool)
             if self.tp is not None and not self.tp.all_ok(shared is not None):
@@ -290,6 +294,12 @@ class SwiftRuntime:
         engine = self.lease_engine(donor, lease_id)
         return engine is not None and engine.liveness() and not engine.fenced(blocks)
 
+    def _evictable(self) -> int:
+        """The server's own cached tokens the lender may evict to lend (`start(evictable=)`)."""
+        if self._own_evictable is not None:
+            return self._own_evictable()
+        return self.tree.evictable_size()
+
     def _tiers(self) -> dict:
         """The tree's lower tiers for `ctl status`: cached tokens in each, hits admitted."""
         from .metrics import tier_tokens
@@ -315,7 +325,7 @@ class SwiftRuntime:
         if self.tp is not None:
             self._lend_tp(scheduler)
             return
-        needs_lent = self.lender.step(self.tree.evictable_size(), self._peers_present,
+        needs_lent = self.lender.step(self._evictable(), self._peers_present,
                                       own_demand_tokens(scheduler))
         if needs_lent:
             self._await_own_pages(OWN_PAGES_WAIT_S)
@@ -329,7 +339,7 @@ class SwiftRuntime:
         self.lender.keep_lent_out()  # each rank its own allocator, alike
         step = None
         if self.tp.leader:
-            demand, lend = self.lender.plan(self.tree.evictable_size(), self._peers_present,
+            demand, lend = self.lender.plan(self._evictable(), self._peers_present,
                                             own_demand_tokens(scheduler))
             step = LendStep(demand, lend) if demand or lend else None
         step = self.tp.share(step, LendStep)

@@ -587,6 +587,47 @@ VALIDATE_INPUT = TouchPoint(
     (Check(How.LEADING_PARAMS, names=("req", "max_req_input_len")),),
     versions=SGLANG_0_5_23)
 
+# ---- a lending server serving a hybrid sliding-window or linear-attention model ---------------
+UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+CREATE_UNIFIED = TouchPoint(
+    "sglang.srt.mem_cache.registry.create_unified_radix_cache", Kind.EXTENSION,
+    "a hybrid server keeps the tree SGLang builds for its model, built by SGLang's own factory "
+    "with SwiftCache's subclass as `cache_class`",
+    "a hybrid server with --enable-swiftcache cannot start", f"{INTEGRATION}.hybrid_donor",
+    (Check(How.KEYWORD_PARAMS, names=("ctx", "cache_class")),),
+    versions=SGLANG_0_5_23)
+UNIFIED_CACHE = TouchPoint(
+    UNIFIED, Kind.SUBCLASS,
+    "LendingUnifiedRadixCache: SGLang's tree for a hybrid model, counting lent pages in "
+    "full_protected_size()/protected_size() and evicting its full-attention part to lend "
+    "(full_evictable_size, evict)",
+    "a hybrid donor's lent pages read as leaked in SGLang's idle memory check, or it lends "
+    "nothing", f"{INTEGRATION}.hybrid_donor",
+    (Check(probe=f"{UNIFIED}.full_protected_size"), Check(probe=f"{UNIFIED}.protected_size"),
+     Check(probe=f"{UNIFIED}.full_evictable_size"), Check(probe=f"{UNIFIED}.evict")),
+    versions=SGLANG_0_5_23)
+HYBRID_FREE_LIST = TouchPoint(
+    "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator.full_attn_allocator",
+    Kind.PRIVATE_READ,
+    "a sliding-window donor lends through the full-attention free list of SGLang's hybrid "
+    "allocator only (no window slot is taken)",
+    "a sliding-window donor cannot find its full-attention free list and lends nothing",
+    f"{INTEGRATION}.hybrid_donor",
+    (Check(How.SOURCE, "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator.__init__",
+           ("self.full_attn_allocator",)),),
+    versions=SGLANG_0_5_23)
+HYBRID_FULL_POOL = TouchPoint(
+    "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool.full_kv_pool", Kind.PRIVATE_READ,
+    "a hybrid donor lends pages of the full-attention MHA pool inside SGLang's SWAKVPool or "
+    "HybridLinearKVPool (`full_kv_pool`, with the linear pool's slots its token allocator's)",
+    "a hybrid donor cannot find its full-attention pool and lends nothing",
+    f"{INTEGRATION}.hybrid_donor",
+    (Check(How.SOURCE, "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool.__init__",
+           ("self.full_kv_pool",)),
+     Check(How.SOURCE, "sglang.srt.mem_cache.memory_pool.HybridLinearKVPool.__init__",
+           ("self.full_kv_pool",))),
+    versions=SGLANG_0_5_23)
+
 # ---- CPU venv only: HiCache's CUDA-only pieces (cpu_compat/hicache.py installs them on import
 # of each target module when SGLang's CPU engine is active; its PATCHES are the source)
 # ---- a lending or borrowing server with --tp > 1 -----------------------------------------------
@@ -619,9 +660,13 @@ IDLE_POLLER = TouchPoint(
      Check(How.SOURCE, f"{IDLE_SLEEPER}.maybe_sleep", ("self.poller.poll",))),
     versions=SGLANG_0_5_23)
 _STAND_IN_PIN = cpu_hicache.PINNED_SGLANG  # the release the stand-ins check themselves against
+_UNPATCHED = "HiCache then refuses to start on the CPU engine"
+_UNPATCHED_WINDOW = ("a hybrid sliding-window model reads other tokens' window rows once its "
+                     "free lists part (a donor that lent)")
 HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
     TouchPoint(patch.dotted, Kind(patch.kind), f"CPU stand-in `{patch.name}`: {patch.why}",
-               f"breaks if {patch.breaks_if}; HiCache then refuses to start on the CPU engine",
+               f"breaks if {patch.breaks_if}; "
+               f"{_UNPATCHED_WINDOW if 'window' in patch.name else _UNPATCHED}",
                cpu_hicache.USED_IN,
                versions=Versions(_STAND_IN_PIN, _STAND_IN_PIN, (_STAND_IN_PIN,)), cpu_only=True)
     for patch in cpu_hicache.PATCHES)
@@ -635,7 +680,8 @@ ALL: tuple[TouchPoint, ...] = (
     STORAGE_BACKEND, STORAGE_CONFIG, STORAGE_PAGE_RULES, STORAGE_INTERFACE, STORAGE_KEYS,
     SCHEDULER_PREFETCH,
     CONFIG_FROM_BUDGET, CELL_SIZE, BUILD_MHA_POOL, MHA_POOL_CLASS, BUILD_ALLOCATOR,
-    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, TP_GROUP, IDLE_POLLER, *HICACHE_STAND_INS,
+    RESIDENT_FIRST, MODEL_FORWARD, VALIDATE_INPUT, TP_GROUP, IDLE_POLLER, CREATE_UNIFIED,
+    UNIFIED_CACHE, HYBRID_FREE_LIST, HYBRID_FULL_POOL, *HICACHE_STAND_INS,
 )
 
 

@@ -190,6 +190,31 @@ def _allocator(pool):
     return TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", pool, need_sort=False)
 
 
+def store_and_load_back(borrower, borrower_pool) -> None:
+    """A borrower runtime's prefix (8 tokens in slots 1-8) demoted into its donor tier and
+    loaded back into slots 30-37 through the live agents: its rows come back bit-identical."""
+    from tests.unit.test_runtime import _copy
+
+    tree = borrower.tree
+    buffers = [b for half in pool_buffers(borrower_pool) for b in half]
+    expect = [raw(b[1:9]).clone() for b in buffers]
+    tree.insert(list(range(100, 108)), list(range(1, 9)))
+    (ticket,) = tree.evict_device(8).stores
+    assert ticket.dst_tier == DONOR
+    dst = ticket.transfer.dst
+    assert _copy(borrower, (dst.donor, dst.lease), ticket.src.indices, dst.blocks)
+    tree.complete_store(ticket)
+    m = tree.match(list(range(100, 108)))
+    assert m.load_len == 8
+    load = tree.begin_load_back(m.last_node, list(range(30, 38)))
+    (c,) = load.copies
+    counter = make_layer_counter(borrower_pool.layer_num)
+    assert _copy(borrower, (c.src.donor, c.src.lease), c.dst.indices, c.src.blocks, counter)
+    assert tree.complete_load_back(load).ok
+    for buf, want in zip(buffers, expect, strict=True):
+        assert torch.equal(raw(buf[30:38]), want)
+
+
 @pytest.mark.parametrize("borrower_kind", ["fp8-mha", "mla"])
 def test_an_mla_donor_lends_and_reclaims_through_live_agents(borrower_kind, tmp_path,
                                                              monkeypatch):
@@ -198,7 +223,7 @@ def test_an_mla_donor_lends_and_reclaims_through_live_agents(borrower_kind, tmp_
     borrower's latent rows) loads back bit-identical from them, and when the donor's own
     traffic needs them every page comes back into its allocator only after the borrower
     acknowledged, with the borrower's tree holding no donor block."""
-    from tests.unit.test_runtime import _copy, _pump_until
+    from tests.unit.test_runtime import _pump_until
 
     donor_pool = mla_pool(torch.bfloat16, monkeypatch, lend=True, size=SLOTS, page=1)
     fill_latent(donor_pool, seed=5)
@@ -220,24 +245,7 @@ def test_an_mla_donor_lends_and_reclaims_through_live_agents(borrower_kind, tmp_
         _pump_until((donor, borrower), lambda: borrower.tree.donor.capacity_tokens() > 0)
         assert donor.lent_tokens == 32 and donor.allocator.available_size() == 32
         tree = borrower.tree
-        slots = list(range(1, 9))
-        buffers = [b for half in pool_buffers(borrower_pool) for b in half]
-        expect = [raw(b[1:9]).clone() for b in buffers]
-        tree.insert(list(range(100, 108)), slots)
-        (ticket,) = tree.evict_device(8).stores
-        assert ticket.dst_tier == DONOR
-        dst = ticket.transfer.dst
-        assert _copy(borrower, (dst.donor, dst.lease), ticket.src.indices, dst.blocks)
-        tree.complete_store(ticket)
-        m = tree.match(list(range(100, 108)))
-        assert m.load_len == 8
-        load = tree.begin_load_back(m.last_node, list(range(30, 38)))
-        (c,) = load.copies
-        counter = make_layer_counter(borrower_pool.layer_num)
-        assert _copy(borrower, (c.src.donor, c.src.lease), c.dst.indices, c.src.blocks, counter)
-        assert tree.complete_load_back(load).ok
-        for buf, want in zip(buffers, expect, strict=True):
-            assert torch.equal(raw(buf[30:38]), want)
+        store_and_load_back(borrower, borrower_pool)
         own = donor.allocator.alloc(donor.allocator.available_size())  # its own burst
         assert own is not None
         _pump_until((donor, borrower), lambda: donor.lent_tokens == 0)
@@ -251,13 +259,10 @@ def test_an_mla_donor_lends_and_reclaims_through_live_agents(borrower_kind, tmp_
         shared_region_of(donor_pool)[0].close()
 
 
-@pytest.mark.parametrize("flag, needle", [
-    ("is_hybrid_swa", "hybrid sliding-window attention \\(its SWA layers keep a second KV pool"),
-    ("is_hybrid_ssm", "hybrid SSM/mamba layers \\(each request's recurrent state"),
-    ("is_dsa", "DSA attention \\(an indexer cache")])
+@pytest.mark.parametrize("flag, needle", [("is_dsa", "DSA attention \\(an indexer cache")])
 def test_start_up_refusals_name_the_attention_type_and_the_reason(flag, needle):
     """Invariant: a model kind the tree does not serve is refused at start-up naming its
-    attention, the model type and why."""
+    attention, the model type and why (hybrid models, by role: test_models_hybrid.py)."""
     from types import SimpleNamespace as NS
 
     from sglang_swift.integration.backend import attention_kind, create_swift_tree_cache
