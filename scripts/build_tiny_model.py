@@ -21,7 +21,8 @@ from benchmarks.tools.tiny_model import (  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny")
-    ap.add_argument("--out", type=Path, default=None, help="default: artifacts/<shape>-llama")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: artifacts/<shape>-llama (tiny-<shape> for mla, swa, moe)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if a build is present")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
-"""Small Llama-architecture models with a locally trained tokenizer; no hub access needed.
+"""Small models (Llama, and other kinds) with a locally trained tokenizer; no hub access needed.
 
-CLI: `python scripts/build_tiny_model.py [--shape tiny|small] [--out DIR] [--seed 0]`.
+CLI: `python scripts/build_tiny_model.py [--shape tiny|small|mla|swa|moe] [--out DIR] [--seed 0]`.
 
 Two named shapes, so a node can run two different models (a donor and a bigger borrower):
 - `tiny` (artifacts/tiny-llama): 4 layers, hidden 128, 2 KV heads of 32; about 0.9 M parameters.
@@ -9,6 +9,9 @@ Two named shapes, so a node can run two different models (a donor and a bigger b
 - `small` (artifacts/small-llama): 8 layers, hidden 512, 8 query heads and 4 KV heads of 32;
   about 22.6 M parameters, 8 KiB of KV per token (fp32), about 5 kFLOP per KV byte; the model
   the CPU timings use. (Qwen3-32B does about 244 kFLOP per KV byte.)
+Other model kinds at `tiny`'s size, for the support matrix (docs/models.md): `mla`
+(artifacts/tiny-mla, DeepSeek-V2's MLA), `swa` (artifacts/tiny-swa, Mellum's hybrid sliding
+window) and `moe` (artifacts/tiny-moe, Mixtral's routed experts).
 
 The tokenizer is a byte-level BPE trained on Python's own standard-library sources (present on every
 machine with Python), with ChatML-style special tokens and chat template. The weights are randomly
@@ -83,6 +86,12 @@ SWA_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  num_experts_per_tok=2, moe_intermediate_size=64,
                  vocab_size=VOCAB_SIZE, max_position_embeddings=8192)
 MODEL_SHAPES["swa"] = SWA_SHAPE
+# Mixture of experts (`MixtralForCausalLM`): `tiny`'s attention (4 layers, 2 KV heads of 32, so
+# the same KV pool) with 4 experts per layer, 2 routed per token.
+MOE_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                 num_experts_per_tok=2, vocab_size=VOCAB_SIZE, max_position_embeddings=8192)
+MODEL_SHAPES["moe"] = MOE_SHAPE
 # SGLang's CPU RoPE for DeepSeek models takes DeepSeek's YaRN only; factor 1 leaves the plain RoPE
 MLA_ROPE = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 1.0,
             "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -131,28 +140,17 @@ def build_model(out: Path, tokenizer, seed: int, shape: str = "tiny") -> None:
     from sglang_swift.cpu_compat import torchvision_fix
 
     torchvision_fix.install()  # transformers imports torchvision; a no-op where it loads fine
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    if shape == "mla":
-        _build_mla(out, tokenizer)
+    other = {"mla": _build_mla, "swa": _build_swa, "moe": _build_moe}.get(shape)
+    if other is not None:
+        other(out, tokenizer)
         return
-    if shape == "swa":
-        _build_swa(out, tokenizer)
-        return
-    config = LlamaConfig(
-        **MODEL_SHAPES[shape], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
-        # A wider init than the 0.02 default gives peaked next-token distributions, so greedy
-        # decoding is not decided by float rounding between two implementations.
-        initializer_range=0.25,
-    )
+    config = LlamaConfig(**MODEL_SHAPES[shape], rope_theta=10000.0, **_common(tokenizer))
     model = LlamaForCausalLM(config).eval()
     sensitize(model)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-                     do_sample=False).save_pretrained(out)
+    _save(model, config, out)
 
 
 def _build_mla(out: Path, tokenizer) -> None:
@@ -160,7 +158,7 @@ def _build_mla(out: Path, tokenizer) -> None:
     scales a Llama's (layer l's attention output by ATTN_OUT_GROWTH ** l, the attention logits
     by QK_SCALE squared, through the query projection)."""
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(**MLA_SHAPE, rope_parameters=dict(MLA_ROPE), **_common(tokenizer))
     model = DeepseekV2ForCausalLM(config).eval()
@@ -168,16 +166,25 @@ def _build_mla(out: Path, tokenizer) -> None:
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.o_proj.weight.mul_(ATTN_OUT_GROWTH ** i)
             layer.self_attn.q_proj.weight.mul_(QK_SCALE ** 2)
-    model.save_pretrained(out, safe_serialization=True)
+    _save(model, config, out)
     saved = json.loads((out / "config.json").read_text())
     saved.update(moe_layer_freq=MLA_SHAPE["moe_layer_freq"], rope_parameters=dict(MLA_ROPE))
     (out / "config.json").write_text(json.dumps(saved, indent=2))  # fields SGLang reads
+
+
+def _save(model, config, out: Path) -> None:
+    """The weights as safetensors and a greedy generation config beside them."""
+    from transformers import GenerationConfig
+
+    model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                      do_sample=False).save_pretrained(out)
 
 
 def _common(tokenizer) -> dict:
-    """The config fields every shape shares: float32 weights, the chat tokens, the wide init."""
+    """The config fields every shape shares: float32 weights, the chat tokens, and an init wider
+    than the 0.02 default, which gives peaked next-token distributions, so greedy decoding is
+    not decided by float rounding between two implementations."""
     return dict(rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
                 eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                 pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -190,7 +197,7 @@ def _build_swa(out: Path, tokenizer) -> None:
     attention logits by QK_SCALE squared, through the per-head query and key norms, which
     would undo a scaled projection)."""
     import torch
-    from transformers import GenerationConfig, MellumConfig, MellumForCausalLM
+    from transformers import MellumConfig, MellumForCausalLM
 
     config = MellumConfig(**SWA_SHAPE, **_common(tokenizer))
     model = MellumForCausalLM(config).eval()
@@ -199,9 +206,17 @@ def _build_swa(out: Path, tokenizer) -> None:
             layer.self_attn.o_proj.weight.mul_(ATTN_OUT_GROWTH ** i)
             layer.self_attn.q_norm.weight.mul_(QK_SCALE)
             layer.self_attn.k_norm.weight.mul_(QK_SCALE)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-                     do_sample=False).save_pretrained(out)
+    _save(model, config, out)
+
+
+def _build_moe(out: Path, tokenizer) -> None:
+    """The `moe` shape: a Llama's attention, scaled by `sensitize`, with routed experts."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**MOE_SHAPE, rope_theta=10000.0, **_common(tokenizer))
+    model = MixtralForCausalLM(config).eval()
+    sensitize(model)
+    _save(model, config, out)
 
 
 def sensitize(model) -> None:
@@ -271,7 +286,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # the repository'
 
 
 def model_dir(shape: str) -> Path:
-    return ARTIFACTS / (f"tiny-{shape}" if shape in ("mla", "swa") else f"{shape}-llama")
+    return ARTIFACTS / (f"tiny-{shape}" if shape in ("mla", "swa", "moe") else f"{shape}-llama")
 
 
 DEFAULT_DIR = model_dir("tiny")

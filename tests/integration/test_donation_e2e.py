@@ -92,6 +92,25 @@ def _lending_donor(model, rendezvous: str, log_path, *extra: str,
                                         "--enable-metrics"))
 
 
+def borrowing_server(model, rendezvous: str, log_path, *extra: str) -> LocalServer:
+    """A borrower on `model` with the small pool (SMALL_POOL tokens) and its metrics, borrowing
+    up to 1500 blocks."""
+    return LocalServer(model, max_total_tokens=SMALL_POOL, log_path=log_path,
+                       extra_args=_args(rendezvous, "borrower", "--enable-metrics",
+                                        "--swiftcache-max-borrow-blocks", "1500", *extra))
+
+
+def replay_once_borrowing(rendezvous: str, borrower, convs, ref: list[dict]) -> list[dict]:
+    """Once `borrower` holds a lease (`ctl status`) and reports borrowed pages: its replay of
+    `convs` for 3 turns, each history carrying `ref`'s answers."""
+    from benchmarks.tools.demo import wait_for_lease
+
+    wait_for_lease(rendezvous, timeout_s=90)
+    wait_for(lambda: metric(borrower, "swiftcache_borrowed_tokens"), 30,
+             "the borrower to report the pages it borrowed")
+    return _replay(borrower, convs, 3, forced=ref)
+
+
 def _stock_replays(model, convs, log_path, *turns: int, pool: int = SMALL_POOL,
                    extra: tuple[str, ...] = ()) -> list[list[dict]]:
     """Stock SGLang's answers on `model` with the borrower's pool, replayed for each of `turns`."""
@@ -138,9 +157,7 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
                                          "--swiftcache-reclaim-watermark", "0.5",
                                          "--swiftcache-relend-cooldown-s", "2",
                                          "--enable-metrics"))
-    borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
-                           extra_args=_args(rendezvous, "borrower", "--enable-metrics",
-                                        "--swiftcache-max-borrow-blocks", "1500"))
+    borrower = borrowing_server(small_model, rendezvous, tmp_path / "b.log")
     with donor, borrower:
         agents = wait_for_lease(rendezvous, timeout_s=90)  # through `ctl status`
         assert agents[0]["leases"], agents
@@ -231,9 +248,7 @@ def donor_kind_lends_to_small(tmp_path, donor_model, burst, *, pool: int, bursts
     rendezvous = str(tmp_path / "rv")
     donor = _lending_donor(donor_model, rendezvous, tmp_path / "donor.log", *server_args,
                            pool=pool)
-    borrower = LocalServer(small, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
-                           extra_args=_args(rendezvous, "borrower", "--enable-metrics",
-                                            "--swiftcache-max-borrow-blocks", "1500"))
+    borrower = borrowing_server(small, rendezvous, tmp_path / "b.log")
     with donor, borrower:
         wait_for_lease(rendezvous, timeout_s=90)
         lent = wait_for(lambda: _capacity(rendezvous, name).get("lent_tokens"), 30,

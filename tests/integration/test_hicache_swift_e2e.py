@@ -61,9 +61,10 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
         _check,
         _donor_burst,
         _replay,
+        borrowing_server,
+        replay_once_borrowing,
     )
 
-    from benchmarks.tools.demo import wait_for_lease
     from benchmarks.tools.tiny_model import ensure_tiny_model
     from benchmarks.workloads.sharegpt import load_conversations
 
@@ -82,14 +83,9 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
                                          "--enable-metrics"))
     host = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
             policy, "--hicache-mem-layout", "layer_first"]
-    borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
-                           extra_args=_args(rendezvous, "borrower", "--enable-metrics",
-                                            "--swiftcache-max-borrow-blocks", "1500", *host))
+    borrower = borrowing_server(small_model, rendezvous, tmp_path / "b.log", *host)
     with donor, borrower:
-        wait_for_lease(rendezvous, timeout_s=90)
-        wait_for(lambda: metric(borrower, "swiftcache_borrowed_tokens"), 30,
-                 "the borrower to report the pages it borrowed")
-        got = _replay(borrower, convs, 3, forced=ref)
+        got = replay_once_borrowing(rendezvous, borrower, convs, ref)
         _check(got, ref)
         wait_for(lambda: metric(borrower, "swiftcache_donor_tier_tokens"), 30,
                  "prefixes kept in the donor tier")

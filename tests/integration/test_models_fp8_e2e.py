@@ -28,9 +28,10 @@ from integration.test_donation_e2e import (
     _check,
     _donor_burst,
     _replay,
+    borrowing_server,
+    replay_once_borrowing,
 )
 
-from benchmarks.tools.demo import wait_for_lease
 from benchmarks.tools.local_server import ServerStartError
 from benchmarks.tools.tiny_model import ensure_tiny_model
 from benchmarks.workloads.sharegpt import load_conversations
@@ -63,15 +64,10 @@ def test_fp8_borrower_and_fp8_donor_are_token_identical_to_stock_fp8(tiny_model,
                                          "--swiftcache-reclaim-watermark", "0.5",
                                          "--swiftcache-relend-cooldown-s", "600",
                                          "--enable-metrics", *FP8))
-    borrower = LocalServer(small_model, max_total_tokens=SMALL_POOL, log_path=tmp_path / "b.log",
-                           extra_args=_args(rendezvous, "borrower", "--enable-metrics",
-                                            "--swiftcache-max-borrow-blocks", "1500", *FP8))
+    borrower = borrowing_server(small_model, rendezvous, tmp_path / "b.log", *FP8)
     with donor, borrower:
         assert "placed in shared" in donor.log_text(), donor.log_tail()
-        wait_for_lease(rendezvous, timeout_s=90)
-        wait_for(lambda: metric(borrower, "swiftcache_borrowed_tokens"), 30,
-                 "the borrower to report the fp8 pages it borrowed")
-        got = _replay(borrower, convs, 3, forced=ref)
+        got = replay_once_borrowing(rendezvous, borrower, convs, ref)
         _check(got, ref)
         assert _cached(got) > _cached(ref), (_cached(got), _cached(ref))
         assert metric(borrower, "swiftcache_loaded_tokens_total") > 0
