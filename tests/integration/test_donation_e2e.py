@@ -224,23 +224,24 @@ def own_burst(server, *, prompts: int, words: int, max_tokens: int) -> list[dict
                                             max_tokens, top_logprobs=TOP_LOGPROBS), texts))
 
 
-def donor_kind_lends_to_small(tmp_path, donor_model, burst, *, pool: int, bursts: int = 1,
-                              server_args: tuple[str, ...] = ()) -> list[list[int]]:
+def donor_kind_lends(tmp_path, donor_model, burst, *, pool: int, bursts: int = 1,
+                     server_args: tuple[str, ...] = (), borrower_model=None) -> dict:
     """The live check of a donor of another model kind (`donor_model`, served with
     `server_args`, `burst(server)` its own traffic): it lends pages of its pool of `pool`
-    tokens to the GQA `small` borrower, whose answers are stock SGLang's while it loads
-    prefixes back from them and after the donor's own burst took every page back; then the
-    donor's `bursts` bursts of its own (the first one reclaims) against a stock server's on
-    the same model. Returns the near-ties of each burst (`same_greedy`) for the caller to
-    bound; prints what was lent and loaded."""
+    tokens to a borrower (`borrower_model`, default the GQA `small`, on the small pool), whose
+    answers are stock SGLang's while it loads prefixes back from them and after the donor's own
+    burst took every page back; then the donor's `bursts` bursts of its own (the first one
+    reclaims) against a stock server's on the same model. Returns the near-ties of each burst
+    (`same_greedy`, "ties") for the caller to bound, and the borrower's cached prompt tokens
+    in its first replay beside stock's ("cached", "stock_cached")."""
     from benchmarks.tools.demo import wait_for_lease
     from benchmarks.tools.tiny_model import ensure_tiny_model
     from benchmarks.workloads.sharegpt import load_conversations
 
     name = donor_model.name
-    small = ensure_tiny_model(shape="small")
+    borrower_model = borrower_model or ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    ref, ref_tail = _stock_replays(small, convs, tmp_path / "stock.log", 3, 4)
+    ref, ref_tail = _stock_replays(borrower_model, convs, tmp_path / "stock.log", 3, 4)
     with LocalServer(donor_model, swiftcache=False, max_total_tokens=pool,
                      extra_args=["--enable-cache-report", "--dtype", "float32", *server_args],
                      log_path=tmp_path / f"stock-{name}.log") as stock_donor:
@@ -248,26 +249,26 @@ def donor_kind_lends_to_small(tmp_path, donor_model, burst, *, pool: int, bursts
     rendezvous = str(tmp_path / "rv")
     donor = _lending_donor(donor_model, rendezvous, tmp_path / "donor.log", *server_args,
                            pool=pool)
-    borrower = borrowing_server(small, rendezvous, tmp_path / "b.log")
+    borrower = borrowing_server(borrower_model, rendezvous, tmp_path / "b.log")
     with donor, borrower:
         wait_for_lease(rendezvous, timeout_s=90)
         lent = wait_for(lambda: _capacity(rendezvous, name).get("lent_tokens"), 30,
                         f"the {name} donor to report lent pages of its pool")
         assert _capacity(rendezvous, name)["usable_tokens"] == pool - lent
-        wait_for(lambda: metric(borrower, "swiftcache_borrowed_tokens"), 30,
-                 "the borrower to report the pages it borrowed")
-        _check(_replay(borrower, convs, 3, forced=ref), ref)
+        got = replay_once_borrowing(rendezvous, borrower, convs, ref)
+        _check(got, ref)
         loaded = wait_for(lambda: metric(borrower, "swiftcache_loaded_tokens_total"), 30,
                           f"prefixes loaded back from the {name} donor's pages")
-        got = [burst(donor)]  # its own traffic takes every lent page back
+        bursts_got = [burst(donor)]  # its own traffic takes every lent page back
         wait_for(lambda: metric(donor, "swiftcache_reclaim_latency_seconds_count") >= 1, 30,
                  "the donor to take its pages back")
         wait_for(lambda: "reclaimed" in borrower.log_text(), 30, "the borrower to see the reclaim")
         _check(_replay(borrower, convs, 4, forced=ref_tail), ref_tail)
-        got += [burst(donor) for _ in range(bursts - 1)]  # its pages all back
+        bursts_got += [burst(donor) for _ in range(bursts - 1)]  # its pages all back
         assert donor.proc.poll() is None and borrower.proc.poll() is None
         assert "memory leak" not in donor.log_text(), donor.log_tail()
-    ties = [same_greedy(answers, ref_burst) for answers in got]
-    print(f"{name} donor lent {lent} tokens; borrower loaded {loaded} back; donor burst "
-          f"near-ties {ties}")
-    return ties
+    ties = [same_greedy(answers, ref_burst) for answers in bursts_got]
+    print(f"{name} donor lent {lent} tokens; {borrower_model.name} borrower loaded {loaded} "
+          f"back, cached {_cached(got)} prompt tokens against stock's {_cached(ref)}; donor "
+          f"burst near-ties {ties}")
+    return {"ties": ties, "cached": _cached(got), "stock_cached": _cached(ref)}

@@ -171,17 +171,21 @@ def test_startup_check_refuses_host_pools_without_a_cpu_copy(sglang_pools):
 
 def test_install_is_idempotent(sglang_pools):
     """A second install or apply changes nothing: one finder, the same objects in place."""
+    import sglang.srt.layers.attention.torch_native_backend as native
     import sglang.srt.managers.cache_controller as controller
     import sglang.srt.mem_cache.pool_host.mha as mha
     import sglang.srt.mem_cache.pool_host.mla as mla
 
-    before = (mha.MHATokenToKVPoolHost.load_to_device_per_layer, controller.device_module,
-              controller.HiCacheController.__init__, mla.MLATokenToKVPoolHost.__dict__.copy())
+    def state():
+        return (mha.MHATokenToKVPoolHost.load_to_device_per_layer, controller.device_module,
+                controller.HiCacheController.__init__, mla.MLATokenToKVPoolHost.__dict__.copy(),
+                native.TorchNativeAttnBackend.__dict__.copy())
+
+    before = state()
     hicache.install()
     hicache.install()
-    assert [hicache.apply_to_module(m) for m in (mha, controller, mla)] == [[], [], []]
-    after = (mha.MHATokenToKVPoolHost.load_to_device_per_layer, controller.device_module,
-             controller.HiCacheController.__init__, mla.MLATokenToKVPoolHost.__dict__.copy())
+    assert [hicache.apply_to_module(m) for m in (mha, controller, mla, native)] == [[]] * 4
+    after = state()
     assert before == after and controller.device_module is CpuDeviceModule
     assert sum(isinstance(f, hicache.PostImportFinder) for f in sys.meta_path) == 1
     assert all(hicache.installed(p.name) for p in hicache.PATCHES)

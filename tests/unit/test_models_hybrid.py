@@ -6,7 +6,7 @@ own free list (`hybrid_donor.lending_parts`): the window pool and its free list 
 borrower's rows come back bit-identical from the lent pages, and the donor's own traffic takes
 every page back into the full-attention free list after the borrower acknowledged. What a hybrid
 server cannot do with SwiftCache is refused at start-up naming the attention and the reason.
-The live sliding-window donor: `tests/integration/test_hybrid_e2e.py`; the CPU backend's window
+The live sliding-window donor: `tests/integration/test_model_kinds_e2e.py`; the CPU backend's window
 reads: `sglang_swift/cpu_compat/window_reads.py`.
 """
 

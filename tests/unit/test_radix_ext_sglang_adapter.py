@@ -115,7 +115,7 @@ def test_factory_builds_radix_ext_with_the_configured_policy():
 
 
 @pytest.mark.parametrize("overrides", [
-    {"is_hybrid_swa": True}, {"enable_hierarchical_cache": True},
+    {"is_dsa": True}, {"enable_hierarchical_cache": True},
     {"params": {"eviction_policy": "lfu"}}, {"params": {"enable_kv_cache_events": True}},
 ])
 def test_factory_refuses_what_the_tree_cannot_do_with_the_fix(overrides):
