@@ -33,11 +33,18 @@ from collections import namedtuple
 PINNED_SGLANG = "0.5.23"
 
 
-class Patch(namedtuple("Patch", "name target kind why breaks_if")):
+HICACHE_REFUSES = "HiCache then refuses to start on the CPU engine"
+
+
+class Patch(namedtuple("Patch", "name target kind why breaks_if hicache_needs unpatched",
+                       defaults=(True, HICACHE_REFUSES))):
     """One patch: `name` of the stand-in; `target` "module:attribute" it replaces; `kind` in the
     words of integration/touchpoints.Kind values; `why`; `breaks_if`: what to re-check when SGLang
     changes (the parameters each replaced callable needs are checked at install:
-    _EXPECTED_PARAMS). The manifest (integration/touchpoints.py) lists every patch."""
+    _EXPECTED_PARAMS); `hicache_needs`: whether a HiCache controller refuses to start without it
+    (False for a host pool's stand-ins, checked per pool in use, and for patches outside
+    HiCache); `unpatched`: what goes wrong where it is missing. The manifest
+    (integration/touchpoints.py) lists every patch."""
 
     __slots__ = ()
 
@@ -48,6 +55,8 @@ class Patch(namedtuple("Patch", "name target kind why breaks_if")):
 
 
 USED_IN = "sglang_swift.cpu_compat.hicache"
+_WINDOW_UNPATCHED = ("a hybrid sliding-window model reads other tokens' window rows once its "
+                     "free lists part (a donor that lent)")
 PATCHES = (
     Patch("unpinned_host_pool", "sglang.srt.mem_cache.pool_host.base:HostKVCache.__init__",
                "hook BEFORE",
@@ -72,13 +81,14 @@ PATCHES = (
                "host->device copy of one layer of an MLA host pool (one latent buffer per layer); "
                "the kernels it calls exist only for CUDA/HIP/XPU/NPU",
                "its signature, the host layouts (init_kv_buffer), or kv_buffer/"
-               "device_kv_buffers/_buffer_index_by_layer/_host_layer_by_controller change"),
+               "device_kv_buffers/_buffer_index_by_layer/_host_layer_by_controller change",
+               hicache_needs=False),
     Patch("cpu_mla_backup_all_layers",
                "sglang.srt.mem_cache.pool_host.mla:MLATokenToKVPoolHost."
                "backup_from_device_all_layer",
                "re-implementation",
                "device->host copy of all layers of an MLA host pool; same kernels",
-               "as cpu_mla_load_per_layer"),
+               "as cpu_mla_load_per_layer", hicache_needs=False),
     Patch("cpu_l2_streams", "sglang.srt.mem_cache.l2_transfer:device_module",
                "class swap",
                "the L2 transfer streams/events; torch.cpu.Stream has no synchronize",
@@ -94,13 +104,14 @@ PATCHES = (
                "a sliding-window layer's rows read at its window-pool slots (the CPU backend "
                "reads them at full-pool slots: window_reads.py)",
                "TorchNativeAttnBackend stops reading req_to_token_pool.req_to_token per request "
-               "run, or SWAKVPool's layers_mapping/full_to_swa_index_mapping change"),
+               "run, or SWAKVPool's layers_mapping/full_to_swa_index_mapping change",
+               hicache_needs=False, unpatched=_WINDOW_UNPATCHED),
     Patch("cpu_window_reads_decode",
                "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend."
                "forward_decode",
                "hook AROUND",
                "as cpu_window_reads_extend, for decode",
-               "as cpu_window_reads_extend"),
+               "as cpu_window_reads_extend", hicache_needs=False, unpatched=_WINDOW_UNPATCHED),
     Patch("cpu_startup_check",
                "sglang.srt.managers.cache_controller:HiCacheController.__init__",
                "hook BEFORE",
@@ -123,11 +134,6 @@ _EXPECTED_PARAMS = {
     "cpu_window_reads_extend": ("self", "q", "k", "v", "layer", "forward_batch"),
     "cpu_window_reads_decode": ("self", "q", "k", "v", "layer", "forward_batch"),
 }
-# stand-ins of one host pool class: checked per pool in use (`check_host_pools`), not required of
-# every server (the MLA host pool's module is imported only where SGLang needs it); and the CPU
-# attention backend's window reads, which HiCache does not need
-_PER_POOL = ("cpu_mla_load_per_layer", "cpu_mla_backup_all_layers")
-_NOT_HICACHE = ("cpu_window_reads_extend", "cpu_window_reads_decode")
 # io backend -> host layouts whose copies are stood in (stock SGLang serves the same pairs on GPU)
 SUPPORTED = {"kernel": ("layer_first", "page_first", "page_head"),
              "direct": ("layer_first", "page_first_direct")}
@@ -231,9 +237,9 @@ def host_pools(mem_pool_host) -> list:
 def check_host_pools(mem_pool_host, io_backend: str) -> str:
     """Raise (what to do) unless every host pool is copied by the stand-ins; returns the layouts
     in use, for the log line."""
-    missing = [p.name for p in PATCHES
-               if p.name not in _state["installed"]
-               and p.name not in _PER_POOL + _NOT_HICACHE]
+    # a host pool's stand-ins are checked per pool in use below (the MLA host pool's module is
+    # imported only where SGLang needs it)
+    missing = [p.name for p in PATCHES if p.hicache_needs and p.name not in _state["installed"]]
     if missing:
         problems = "; ".join(f"{name}: {_state['failed'].get(name, 'target never imported')}"
                              for name in missing)

@@ -58,11 +58,10 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from radix_ext import DEVICE, slot_runs
 
 from .cache_tree import CacheTree, indices_to_tensor, namespace_of
-from .runtime import NoRuntime
+from .runtime import ControlStep, NoRuntime
 from .work_clock import WorkClock, timed
 
 logger = logging.getLogger(__name__)
-STEP_INTERVAL_S = 0.02
 REPORT_INTERVAL_S = 5.0
 STREAM_STATS = ("load_wait_s", "evict_wait_s", "evict_waits", "layer_wait_s", "loads_started",
                 "loads_failed", "loads_requeued", "load_retries", "loads_declined",
@@ -97,8 +96,8 @@ class SwiftRadixCache(RadixCache):
         self._built = False  # SGLang's constructor resets once: the seat's tree is new already
         super().__init__(params)  # calls self.reset()
         self._built = True
-        self._last_step = self._last_report = 0.0
-        self._watch_loop = True  # runtime.watch_loop at the first step given the scheduler
+        self._last_report = 0.0
+        self._control_step = ControlStep()
         self._reported: dict = {}
 
     @property
@@ -132,7 +131,7 @@ class SwiftRadixCache(RadixCache):
     @timed("loop")
     def swift_step(self, scheduler: Any = None) -> None:
         """Called once per scheduler loop iteration (plugin hook): close finished copies and
-        handle control events at most every STEP_INTERVAL_S, so an idle server still takes
+        handle control events (`runtime.ControlStep`), so an idle server still takes
         leases and reclaims; with TP also at once when rank 0's agent woke the loop for them
         (`loop_wake.py`: an idle scheduler asleep in SGLang's poll runs this step at once)."""
         self.work.loops += 1
@@ -140,20 +139,8 @@ class SwiftRadixCache(RadixCache):
             self.donor_hits.requeue(scheduler)
         self.donor_hits.poll()
         self.storage_hits.poll()
-        runtime = self.control
         now = time.monotonic()
-        if self._watch_loop and scheduler is not None:  # the first step with the scheduler
-            self._watch_loop = False
-            runtime.watch_loop(scheduler)
-        # woken first (drained every step): TP rank 0's agent woke the loop for an event that
-        # waits for the pump (a reclaim), so this step pumps whenever the last one was
-        due = runtime.woken()
-        due = due or now - self._last_step >= STEP_INTERVAL_S
-        if due:
-            self._last_step = now
-        if due or runtime.tp is not None:  # TP: every loop, rank 0's `due` decides for all
-            runtime.pump(due)
-        runtime.lend(scheduler)  # every loop: a burst's demand leaves in the loop it arrived
+        self._control_step(self.control, scheduler, now)
         self._update_metrics(now)
         self._report(now)
 

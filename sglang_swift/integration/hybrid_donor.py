@@ -20,8 +20,9 @@ of the full-attention pool through that pool's free list:
   (and `protected_size()`), so the idle check `available + evictable + protected == total`
   holds for the full-attention pool; the window pool and the state pool are never touched;
 - the lender (`lending.PoolLender`) and the control channel (`runtime.SwiftRuntime`) are the
-  ones every donor runs, stepped once per scheduler loop (`swift_step`), with the cache's
-  full-attention evictable part as the room it may evict to lend (`lend_cached_after_s`).
+  ones every donor runs, stepped once per scheduler loop as every SwiftCache server steps them
+  (`swift_step`, `runtime.ControlStep`), with the cache's full-attention evictable part as the
+  room it may evict to lend (`lend_cached_after_s`).
 The full-attention pool is placed in shared memory by the MHA pool hook
 (`shared_kv_pool.py`); so is the window pool, which that hook cannot tell apart and which is
 never lent.
@@ -36,7 +37,7 @@ from typing import Any
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from .cache import STEP_INTERVAL_S
+from .runtime import ControlStep
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,7 @@ class LendingUnifiedRadixCache(UnifiedRadixCache):
 
     def attach(self, runtime: Any, metrics: Any) -> None:
         self.runtime, self.metrics = runtime, metrics
-        self._last_step = 0.0
-        self._watch_loop = True
+        self._control_step = ControlStep()
 
     def full_protected_size(self) -> int:
         """Locked full-attention tokens plus the pages lent out of that pool: neither free nor
@@ -127,19 +127,13 @@ class LendingUnifiedRadixCache(UnifiedRadixCache):
         return self.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
 
     def swift_step(self, scheduler: Any = None) -> None:
-        """Once per scheduler loop (the plugin's hook): handle control events at most every
-        STEP_INTERVAL_S and let the lender weigh the server's own demand every loop."""
+        """Once per scheduler loop (the plugin's hook): control events and lending, as every
+        SwiftCache server runs them (`runtime.ControlStep`), then /metrics when due."""
         runtime = self.runtime
         if runtime is None:
             return
         now = time.monotonic()
-        if self._watch_loop and scheduler is not None:
-            self._watch_loop = False
-            runtime.watch_loop(scheduler)
-        if runtime.woken() or now - self._last_step >= STEP_INTERVAL_S:
-            self._last_step = now
-            runtime.pump(True)
-        runtime.lend(scheduler)
+        self._control_step(runtime, scheduler, now)
         if self.metrics.due(now):
             from .metrics import gauges_of
 

@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 # the longest a donor's scheduler waits for lent pages its own requests need
 OWN_PAGES_WAIT_S = 0.05
+# a scheduler loop handles control events at most this often (and at once when woken)
+STEP_INTERVAL_S = 0.02
 # With TP, a lease is offered to matches until this long before its read deadline: the view
 # rank 0 shares at a pump must stay true until the loads it admits have started.
 TP_VIEW_MARGIN_S = 1.0
@@ -138,7 +140,8 @@ class SwiftRuntime:
         self.lender: PoolLender | NoLender = NoLender()  # a PoolLender once `start` lends
         self.borrowing: Any = NoBorrowing(self.agent)
         self._peers_present = False  # as of the last pump
-        self._own_evictable: Callable[[], int] | None = None  # `start(evictable=)`
+        # the server's own cached tokens the lender may evict to lend (`start(evictable=)`)
+        self._evictable: Callable[[], int] = lambda: self.tree.evictable_size()
         if config.borrows:
             self.borrowing = Borrowing(max_blocks=config.max_borrow_blocks,
                                        geometry=self.geometry, kv_pool=kv_pool, agent=self.agent,
@@ -155,7 +158,8 @@ class SwiftRuntime:
         of the server's own cache (returns those evicted) to lend idle cached room (None: the
         lender counts only free pages, `PoolLender`), and `evictable()` is the part of that
         cache it may evict (default: the tree's evictable tokens)."""
-        self._own_evictable = evictable
+        if evictable is not None:
+            self._evictable = evictable
         if self.config.lends:
             shared = shared_region_of(self.kv_pool)
             if self.tp is not None and not self.tp.all_ok(shared is not None):
@@ -293,12 +297,6 @@ class SwiftRuntime:
                     and not held.engine.fenced(blocks))
         engine = self.lease_engine(donor, lease_id)
         return engine is not None and engine.liveness() and not engine.fenced(blocks)
-
-    def _evictable(self) -> int:
-        """The server's own cached tokens the lender may evict to lend (`start(evictable=)`)."""
-        if self._own_evictable is not None:
-            return self._own_evictable()
-        return self.tree.evictable_size()
 
     def _tiers(self) -> dict:
         """The tree's lower tiers for `ctl status`: cached tokens in each, hits admitted."""
@@ -529,6 +527,31 @@ class NoBorrowing:
 
     def close(self) -> None:
         pass
+
+
+class ControlStep:
+    """A runtime's share of each scheduler loop, as a tree cache's `swift_step` runs it: the
+    first loop with the scheduler lets the runtime watch it (`watch_loop`); control events are
+    pumped when woken or STEP_INTERVAL_S after the last pump (with TP every loop, rank 0's
+    `due` deciding for all ranks); the lender weighs the server's own demand every loop (a
+    burst's demand leaves in the loop it arrived)."""
+
+    def __init__(self) -> None:
+        self._last_pump = 0.0
+        self._watching = False
+
+    def __call__(self, runtime: Any, scheduler: Any, now: float) -> None:
+        if not self._watching and scheduler is not None:
+            self._watching = True
+            runtime.watch_loop(scheduler)
+        # woken first (drained every step): TP rank 0's agent woke the loop for an event that
+        # waits for the pump (a reclaim), so this step pumps whenever the last one was
+        due = runtime.woken() or now - self._last_pump >= STEP_INTERVAL_S
+        if due:
+            self._last_pump = now
+        if due or runtime.tp is not None:
+            runtime.pump(due)
+        runtime.lend(scheduler)
 
 
 class NoRuntime:

@@ -660,14 +660,9 @@ IDLE_POLLER = TouchPoint(
      Check(How.SOURCE, f"{IDLE_SLEEPER}.maybe_sleep", ("self.poller.poll",))),
     versions=SGLANG_0_5_23)
 _STAND_IN_PIN = cpu_hicache.PINNED_SGLANG  # the release the stand-ins check themselves against
-_UNPATCHED = "HiCache then refuses to start on the CPU engine"
-_UNPATCHED_WINDOW = ("a hybrid sliding-window model reads other tokens' window rows once its "
-                     "free lists part (a donor that lent)")
 HICACHE_STAND_INS: tuple[TouchPoint, ...] = tuple(
     TouchPoint(patch.dotted, Kind(patch.kind), f"CPU stand-in `{patch.name}`: {patch.why}",
-               f"breaks if {patch.breaks_if}; "
-               f"{_UNPATCHED_WINDOW if 'window' in patch.name else _UNPATCHED}",
-               cpu_hicache.USED_IN,
+               f"breaks if {patch.breaks_if}; {patch.unpatched}", cpu_hicache.USED_IN,
                versions=Versions(_STAND_IN_PIN, _STAND_IN_PIN, (_STAND_IN_PIN,)), cpu_only=True)
     for patch in cpu_hicache.PATCHES)
 

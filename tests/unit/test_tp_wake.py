@@ -39,9 +39,8 @@ from sglang_swift.control import (
     LeaseKey,
     ReclaimRequested,
 )
-from sglang_swift.integration.cache import STEP_INTERVAL_S
 from sglang_swift.integration.loop_wake import LoopWake
-from sglang_swift.integration.runtime import WAKE_EVENTS
+from sglang_swift.integration.runtime import STEP_INTERVAL_S, WAKE_EVENTS
 
 SLEEP_S = 1.0  # IdleSleeper.maybe_sleep's poll
 
@@ -161,7 +160,7 @@ def test_an_idle_tp_borrower_acknowledges_a_reclaim_within_a_loop(idle_pair):
                 asleep.set()
                 sleeper.maybe_sleep()
                 asleep.clear()
-                woken = rt.woken()  # then SwiftRadixCache.swift_step's rule
+                woken = rt.woken()  # then runtime.ControlStep's rule
                 now = time.monotonic()
                 loops.append((now, woken))
                 rt.pump(due=woken or now - (loops[-2][0] if len(loops) > 1 else 0.0)
