@@ -570,6 +570,10 @@ def _multiturn_keys() -> dict[str, str]:
             keys[f"{n}.{pre}slowest_phase_p99"] = (
                 f"{n} clients: {who}'s sequential phase with the largest P99 (mean over the "
                 "seeds, and the worst seed beside stock's P99 of it)")
+            keys[f"{n}.{pre}ttft_gap_by_cache"] = (
+                f"{n} clients: {who}'s requests beside the ideal's of the same client and "
+                "round, by fewer, as many or more cached prompt tokens: requests, summed TTFT "
+                "difference (ms) and share of the paired gap, over the seeds")
         keys[f"{n}.twin_ttft_avg_vs_ideal"] = f"{n} clients: mean TTFT, ideal twin / ideal " \
                                               "(the noise floor)"
         keys[f"{n}.twin_ttft_p99_vs_ideal"] = f"{n} clients: TTFT P99, ideal twin / ideal"
@@ -600,7 +604,11 @@ RECORDS["bench_multiturn_quick"] = RecordSpec(
      Headline("16 clients, mean TTFT, ideal twin / ideal (noise floor)",
               key("16.twin_ttft_avg_vs_ideal.mean")),
      Headline("16 clients, TTFT P99, donor tier / stock (mean of seeds)",
-              key("16.ttft_p99_vs_stock.mean"), readme=False)])
+              key("16.ttft_p99_vs_stock.mean"), readme=False),
+     Headline("16 clients, streaming: share of its TTFT gap to the ideal in requests that had "
+              "fewer cached tokens than the ideal's", key(
+                  "16.stream_ttft_gap_by_cache.fewer_cached.share_of_gap"), readme=False,
+              if_present=True)])
 
 RECORDS["bench_multiturn"] = replace(
     RECORDS["bench_multiturn_quick"],

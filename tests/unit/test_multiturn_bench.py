@@ -172,10 +172,11 @@ def test_phase_stats_tail_and_the_phase_that_separates_two_runs():
 
 def _run(ttfts, queue_ms=10.0):
     turns = []
-    for ttft in ttfts:
+    for i, ttft in enumerate(ttfts):
         t = {"sent": 0.0, "received": 0.0, "queued": 0.0, "admitted": queue_ms / 1e3,
              "prefilled": ttft, "first_token": ttft}
-        turns.append({"ttft": ttft, "cached_tokens": 1, "prompt_tokens": 2, "timeline": t})
+        turns.append({"client": i, "round": 0, "ttft": ttft, "cached_tokens": 1,
+                      "prompt_tokens": 2, "timeline": t})
     return {"turns": turns, "loadavg": [1] * 6, "wall_s": 1.0, "stats": {}, "work": None}
 
 
@@ -205,6 +206,35 @@ def test_stream_mode_gets_its_own_prefixed_ratios():
     assert "ttft_avg_vs_ideal" not in only_stream and "stream_ttft_avg_vs_ideal" in only_stream
     seeds = multiturn_cli.over_seeds([only_stream, only_stream])
     assert seeds["stream_ttft_avg_vs_ideal"]["spread"] == 0.0 and "ttft_avg_vs_ideal" not in seeds
+
+
+def test_the_gap_to_the_ideal_is_split_by_the_cached_tokens_of_the_same_request():
+    def turn(client, rnd, ttft, cached, prompt=100):
+        return {"client": client, "round": rnd, "ttft": ttft, "cached_tokens": cached,
+                "prompt_tokens": prompt}
+
+    ideal = [turn(0, 0, 0.10, 0), turn(0, 1, 0.05, 80), turn(1, 0, 0.10, 0),
+             turn(1, 1, 0.05, 80)]
+    mine = [turn(1, 1, 0.25, 0),  # fewer cached than the ideal's same request: +200 ms
+            turn(0, 0, 0.11, 0),  # as many: +10 ms
+            turn(0, 1, 0.04, 90),  # more: -10 ms
+            turn(1, 0, 0.30, 0, prompt=99),  # another prompt (an answer differed): unpaired
+            turn(2, 0, 0.20, 0)]  # a request the ideal did not send: unpaired
+    gap = multiturn_cli.gap_by_cache(mine, ideal)
+    assert gap["fewer_cached"] == {"requests": 1, "ttft_diff_ms": pytest.approx(200.0)}
+    assert gap["same_cached"] == {"requests": 1, "ttft_diff_ms": pytest.approx(10.0)}
+    assert gap["more_cached"] == {"requests": 1, "ttft_diff_ms": pytest.approx(-10.0)}
+    assert gap["unpaired"] == {"requests": 2, "ttft_diff_ms": pytest.approx(500.0)}
+    both = multiturn_cli.gaps_over_seeds([gap, gap])
+    assert both["fewer_cached"]["requests"] == 2
+    assert both["fewer_cached"]["share_of_gap"] == pytest.approx(400.0 / 400.0)
+    assert both["same_cached"]["share_of_gap"] == pytest.approx(20.0 / 400.0)
+    runs = {"stock": _run([1.0, 2.0]), "swiftcache": _run([1.0, 2.5]),
+            "ideal": _run([0.5, 1.0]), "ideal_twin": _run([0.5, 2.0])}
+    p = multiturn_cli.point(runs)
+    assert p["ttft_gap_by_cache"]["same_cached"]["ttft_diff_ms"] == pytest.approx(2000.0)
+    assert multiturn_cli.over_seeds([p])["ttft_gap_by_cache"]["same_cached"]["share_of_gap"] \
+        == pytest.approx(1.0)
 
 
 def test_stream_pool_fits_the_stock_pools_local_memory():
