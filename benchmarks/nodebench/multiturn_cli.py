@@ -22,10 +22,9 @@ Per client count, the last line's JSON has, as means over the seeds and for the 
 ideal), their spreads over the seeds (max - min), and `slowest_phase_p99` (SwiftCache's
 sequential phase with the largest P99, beside stock's P99 of it) and
 `phase_p99_excess_vs_stock` (the phase whose P99 exceeds stock's by the most), and
-`ttft_gap_by_cache` (`gap_by_cache`: its requests beside the ideal's of the same client and
-round, grouped by fewer, as many or more cached tokens, each group's summed TTFT difference and
-share of the gap, summed over the seeds). The same keys prefixed `stream_` are those of
-`swiftcache_stream`.
+`ttft_gap_split` (`gap_split`: its mean TTFT minus the ideal's, split into what its uncached
+prompt tokens cost at the ideal's speed, its longer wait for admission, and the rest; means
+over the seeds). The same keys prefixed `stream_` are those of `swiftcache_stream`.
 """
 
 from __future__ import annotations
@@ -275,48 +274,42 @@ def point(runs: dict[str, dict]) -> dict:
         out[pre + "slowest_phase_p99"] = slow
         out[pre + "phase_p99_excess_vs_stock"] = phases.largest_excess(sw["phases"],
                                                                        st["phases"])
-        out[pre + "ttft_gap_by_cache"] = gap_by_cache(runs[mode]["turns"],
-                                                      runs["ideal"]["turns"])
+        out[pre + "ttft_gap_split"] = gap_split(runs[mode]["turns"], runs["ideal"]["turns"])
         out[pre + "swift_stats"] = runs[mode]["stats"]
         out[pre + "swift_work_per_request"] = runs[mode]["work"]
     return out
 
 
-GAP_GROUPS = ("fewer_cached", "same_cached", "more_cached", "unpaired")
+def gap_split(turns: list[dict], ideal: list[dict]) -> dict:
+    """Where a mode's mean TTFT went against the ideal's (ms, this mode minus the ideal):
+    - `uncached_ms`: what its uncached prompt tokens (prompt - cached) cost at the ideal's own
+      speed: the ideal's least-squares line of TTFT on uncached tokens, averaged over this
+      mode's requests, minus the ideal's mean (the ideal's larger cache shows here);
+    - `queue_ms`: its mean wait for admission (the `queue` phase) minus the ideal's (the
+      ideal's larger pool for the requests in flight shows here);
+    - `other_ms`: the rest (prefill and everything around it, slower or faster).
+    The histories differ between servers (each turn's question follows the answers' timing),
+    so requests are compared by their uncached tokens, not one by one."""
+    def uncached(ts):
+        return [t["prompt_tokens"] - t["cached_tokens"] for t in ts]
 
+    def queue(ts):
+        waits = [t["timeline"]["admitted"] - t["timeline"]["queued"] for t in ts
+                 if "admitted" in (t.get("timeline") or {})]
+        return sum(waits) / len(waits) if waits else 0.0
 
-def gap_by_cache(turns: list[dict], ideal: list[dict]) -> dict:
-    """Where a mode's TTFT went against the ideal's, request by request: each of its requests
-    beside the ideal's of the same client and round (the same prompt, when both answered alike
-    before it), grouped by whether it had fewer, as many or more cached prompt tokens than the
-    ideal's; per group the requests and the sum of their TTFT differences (ms, this mode minus
-    the ideal). A request whose prompt differs in length from the ideal's (an earlier answer
-    differed) or that the ideal did not send is `unpaired`; its TTFT counts whole."""
-    by = {(t["client"], t["round"]): t for t in ideal}
-    groups = {g: {"requests": 0, "ttft_diff_ms": 0.0} for g in GAP_GROUPS}
-    for t in turns:
-        other = by.get((t["client"], t["round"]))
-        if other is None or other["prompt_tokens"] != t["prompt_tokens"]:
-            group, diff = "unpaired", t["ttft"]
-        else:
-            mine, theirs = t["cached_tokens"], other["cached_tokens"]
-            group = ("fewer_cached" if mine < theirs else
-                     "more_cached" if mine > theirs else "same_cached")
-            diff = t["ttft"] - other["ttft"]
-        groups[group]["requests"] += 1
-        groups[group]["ttft_diff_ms"] += diff * 1e3
-    return groups
+    def mean(xs):
+        return sum(xs) / len(xs)
 
-
-def gaps_over_seeds(gaps: list[dict]) -> dict:
-    """`gap_by_cache` summed over the seeds, with each group's share of the summed TTFT
-    difference of the paired requests (the ideal's larger pool shows as `fewer_cached`)."""
-    out = {g: {"requests": sum(x[g]["requests"] for x in gaps),
-               "ttft_diff_ms": sum(x[g]["ttft_diff_ms"] for x in gaps)} for g in GAP_GROUPS}
-    paired = sum(out[g]["ttft_diff_ms"] for g in GAP_GROUPS if g != "unpaired")
-    for g in GAP_GROUPS[:3]:
-        out[g]["share_of_gap"] = out[g]["ttft_diff_ms"] / paired if paired else None
-    return out
+    x, y = uncached(ideal), [t["ttft"] for t in ideal]
+    mx, my = mean(x), mean(y)
+    var = sum((a - mx) ** 2 for a in x)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / var if var else 0.0
+    gap = mean([t["ttft"] for t in turns]) - my
+    cost = slope * (mean(uncached(turns)) - mx)
+    waited = queue(turns) - queue(ideal)
+    return {"gap_ms": gap * 1e3, "uncached_ms": cost * 1e3, "queue_ms": waited * 1e3,
+            "other_ms": (gap - cost - waited) * 1e3, "ms_per_uncached_token": slope * 1e3}
 
 
 def point_keys(p: dict) -> list[str]:
@@ -351,9 +344,9 @@ def _mode_over_seeds(points: list[dict], pre: str) -> dict:
                                                    "p99_ms": sum(by[name]) / len(by[name]),
                                                    "seeds": len(by[name])},
                                           "worst": worst}
-    gaps = [p[pre + "ttft_gap_by_cache"] for p in points if pre + "ttft_gap_by_cache" in p]
+    gaps = [p[pre + "ttft_gap_split"] for p in points if pre + "ttft_gap_split" in p]
     if gaps:
-        out[pre + "ttft_gap_by_cache"] = gaps_over_seeds(gaps)
+        out[pre + "ttft_gap_split"] = {k: sum(g[k] for g in gaps) / len(gaps) for k in gaps[0]}
     excess = [p[pre + "phase_p99_excess_vs_stock"] for p in points
               if p[pre + "phase_p99_excess_vs_stock"]]
     if excess:

@@ -208,33 +208,32 @@ def test_stream_mode_gets_its_own_prefixed_ratios():
     assert seeds["stream_ttft_avg_vs_ideal"]["spread"] == 0.0 and "ttft_avg_vs_ideal" not in seeds
 
 
-def test_the_gap_to_the_ideal_is_split_by_the_cached_tokens_of_the_same_request():
-    def turn(client, rnd, ttft, cached, prompt=100):
-        return {"client": client, "round": rnd, "ttft": ttft, "cached_tokens": cached,
-                "prompt_tokens": prompt}
+def test_the_gap_to_the_ideal_splits_into_uncached_tokens_queue_and_the_rest():
+    def turn(ttft, uncached, queue_s=0.0, prompt=500):
+        return {"ttft": ttft, "prompt_tokens": prompt, "cached_tokens": prompt - uncached,
+                "timeline": {"queued": 10.0, "admitted": 10.0 + queue_s}}
 
-    ideal = [turn(0, 0, 0.10, 0), turn(0, 1, 0.05, 80), turn(1, 0, 0.10, 0),
-             turn(1, 1, 0.05, 80)]
-    mine = [turn(1, 1, 0.25, 0),  # fewer cached than the ideal's same request: +200 ms
-            turn(0, 0, 0.11, 0),  # as many: +10 ms
-            turn(0, 1, 0.04, 90),  # more: -10 ms
-            turn(1, 0, 0.30, 0, prompt=99),  # another prompt (an answer differed): unpaired
-            turn(2, 0, 0.20, 0)]  # a request the ideal did not send: unpaired
-    gap = multiturn_cli.gap_by_cache(mine, ideal)
-    assert gap["fewer_cached"] == {"requests": 1, "ttft_diff_ms": pytest.approx(200.0)}
-    assert gap["same_cached"] == {"requests": 1, "ttft_diff_ms": pytest.approx(10.0)}
-    assert gap["more_cached"] == {"requests": 1, "ttft_diff_ms": pytest.approx(-10.0)}
-    assert gap["unpaired"] == {"requests": 2, "ttft_diff_ms": pytest.approx(500.0)}
-    both = multiturn_cli.gaps_over_seeds([gap, gap])
-    assert both["fewer_cached"]["requests"] == 2
-    assert both["fewer_cached"]["share_of_gap"] == pytest.approx(400.0 / 400.0)
-    assert both["same_cached"]["share_of_gap"] == pytest.approx(20.0 / 400.0)
-    runs = {"stock": _run([1.0, 2.0]), "swiftcache": _run([1.0, 2.5]),
+    # the ideal: 20 ms + 1 ms per uncached token, no wait
+    ideal = [turn(0.020 + u / 1000, u) for u in (100, 200, 300)]
+    # a mode that misses 100 more tokens a request, waits 50 ms and runs 5 ms slower
+    mine = [turn(0.020 + (u + 100) / 1000 + 0.050 + 0.005, u + 100, queue_s=0.050)
+            for u in (100, 200, 300)]
+    split = multiturn_cli.gap_split(mine, ideal)
+    assert split["ms_per_uncached_token"] == pytest.approx(1.0)
+    assert split["gap_ms"] == pytest.approx(155.0)
+    assert split["uncached_ms"] == pytest.approx(100.0)
+    assert split["queue_ms"] == pytest.approx(50.0)
+    assert split["other_ms"] == pytest.approx(5.0)
+    assert multiturn_cli.gap_split(ideal, ideal) == pytest.approx(
+        {"gap_ms": 0.0, "uncached_ms": 0.0, "queue_ms": 0.0, "other_ms": 0.0,
+         "ms_per_uncached_token": 1.0})
+    runs = {"stock": _run([1.0, 2.0]), "swiftcache": _run([1.0, 2.5], queue_ms=900.0),
             "ideal": _run([0.5, 1.0]), "ideal_twin": _run([0.5, 2.0])}
     p = multiturn_cli.point(runs)
-    assert p["ttft_gap_by_cache"]["same_cached"]["ttft_diff_ms"] == pytest.approx(2000.0)
-    assert multiturn_cli.over_seeds([p])["ttft_gap_by_cache"]["same_cached"]["share_of_gap"] \
-        == pytest.approx(1.0)
+    assert p["ttft_gap_split"]["queue_ms"] == pytest.approx(890.0)
+    seeds = multiturn_cli.over_seeds([p, {**p, "ttft_gap_split": {**p["ttft_gap_split"],
+                                                                   "queue_ms": 0.0}}])
+    assert seeds["ttft_gap_split"]["queue_ms"] == pytest.approx(445.0)
 
 
 def test_stream_pool_fits_the_stock_pools_local_memory():
