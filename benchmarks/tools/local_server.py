@@ -21,6 +21,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -202,3 +204,41 @@ def start_all(servers) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+@contextmanager
+def starting(*servers: LocalServer) -> Iterator[Callable[[], None]]:
+    """The servers start side by side in the background (`start_all` on a thread) while the
+    block does something else, such as a stock reference replay; the block calls the `ready()`
+    it is given to wait until every one is healthy (it raises the first start-up failure).
+    However the block ends, a start still in progress ends first, then every server stops."""
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            start_all(servers)
+        except BaseException as exc:  # noqa: BLE001 - raised by ready(), on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+
+    def ready() -> None:
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    try:
+        yield ready
+    finally:
+        thread.join()
+        for server in servers:
+            server.stop()
+
+
+@contextmanager
+def serving(*servers: LocalServer) -> Iterator[tuple[LocalServer, ...]]:
+    """The servers started side by side for the length of the block, then stopped."""
+    with starting(*servers) as ready:
+        ready()
+        yield servers

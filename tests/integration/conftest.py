@@ -66,24 +66,39 @@ class StockServers:
     (LocalServer's CPU args: no scheduler spinning on a core through later tests) and run no
     SwiftCache agent (stock), so they cannot join another test's node."""
 
+    MAX_LIVE = 4  # servers kept at once (about 1.8 GB each here); the least recently used goes
+
     def __init__(self, log_dir):
         self.log_dir = log_dir
-        self._servers: dict[tuple, LocalServer] = {}
+        self._servers: dict[tuple, LocalServer] = {}  # least recently used first
+        self._memo: dict[tuple, object] = {}
+        self._started = 0
 
     def get(self, model, pool: int, args) -> LocalServer:
         key = (str(model), pool, tuple(args))
-        server = self._servers.get(key)
+        server = self._servers.pop(key, None)
         if server is not None:
             if server.proc.poll() is None:
                 self._flush(server)
+                self._servers[key] = server
                 return server
             server.stop()  # it died: its process group goes before a new one takes its place
+        while len(self._servers) >= self.MAX_LIVE:
+            self._servers.pop(next(iter(self._servers))).stop()
         server = LocalServer(model, swiftcache=False, max_total_tokens=pool,
                              extra_args=list(args),
-                             log_path=self.log_dir / f"stock-{len(self._servers)}.log")
+                             log_path=self.log_dir / f"stock-{self._started}.log")
+        self._started += 1
         server.start()
         self._servers[key] = server
         return server
+
+    def memo(self, key: tuple, compute):
+        """`compute()`'s result, computed once per `key` in the session: a stock reference that
+        several tests take alike (stock's greedy answers to the same prompts)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     @staticmethod
     def _flush(server: LocalServer, timeout_s: float = 60.0) -> None:

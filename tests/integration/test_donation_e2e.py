@@ -27,6 +27,7 @@ import pytest
 from integration.harness import LocalServer, chat, metric, reply_text, same_greedy, wait_for
 
 from benchmarks.tools.demo import ctl, wait_for_lease
+from benchmarks.tools.local_server import starting
 from benchmarks.tools.tiny_model import ensure_tiny_model
 from benchmarks.workloads.sharegpt import load_conversations
 
@@ -111,13 +112,40 @@ def replay_once_borrowing(rendezvous: str, borrower, convs, ref: list[dict]) -> 
     return _replay(borrower, convs, 3, forced=ref)
 
 
-def _stock_replays(model, convs, log_path, *turns: int, pool: int = SMALL_POOL,
-                   extra: tuple[str, ...] = ()) -> list[list[dict]]:
-    """Stock SGLang's answers on `model` with the borrower's pool, replayed for each of `turns`."""
-    with LocalServer(model, swiftcache=False, max_total_tokens=pool,
-                     extra_args=["--enable-cache-report", "--dtype", "float32", *extra],
-                     log_path=log_path) as stock:
-        return [_replay(stock, convs, n) for n in turns]
+STOCK_ARGS = ("--enable-cache-report", "--dtype", "float32")
+
+
+def _stock_server(model, log_path, pool: int = SMALL_POOL,
+                  extra: tuple[str, ...] = ()) -> LocalServer:
+    """Stock SGLang on `model` with a pool of `pool` tokens: a reference of this test's own."""
+    return LocalServer(model, swiftcache=False, max_total_tokens=pool,
+                       extra_args=[*STOCK_ARGS, *extra], log_path=log_path)
+
+
+def stock_replay(stock_servers, model, convs, turns: int, pool: int = SMALL_POOL,
+                 extra: tuple[str, ...] = ()) -> list[dict]:
+    """Stock SGLang's answers to `_replay(server, convs, turns)` on `model` with the
+    borrower's pool: the session's shared stock server (`conftest.StockServers`), once per
+    session for the same replay."""
+    args = (*STOCK_ARGS, *extra)
+    key = ("replay", str(model), pool, args, turns,
+           tuple(tuple(turn.user for turn in conv.turns) for conv in convs))
+    return stock_servers.memo(key, lambda: _replay(stock_servers.get(model, pool, args), convs,
+                                                   turns))
+
+
+def _stock_replays(stock_servers, model, convs, first: int, then: int, pool: int = SMALL_POOL,
+                   extra: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
+    """Stock's replay of `convs` for `then` turns (`stock_replay`), and its first `first` turns
+    as the reference of a replay that stops there (`_replay` goes turn by turn over every
+    conversation, so those are the same prompts)."""
+    tail = stock_replay(stock_servers, model, convs, then, pool, extra)
+    return tail[:_turn_requests(convs, first)], tail
+
+
+def _turn_requests(convs, turns: int) -> int:
+    """How many requests `_replay(server, convs, turns)` sends."""
+    return sum(min(turns, len(conv.turns)) for conv in convs)
 
 
 def _capacity(rendezvous: str, role_model: str) -> dict:
@@ -141,16 +169,11 @@ def _donor_burst(donor, n: int = 3) -> None:
         list(pool.map(lambda _: chat(donor, [{"role": "user", "content": prompt}], 48), range(n)))
 
 
-def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_path):
+def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_path,
+                                                            stock_servers):
     rendezvous = str(tmp_path / "rv")
     small_model = ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
-                     extra_args=["--enable-cache-report", "--dtype", "float32"],
-                     log_path=tmp_path / "stock.log") as stock:
-        ref = _replay(stock, convs, 3)
-        ref_tail = _replay(stock, convs[:2], 4)
-
     # the donor keeps half its pool free for itself (watermark 0.5), so its own burst reclaims
     donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
                         extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
@@ -158,7 +181,10 @@ def test_borrower_uses_donor_memory_and_survives_donor_death(tiny_model, tmp_pat
                                          "--swiftcache-relend-cooldown-s", "2",
                                          "--enable-metrics"))
     borrower = borrowing_server(small_model, rendezvous, tmp_path / "b.log")
-    with donor, borrower:
+    with starting(donor, borrower) as ready:  # they start while stock answers
+        ref, _ = _stock_replays(stock_servers, small_model, convs, 3, 4)
+        ref_tail = stock_replay(stock_servers, small_model, convs[:2], 4)
+        ready()
         agents = wait_for_lease(rendezvous, timeout_s=90)  # through `ctl status`
         assert agents[0]["leases"], agents
         lent = wait_for(lambda: _capacity(rendezvous, "tiny-llama").get("lent_tokens"), 30,
@@ -224,8 +250,9 @@ def own_burst(server, *, prompts: int, words: int, max_tokens: int) -> list[dict
                                             max_tokens, top_logprobs=TOP_LOGPROBS), texts))
 
 
-def donor_kind_lends(tmp_path, donor_model, burst, *, pool: int, bursts: int = 1,
-                     server_args: tuple[str, ...] = (), borrower_model=None) -> dict:
+def donor_kind_lends(tmp_path, stock_servers, donor_model, burst, *, pool: int,
+                     bursts: int = 1, server_args: tuple[str, ...] = (),
+                     borrower_model=None) -> dict:
     """The live check of a donor of another model kind (`donor_model`, served with
     `server_args`, `burst(server)` its own traffic): it lends pages of its pool of `pool`
     tokens to a borrower (`borrower_model`, default the GQA `small`, on the small pool), whose
@@ -241,16 +268,17 @@ def donor_kind_lends(tmp_path, donor_model, burst, *, pool: int, bursts: int = 1
     name = donor_model.name
     borrower_model = borrower_model or ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    ref, ref_tail = _stock_replays(borrower_model, convs, tmp_path / "stock.log", 3, 4)
-    with LocalServer(donor_model, swiftcache=False, max_total_tokens=pool,
-                     extra_args=["--enable-cache-report", "--dtype", "float32", *server_args],
-                     log_path=tmp_path / f"stock-{name}.log") as stock_donor:
-        ref_burst = burst(stock_donor)
     rendezvous = str(tmp_path / "rv")
     donor = _lending_donor(donor_model, rendezvous, tmp_path / "donor.log", *server_args,
                            pool=pool)
     borrower = borrowing_server(borrower_model, rendezvous, tmp_path / "b.log")
-    with donor, borrower:
+    stock_donor = _stock_server(donor_model, tmp_path / f"stock-{name}.log", pool, server_args)
+    with starting(donor, borrower) as ready:  # they start while the stock servers answer
+        with starting(stock_donor) as stock_ready:
+            ref, ref_tail = _stock_replays(stock_servers, borrower_model, convs, 3, 4)
+            stock_ready()
+            ref_burst = burst(stock_donor)
+        ready()
         wait_for_lease(rendezvous, timeout_s=90)
         lent = wait_for(lambda: _capacity(rendezvous, name).get("lent_tokens"), 30,
                         f"the {name} donor to report lent pages of its pool")

@@ -46,7 +46,7 @@ def test_write_through_copies_at_insert_and_serves_like_stock(tiny_model, tmp_pa
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model, tmp_path,
-                                                                     policy):
+                                                                     policy, stock_servers):
     """The whole hierarchy: device, donor pages (while lent), host. A donor burst takes every
     lent page back; under write_back the borrower moves what it kept there into its host tier
     before it acknowledges, under write_through each of those prefixes has its host copy
@@ -61,21 +61,18 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
         _check,
         _donor_burst,
         _replay,
+        _stock_replays,
         borrowing_server,
         replay_once_borrowing,
     )
 
+    from benchmarks.tools.local_server import starting
     from benchmarks.tools.tiny_model import ensure_tiny_model
     from benchmarks.workloads.sharegpt import load_conversations
 
     rendezvous = str(tmp_path / "rv")
     small_model = ensure_tiny_model(shape="small")
     convs = load_conversations(5, min_turns=4, max_chars_per_message=200)
-    stock_args = ["--enable-cache-report", "--dtype", "float32"]
-    with LocalServer(small_model, swiftcache=False, max_total_tokens=SMALL_POOL,
-                     extra_args=stock_args, log_path=tmp_path / "stock.log") as stock:
-        ref = _replay(stock, convs, 3)
-        ref_tail = _replay(stock, convs, 4)
     donor = LocalServer(tiny_model, max_total_tokens=DONOR_POOL, log_path=tmp_path / "donor.log",
                         extra_args=_args(rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
                                          "--swiftcache-reclaim-watermark", "0.5",
@@ -84,7 +81,9 @@ def test_a_borrower_with_a_host_tier_keeps_what_a_reclaim_takes_back(tiny_model,
     host = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
             policy, "--hicache-mem-layout", "layer_first"]
     borrower = borrowing_server(small_model, rendezvous, tmp_path / "b.log", *host)
-    with donor, borrower:
+    with starting(donor, borrower) as ready:  # they start while stock answers
+        ref, ref_tail = _stock_replays(stock_servers, small_model, convs, 3, 4)
+        ready()
         got = replay_once_borrowing(rendezvous, borrower, convs, ref)
         _check(got, ref)
         wait_for(lambda: metric(borrower, "swiftcache_donor_tier_tokens"), 30,

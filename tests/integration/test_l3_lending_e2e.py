@@ -118,7 +118,7 @@ BORROWERS = {
 # test_hicache_swift_e2e.py::test_l3_below_the_host_tier_serves_after_a_flush_like_stock
 @pytest.mark.parametrize("shape, backend", [("small", "mooncake"), ("mla", "file")])
 def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path, shape,
-                                                             backend):
+                                                             backend, stock_servers):
     from integration.test_donation_e2e import (
         _args,
         _check,
@@ -129,6 +129,7 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
     )
 
     from benchmarks.tools.demo import wait_for_lease
+    from benchmarks.tools.local_server import starting
     from benchmarks.tools.tiny_model import ensure_tiny_model
     from benchmarks.workloads.sharegpt import load_conversations
 
@@ -139,9 +140,6 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
     first, then = spec["turns"]
     convs = load_conversations(spec["convs"], min_turns=then,
                                max_chars_per_message=spec["chars"])
-    ref, ref_tail = _stock_replays(model, convs, tmp_path / "stock.log", first, then,
-                                   pool=spec["pool"], extra=spec["extra"])
-
     with _store(backend, tmp_path) as extra:
         rendezvous = str(tmp_path / "rv")
         donor = _lending_donor(tiny_model, rendezvous, tmp_path / "donor.log")
@@ -154,7 +152,10 @@ def test_a_borrowers_hierarchy_down_to_l3_serves_like_stock(tiny_model, tmp_path
                                extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                                 "--swiftcache-max-borrow-blocks", "1500",
                                                 *spec["extra"], *tiers))
-        with donor, borrower:
+        with starting(donor, borrower) as ready:  # they start while stock answers
+            ref, ref_tail = _stock_replays(stock_servers, model, convs, first, then,
+                                           pool=spec["pool"], extra=spec["extra"])
+            ready()
             wait_for_lease(rendezvous, timeout_s=90)
             got = _replay(borrower, convs, first, forced=ref)
             _check(got, ref)

@@ -38,6 +38,7 @@ from integration.test_layer_stream_e2e import (
 )
 
 from benchmarks.layer_stream.context_servers import donor_reads
+from benchmarks.tools.local_server import serving
 from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
@@ -71,7 +72,7 @@ def test_streaming_from_a_donor_serves_four_times_the_local_pool_through_a_recla
                                        "--swiftcache-layer-stream-depth", str(DEPTH),
                                        "--swiftcache-layer-stream-resident-fraction", "0",
                                        *_control(rendezvous)])
-    with donor, streamer:
+    with serving(donor, streamer):
         wait_for(lambda: metric(streamer, "swiftcache_borrowed_tokens") >= STREAMED_POOL, 180,
                  "the streaming server to borrow donor pages for its whole store")
         lent = metric(donor, "swiftcache_lent_tokens")

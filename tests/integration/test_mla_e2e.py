@@ -31,11 +31,11 @@ def _burst(server) -> list[dict]:
     return own_burst(server, prompts=BURST, words=40, max_tokens=BURST_TOKENS)
 
 
-def test_an_mla_donor_lends_to_a_gqa_borrower_and_serves_like_stock(tmp_path):
+def test_an_mla_donor_lends_to_a_gqa_borrower_and_serves_like_stock(tmp_path, stock_servers):
     from integration.test_donation_e2e import donor_kind_lends
 
     from benchmarks.tools.tiny_model import MLA_SERVER_ARGS, ensure_tiny_model
 
-    (ties,) = donor_kind_lends(tmp_path, ensure_tiny_model(shape="mla"), _burst,
+    (ties,) = donor_kind_lends(tmp_path, stock_servers, ensure_tiny_model(shape="mla"), _burst,
                                pool=DONOR_POOL, server_args=MLA_SERVER_ARGS)["ties"]
     assert len(ties) <= 1, f"the MLA donor's own answers differ from stock's at {ties}"

@@ -40,12 +40,13 @@ def _burst(server) -> list[dict]:
     return own_burst(server, prompts=BURST, words=60, max_tokens=BURST_TOKENS)
 
 
-def test_a_sliding_window_donor_lends_to_a_moe_borrower_and_both_serve_like_stock(tmp_path):
+def test_a_sliding_window_donor_lends_to_a_moe_borrower_and_both_serve_like_stock(
+        tmp_path, stock_servers):
     from integration.test_donation_e2e import donor_kind_lends
 
     from benchmarks.tools.tiny_model import ensure_tiny_model
 
-    run = donor_kind_lends(tmp_path, ensure_tiny_model(shape="swa"), _burst, pool=DONOR_POOL,
-                           bursts=2, borrower_model=ensure_tiny_model(shape="moe"))
+    run = donor_kind_lends(tmp_path, stock_servers, ensure_tiny_model(shape="swa"), _burst,
+                           pool=DONOR_POOL, bursts=2, borrower_model=ensure_tiny_model(shape="moe"))
     assert run["cached"] > run["stock_cached"], run
     assert all(len(t) <= 1 for t in run["ties"]), f"the donor's answers differ: {run['ties']}"

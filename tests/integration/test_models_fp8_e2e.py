@@ -32,7 +32,7 @@ from integration.test_donation_e2e import (
     replay_once_borrowing,
 )
 
-from benchmarks.tools.local_server import ServerStartError
+from benchmarks.tools.local_server import ServerStartError, serving
 from benchmarks.tools.tiny_model import ensure_tiny_model
 from benchmarks.workloads.sharegpt import load_conversations
 
@@ -65,7 +65,7 @@ def test_fp8_borrower_and_fp8_donor_are_token_identical_to_stock_fp8(tiny_model,
                                          "--swiftcache-relend-cooldown-s", "600",
                                          "--enable-metrics", *FP8))
     borrower = borrowing_server(small_model, rendezvous, tmp_path / "b.log", *FP8)
-    with donor, borrower:
+    with serving(donor, borrower):
         assert "placed in shared" in donor.log_text(), donor.log_tail()
         got = replay_once_borrowing(rendezvous, borrower, convs, ref)
         _check(got, ref)

@@ -31,6 +31,7 @@ import pytest
 from integration.harness import LocalServer, metric, wait_for
 
 from benchmarks.tools.demo import ctl, wait_for_lease
+from benchmarks.tools.local_server import serving
 
 pytestmark = pytest.mark.integration
 SMALL_POOL = 450
@@ -129,7 +130,7 @@ def pair(tiny_model, tmp_path_factory):
     borrower = LocalServer(tiny_model, max_total_tokens=SMALL_POOL, log_path=tmp / "b.log",
                            env=env, extra_args=_args(rendezvous, "borrower", "--enable-metrics",
                                                      "--swiftcache-max-borrow-blocks", "1500"))
-    with donor, borrower:
+    with serving(donor, borrower):
         agents = wait_for_lease(rendezvous, timeout_s=90)
         assert agents[0]["leases"], agents
         yield donor, borrower, hold_dir

@@ -36,6 +36,7 @@ from integration.harness import LocalServer, metric, same_greedy, wait_for
 from integration.test_donation_e2e import _cached, _donor_burst, _replay
 
 from benchmarks.tools.demo import wait_for_lease
+from benchmarks.tools.local_server import serving
 from benchmarks.workloads.sharegpt import load_conversations
 
 pytestmark = pytest.mark.integration
@@ -159,7 +160,8 @@ def test_tp2_borrower_with_a_tp1_donor_is_token_identical_to_stock_tp2(tiny_mode
     rendezvous = str(tmp_path / "rv")
     borrower = _tp2(tiny_model, tmp_path / "borrower.log", "--enable-metrics", *_swift_args(
         rendezvous, "borrower", "--swiftcache-max-borrow-blocks", "1500"), *HOST_TIER)
-    with _donor(tiny_model, tmp_path, rendezvous) as donor, borrower:
+    donor = _donor(tiny_model, tmp_path, rendezvous)
+    with serving(donor, borrower):
         wait_for_lease(rendezvous, timeout_s=120)
         leased = wait_for(lambda: [line for line in borrower.log_text().splitlines()
                                    if "SwiftCache: borrowing" in line], 30,
@@ -185,7 +187,8 @@ def test_tp1_borrower_with_a_tp2_donor_is_token_identical_to_stock_tp1(tiny_mode
                                        "--enable-metrics", *_swift_args(
                                            rendezvous, "borrower",
                                            "--swiftcache-max-borrow-blocks", "1500")])
-    with _donor(tiny_model, tmp_path, rendezvous, "--tp", "2") as donor, borrower:
+    donor = _donor(tiny_model, tmp_path, rendezvous, "--tp", "2")
+    with serving(donor, borrower):
         wait_for_lease(rendezvous, timeout_s=120)
         started = _runtimes_started(donor.log_text())
         assert len(started) == 2 and all("lends up to 0 " not in line for line in started), \
@@ -234,7 +237,7 @@ def test_tp2_borrower_with_a_tp2_donor_and_a_dead_borrower_rank(tiny_model, stoc
                             rendezvous, "donor", "--swiftcache-lend-fraction", "0.5",
                             "--swiftcache-reclaim-watermark", "0.5",
                             "--swiftcache-relend-cooldown-s", "20", "--enable-metrics")])
-    with donor, borrower:
+    with serving(donor, borrower):
         wait_for_lease(rendezvous, timeout_s=180)
         leased = wait_for(lambda: [line for line in borrower.log_text().splitlines()
                                    if "SwiftCache: borrowing" in line], 60,
