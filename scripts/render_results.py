@@ -575,10 +575,6 @@ def _multiturn_keys() -> dict[str, str]:
                 "into what its uncached prompt tokens cost at the ideal's speed (the ideal's "
                 "line of TTFT on uncached tokens), its longer wait for admission (queue) and "
                 "the rest")
-            keys[f"{n}.{pre}ttft_gap_by_cache"] = (
-                f"older records: {n} clients, {who}'s requests beside the ideal's of the same "
-                "client and round (not the same prompt: each turn's question follows the "
-                "answers' timing), by fewer, as many or more cached tokens")
         keys[f"{n}.twin_ttft_avg_vs_ideal"] = f"{n} clients: mean TTFT, ideal twin / ideal " \
                                               "(the noise floor)"
         keys[f"{n}.twin_ttft_p99_vs_ideal"] = f"{n} clients: TTFT P99, ideal twin / ideal"
