@@ -119,9 +119,12 @@ class SwiftConfig:
         "then L/depth times the tokens) becomes the context the server can hold; off: stock pool",
         LAYER_STREAMING))
     layer_stream_depth: int = field(default=2, metadata=_opt(
-        _number("layer-stream-depth", int, 2, 64),
+        _number("layer-stream-depth", int, 0, 64),
         "staging layers kept local: the layer being computed plus depth-1 prefetched; local KV "
-        "memory is depth/L of a stock pool of the same token count", LAYER_STREAMING))
+        "memory is depth/L of a stock pool of the same token count. 0 (with donor, on CPU): "
+        "nothing is staged, the rows past the resident ones are read in place in donor pages "
+        "(host memory where no lease holds them), and the resident fraction is the local part "
+        "of the pool's tokens", LAYER_STREAMING))
     layer_stream_resident_fraction: float = field(default=0.5, metadata=_opt(
         _number("layer-stream-resident-fraction", float, 0.0, 0.95),
         "of the local KV memory, the part kept as every layer's own rows: requests whose "
@@ -152,6 +155,15 @@ class SwiftConfig:
             raise ValueError(
                 "--swiftcache-layer-stream donor borrows donor pool pages for its store, but "
                 "--swiftcache-role donor only lends; use --swiftcache-role auto or borrower")
+        if self.streams_layers and self.layer_stream_depth == 1:
+            raise ValueError("--swiftcache-layer-stream-depth 1 stages no layer ahead; use 0 "
+                             "(read in place) or 2 and more")
+        if self.streams_layers and self.layer_stream_depth == 0 and (
+                self.layer_stream != "donor" or self.layer_stream_resident_fraction <= 0):
+            raise ValueError("--swiftcache-layer-stream-depth 0 reads donor pages in place: it "
+                             "needs --swiftcache-layer-stream donor and a "
+                             "--swiftcache-layer-stream-resident-fraction above 0 (the local "
+                             "part of the pool's tokens)")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat-timeout-s ({self.heartbeat_timeout_s}) must exceed "

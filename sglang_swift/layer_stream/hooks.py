@@ -9,10 +9,11 @@ call time, so a hook never acts for a server that does not stream.
   off, since a replayed graph skips the per-layer loads;
 - AROUND `KVCacheConfigurator.config_from_budget`: the local memory budget SGLang profiled
   holds `depth` staging layers instead of L (and, with resident rows, a fraction f of it L rows
-  per token), so it is given f + (1 - f) L/depth times the tokens, capped by the host memory the
+  per token), so it is given f + (1 - f) L/depth times the tokens (at depth 0, where only the
+  fraction f of the tokens is local, 1/f times), capped by the host memory the
   streamed KV may use (--max-total-tokens still caps the result);
 - AROUND `KVCacheConfigurator._build_mha_kv_pool`: SGLang builds `LayerStreamKVPool` (its own
-  MHA pool, subclassed) where it would build `MHATokenToKVPool`;
+  MHA pool, subclassed; `MappedKVPool` at depth 0) where it would build `MHATokenToKVPool`;
 - AFTER `KVCacheConfigurator._build_token_to_kv_pool_allocator`: with resident rows, the
   allocator SGLang built hands out resident slots first (`allocator.py`);
 - AROUND `ModelRunner.forward`: opens and closes the pool's per-forward stream (which slots the
@@ -159,9 +160,14 @@ def around_build_mha_kv_pool(orig, configurator, *args, **kwargs):
         raise ValueError("SwiftCache layer streaming cannot stream this server's KV pool: "
                          + "; ".join(problems) + ". Drop --swiftcache-layer-stream or those "
                          "options.")
-    kwargs["mha_pool_class"] = LayerStreamKVPool.configured(
-        StreamSettings(depth=config.layer_stream_depth, tier=config.layer_stream,
-                       resident_fraction=config.layer_stream_resident_fraction))
+    settings = StreamSettings(depth=config.layer_stream_depth, tier=config.layer_stream,
+                              resident_fraction=config.layer_stream_resident_fraction)
+    if settings.depth == 0:  # read in place: nothing staged
+        from .mapped import MappedKVPool
+
+        kwargs["mha_pool_class"] = MappedKVPool.configured(settings)
+    else:
+        kwargs["mha_pool_class"] = LayerStreamKVPool.configured(settings)
     pool = orig(configurator, *args, **kwargs)
     limit = host_limit_bytes(config)
     if pool.layer_store.nbytes > limit:

@@ -54,7 +54,8 @@ class StreamSettings:
     depth: int = 2
     max_runs: int = 64
     tier: str = "host"  # where every layer lives: "host", or "donor" (leases, host-backed)
-    resident_fraction: float = 0.0  # of local KV memory: every layer's own rows (never streamed)
+    # of local KV memory: every layer's own rows (never streamed); depth 0: of the pool's tokens
+    resident_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.resident_fraction < 1.0:
@@ -62,9 +63,14 @@ class StreamSettings:
                              f"{self.resident_fraction}")
         if self.tier not in ("host", "donor"):
             raise ValueError(f"layer-stream tier must be host or donor; got {self.tier!r}")
-        if self.depth < 2:
-            raise ValueError(f"layer-stream depth must be at least 2 (the active layer and the "
-                             f"one prefetched); got {self.depth}")
+        if self.depth == 0:  # read in place (mapped.py): local rows are the resident ones
+            if self.resident_fraction <= 0:
+                raise ValueError("layer-stream depth 0 reads the rows past the local ones in "
+                                 "place; it needs a resident fraction above 0 (the local part "
+                                 "of the pool's tokens)")
+        elif self.depth < 2:
+            raise ValueError(f"layer-stream depth must be 0 (read in place) or at least 2 (the "
+                             f"active layer and the one prefetched); got {self.depth}")
 
     def resident_tokens(self, tokens: int, layers: int) -> int:
         """Of a pool of `tokens`, how many are resident so that they take `resident_fraction` of
@@ -87,8 +93,11 @@ class StreamSettings:
         return (resident, mapped) if resident > 0 else (0, padded)
 
     def tokens_per_local_token(self, layers: int) -> float:
-        """Pool tokens per token of stock-pool memory: f + (1 - f) L / depth."""
+        """Pool tokens per token of stock-pool memory: f + (1 - f) L / depth; at depth 0, where
+        the resident fraction f of the tokens is all that is local, 1 / f."""
         f = self.resident_fraction
+        if self.depth == 0:
+            return 1 / f
         return f + (1 - f) * layers / self.depth
 
 

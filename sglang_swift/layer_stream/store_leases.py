@@ -48,6 +48,12 @@ class StoreLeases(Borrowing):
     @classmethod
     def for_pool(cls, kv_pool: Any, **kwargs: Any) -> "StoreLeases":
         store = getattr(kv_pool, "layer_store", None)
+        from .mapped import MappedRows
+
+        if isinstance(store, MappedRows):  # depth 0: the pool's pieces, read in place
+            from .mapped_leases import MappedLeases
+
+            return MappedLeases(store, kv_pool=kv_pool, **kwargs)
         if not isinstance(store, DonorLayerStore):
             raise ValueError("--swiftcache-layer-stream donor needs the layer-stream KV pool with "
                              f"a donor store; this server's pool is {type(kv_pool).__name__} "
