@@ -8,9 +8,12 @@ Servers (the busy model `small`, all up for the whole benchmark, started side by
 - `swiftcache_stream`  SwiftCache streaming layers from donor pages (`--swiftcache-layer-stream
   donor`, resident fraction `--stream-resident-fraction`) with the stock pool's local KV memory
   (`stream_plan`), and its own donor lending the store's streamed pages (about the same loan);
+- `swiftcache_mapped`  SwiftCache reading donor pages in place (`--swiftcache-layer-stream donor
+  --swiftcache-layer-stream-depth 0`): local rows at most the stock pool's, the rest of a pool of
+  the stock pool plus the loan mapped from its own donor's pages (`mapped_plan`);
 - `ideal`       stock SGLang whose one pool holds the busy pool and the loan;
 - `ideal_twin`  the ideal again: the noise floor of a ratio against the ideal.
-`--modes` leaves out either SwiftCache server. For every client count and seed the servers take
+`--modes` leaves out any SwiftCache server. For every client count and seed the servers take
 turns (the order rotated by one each time), each
 after a `/flush_cache` and a second's pause (as the original between rates). Every busy server
 writes its forward passes and the borrower its batch loads to OUT (the debug seam's traces), so
@@ -24,7 +27,8 @@ sequential phase with the largest P99, beside stock's P99 of it) and
 `phase_p99_excess_vs_stock` (the phase whose P99 exceeds stock's by the most), and
 `ttft_gap_split` (`gap_split`: its mean TTFT minus the ideal's, split into what its uncached
 prompt tokens cost at the ideal's speed, its longer wait for admission, and the rest; means
-over the seeds). The same keys prefixed `stream_` are those of `swiftcache_stream`.
+over the seeds). The same keys prefixed `stream_` are those of `swiftcache_stream`, prefixed
+`mapped_` those of `swiftcache_mapped`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import re
 import tempfile
 import time
 import urllib.request
@@ -52,9 +58,10 @@ from .observe import parse_metrics
 from .plan import COMMON_ARGS, HEARTBEAT_ARGS, ModelFacts, NodePlan, RunSpec
 from .runner import bench_server
 
-SYSTEMS = ("stock", "swiftcache", "swiftcache_stream", "ideal", "ideal_twin")
-MODES = ("swiftcache", "swiftcache_stream")
-PREFIX = {"swiftcache": "", "swiftcache_stream": "stream_"}  # of each mode's keys
+SYSTEMS = ("stock", "swiftcache", "swiftcache_stream", "swiftcache_mapped", "ideal", "ideal_twin")
+MODES = ("swiftcache", "swiftcache_stream", "swiftcache_mapped")
+PREFIX = {"swiftcache": "", "swiftcache_stream": "stream_", "swiftcache_mapped": "mapped_"}
+DEFAULT_MODES = MODES
 SWIFT_RATIOS = ("ttft_p99_vs_stock", "ttft_avg_vs_ideal", "ttft_p99_vs_ideal")
 TWIN_RATIOS = ("twin_ttft_avg_vs_ideal", "twin_ttft_p99_vs_ideal")
 STREAM_DEPTH = 2
@@ -90,21 +97,66 @@ def stream_plan(plan: NodePlan, busy: ModelFacts, donor: ModelFacts,
     return StreamPlan(rp.tokens, rp.resident, streamed, int(need / plan.lend_fraction) + 64)
 
 
-def specs(plan: NodePlan, loan: int, lent: int, stream: StreamPlan) -> dict[str, RunSpec]:
+@dataclass(frozen=True)
+class MappedPlan:
+    """`swiftcache_mapped`'s pool: `local` rows of every layer (whole mapping units, at most the
+    stock pool's tokens) and `mapped` rows read in place (whole pieces, at most the loan), as
+    `tokens` slots (one padding row); its donor lends every piece's chunk."""
+
+    tokens: int  # --max-total-tokens
+    local: int
+    mapped: int
+    fraction: float  # --swiftcache-layer-stream-resident-fraction: local / tokens
+    donor_pool: int
+
+
+def mapped_plan(plan: NodePlan, busy: ModelFacts, donor: ModelFacts, loan: int) -> MappedPlan:
+    from sglang_swift.layer_stream.mapped import PIECE_BYTES, piece_bytes_for
+
+    row = busy.kv_bytes_per_token // (2 * busy.layers)
+    unit = 4096 // math.gcd(4096, row)
+    per = piece_bytes_for(row) // row
+    local = plan.busy_pool // unit * unit
+    mapped = loan // per * per
+    tokens = local + mapped - 1
+    donor_row = donor.kv_bytes_per_token // (2 * donor.layers)
+    pages = -(-mapped * busy.kv_bytes_per_token // donor.kv_bytes_per_token)
+    pages += -(-PIECE_BYTES // donor_row) + 1  # the alignment a run of pages may lose
+    return MappedPlan(tokens, local, mapped, (local + 0.5) / tokens,
+                      int(pages / plan.lend_fraction) + 64)
+
+
+def specs(plan: NodePlan, loan: int, lent: int, stream: StreamPlan,
+          mapped: MappedPlan) -> dict[str, RunSpec]:
     ideal = plan.busy_pool + loan
     return {"stock": RunSpec("a", "stock", plan.busy_pool, plan.donor_pool, False),
             "swiftcache": RunSpec("b", "swiftcache", plan.busy_pool, plan.donor_pool, True),
             "swiftcache_stream": RunSpec("s", "swiftcache_stream", stream.tokens,
                                          stream.donor_pool, True),
+            "swiftcache_mapped": RunSpec("m", "swiftcache_mapped", mapped.tokens,
+                                         mapped.donor_pool, True),
             "ideal": RunSpec("c", "ideal", ideal, plan.donor_pool - lent, False),
             "ideal_twin": RunSpec("t", "ideal_twin", ideal, plan.donor_pool - lent, False)}
 
 
-def stream_args(rendezvous: str, fraction: float) -> list[str]:
+def stream_args(rendezvous: str, fraction: float, depth: int = STREAM_DEPTH) -> list[str]:
     return [*COMMON_ARGS, *HEARTBEAT_ARGS, "--swiftcache-rendezvous-dir", rendezvous,
             "--swiftcache-layer-stream", "donor",
-            "--swiftcache-layer-stream-depth", str(STREAM_DEPTH),
+            "--swiftcache-layer-stream-depth", str(depth),
             "--swiftcache-layer-stream-resident-fraction", str(fraction)]
+
+
+def wait_mapped_on_donor(server, timeout_s: float = 300.0) -> dict:
+    """Block until the depth-0 server logs every piece read in place from donor memory."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        placed = re.findall(r"read in place from donor memory \((\d+) of (\d+)\)",
+                            server.log_text())
+        if placed and placed[-1][0] == placed[-1][1]:
+            return {"mapped_pieces_on_donor": int(placed[-1][0])}
+        time.sleep(1.0)  # polling another process's log
+    raise RuntimeError(f"the depth-0 server did not map its pool onto the donor within "
+                       f"{timeout_s:.0f} s; see {server.log_path}")
 
 
 def _read_lines(path: Path, start: int) -> tuple[list[dict], int]:
@@ -154,18 +206,22 @@ class Bench:
 
     def __init__(self, plan: NodePlan, busy_model: Path, donor_model: Path, out: Path,
                  loan: int, lent: int, max_borrow: int, stream: StreamPlan,
-                 systems: tuple[str, ...], fraction: float):
+                 systems: tuple[str, ...], fraction: float, mapped: MappedPlan):
         self.out = out
         self.systems = systems
         self.rendezvous = tempfile.mkdtemp(prefix="multiturn-")
         self.stream_rendezvous = tempfile.mkdtemp(prefix="multiturn-stream-")
-        self.specs = {k: v for k, v in specs(plan, loan, lent, stream).items() if k in systems}
+        self.mapped_rendezvous = tempfile.mkdtemp(prefix="multiturn-mapped-")
+        self.specs = {k: v for k, v in specs(plan, loan, lent, stream, mapped).items()
+                      if k in systems}
         self.busy = {}
         self.donors = []
         self.traces: dict[str, dict[str, Path]] = {}
         self.offsets: dict[Path, int] = {}
         for name, spec in self.specs.items():
             args = (stream_args(self.stream_rendezvous, fraction) if name == "swiftcache_stream"
+                    else stream_args(self.mapped_rendezvous, mapped.fraction, depth=0)
+                    if name == "swiftcache_mapped"
                     else spec.busy_args(plan, self.rendezvous, max_borrow))
             srv = bench_server(busy_model, spec, "busy", spec.busy_pool, args, plan, out, False)
             paths = {"forward": out / f"{name}-busy.forward.jsonl",
@@ -176,7 +232,8 @@ class Bench:
                                       load_trace=str(paths["loads"].resolve()))
             self.busy[name], self.traces[name] = srv, paths
         for name, rendezvous in (("swiftcache", self.rendezvous),
-                                 ("swiftcache_stream", self.stream_rendezvous)):
+                                 ("swiftcache_stream", self.stream_rendezvous),
+                                 ("swiftcache_mapped", self.mapped_rendezvous)):
             if name in self.specs:
                 sw = self.specs[name]
                 self.donors.append(bench_server(donor_model, sw, "donor", sw.donor_pool,
@@ -184,14 +241,17 @@ class Bench:
                                                 False))
 
     def start(self) -> dict:
-        """Start every server; wait for the borrower's lease and the stream store's pages on
-        its donor. Returns what the stream server placed."""
+        """Start every server; wait for the borrower's lease, the stream store's pages and the
+        depth-0 pool's pieces on their donors. Returns what the two placed."""
         start_all([*self.busy.values(), *self.donors])
+        placed: dict = {}
         if "swiftcache" in self.specs:
             wait_for_lease(self.rendezvous, timeout_s=300)
         if "swiftcache_stream" in self.specs:
-            return wait_store_on_donor(self.busy["swiftcache_stream"])
-        return {}
+            placed.update(wait_store_on_donor(self.busy["swiftcache_stream"]))
+        if "swiftcache_mapped" in self.specs:
+            placed.update(wait_mapped_on_donor(self.busy["swiftcache_mapped"]))
+        return placed
 
     def stop(self) -> None:
         for srv in [*self.busy.values(), *self.donors]:
@@ -372,16 +432,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--busy-pool", type=int, default=1024)
     ap.add_argument("--donor-pool", type=int, default=16384)
     ap.add_argument("--lend-fraction", type=float, default=0.5)
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help="the SwiftCache servers to run (default both: swiftcache, "
-                         "swiftcache_stream)")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"the SwiftCache servers to run, of {', '.join(MODES)} (default "
+                         f"{', '.join(DEFAULT_MODES)})")
     ap.add_argument("--stream-resident-fraction", type=float, default=0.5,
                     help="swiftcache_stream's --swiftcache-layer-stream-resident-fraction")
     ap.add_argument("--out", type=Path, default=Path("runs/multiturn"))
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
-        ap.error(f"--modes: one or both of {', '.join(MODES)}, not {args.modes!r}")
+        ap.error(f"--modes: some of {', '.join(MODES)}, not {args.modes!r}")
     args.systems = tuple(s for s in SYSTEMS if s in modes or s not in MODES)
     args.client_counts = [int(x) for x in (args.clients or ("8,16" if args.quick else "8,16,32"))
                           .split(",") if x]
@@ -409,11 +469,13 @@ def main(argv: list[str] | None = None) -> int:
                     ready_queue_policy=args.ready_queue_policy)
     args.out.mkdir(parents=True, exist_ok=True)
     stream = stream_plan(plan, busy, donor, args.stream_resident_fraction)
+    mapped = mapped_plan(plan, busy, donor, loan)
     bench = Bench(plan, busy_model, donor_model, args.out, loan, lent,
                   plan.lendable_busy_tokens(busy, donor), stream, args.systems,
-                  args.stream_resident_fraction)
+                  args.stream_resident_fraction, mapped)
     print(f"pools: busy {plan.busy_pool}, SwiftCache's loan {loan} busy tokens ({lent} donor "
-          f"tokens), ideal {plan.busy_pool + loan}; streamed {asdict(stream)}; load "
+          f"tokens), ideal {plan.busy_pool + loan}; streamed {asdict(stream)}; mapped "
+          f"{asdict(mapped)}; load "
           f"{asdict(base)}", flush=True)
     detail: dict = {}
     summary: dict = {}
@@ -450,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.stop()
     summary.update(load=asdict(base), pools={"busy": plan.busy_pool, "loan": loan,
                                              "ideal": plan.busy_pool + loan,
-                                             "stream": {**asdict(stream), **placed}},
+                                             "stream": {**asdict(stream), **{
+                                                 k: v for k, v in placed.items()
+                                                 if k.startswith("store_")}},
+                                             "mapped": {**asdict(mapped), **{
+                                                 k: v for k, v in placed.items()
+                                                 if k.startswith("mapped_")}}},
                    wall_s=round(time.monotonic() - started), quick=args.quick,
                    device=f"CPU only ({os.cpu_count()} cores)")
     print(json.dumps(summary, sort_keys=True), flush=True)

@@ -130,6 +130,12 @@ def around_config_from_budget(orig, configurator, budget_bytes, *args, **kwargs)
         cap = kwargs.get("cap_tokens")
         kwargs["cap_tokens"] = host_cap if cap is None else min(cap, host_cap)
     result = orig(configurator, scaled, *args, **kwargs)
+    if depth == 0:
+        logger.info("SwiftCache layer streaming: local KV budget %.2f GiB holds every layer of "
+                    "%.0f%% of the tokens; the rest read in place -> %d tokens of context",
+                    budget_bytes / GIB, 100 * settings.resident_fraction,
+                    result.max_total_num_tokens)
+        return result
     logger.info("SwiftCache layer streaming: local KV budget %.2f GiB holds %d of %d layers "
                 "(%.0f%% of it resident rows) -> %d tokens of streamable context",
                 budget_bytes / GIB, depth, layers, 100 * settings.resident_fraction,

@@ -59,6 +59,10 @@ class MappedLeases(StoreLeases):
         self.store = store
         stats.update({k: 0 for k in STATS})
 
+    def held_tokens(self) -> int:
+        """Tokens of this model's KV the held chunks can hold (every layer's K and V)."""
+        return self.held_blocks * self.store.per_piece // (2 * self.store.layers)
+
     def _pages_for(self, layout: Any, donor_ranks: int, want: int) -> int:
         """Donor pages for `want` chunks, with one chunk's pages per donor layer half of slack."""
         halves = [h for h in (0, 1) if layout.chunk_bytes(h)]

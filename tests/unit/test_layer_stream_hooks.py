@@ -34,7 +34,8 @@ def _configurator(**kw):
 def test_options_sit_in_the_layer_streaming_group_with_working_defaults():
     """--swiftcache-layer-stream, -depth, -resident-fraction and -host-gb are in the group titled
     'layer streaming'; left out, the server does not stream (off), depth is 2 and half the local
-    KV memory is resident rows."""
+    KV memory is resident rows. Depth 1 is refused; depth 0 only reads donor pages in place, and
+    with a resident fraction (the local part of the tokens)."""
     from sglang_swift.integration.plugin import add_swiftcache_args, config_from_namespace
 
     parser = argparse.ArgumentParser()
@@ -53,7 +54,15 @@ def test_options_sit_in_the_layer_streaming_group_with_working_defaults():
         ["--enable-swiftcache", "--swiftcache-layer-stream", "host"]))
     assert on.streams_layers
     with pytest.raises(SystemExit):
-        parser.parse_args(["--swiftcache-layer-stream-depth", "1"])
+        parser.parse_args(["--swiftcache-layer-stream-depth", "-1"])
+    with pytest.raises(ValueError, match="depth 1 stages no layer"):
+        SwiftConfig(enabled=True, layer_stream="host", layer_stream_depth=1)
+    for tier, fraction in (("host", 0.5), ("donor", 0.0)):  # depth 0 reads donor pages in place
+        with pytest.raises(ValueError, match="depth 0 reads donor pages in place"):
+            SwiftConfig(enabled=True, layer_stream=tier, layer_stream_depth=0,
+                        layer_stream_resident_fraction=fraction)
+    assert SwiftConfig(enabled=True, layer_stream="donor", layer_stream_depth=0,
+                       layer_stream_resident_fraction=0.25).streams_from_donor
 
 
 def test_streaming_with_lending_or_borrowing_is_refused():

@@ -255,6 +255,26 @@ def test_stream_pool_fits_the_stock_pools_local_memory():
         "stock", "swiftcache_stream", "ideal", "ideal_twin")
 
 
+def test_mapped_pool_is_the_stock_pools_local_memory_plus_the_loan():
+    """Invariant: the depth-0 server's local rows are at most the stock pool's, its mapped rows
+    at most the loan, together the ideal's pool less its padding row; its resident fraction
+    gives the pool those local rows; its donor lends every piece's chunk with slack."""
+    from benchmarks.nodebench.plan import ModelFacts, NodePlan
+    from sglang_swift.layer_stream.mapped import mapped_rows, piece_bytes_for
+
+    small = ModelFacts("small", layers=8, kv_bytes_per_token=8 * 2 * 512,
+                       matmul_flops_per_token=1, attn_flops_per_context_token=1)
+    tiny = ModelFacts("tiny", layers=4, kv_bytes_per_token=2048, matmul_flops_per_token=1,
+                      attn_flops_per_context_token=1)
+    plan = NodePlan(busy_pool=1024, donor_pool=16384)
+    mp = multiturn_cli.mapped_plan(plan, small, tiny, 2048)
+    assert (mp.local, mp.mapped, mp.tokens) == (1024, 2048, 3071)
+    assert mapped_rows(mp.tokens, 1, mp.fraction, 512, piece_bytes_for(512)) == (1024, 3072)
+    assert int(mp.donor_pool * plan.lend_fraction) * 2048 > mp.mapped * 8 * 1024
+    args = multiturn_cli.parse([])
+    assert "swiftcache_mapped" in args.systems and len(args.systems) == 6
+
+
 def test_quick_runs_8_and_16_clients():
     args = multiturn_cli.parse(["--quick"])
     assert args.client_counts == [8, 16] and args.seed_list == [1, 2]
