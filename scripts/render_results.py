@@ -561,7 +561,8 @@ def _multiturn_keys() -> dict[str, str]:
     keys = {}
     for n in ("8", "16", "32"):
         for pre, who in (("", "SwiftCache (donor tier)"),
-                         ("stream_", "SwiftCache streaming from donor pages")):
+                         ("stream_", "SwiftCache streaming from donor pages"),
+                         ("mapped_", "SwiftCache reading donor pages in place (depth 0)")):
             keys[f"{n}.{pre}ttft_p99_vs_stock"] = (
                 f"{n} clients: TTFT P99, {who} / stock at the same local KV memory; mean, "
                 "worst and spread (max - min) over the seeds")
@@ -581,7 +582,9 @@ def _multiturn_keys() -> dict[str, str]:
     keys.update({
         "pools": "tokens: stock's and the donor-tier borrower's pool, its loan, the ideal's one "
                  "pool (pool + loan); the streaming server's pool, resident and streamed slots, "
-                 "its donor's pool and the store pages placed on it",
+                 "its donor's pool and the store pages placed on it; the depth-0 server's pool, "
+                 "local and mapped rows, resident fraction, its donor's pool and the pieces "
+                 "mapped onto it",
         "load": "bench_multiturn's options (clients and seed per point)",
         "wall_s": "seconds the benchmark ran",
         "quick": "whether it ran --quick (8 and 16 clients, seeds 1 and 2)",
@@ -594,11 +597,18 @@ RECORDS["bench_multiturn_quick"] = RecordSpec(
     "SGLang bench_multiturn's traffic (random ready queue, Poisson arrivals, 2 requests in "
     "flight, 5 rounds, 64-token questions and answers): stock with a 1024-token pool, "
     "SwiftCache with the same pool and a donor tier, SwiftCache streaming layers from donor "
-    "pages with the same local KV memory, the ideal (one pool of the pool and the loan) and its "
+    "pages with the same local KV memory, SwiftCache reading donor pages in place (depth 0: "
+    "the same local rows plus the loan), the ideal (one pool of the pool and the loan) and its "
     "twin; 8 and 16 clients, seeds 1 and 2",
     "bench_multiturn traffic, TTFT (CPU)",
     "python scripts/bench_multiturn.py --quick", "docs/node_bench.md", _multiturn_keys(),
-    [Headline("16 clients, TTFT P99, streaming from donor pages / stock (mean of seeds)",
+    [Headline("16 clients, TTFT P99, donor pages read in place / stock (mean of seeds)",
+              key("16.mapped_ttft_p99_vs_stock.mean"), if_present=True),
+     Headline("16 clients, mean TTFT, donor pages read in place / ideal (mean of seeds)",
+              key("16.mapped_ttft_avg_vs_ideal.mean"), if_present=True),
+     Headline("16 clients, TTFT P99, donor pages read in place / ideal (mean of seeds)",
+              key("16.mapped_ttft_p99_vs_ideal.mean"), if_present=True),
+     Headline("16 clients, TTFT P99, streaming from donor pages / stock (mean of seeds)",
               key("16.stream_ttft_p99_vs_stock.mean")),
      Headline("16 clients, mean TTFT, streaming / ideal (mean of seeds)",
               key("16.stream_ttft_avg_vs_ideal.mean")),
@@ -619,9 +629,16 @@ RECORDS["bench_multiturn"] = replace(
                                                          "8, 16 and 32 clients, seeds 1 to 3"),
     short="bench_multiturn traffic, TTFT, 3 seeds (CPU)",
     command="python scripts/bench_multiturn.py",
-    headlines=[Headline(f"{n} clients, {what}", key(f"{n}.{k}"), readme=False)
+    headlines=[Headline(f"{n} clients, {what}", key(f"{n}.{k}"), readme=False,
+                        if_present=k.startswith("mapped_"))
                for n in ("8", "16", "32")
-               for what, k in (("TTFT P99, streaming / stock, worst seed",
+               for what, k in (("TTFT P99, read in place / stock, worst seed",
+                                "mapped_ttft_p99_vs_stock.worst"),
+                               ("mean TTFT, read in place / ideal (mean of seeds)",
+                                "mapped_ttft_avg_vs_ideal.mean"),
+                               ("TTFT P99, read in place / ideal (mean of seeds)",
+                                "mapped_ttft_p99_vs_ideal.mean"),
+                               ("TTFT P99, streaming / stock, worst seed",
                                 "stream_ttft_p99_vs_stock.worst"),
                                ("mean TTFT, streaming / ideal (mean of seeds)",
                                 "stream_ttft_avg_vs_ideal.mean"),
