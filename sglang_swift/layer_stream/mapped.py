@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from swift_kernels import K, V, KVGeometry
+from swift_kernels import K, KVGeometry, V
 from swift_kernels.geometry import dtype_name
 
 from ..dataplane.sharing import HEADER_BYTES
@@ -180,7 +180,8 @@ class MappedRows:
         if resident * self.row_bytes % gran or (rows - resident) * self.row_bytes % piece_bytes:
             raise ValueError(f"{resident} local rows and {rows - resident} mapped rows do not "
                              f"fill whole mapping units; use mapped_rows")
-        self.layers, self.resident, self.rows, self.piece_bytes = layers, resident, rows, piece_bytes
+        self.layers, self.resident, self.rows = layers, resident, rows
+        self.piece_bytes = piece_bytes
         self.per_piece = piece_bytes // self.row_bytes
         self.pieces_per_half = (rows - resident) // self.per_piece
         self.num_pieces = layers * 2 * self.pieces_per_half
@@ -408,7 +409,7 @@ class MappedKVPool(MHATokenToKVPool):
         super()._clear_buffers()
         self.layer_store = None
 
-    # ---- one forward: the pieces stay where they are until it ends --------------------------------
+    # ---- one forward: the pieces stay where they are until it ends ----------------------------
     def begin_layer_stream(self, forward_batch, req_to_token: torch.Tensor) -> None:
         store = self.layer_store
         store.lock.acquire()

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
-from ..control import LeaseGranted, LeaseLost, ReclaimRequested
+from ..control import LeaseGranted
 from ..dataplane import MappingError
 from ..dataplane.borrowing import Borrowing
 from .mapped import DonorChunks, MappedRows
-from .store_leases import LIVENESS_CHECK_S, StoreLeases
+from .store_leases import StoreLeases
 
 logger = logging.getLogger(__name__)
 STATS = ("stream_pieces_on_donor", "stream_pieces_flipped", "stream_bytes_to_donor",
@@ -32,9 +31,9 @@ STATS = ("stream_pieces_on_donor", "stream_pieces_flipped", "stream_bytes_to_don
 
 def _shm_opener(descriptor: Any):
     """A function opening the donor region's shared memory for mapping (CPU: its name)."""
-    kind = descriptor.get("kind") if isinstance(descriptor, dict) else getattr(descriptor, "kind")
+    kind = descriptor.get("kind") if isinstance(descriptor, dict) else descriptor.kind
     handle = (descriptor.get("handle") if isinstance(descriptor, dict)
-              else getattr(descriptor, "handle"))
+              else descriptor.handle)
     if kind != "shm":
         raise MappingError("unsupported", f"a {kind} region cannot be mapped in place here")
     name = "/" + bytes(handle).decode().lstrip("/")
@@ -52,6 +51,8 @@ def _shm_opener(descriptor: Any):
 
 class MappedLeases(StoreLeases):
     """Leases for a depth-0 pool's pieces; built by `StoreLeases.for_pool`."""
+
+    UNITS, FALLBACK = "pieces", "read from host memory"
 
     def __init__(self, store: MappedRows, *, kv_pool: Any, agent: Any, stats: dict) -> None:
         Borrowing.__init__(self, max_blocks=store.num_pieces, geometry=store.geometry,
@@ -100,20 +101,10 @@ class MappedLeases(StoreLeases):
             return
         self._failures = 0
         self._layouts[donor] = mapped.layout
-        checked = [0.0]
+        readable = self._readable(donor, lease_id, mapped)
 
         def deadline() -> float:
             return self.agent.read_deadline(donor, lease_id)
-
-        def readable() -> bool:
-            now = time.monotonic()
-            if now >= deadline():
-                return False
-            if now - checked[0] >= LIVENESS_CHECK_S:
-                if not mapped.alive():
-                    return False
-                checked[0] = now
-            return True
 
         lease = self.store.add_lease(ev.key, chunks, mapped.region, open_fd, readable, deadline)
         lease.mapping = ev.memory.owner_uuid
@@ -123,25 +114,3 @@ class MappedLeases(StoreLeases):
                     "read in place (lease %d, epoch %d)", len(ev.blocks), donor, len(chunks),
                     lease_id, ev.key.epoch)
         self.maybe_request(False)
-
-    def fence(self, ev: ReclaimRequested) -> bool:
-        lease = self.leases.get((ev.key.donor, ev.key.lease_id))
-        if lease is None:
-            return False
-        moved = self.store.fence(lease, ev.blocks)
-        if moved:
-            logger.info("SwiftCache layer streaming: %s reclaimed %d pages of lease %d; %d pieces "
-                        "now read from host memory", ev.key.donor, len(ev.blocks),
-                        ev.key.lease_id, moved)
-        return True
-
-    def on_lost(self, ev: LeaseLost, tree: Any) -> None:
-        lease = self.leases.pop((ev.key.donor, ev.key.lease_id), None)
-        if lease is None:
-            return None
-        moved = self.store.drop(lease)
-        self.stats["lost_leases"] += 1
-        logger.warning("SwiftCache layer streaming: lease %s lost (%s); its %d pieces now read "
-                       "from host memory, nothing lost", ev.key, ev.reason, moved)
-        self._drop_dead_mappings()
-        return None

@@ -38,6 +38,8 @@ STATS = ("stream_pages_on_donor", "stream_rows_from_donor", "stream_rows_to_dono
 class StoreLeases(Borrowing):
     """Leases for `store`'s pages; built by the runtime with `StoreLeases.for_pool`."""
 
+    UNITS, FALLBACK = "store pages", "stream from host memory"  # what moves, and where to
+
     def __init__(self, store: DonorLayerStore, *, kv_pool: Any, agent: Any,
                  stats: dict) -> None:
         super().__init__(max_blocks=store.num_pages, geometry=store.geometry, kv_pool=kv_pool,
@@ -91,13 +93,23 @@ class StoreLeases(Borrowing):
             return
         self._failures = 0
         self._layouts[donor] = mapped.layout
+        lease = self.store.add_lease(ev.key, packing, mapped.region,
+                                     self._readable(donor, lease_id, mapped))
+        lease.mapping = ev.memory.owner_uuid  # unmapped only once no lease of it is in the store
+        self.leases[(donor, ev.key.lease_id)] = lease
+        self.stats["leases"] += 1
+        logger.info("SwiftCache layer streaming: borrowing %d pages of %s's pool as %d store "
+                    "pages (lease %d, epoch %d, %d bytes unused)", len(ev.blocks), donor,
+                    packing.num_blocks, ev.key.lease_id, ev.key.epoch, packing.unused_bytes)
+        self.maybe_request(False)  # place its pages now
 
+    def _readable(self, donor: str, lease_id: int, mapped: Any):
+        """Whether a lease may be read now: inside its read deadline (every call) and the donor
+        process there (a syscall, so at most every LIVENESS_CHECK_S: the deadline already ends
+        reads of a silent donor within a heartbeat timeout)."""
         checked = [0.0]  # when the donor process was last seen alive
 
         def readable() -> bool:
-            """Inside the lease's read deadline (every call) and the donor process there (a
-            syscall, so at most every LIVENESS_CHECK_S: the deadline already ends reads of a
-            silent donor within a heartbeat timeout)."""
             now = time.monotonic()
             if now >= self.agent.read_deadline(donor, lease_id):
                 return False
@@ -107,14 +119,7 @@ class StoreLeases(Borrowing):
                 checked[0] = now
             return True
 
-        lease = self.store.add_lease(ev.key, packing, mapped.region, readable)
-        lease.mapping = ev.memory.owner_uuid  # unmapped only once no lease of it is in the store
-        self.leases[(donor, ev.key.lease_id)] = lease
-        self.stats["leases"] += 1
-        logger.info("SwiftCache layer streaming: borrowing %d pages of %s's pool as %d store "
-                    "pages (lease %d, epoch %d, %d bytes unused)", len(ev.blocks), donor,
-                    packing.num_blocks, ev.key.lease_id, ev.key.epoch, packing.unused_bytes)
-        self.maybe_request(False)  # place its pages now
+        return readable
 
     def fence(self, ev: ReclaimRequested) -> bool:
         """Any thread (the agent's, as the reclaim arrives): flip the store pages on the
@@ -125,9 +130,9 @@ class StoreLeases(Borrowing):
             return False
         flipped = self.store.fence(lease, ev.blocks)
         if flipped:
-            logger.info("SwiftCache layer streaming: %s reclaimed %d pages of lease %d; %d store "
-                        "pages now stream from host memory", ev.key.donor, len(ev.blocks),
-                        ev.key.lease_id, flipped)
+            logger.info("SwiftCache layer streaming: %s reclaimed %d pages of lease %d; %d %s "
+                        "now %s", ev.key.donor, len(ev.blocks), ev.key.lease_id, flipped,
+                        self.UNITS, self.FALLBACK)
         return True
 
     def on_reclaim(self, ev: ReclaimRequested, tree: Any) -> None:
@@ -142,8 +147,8 @@ class StoreLeases(Borrowing):
             return None
         flipped = self.store.drop(lease)
         self.stats["lost_leases"] += 1
-        logger.warning("SwiftCache layer streaming: lease %s lost (%s); its %d store pages now "
-                       "stream from host memory, nothing lost", ev.key, ev.reason, flipped)
+        logger.warning("SwiftCache layer streaming: lease %s lost (%s); its %d %s now %s, "
+                       "nothing lost", ev.key, ev.reason, flipped, self.UNITS, self.FALLBACK)
         self._drop_dead_mappings()
         return None
 
@@ -156,7 +161,7 @@ class StoreLeases(Borrowing):
                 flipped = self.store.drop(self.leases.pop(key))
                 self.stats["lost_leases"] += 1
                 logger.warning("SwiftCache layer streaming: lease %s of a dead donor dropped; its "
-                               "%d store pages now stream from host memory", lease.key, flipped)
+                               "%d %s now %s", lease.key, flipped, self.UNITS, self.FALLBACK)
         super()._drop_dead_mappings()
 
     def attach_tree(self, tree: Any) -> None:

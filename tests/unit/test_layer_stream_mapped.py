@@ -17,8 +17,13 @@ import torch
 from sglang_swift.dataplane import KVGeometry, SharedArena
 from sglang_swift.dataplane.pool_lease import map_pool
 from sglang_swift.dataplane.sharing import HEADER_BYTES
-from sglang_swift.layer_stream.mapped import (GONE, DonorChunks, MappedKVPool, mapped_rows,
-                                               piece_bytes_for)
+from sglang_swift.layer_stream.mapped import (
+    GONE,
+    DonorChunks,
+    MappedKVPool,
+    mapped_rows,
+    piece_bytes_for,
+)
 from sglang_swift.layer_stream.mapped_leases import _shm_opener
 from sglang_swift.layer_stream.pool import StreamSettings
 from tests.unit.test_layer_stream import ARGS, Twin
