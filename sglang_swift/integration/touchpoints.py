@@ -545,8 +545,8 @@ CELL_SIZE = TouchPoint(
     versions=SGLANG_0_5_23)
 BUILD_MHA_POOL = TouchPoint(
     f"{CONFIGURATOR}._build_mha_kv_pool", Kind.AROUND,
-    "SGLang builds LayerStreamKVPool (its MHA pool, subclassed) where it would build "
-    "MHATokenToKVPool",
+    "SGLang builds LayerStreamKVPool (its MHA pool, subclassed; MappedKVPool at depth 0) where "
+    "it would build MHATokenToKVPool",
     "the pool is not streamed: the server starts with a stock pool", f"{LAYER_STREAM}.hooks",
     (Check(How.KEYWORD_PARAMS, names=("mha_pool_class", "quant_method")),),
     versions=SGLANG_0_5_23)
@@ -555,6 +555,16 @@ MHA_POOL_CLASS = TouchPoint(
     "LayerStreamKVPool keeps SGLang's MHA pool, with layers aliasing staging buffers",
     "the streamed pool's buffers no longer match what attention reads",
     f"{LAYER_STREAM}.pool",
+    versions=SGLANG_0_5_23)
+MAPPED_POOL_CLASS = TouchPoint(
+    MHA_POOL, Kind.SUBCLASS,
+    "MappedKVPool (depth 0) keeps SGLang's MHA pool, each layer's fused K/V buffer a range of "
+    "addresses onto which local rows, host pieces and donor chunks are mapped; it overrides "
+    "`_create_buffers_normal` and wraps the host-side readers (`get_cpu_copy`, "
+    "`load_cpu_copy`, `move_kv_cache`) in its forward lock",
+    "the mapped pool's buffers no longer match what attention reads",
+    f"{LAYER_STREAM}.mapped",
+    (Check(How.SOURCE, f"{MHA_POOL}._create_buffers_normal", ("fused", "k_buffer", "v_buffer")),),
     versions=SGLANG_0_5_23)
 BUILD_ALLOCATOR = TouchPoint(
     f"{CONFIGURATOR}._build_token_to_kv_pool_allocator", Kind.AFTER,
@@ -575,7 +585,8 @@ RESIDENT_FIRST = TouchPoint(
 MODEL_FORWARD = TouchPoint(
     "sglang.srt.model_executor.model_runner.ModelRunner.forward", Kind.AROUND,
     "opens and closes the streamed pool's per-forward stream (which slots the batch reads "
-    "is known here); also where the debug seam's forward observer runs",
+    "is known here), or holds the depth-0 pool's forward lock; also where the debug seam's "
+    "forward observer runs",
     "no layer is loaded: attention reads stale staging buffers", f"{LAYER_STREAM}.hooks",
     (Check(How.LEADING_PARAMS, names=("self", "forward_batch")),),
     versions=SGLANG_0_5_23)

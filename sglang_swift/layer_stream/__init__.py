@@ -12,6 +12,9 @@ serves contexts L/depth times longer than a stock pool of the same local memory.
   and optionally resident rows (every layer's own, never streamed);
 - `layer_views.py`: per-layer buffers mapped from a layer's own rows and a shared staging buffer
   (memfd on CPU, CUDA VMM on a GPU);
+- `mapped.py`: depth 0, `MappedKVPool` over `MappedRows`: the rows past the local ones mapped
+  from host memory or donor chunks and read in place, moved between forwards; `mapped_leases.py`:
+  `MappedLeases`, the runtime's borrower side for it;
 - `allocator.py`: SGLang's allocator made to hand out the lowest free slots (resident first);
 - `hooks.py`: the plugin hooks that size the pool, build it and its allocator, and bracket each
   forward;
