@@ -10,6 +10,12 @@ over (donor HBM: NVLink per direction; host memory: PCIe per direction). Each st
 layer's c*kv/L once; with depth 2 the load of layer l+1 runs while layer l computes, so the step
 takes the longer of the two, and the staged rows cost one extra HBM write besides.
 
+Read in place (depth 0, every row of the context on the donor's pages): attention reads the
+context over the link inside the step, after the weights, with nothing to overlap it:
+    in place  t_map = W / (B_hbm * e_hbm) + c*kv / B_link
+(no staging write; for a long prefill attention reads each K/V tile once per query block unless
+the GPU's L2 serves it again, which a bandwidth formula cannot say: not estimated here.)
+
 Prefill, a chunk of C tokens after a prefix of p tokens (compute-bound):
     resident per token  t_res = 2*N / (F * e_c)          (N = non-embedding parameters)
     streamed per token  t_str = max(t_res, p*kv / (C * B_link))
@@ -30,8 +36,10 @@ def decode_step_ratio(gpu: str, model: str, context: int, link: str) -> dict:
     resident = (m.weight_bytes + kv) / hbm
     transfer = kv / g[LINKS[link]]
     streamed = max(resident + kv / hbm, transfer)
+    in_place = m.weight_bytes / hbm + transfer
     return {"resident_ms": resident * 1e3, "streamed_ms": streamed * 1e3,
-            "ratio": streamed / resident}
+            "ratio": streamed / resident, "in_place_ms": in_place * 1e3,
+            "in_place_ratio": in_place / resident}
 
 
 def prefill_token_ratio(gpu: str, model: str, prefix: int, chunk: int, link: str) -> dict:
@@ -56,6 +64,8 @@ def expected_costs(model: str = "Qwen3-32B", context: int = 32768) -> list[dict]
                          "decode_resident_ms": round(d["resident_ms"], 2),
                          "decode_streamed_ms": round(d["streamed_ms"], 2),
                          "decode_step_ratio": round(d["ratio"], 2),
+                         "decode_in_place_ms": round(d["in_place_ms"], 2),
+                         "decode_in_place_ratio": round(d["in_place_ratio"], 2),
                          "prefill_token_ratio": round(p["ratio"], 2)})
     return rows
 
