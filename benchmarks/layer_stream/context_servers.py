@@ -119,15 +119,21 @@ def logged_resident_tokens(log: str) -> int:
     return int(m[1])
 
 
-def wait_store_on_donor(server, timeout_s: float = 300.0) -> dict:
-    """Block until the streamed server logs every store page placed on donor memory."""
+STORE_PLACED = r"stream from donor memory \((\d+) of (\d+)\)"  # depth 2 and more: store pages
+MAPPED_PLACED = r"read in place from donor memory \((\d+) of (\d+)\)"  # depth 0: pieces
+
+
+def wait_store_on_donor(server, timeout_s: float = 300.0, pattern: str = STORE_PLACED,
+                        key: str = "store_pages_on_donor") -> dict:
+    """Block until the streamed server logs every store page (`pattern`: or, at depth 0, every
+    piece) placed on donor memory; returns {key: how many}."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        placed = re.findall(r"stream from donor memory \((\d+) of (\d+)\)", server.log_text())
+        placed = re.findall(pattern, server.log_text())
         if placed and placed[-1][0] == placed[-1][1]:
-            return {"store_pages_on_donor": int(placed[-1][0])}
+            return {key: int(placed[-1][0])}
         time.sleep(1.0)  # polling another process's log
-    raise RuntimeError(f"the streamed server did not place its store on the donor within "
+    raise RuntimeError(f"the streamed server did not place its rows on the donor within "
                        f"{timeout_s:.0f} s; see {server.log_path}")
 
 

@@ -38,7 +38,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import tempfile
 import time
 import urllib.request
@@ -47,7 +46,7 @@ from pathlib import Path
 
 from ..instruments import instruments_env
 from ..instruments.work import breakdown, read_work
-from ..layer_stream.context_servers import donor_reads, wait_store_on_donor
+from ..layer_stream.context_servers import MAPPED_PLACED, donor_reads, wait_store_on_donor
 from ..loadgen.stats import pct
 from ..tools.demo import wait_for_lease
 from ..tools.local_server import start_all
@@ -146,19 +145,6 @@ def stream_args(rendezvous: str, fraction: float, depth: int = STREAM_DEPTH) -> 
             "--swiftcache-layer-stream-resident-fraction", str(fraction)]
 
 
-def wait_mapped_on_donor(server, timeout_s: float = 300.0) -> dict:
-    """Block until the depth-0 server logs every piece read in place from donor memory."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        placed = re.findall(r"read in place from donor memory \((\d+) of (\d+)\)",
-                            server.log_text())
-        if placed and placed[-1][0] == placed[-1][1]:
-            return {"mapped_pieces_on_donor": int(placed[-1][0])}
-        time.sleep(1.0)  # polling another process's log
-    raise RuntimeError(f"the depth-0 server did not map its pool onto the donor within "
-                       f"{timeout_s:.0f} s; see {server.log_path}")
-
-
 def _read_lines(path: Path, start: int) -> tuple[list[dict], int]:
     """JSON lines of `path` from byte `start`; and the new end."""
     if not path.exists():
@@ -250,7 +236,9 @@ class Bench:
         if "swiftcache_stream" in self.specs:
             placed.update(wait_store_on_donor(self.busy["swiftcache_stream"]))
         if "swiftcache_mapped" in self.specs:
-            placed.update(wait_mapped_on_donor(self.busy["swiftcache_mapped"]))
+            placed.update(wait_store_on_donor(self.busy["swiftcache_mapped"],
+                                              pattern=MAPPED_PLACED,
+                                              key="mapped_pieces_on_donor"))
         return placed
 
     def stop(self) -> None:

@@ -37,16 +37,12 @@ from integration.test_layer_stream_e2e import (
     _prompt,
 )
 
+from benchmarks.layer_stream.context_servers import MAPPED_PLACED, wait_store_on_donor
 from benchmarks.tools.local_server import serving
 from benchmarks.tools.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.integration
 LOCAL_FRACTION = 0.25  # 803 tokens, 200 of them local: rounded down to whole 4 KiB units, 200
-
-
-def _placed(log: str) -> tuple[int, int] | None:
-    found = re.findall(r"read in place from donor memory \((\d+) of (\d+)\)", log)
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
 def test_rows_read_in_place_from_a_donor_serve_four_times_the_local_pool_through_a_reclaim(
@@ -70,8 +66,7 @@ def test_rows_read_in_place_from_a_donor_serve_four_times_the_local_pool_through
                                      "--swiftcache-layer-stream-resident-fraction",
                                      str(LOCAL_FRACTION), *_control(rendezvous)])
     with serving(donor, mapped):
-        wait_for(lambda: (p := _placed(mapped.log_text())) is not None and p[0] == p[1], 180,
-                 "the server to map every piece onto donor pages")
+        wait_store_on_donor(mapped, 180, pattern=MAPPED_PLACED)  # every piece on the donor
         assert metric(donor, "swiftcache_lent_tokens") > 0, "the donor's metrics show no lease"
         log = mapped.log_text()
         assert re.search(r"KV pool of 803 tokens read in place; 200 resident tokens local", log)

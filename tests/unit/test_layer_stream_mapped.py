@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_swift.dataplane import KVGeometry, SharedArena
-from sglang_swift.dataplane.pool_lease import map_pool
 from sglang_swift.dataplane.sharing import HEADER_BYTES
 from sglang_swift.layer_stream.mapped import (
     GONE,
@@ -26,11 +24,11 @@ from sglang_swift.layer_stream.mapped import (
 )
 from sglang_swift.layer_stream.mapped_leases import _shm_opener
 from sglang_swift.layer_stream.pool import StreamSettings
+from tests.unit import test_layer_stream_donor
 from tests.unit.test_layer_stream import ARGS, Twin
 from tests.unit.test_packing import pool_of
 from tests.unit.test_pool_transfer import POISON
 
-DONOR_PAGE = KVGeometry(3, 1, 8, 8, "float32", 1)  # another model: 32-byte rows, ours 512
 HEAD_DIM = 64  # 2 heads x 64 x 4 bytes: 512-byte rows, 8 per 4 KiB piece
 
 
@@ -40,17 +38,13 @@ def _mapped(fraction: float = 0.25):
     return cls(**{**ARGS, "head_dim": HEAD_DIM})
 
 
-class Donor:
-    """A donor's pool region in shared memory (poisoned), mapped from its descriptor."""
+class Donor(test_layer_stream_donor.Donor):
+    """test_layer_stream_donor's donor, large enough for whole 4 KiB chunks, with a read
+    deadline and a way to overwrite what it lent."""
 
     def __init__(self, pages: int = 4096):
-        self.layout = pool_of(DONOR_PAGE, pages)
-        self.arena = SharedArena(-(-self.layout.data_bytes // 512) * 512)
-        self.arena.memory.view(-1).fill_(POISON)
-        self.mapped = map_pool({**self.arena.export(), "layout": self.layout.to_dict()})
-        self.up = True
+        super().__init__(pages)
         self.until = float("inf")  # the lease's read deadline
-        self.leases = 0
 
     def lend(self, store, pages):
         self.leases += 1
@@ -62,10 +56,6 @@ class Donor:
     def poison(self) -> None:
         """The donor reuses its pages: whatever a borrower left there is overwritten."""
         self.mapped.region.fill_(POISON)
-
-    def close(self) -> None:
-        self.mapped.close()
-        self.arena.close()
 
 
 @pytest.fixture
@@ -118,7 +108,7 @@ def test_rows_and_pieces_cover_the_pool():
 def test_chunks_are_whole_pieces_inside_lent_runs():
     """Invariant: chunks start page-aligned in the donor's file, lie inside one run of lent
     pages of one layer's K or V rows, and `touching` finds exactly those holding a page."""
-    layout = pool_of(DONOR_PAGE, 4096)
+    layout = pool_of(test_layer_stream_donor.DONOR_PAGE, 4096)
     pages = list(range(10, 700)) + list(range(900, 1200))
     chunks = DonorChunks.cut(layout, pages, 4096)
     lent = set(pages)
