@@ -647,7 +647,17 @@ RECORDS["bench_multiturn"] = replace(
                                ("TTFT P99, streaming / ideal (mean of seeds)",
                                 "stream_ttft_p99_vs_ideal.mean"),
                                ("mean TTFT, ideal twin / ideal (noise floor)",
-                                "twin_ttft_avg_vs_ideal.mean"))])
+                                "twin_ttft_avg_vs_ideal.mean"),
+                               ("TTFT P99, ideal twin / ideal (noise floor)",
+                                "twin_ttft_p99_vs_ideal.mean"),
+                               ("mean TTFT / ideal, read in place: spread over the seeds "
+                                "(max - min)", "mapped_ttft_avg_vs_ideal.spread"),
+                               ("mean TTFT / ideal, ideal twin: spread over the seeds",
+                                "twin_ttft_avg_vs_ideal.spread"),
+                               ("TTFT P99 / ideal, read in place: spread over the seeds",
+                                "mapped_ttft_p99_vs_ideal.spread"),
+                               ("TTFT P99 / ideal, ideal twin: spread over the seeds",
+                                "twin_ttft_p99_vs_ideal.spread"))])
 
 RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
     "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the upper bound "
