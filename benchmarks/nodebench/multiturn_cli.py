@@ -22,9 +22,9 @@ each request gets a timeline (`phases.timeline`).
 Per client count, the last line's JSON has, as means over the seeds and for the worst seed:
 `ttft_p99_vs_stock` (SwiftCache's TTFT P99 / stock's), `ttft_avg_vs_ideal`, `ttft_p99_vs_ideal`
 (SwiftCache / the ideal), `twin_ttft_avg_vs_ideal`, `twin_ttft_p99_vs_ideal` (the twin / the
-ideal), their spreads over the seeds (max - min), and `slowest_phase_p99` (SwiftCache's
-sequential phase with the largest P99, beside stock's P99 of it) and
-`phase_p99_excess_vs_stock` (the phase whose P99 exceeds stock's by the most), and
+ideal), their spreads over the seeds (max - min) and each seed's value (`per_seed`), and
+`slowest_phase_p99` (SwiftCache's sequential phase with the largest P99, beside stock's P99
+of it) and `phase_p99_excess_vs_stock` (the phase whose P99 exceeds stock's by the most), and
 `ttft_gap_split` (`gap_split`: its mean TTFT minus the ideal's, split into what its uncached
 prompt tokens cost at the ideal's speed, its longer wait for admission, and the rest; means
 over the seeds). The same keys prefixed `stream_` are those of `swiftcache_stream`, prefixed
@@ -366,7 +366,8 @@ def point_keys(p: dict) -> list[str]:
 
 
 def over_seeds(points: list[dict]) -> dict:
-    """Means over the seeds, the worst seed (the largest ratio) and the spread (max - min)."""
+    """Means over the seeds, the worst seed (the largest ratio), the spread (max - min) and each
+    seed's value, in the order the seeds ran."""
     out: dict = {"seeds": len(points)}
     for mode in (m for m in MODES if PREFIX[m] + "ttft_avg_vs_ideal" in points[0]):
         out.update(_mode_over_seeds(points, PREFIX[mode]))
@@ -376,7 +377,8 @@ def over_seeds(points: list[dict]) -> dict:
 
 
 def _spread(vals: list[float]) -> dict:
-    return {"mean": sum(vals) / len(vals), "worst": max(vals), "spread": max(vals) - min(vals)}
+    return {"mean": sum(vals) / len(vals), "worst": max(vals), "spread": max(vals) - min(vals),
+            "per_seed": list(vals)}
 
 
 def _mode_over_seeds(points: list[dict], pre: str) -> dict:

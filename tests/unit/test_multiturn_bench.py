@@ -193,6 +193,7 @@ def test_point_ratios_mean_exactly_what_their_names_say():
     assert seeds["ttft_avg_vs_ideal"]["mean"] == pytest.approx((1.75 / 0.75 + 1.0) / 2)
     assert seeds["ttft_avg_vs_ideal"]["worst"] == pytest.approx(1.75 / 0.75)
     assert seeds["ttft_avg_vs_ideal"]["spread"] == pytest.approx(1.75 / 0.75 - 1.0)
+    assert seeds["ttft_avg_vs_ideal"]["per_seed"] == pytest.approx([1.75 / 0.75, 1.0])
 
 
 def test_stream_mode_gets_its_own_prefixed_ratios():
