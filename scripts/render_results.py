@@ -666,7 +666,8 @@ RECORDS["bench_multiturn_more_seeds"] = replace(
           "1024-token pool, SwiftCache reading donor pages in place (depth 0), the ideal and its "
           "twin",
     short="bench_multiturn traffic, 16 clients, seeds 4-9 (CPU)",
-    command="python scripts/bench_multiturn.py --clients 16 --seeds 4,5,6,7,8,9 --modes mapped",
+    command="python scripts/bench_multiturn.py --clients 16 --seeds 4,5,6,7,8,9 "
+            "--modes swiftcache_mapped",
     headlines=[Headline(f"16 clients, {what}", key(f"16.{k}"), readme=False)
                for what, k in (("TTFT P99, read in place / stock, worst seed",
                                 "mapped_ttft_p99_vs_stock.worst"),
