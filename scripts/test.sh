@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
 export TRITON_INTERPRET=1   # read when @triton.jit decorates: must be set before triton is imported
 set +e
-.venv/bin/python -m pytest --timeout 900 "$@"
+.venv/bin/python -m pytest --timeout 900 --durations=20 "$@"  # the 20 slowest tests last
 rc=$?
 set -e
 if [[ $rc == 5 ]]; then
