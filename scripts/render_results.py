@@ -659,6 +659,26 @@ RECORDS["bench_multiturn"] = replace(
                                ("TTFT P99 / ideal, ideal twin: spread over the seeds",
                                 "twin_ttft_p99_vs_ideal.spread"))])
 
+def _depth0_vs_twin(result: dict) -> dict:
+    """Per client count, the depth-0 server's TTFT over the ideal twin's, seed by seed: both are
+    ratios to the same ideal run of the same seed, so their quotient compares depth 0 with a copy
+    of the ideal under the same draw of noise (records with each seed's ratios only)."""
+    out = {}
+    for n in ("8", "16", "32"):
+        point = result.get(n) or {}
+        pair = {}
+        for what in ("avg", "p99"):
+            ours = (point.get(f"mapped_ttft_{what}_vs_ideal") or {}).get("per_seed")
+            twin = (point.get(f"twin_ttft_{what}_vs_ideal") or {}).get("per_seed")
+            if ours and twin and len(ours) == len(twin):
+                q = [a / b for a, b in zip(ours, twin)]
+                pair[f"ttft_{what}"] = {"mean": sum(q) / len(q), "per_seed": q,
+                                        "seeds_at_most_twin": sum(x <= 1.0 for x in q)}
+        if pair:
+            out[f"{n}_depth0_vs_twin"] = pair
+    return out
+
+
 RECORDS["bench_multiturn_more_seeds"] = replace(
     RECORDS["bench_multiturn_quick"],
     title="SGLang bench_multiturn's traffic at 16 clients, seeds 4 to 9 (six more draws of the "
@@ -668,7 +688,21 @@ RECORDS["bench_multiturn_more_seeds"] = replace(
     short="bench_multiturn traffic, 16 clients, seeds 4-9 (CPU)",
     command="python scripts/bench_multiturn.py --clients 16 --seeds 4,5,6,7,8,9 "
             "--modes swiftcache_mapped",
-    headlines=[Headline(f"16 clients, {what}", key(f"16.{k}"), readme=False)
+    keys={**_multiturn_keys(), **{
+        f"{n}_depth0_vs_twin": f"{n} clients: the depth-0 server's mean TTFT (`ttft_avg`) and "
+        "TTFT P99 (`ttft_p99`) over the ideal twin's, seed by seed (`per_seed`; each is the "
+        "quotient of the two ratios to the same ideal run), their mean and the number of seeds "
+        "where depth 0 was no slower than the twin" for n in ("8", "16", "32")}},
+    derive=_depth0_vs_twin,
+    derived_note="`16_depth0_vs_twin` is computed from the record's `per_seed` ratios as the "
+                 "page renders.",
+    headlines=[Headline("16 clients, TTFT P99, read in place / ideal twin, per seed (mean)",
+                        key("16_depth0_vs_twin.ttft_p99.mean"), readme=False),
+               Headline("16 clients, seeds where read in place's TTFT P99 <= the twin's",
+                        key("16_depth0_vs_twin.ttft_p99.seeds_at_most_twin"), readme=False),
+               Headline("16 clients, mean TTFT, read in place / ideal twin, per seed (mean)",
+                        key("16_depth0_vs_twin.ttft_avg.mean"), readme=False)] +
+              [Headline(f"16 clients, {what}", key(f"16.{k}"), readme=False)
                for what, k in (("TTFT P99, read in place / stock, worst seed",
                                 "mapped_ttft_p99_vs_stock.worst"),
                                ("mean TTFT, read in place / ideal (mean of seeds)",

@@ -327,3 +327,18 @@ def test_the_readme_calls_nothing_an_upper_bound_that_was_not_one():
         probe = {**IDEAL_TIERS, **IDEAL_LOOP}
         assert "upper bound" not in f.label or f.read(probe) is None, f.label
         assert "ideal" not in f.label.lower(), f.label
+
+
+def test_depth0_is_compared_with_the_twin_seed_by_seed():
+    r = _renderer()
+    point = {"mapped_ttft_p99_vs_ideal": {"per_seed": [1.2, 1.0, 0.9]},
+             "twin_ttft_p99_vs_ideal": {"per_seed": [1.5, 1.0, 0.6]},
+             "mapped_ttft_avg_vs_ideal": {"mean": 1.0},  # an older record: no seed's ratio
+             "twin_ttft_avg_vs_ideal": {"mean": 1.0}}
+    out = r._depth0_vs_twin({"16": point})
+    p99 = out["16_depth0_vs_twin"]["ttft_p99"]
+    assert p99["per_seed"] == pytest.approx([0.8, 1.0, 1.5])
+    assert p99["mean"] == pytest.approx(3.3 / 3) and p99["seeds_at_most_twin"] == 2
+    assert "ttft_avg" not in out["16_depth0_vs_twin"] and "8_depth0_vs_twin" not in out
+    spec = r.RECORDS["bench_multiturn_more_seeds"]
+    assert spec.headlines[1].read(r._depth0_vs_twin({"16": point})) == 2
