@@ -679,48 +679,55 @@ def _depth0_vs_twin(result: dict) -> dict:
     return out
 
 
-RECORDS["bench_multiturn_more_seeds"] = replace(
-    RECORDS["bench_multiturn_quick"],
-    title="SGLang bench_multiturn's traffic at 16 clients, seeds 4 to 9 (six more draws of the "
-          "point where the full record's depth-0 P99 missed its target): stock with a "
-          "1024-token pool, SwiftCache reading donor pages in place (depth 0), the ideal and its "
-          "twin",
-    short="bench_multiturn traffic, 16 clients, seeds 4-9 (CPU)",
-    command="python scripts/bench_multiturn.py --clients 16 --seeds 4,5,6,7,8,9 "
-            "--modes swiftcache_mapped",
-    keys={**_multiturn_keys(), **{
-        f"{n}_depth0_vs_twin": f"{n} clients: the depth-0 server's mean TTFT (`ttft_avg`) and "
-        "TTFT P99 (`ttft_p99`) over the ideal twin's, seed by seed (`per_seed`; each is the "
-        "quotient of the two ratios to the same ideal run), their mean and the number of seeds "
-        "where depth 0 was no slower than the twin" for n in ("8", "16", "32")}},
-    derive=_depth0_vs_twin,
-    derived_note="`16_depth0_vs_twin` is computed from the record's `per_seed` ratios as the "
-                 "page renders.",
-    headlines=[Headline("16 clients, TTFT P99, read in place / ideal twin, per seed (mean)",
-                        key("16_depth0_vs_twin.ttft_p99.mean"), readme=False),
-               Headline("16 clients, seeds where read in place's TTFT P99 <= the twin's",
-                        key("16_depth0_vs_twin.ttft_p99.seeds_at_most_twin"), readme=False),
-               Headline("16 clients, mean TTFT, read in place / ideal twin, per seed (mean)",
-                        key("16_depth0_vs_twin.ttft_avg.mean"), readme=False)] +
-              [Headline(f"16 clients, {what}", key(f"16.{k}"), readme=False)
-               for what, k in (("TTFT P99, read in place / stock, worst seed",
-                                "mapped_ttft_p99_vs_stock.worst"),
-                               ("mean TTFT, read in place / ideal (mean of seeds)",
-                                "mapped_ttft_avg_vs_ideal.mean"),
-                               ("mean TTFT, ideal twin / ideal (noise floor)",
-                                "twin_ttft_avg_vs_ideal.mean"),
-                               ("TTFT P99, read in place / ideal (mean of seeds)",
-                                "mapped_ttft_p99_vs_ideal.mean"),
-                               ("TTFT P99, ideal twin / ideal (noise floor)",
-                                "twin_ttft_p99_vs_ideal.mean"),
-                               ("mean TTFT / ideal, read in place: spread over the seeds",
-                                "mapped_ttft_avg_vs_ideal.spread"),
-                               ("mean TTFT / ideal, ideal twin: spread over the seeds",
-                                "twin_ttft_avg_vs_ideal.spread"),
-                               ("TTFT P99 / ideal, read in place: spread over the seeds",
-                                "mapped_ttft_p99_vs_ideal.spread"),
-                               ("TTFT P99 / ideal, ideal twin: spread over the seeds",
-                                "twin_ttft_p99_vs_ideal.spread"))])
+def _more_seeds(n: str) -> RecordSpec:
+    """Six more seeds (4 to 9) of one client count: stock, depth 0, the ideal and its twin."""
+    return replace(
+        RECORDS["bench_multiturn_quick"],
+        title=f"SGLang bench_multiturn's traffic at {n} clients, seeds 4 to 9 (six more draws of "
+              "a point where the full record's depth-0 server missed a target): stock with a "
+              "1024-token pool, SwiftCache reading donor pages in place (depth 0), the ideal and "
+              "its twin",
+        short=f"bench_multiturn traffic, {n} clients, seeds 4-9 (CPU)",
+        command=f"python scripts/bench_multiturn.py --clients {n} --seeds 4,5,6,7,8,9 "
+                "--modes swiftcache_mapped",
+        keys={**_multiturn_keys(), **{
+            f"{c}_depth0_vs_twin": f"{c} clients: the depth-0 server's mean TTFT (`ttft_avg`) "
+            "and TTFT P99 (`ttft_p99`) over the ideal twin's, seed by seed (`per_seed`; each is "
+            "the quotient of the two ratios to the same ideal run), their mean and the number "
+            "of seeds where depth 0 was no slower than the twin" for c in ("8", "16", "32")}},
+        derive=_depth0_vs_twin,
+        derived_note=f"`{n}_depth0_vs_twin` is computed from the record's `per_seed` ratios as "
+                     "the page renders.",
+        headlines=[Headline(f"{n} clients, TTFT P99, read in place / ideal twin, per seed "
+                            "(mean)", key(f"{n}_depth0_vs_twin.ttft_p99.mean"), readme=False),
+                   Headline(f"{n} clients, seeds where read in place's TTFT P99 <= the twin's",
+                            key(f"{n}_depth0_vs_twin.ttft_p99.seeds_at_most_twin"),
+                            readme=False),
+                   Headline(f"{n} clients, mean TTFT, read in place / ideal twin, per seed "
+                            "(mean)", key(f"{n}_depth0_vs_twin.ttft_avg.mean"), readme=False)] +
+                  [Headline(f"{n} clients, {what}", key(f"{n}.{k}"), readme=False)
+                   for what, k in (("TTFT P99, read in place / stock, worst seed",
+                                    "mapped_ttft_p99_vs_stock.worst"),
+                                   ("mean TTFT, read in place / ideal (mean of seeds)",
+                                    "mapped_ttft_avg_vs_ideal.mean"),
+                                   ("mean TTFT, ideal twin / ideal (noise floor)",
+                                    "twin_ttft_avg_vs_ideal.mean"),
+                                   ("TTFT P99, read in place / ideal (mean of seeds)",
+                                    "mapped_ttft_p99_vs_ideal.mean"),
+                                   ("TTFT P99, ideal twin / ideal (noise floor)",
+                                    "twin_ttft_p99_vs_ideal.mean"),
+                                   ("mean TTFT / ideal, read in place: spread over the seeds",
+                                    "mapped_ttft_avg_vs_ideal.spread"),
+                                   ("mean TTFT / ideal, ideal twin: spread over the seeds",
+                                    "twin_ttft_avg_vs_ideal.spread"),
+                                   ("TTFT P99 / ideal, read in place: spread over the seeds",
+                                    "mapped_ttft_p99_vs_ideal.spread"),
+                                   ("TTFT P99 / ideal, ideal twin: spread over the seeds",
+                                    "twin_ttft_p99_vs_ideal.spread"))])
+
+
+RECORDS["bench_multiturn_more_seeds"] = _more_seeds("16")
+RECORDS["bench_multiturn_more_seeds_8"] = _more_seeds("8")
 
 RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
     "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the upper bound "
