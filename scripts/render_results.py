@@ -625,6 +625,16 @@ RECORDS["bench_multiturn_quick"] = RecordSpec(
      Headline("16 clients, donor tier's mean TTFT minus the ideal's, ms: of which its wait for "
               "admission", key("16.ttft_gap_split.queue_ms"), readme=False, if_present=True)])
 
+# the full record's and the extra seeds' headlines: depth 0's spreads beside the twin's
+_SPREADS = (("mean TTFT / ideal, read in place: spread over the seeds (max - min)",
+             "mapped_ttft_avg_vs_ideal.spread"),
+            ("mean TTFT / ideal, ideal twin: spread over the seeds",
+             "twin_ttft_avg_vs_ideal.spread"),
+            ("TTFT P99 / ideal, read in place: spread over the seeds",
+             "mapped_ttft_p99_vs_ideal.spread"),
+            ("TTFT P99 / ideal, ideal twin: spread over the seeds",
+             "twin_ttft_p99_vs_ideal.spread"))
+
 RECORDS["bench_multiturn"] = replace(
     RECORDS["bench_multiturn_quick"],
     title=RECORDS["bench_multiturn_quick"].title.replace("8 and 16 clients, seeds 1 and 2",
@@ -650,14 +660,8 @@ RECORDS["bench_multiturn"] = replace(
                                 "twin_ttft_avg_vs_ideal.mean"),
                                ("TTFT P99, ideal twin / ideal (noise floor)",
                                 "twin_ttft_p99_vs_ideal.mean"),
-                               ("mean TTFT / ideal, read in place: spread over the seeds "
-                                "(max - min)", "mapped_ttft_avg_vs_ideal.spread"),
-                               ("mean TTFT / ideal, ideal twin: spread over the seeds",
-                                "twin_ttft_avg_vs_ideal.spread"),
-                               ("TTFT P99 / ideal, read in place: spread over the seeds",
-                                "mapped_ttft_p99_vs_ideal.spread"),
-                               ("TTFT P99 / ideal, ideal twin: spread over the seeds",
-                                "twin_ttft_p99_vs_ideal.spread"))])
+                               *_SPREADS)])
+
 
 def _depth0_vs_twin(result: dict) -> dict:
     """Per client count, the depth-0 server's TTFT over the ideal twin's, seed by seed: both are
@@ -716,14 +720,7 @@ def _more_seeds(n: str) -> RecordSpec:
                                     "mapped_ttft_p99_vs_ideal.mean"),
                                    ("TTFT P99, ideal twin / ideal (noise floor)",
                                     "twin_ttft_p99_vs_ideal.mean"),
-                                   ("mean TTFT / ideal, read in place: spread over the seeds",
-                                    "mapped_ttft_avg_vs_ideal.spread"),
-                                   ("mean TTFT / ideal, ideal twin: spread over the seeds",
-                                    "twin_ttft_avg_vs_ideal.spread"),
-                                   ("TTFT P99 / ideal, read in place: spread over the seeds",
-                                    "mapped_ttft_p99_vs_ideal.spread"),
-                                   ("TTFT P99 / ideal, ideal twin: spread over the seeds",
-                                    "twin_ttft_p99_vs_ideal.spread"))])
+                                   *_SPREADS)])
 
 
 RECORDS["bench_multiturn_more_seeds"] = _more_seeds("16")
