@@ -625,15 +625,21 @@ RECORDS["bench_multiturn_quick"] = RecordSpec(
      Headline("16 clients, donor tier's mean TTFT minus the ideal's, ms: of which its wait for "
               "admission", key("16.ttft_gap_split.queue_ms"), readme=False, if_present=True)])
 
-# the full record's and the extra seeds' headlines: depth 0's spreads beside the twin's
-_SPREADS = (("mean TTFT / ideal, read in place: spread over the seeds (max - min)",
-             "mapped_ttft_avg_vs_ideal.spread"),
-            ("mean TTFT / ideal, ideal twin: spread over the seeds",
-             "twin_ttft_avg_vs_ideal.spread"),
-            ("TTFT P99 / ideal, read in place: spread over the seeds",
-             "mapped_ttft_p99_vs_ideal.spread"),
-            ("TTFT P99 / ideal, ideal twin: spread over the seeds",
-             "twin_ttft_p99_vs_ideal.spread"))
+# headlines shared by the full record and the extra seeds: depth 0's ratios, then the twin's
+# (the noise floor) and both spreads over the seeds
+_DEPTH0 = (("TTFT P99, read in place / stock, worst seed", "mapped_ttft_p99_vs_stock.worst"),
+           ("mean TTFT, read in place / ideal (mean of seeds)", "mapped_ttft_avg_vs_ideal.mean"),
+           ("TTFT P99, read in place / ideal (mean of seeds)", "mapped_ttft_p99_vs_ideal.mean"))
+_NOISE = (("mean TTFT, ideal twin / ideal (noise floor)", "twin_ttft_avg_vs_ideal.mean"),
+          ("TTFT P99, ideal twin / ideal (noise floor)", "twin_ttft_p99_vs_ideal.mean"),
+          ("mean TTFT / ideal, read in place: spread over the seeds (max - min)",
+           "mapped_ttft_avg_vs_ideal.spread"),
+          ("mean TTFT / ideal, ideal twin: spread over the seeds",
+           "twin_ttft_avg_vs_ideal.spread"),
+          ("TTFT P99 / ideal, read in place: spread over the seeds",
+           "mapped_ttft_p99_vs_ideal.spread"),
+          ("TTFT P99 / ideal, ideal twin: spread over the seeds",
+           "twin_ttft_p99_vs_ideal.spread"))
 
 RECORDS["bench_multiturn"] = replace(
     RECORDS["bench_multiturn_quick"],
@@ -644,23 +650,14 @@ RECORDS["bench_multiturn"] = replace(
     headlines=[Headline(f"{n} clients, {what}", key(f"{n}.{k}"), readme=False,
                         if_present=k.startswith("mapped_"))
                for n in ("8", "16", "32")
-               for what, k in (("TTFT P99, read in place / stock, worst seed",
-                                "mapped_ttft_p99_vs_stock.worst"),
-                               ("mean TTFT, read in place / ideal (mean of seeds)",
-                                "mapped_ttft_avg_vs_ideal.mean"),
-                               ("TTFT P99, read in place / ideal (mean of seeds)",
-                                "mapped_ttft_p99_vs_ideal.mean"),
+               for what, k in (*_DEPTH0,
                                ("TTFT P99, streaming / stock, worst seed",
                                 "stream_ttft_p99_vs_stock.worst"),
                                ("mean TTFT, streaming / ideal (mean of seeds)",
                                 "stream_ttft_avg_vs_ideal.mean"),
                                ("TTFT P99, streaming / ideal (mean of seeds)",
                                 "stream_ttft_p99_vs_ideal.mean"),
-                               ("mean TTFT, ideal twin / ideal (noise floor)",
-                                "twin_ttft_avg_vs_ideal.mean"),
-                               ("TTFT P99, ideal twin / ideal (noise floor)",
-                                "twin_ttft_p99_vs_ideal.mean"),
-                               *_SPREADS)])
+                               *_NOISE)])
 
 
 def _depth0_vs_twin(result: dict) -> dict:
@@ -694,11 +691,11 @@ def _more_seeds(n: str) -> RecordSpec:
         short=f"bench_multiturn traffic, {n} clients, seeds 4-9 (CPU)",
         command=f"python scripts/bench_multiturn.py --clients {n} --seeds 4,5,6,7,8,9 "
                 "--modes swiftcache_mapped",
-        keys={**_multiturn_keys(), **{
-            f"{c}_depth0_vs_twin": f"{c} clients: the depth-0 server's mean TTFT (`ttft_avg`) "
-            "and TTFT P99 (`ttft_p99`) over the ideal twin's, seed by seed (`per_seed`; each is "
-            "the quotient of the two ratios to the same ideal run), their mean and the number "
-            "of seeds where depth 0 was no slower than the twin" for c in ("8", "16", "32")}},
+        keys={**_multiturn_keys(),
+              f"{n}_depth0_vs_twin": f"{n} clients: the depth-0 server's mean TTFT (`ttft_avg`) "
+              "and TTFT P99 (`ttft_p99`) over the ideal twin's, seed by seed (`per_seed`; each "
+              "is the quotient of the two ratios to the same ideal run), their mean and the "
+              "number of seeds where depth 0 was no slower than the twin"},
         derive=_depth0_vs_twin,
         derived_note=f"`{n}_depth0_vs_twin` is computed from the record's `per_seed` ratios as "
                      "the page renders.",
@@ -710,17 +707,7 @@ def _more_seeds(n: str) -> RecordSpec:
                    Headline(f"{n} clients, mean TTFT, read in place / ideal twin, per seed "
                             "(mean)", key(f"{n}_depth0_vs_twin.ttft_avg.mean"), readme=False)] +
                   [Headline(f"{n} clients, {what}", key(f"{n}.{k}"), readme=False)
-                   for what, k in (("TTFT P99, read in place / stock, worst seed",
-                                    "mapped_ttft_p99_vs_stock.worst"),
-                                   ("mean TTFT, read in place / ideal (mean of seeds)",
-                                    "mapped_ttft_avg_vs_ideal.mean"),
-                                   ("mean TTFT, ideal twin / ideal (noise floor)",
-                                    "twin_ttft_avg_vs_ideal.mean"),
-                                   ("TTFT P99, read in place / ideal (mean of seeds)",
-                                    "mapped_ttft_p99_vs_ideal.mean"),
-                                   ("TTFT P99, ideal twin / ideal (noise floor)",
-                                    "twin_ttft_p99_vs_ideal.mean"),
-                                   *_SPREADS)])
+                   for what, k in (*_DEPTH0, *_NOISE)])
 
 
 RECORDS["bench_multiturn_more_seeds"] = _more_seeds("16")
