@@ -98,8 +98,11 @@ MLA_ROPE = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 1.0,
             "mscale": 1.0, "mscale_all_dim": 1.0}
 # SGLang's CPU engine serves this model with `--attention-backend triton` under TRITON_INTERPRET=1
 # (its torch_native backend reads the latent rows where DeepSeek's prefill without a cached prefix
-# passes K and V of the heads' width, and `intel_amx` needs AMX)
-MLA_SERVER_ARGS = ("--attention-backend", "triton")
+# passes K and V of the heads' width, and `intel_amx` needs AMX). One KV split for its decode
+# kernel (SGLang's default: 8): the interpreter runs every program of the grid in turn, so eight
+# splits of a short context cost about 1.7x the decode time of one (4 requests of 12 tokens: 49 s
+# against 29 s here); stock and SwiftCache servers of this model take the same arguments.
+MLA_SERVER_ARGS = ("--attention-backend", "triton", "--triton-attention-num-kv-splits", "1")
 MODEL_SHAPE = MODEL_SHAPES["tiny"]
 STAMP = "swiftcache_build.json"
 # The weights' recipe; a build stamped with another (or none) is rebuilt.
