@@ -342,3 +342,62 @@ def test_depth0_is_compared_with_the_twin_seed_by_seed():
     assert "ttft_avg" not in out["16_depth0_vs_twin"] and "8_depth0_vs_twin" not in out
     spec = r.RECORDS["bench_multiturn_more_seeds"]
     assert spec.headlines[1].read(r._depth0_vs_twin({"16": point})) == 2
+
+
+def _ratio(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values), "worst": max(values),
+            "spread": max(values) - min(values)}
+
+
+def _multiturn_point(seeds: int, **ratios: list[float]) -> dict:
+    return {"seeds": seeds, **{k: _ratio(v) for k, v in ratios.items()}}
+
+
+def test_the_multiturn_targets_pool_every_seed_of_one_product():
+    """Pooled from summaries only (mean, worst, spread per run), the figures equal those of the
+    seeds taken together; the twin is pooled over the same runs as the server; a run of another
+    product is left out; each target that fails is named, and none when all hold."""
+    r = _renderer()
+    a = [1.00, 1.30, 0.95]  # seeds 1-3 of the full record
+    b = [1.05, 0.90, 1.00, 1.10, 0.98, 1.02]  # six more seeds
+    pooled = r.pooled([{**_ratio(a), "seeds": 3}, {**_ratio(b), "seeds": 6}])
+    assert pooled["mean"] == pytest.approx(sum(a + b) / 9)
+    assert pooled["worst"] == 1.30 and pooled["spread"] == pytest.approx(1.30 - 0.90)
+    assert pooled["seeds"] == 9 and r.pooled([]) is None
+
+    full = {"16": {**_multiturn_point(3, mapped_ttft_p99_vs_stock=[0.3, 0.2, 0.25],
+                                      mapped_ttft_avg_vs_ideal=a,
+                                      mapped_ttft_p99_vs_ideal=[1.0, 1.4, 1.3],
+                                      twin_ttft_avg_vs_ideal=[1.0, 1.01, 1.02],
+                                      twin_ttft_p99_vs_ideal=[1.0, 1.9, 1.1]),
+                   **_multiturn_point(3, ttft_p99_vs_stock=[0.9, 1.1, 1.0],
+                                      ttft_avg_vs_ideal=[1.0, 1.05, 1.1],
+                                      ttft_p99_vs_ideal=[1.0, 1.1, 1.2])}}
+    more = {"16": _multiturn_point(6, mapped_ttft_p99_vs_stock=[0.2] * 6,
+                                   mapped_ttft_avg_vs_ideal=b,
+                                   mapped_ttft_p99_vs_ideal=[1.0, 0.9, 1.1, 1.0, 1.0, 1.0],
+                                   twin_ttft_avg_vs_ideal=[0.75, 1.2, 1.0, 1.0, 1.0, 1.0],
+                                   twin_ttft_p99_vs_ideal=[0.7, 1.0, 1.0, 1.0, 1.0, 1.0])}
+    other = {"16": _multiturn_point(6, mapped_ttft_p99_vs_stock=[5.0] * 6,
+                                    mapped_ttft_avg_vs_ideal=[9.0] * 6,
+                                    mapped_ttft_p99_vs_ideal=[9.0] * 6,
+                                    twin_ttft_avg_vs_ideal=[1.0] * 6,
+                                    twin_ttft_p99_vs_ideal=[1.0] * 6)}
+    records = {"bench_multiturn": {"product_tree": "p", "result": full},
+               "bench_multiturn_more_seeds": {"product_tree": "p", "result": more},
+               "bench_multiturn_more_seeds_8": {"product_tree": "q", "result": other}}
+    verdict = r.multiturn_targets(records)
+    depth0 = verdict[("16", "read in place (depth 0, CPU only)")]
+    assert depth0["seeds"] == 9 and depth0["missed"] == []
+    assert depth0["ttft_avg_vs_ideal"]["mean"] == pytest.approx(sum(a + b) / 9)
+    assert depth0["twin_avg"]["spread"] == pytest.approx(0.45)  # 0.75-1.2: both runs
+    tier = verdict[("16", "donor tier")]  # seeds 1-3 only: its twin over those three
+    assert tier["seeds"] == 3 and tier["twin_avg"]["spread"] == pytest.approx(0.02)
+    assert tier["missed"] == ["P99 above stock's in a run",
+                              "mean TTFT's spread wider than the twin's"]
+    records["bench_multiturn_more_seeds"]["product_tree"] = "q"  # another product: not pooled
+    alone = r.multiturn_targets(records)[("16", "read in place (depth 0, CPU only)")]
+    assert alone["seeds"] == 3 and "P99 above 1.20x the ideal's" in alone["missed"]
+    rows = r.multiturn_target_rows(records)
+    assert any(row.startswith("| 16 | donor tier | 3 | 1.10 |") for row in rows)
+    assert r.multiturn_target_rows({}) == [f"*{r.NOT_RECORDED}.*"]
