@@ -575,7 +575,9 @@ def _multiturn_keys() -> dict[str, str]:
                 f"{n} clients: {who}'s mean TTFT minus the ideal's (ms, mean of seeds), split "
                 "into what its uncached prompt tokens cost at the ideal's speed (the ideal's "
                 "line of TTFT on uncached tokens), its longer wait for admission (queue) and "
-                "the rest")
+                "the rest; in newer records also the part of the longer wait spent while "
+                "another request ran (`queue_behind_running_ms`: behind the device room the "
+                "requests in flight hold)")
         keys[f"{n}.twin_ttft_avg_vs_ideal"] = f"{n} clients: mean TTFT, ideal twin / ideal " \
                                               "(the noise floor)"
         keys[f"{n}.twin_ttft_p99_vs_ideal"] = f"{n} clients: TTFT P99, ideal twin / ideal"

@@ -335,7 +335,10 @@ def gap_split(turns: list[dict], ideal: list[dict]) -> dict:
       mode's requests, minus the ideal's mean (the ideal's larger cache shows here);
     - `queue_ms`: its mean wait for admission (the `queue` phase) minus the ideal's (the
       ideal's larger pool for the requests in flight shows here);
-    - `other_ms`: the rest (prefill and everything around it, slower or faster).
+    - `other_ms`: the rest (prefill and everything around it, slower or faster);
+    and, within `queue_ms`, `queue_behind_running_ms`: the part of that longer wait spent while
+    another request was running (`phases.queue_behind_running`: behind the device room the
+    requests in flight hold; the ideal's larger pool admits them side by side).
     The histories differ between servers (each turn's question follows the answers' timing),
     so requests are compared by their uncached tokens, not one by one."""
     def uncached(ts):
@@ -349,6 +352,10 @@ def gap_split(turns: list[dict], ideal: list[dict]) -> dict:
     def mean(xs):
         return sum(xs) / len(xs)
 
+    def behind(ts):
+        waits = phases.queue_behind_running([t["timeline"] for t in ts if t.get("timeline")])
+        return sum(waits) / len(waits) if waits else 0.0
+
     x, y = uncached(ideal), [t["ttft"] for t in ideal]
     mx, my = mean(x), mean(y)
     var = sum((a - mx) ** 2 for a in x)
@@ -357,7 +364,8 @@ def gap_split(turns: list[dict], ideal: list[dict]) -> dict:
     cost = slope * (mean(uncached(turns)) - mx)
     waited = queue(turns) - queue(ideal)
     return {"gap_ms": gap * 1e3, "uncached_ms": cost * 1e3, "queue_ms": waited * 1e3,
-            "other_ms": (gap - cost - waited) * 1e3, "ms_per_uncached_token": slope * 1e3}
+            "other_ms": (gap - cost - waited) * 1e3, "ms_per_uncached_token": slope * 1e3,
+            "queue_behind_running_ms": behind(turns) - behind(ideal)}
 
 
 def point_keys(p: dict) -> list[str]:

@@ -12,6 +12,8 @@ A request's timeline (Unix seconds) joins three sources:
   donor load or exchange (the batch-load trace: `load_start`, `load_end` = the last layer
   ready, `load_kind`, and `load_stall_ms`, how long attention waited for layers).
 
+`finished` (sent + the time to its last token) ends the request.
+
 The TTFT splits into consecutive phases (they add up to it): `to_server` (sent -> received),
 `to_scheduler` (-> queued), `queue` (-> admitted: waiting for admission, behind the forwards
 running, and admission's own work: matching, making room), `batch_start` (-> forward_start),
@@ -38,6 +40,8 @@ def timeline(turn: dict, forwards: list[dict], loads: dict[str, dict]) -> dict:
     and its batch loads by request id (`load_index`)."""
     meta = turn.get("meta") or {}
     t = {"sent": turn["t_send"], "first_token": turn["t_send"] + turn["ttft"]}
+    if turn.get("latency") is not None:
+        t["finished"] = turn["t_send"] + turn["latency"]  # its last token came back
     if "request_received_ts" in meta:
         t["received"] = meta["request_received_ts"]
     if "forward_entry_time" in meta:
@@ -156,3 +160,28 @@ def largest_excess(stats: dict, base: dict) -> dict | None:
     name = max(names, key=lambda n: stats[n]["p99"] - base[n]["p99"])
     return {"phase": name, "excess_ms": stats[name]["p99"] - base[name]["p99"],
             "p99_ms": stats[name]["p99"], "base_p99_ms": base[name]["p99"]}
+
+
+def queue_behind_running(timelines: list[dict]) -> list[float]:
+    """Per request with a known wait for admission (`queued` -> `admitted`), the ms of that wait
+    during which another request of the run was running (admitted, not yet finished): a wait
+    behind the requests in flight, the device room they hold (the only thing a queued request
+    waits for while the batch runs, unless the whole wait is one forward's length)."""
+    running = sorted((t["admitted"], t["finished"]) for t in timelines
+                     if "admitted" in t and "finished" in t)
+    out = []
+    for t in timelines:
+        if "queued" not in t or "admitted" not in t:
+            continue
+        a, b = t["queued"], t["admitted"]
+        covered, edge = 0.0, a
+        for start, end in running:  # the union of the others' running spans within [a, b]
+            if start >= b:
+                break
+            if end <= edge:  # its own span starts at `b`: never counted
+                continue
+            lo = max(start, edge)
+            covered += max(0.0, min(end, b) - lo)
+            edge = max(edge, min(end, b))
+        out.append(covered * 1e3)
+    return out

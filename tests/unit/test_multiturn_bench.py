@@ -150,6 +150,24 @@ def test_without_a_forward_trace_the_prefill_is_one_phase():
     assert sum(ms.values()) == pytest.approx(500.0)
 
 
+def test_a_wait_is_behind_running_requests_only_while_another_runs():
+    """The part of each wait for admission that overlaps other requests' running spans (their
+    union, each counted once); a wait with nothing running is not behind anything, and a
+    request's own running span (after its wait) never counts."""
+    def tl(queued, admitted, finished):
+        return {"queued": queued, "admitted": admitted, "finished": finished}
+
+    timelines = [tl(0.0, 0.0, 2.0),  # runs 0-2 s
+                 tl(0.5, 2.0, 3.0),  # waits 0.5-2: all of it behind the first
+                 tl(1.0, 2.5, 2.9),  # waits 1-2.5: behind the first, then the second
+                 tl(3.5, 4.0, 5.0),  # waits 3.5-4 with nothing running
+                 {"queued": 1.0}]  # never admitted: no wait known
+    got = phases.queue_behind_running(timelines)
+    assert got == pytest.approx([0.0, 1500.0, 1500.0, 0.0])
+    assert phases.timeline({**_turn(), "latency": 2.0}, [], {})["finished"] == 102.0
+    assert "finished" not in phases.timeline(_turn(), [], {})
+
+
 def test_phase_stats_tail_and_the_phase_that_separates_two_runs():
     def tl(queue_ms, prefill_ms):
         base = 10.0
@@ -227,7 +245,16 @@ def test_the_gap_to_the_ideal_splits_into_uncached_tokens_queue_and_the_rest():
     assert split["other_ms"] == pytest.approx(5.0)
     assert multiturn_cli.gap_split(ideal, ideal) == pytest.approx(
         {"gap_ms": 0.0, "uncached_ms": 0.0, "queue_ms": 0.0, "other_ms": 0.0,
-         "ms_per_uncached_token": 1.0})
+         "ms_per_uncached_token": 1.0, "queue_behind_running_ms": 0.0})
+    # request i waits 50 ms from 10 + i s, then runs 1.5 s: the first waits with nothing
+    # running, the other two behind the request before them
+    for i, t in enumerate(mine):
+        t["timeline"].update(queued=10.0 + i, admitted=10.05 + i, finished=11.55 + i)
+    for t in ideal:
+        t["timeline"]["finished"] = 10.5
+    running = multiturn_cli.gap_split(mine, ideal)
+    assert running["queue_behind_running_ms"] == pytest.approx(100.0 / 3)
+    assert running["queue_ms"] == pytest.approx(50.0)
     runs = {"stock": _run([1.0, 2.0]), "swiftcache": _run([1.0, 2.5], queue_ms=900.0),
             "ideal": _run([0.5, 1.0]), "ideal_twin": _run([0.5, 2.0])}
     p = multiturn_cli.point(runs)
