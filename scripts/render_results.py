@@ -715,6 +715,29 @@ def _more_seeds(n: str) -> RecordSpec:
 RECORDS["bench_multiturn_more_seeds"] = _more_seeds("16")
 RECORDS["bench_multiturn_more_seeds_8"] = _more_seeds("8")
 
+RECORDS["bench_multiturn_donor_tier_16"] = replace(
+    RECORDS["bench_multiturn_quick"],
+    title="SGLang bench_multiturn's traffic at 16 clients, seeds 4 to 6 (three more draws of a "
+          "point where the full record's donor-tier borrower had a larger TTFT P99 than stock): "
+          "stock with a 1024-token pool, SwiftCache with the same pool and a donor tier, the "
+          "ideal and its twin",
+    short="bench_multiturn traffic, donor tier, 16 clients, seeds 4-6 (CPU)",
+    command="python scripts/bench_multiturn.py --clients 16 --seeds 4,5,6 --modes swiftcache",
+    headlines=[Headline(f"16 clients, {what}", key(f"16.{k}"), readme=False)
+               for what, k in (("TTFT P99, donor tier / stock, worst seed",
+                                "ttft_p99_vs_stock.worst"),
+                               ("TTFT P99, donor tier / stock (mean of seeds)",
+                                "ttft_p99_vs_stock.mean"),
+                               ("mean TTFT, donor tier / ideal (mean of seeds)",
+                                "ttft_avg_vs_ideal.mean"),
+                               ("donor tier's mean TTFT minus the ideal's, ms (mean of seeds)",
+                                "ttft_gap_split.gap_ms"),
+                               ("of which its longer wait for admission, ms",
+                                "ttft_gap_split.queue_ms"),
+                               ("of which while another request ran, ms",
+                                "ttft_gap_split.queue_behind_running_ms"),
+                               *_NOISE[:2])])
+
 RECORDS["bench_node_closed_loop_sweep"] = RecordSpec(
     "The closed loop swept over client counts: HiCache, HiCache + SwiftCache, the upper bound "
     "(older records: the older ideal run) and a HiCache twin at each, the clients' histories "
@@ -1430,7 +1453,8 @@ def readme_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
 # ---- the multi-turn benchmark's targets, over every seed of one product -----------------------
 # The records pooled (each a client count's seeds; the first is the full one, whose product the
 # others must share), SwiftCache's servers by key prefix, and the targets (docs/node_bench.md).
-MULTITURN_POOL = ("bench_multiturn", "bench_multiturn_more_seeds", "bench_multiturn_more_seeds_8")
+MULTITURN_POOL = ("bench_multiturn", "bench_multiturn_more_seeds", "bench_multiturn_more_seeds_8",
+                  "bench_multiturn_donor_tier_16")
 MULTITURN_SERVERS = (("mapped_", "read in place (depth 0, CPU only)"),
                      ("stream_", "streaming from donor pages (depth 2)"),
                      ("", "donor tier"))
