@@ -1451,8 +1451,9 @@ def readme_rows(records: dict[str, dict], link_prefix: str) -> list[str]:
 
 
 # ---- the multi-turn benchmark's targets, over every seed of one product -----------------------
-# The records pooled (each a client count's seeds; the first is the full one, whose product the
-# others must share), SwiftCache's servers by key prefix, and the targets (docs/node_bench.md).
+# The records pooled (the first is the full one, whose product the others must share; each of the
+# others runs seeds the full record does not, 4 and up, and none shares a server and client count
+# with another), SwiftCache's servers by key prefix, and the targets (docs/node_bench.md).
 MULTITURN_POOL = ("bench_multiturn", "bench_multiturn_more_seeds", "bench_multiturn_more_seeds_8",
                   "bench_multiturn_donor_tier_16")
 MULTITURN_SERVERS = (("mapped_", "read in place (depth 0, CPU only)"),
