@@ -1476,15 +1476,20 @@ def pooled(parts: list[dict]) -> dict | None:
             "spread": worst - least, "seeds": seeds}
 
 
+def pooled_records(records: dict[str, dict]) -> list[str]:
+    """The records of MULTITURN_POOL present and of the full record's product (none without it)."""
+    base = records.get(MULTITURN_POOL[0])
+    if base is None:
+        return []
+    return [n for n in MULTITURN_POOL
+            if n in records and records[n].get("product_tree") == base.get("product_tree")]
+
+
 def multiturn_targets(records: dict[str, dict]) -> dict:
     """Per client count and SwiftCache server, its ratios pooled over every run of the full
     record's product that has it (`pooled`), the twin's pooled over the same runs (the same
     seeds), and the targets it misses."""
-    base = records.get(MULTITURN_POOL[0])
-    if base is None:
-        return {}
-    runs = [records[n] for n in MULTITURN_POOL if n in records
-            and records[n].get("product_tree") == base.get("product_tree")]
+    runs = [records[n] for n in pooled_records(records)]
     out: dict = {}
     for n in ("8", "16", "32"):
         for pre, label in MULTITURN_SERVERS:
@@ -1524,8 +1529,8 @@ def multiturn_target_rows(records: dict[str, dict]) -> list[str]:
     if not verdict:
         return [f"*{NOT_RECORDED}.*"]
     base = records[MULTITURN_POOL[0]]
-    used = ", ".join(f"[{n}](records/{n}.json) ({mark(records[n])})" for n in MULTITURN_POOL
-                     if n in records and records[n].get("product_tree") == base["product_tree"])
+    used = ", ".join(f"[{n}](records/{n}.json) ({mark(records[n])})"
+                     for n in pooled_records(records))
     rows = [f"Pooled from {used}, product tree {base['product_tree']}: each ratio's mean over "
             "every seed that ran it, weighted by seeds; the worst run and the spread (max - min) "
             "over the same seeds; the ideal twin's over the same seeds.", "",
